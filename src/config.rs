@@ -1,0 +1,421 @@
+//! Configuration: embedded defaults, then an optional TOML file (`--config FILE`), then
+//! `TURNGUARD_<NAME>` environment variables, then command-line flags (flags win).
+//!
+//! Nothing here reads the process environment: [`Config::resolve`] takes the environment as
+//! a lookup function, so tests pass their own.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use serde::Deserialize;
+
+/// Why the configuration could not be built. Each variant names the source and the key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The config file could not be read.
+    #[error("cannot read config file {file}: {reason}")]
+    Read { file: PathBuf, reason: String },
+    /// The config file is not valid (unknown key, wrong type …).
+    #[error("{file}: at `{path}`: {reason}")]
+    File {
+        file: PathBuf,
+        path: String,
+        reason: String,
+    },
+    /// A value (flag, env var or file key) is not valid.
+    #[error("{source_name}: {reason}")]
+    Value { source_name: String, reason: String },
+}
+
+/// `turnguard serve` flags. Every flag is also a key of the TOML file and a
+/// `TURNGUARD_<NAME>` environment variable (upper-case, `-` → `_`).
+#[derive(Debug, Clone, Default, Args)]
+pub struct ServeArgs {
+    /// TOML config file; keys are the flag names with `_` (for example `admin_listen`).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Data-plane address [default: 127.0.0.1:8787].
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// Admin-plane address (metrics, health) [default: 127.0.0.1:8788].
+    #[arg(long, value_name = "ADDR")]
+    pub admin_listen: Option<String>,
+    /// Policy bundle directory [default: ./policy].
+    #[arg(long, value_name = "DIR")]
+    pub policy: Option<PathBuf>,
+    /// SQLite journal file [default: ./turnguard.db].
+    #[arg(long, value_name = "PATH")]
+    pub journal: Option<PathBuf>,
+    /// Upstream `NAME=URL`, repeatable [defaults: openai=https://api.openai.com,
+    /// anthropic=https://api.anthropic.com]. In the env var, comma-separated.
+    #[arg(long = "upstream", value_name = "NAME=URL")]
+    pub upstream: Vec<String>,
+    /// Largest request body accepted, bytes [default: 8 MiB].
+    #[arg(long, value_name = "BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Largest non-stream upstream response turnguard parses, bytes [default: 32 MiB].
+    #[arg(long, value_name = "BYTES")]
+    pub max_response_bytes: Option<usize>,
+    /// Largest single SSE event, bytes [default: 4 MiB].
+    #[arg(long, value_name = "BYTES")]
+    pub max_event_bytes: Option<usize>,
+    /// Largest record body kept in the journal, bytes; larger ones keep a digest [default: 1 MiB].
+    #[arg(long, value_name = "BYTES")]
+    pub journal_max_record_bytes: Option<usize>,
+    /// Upstream connect timeout, milliseconds [default: 10000].
+    #[arg(long, value_name = "MS")]
+    pub upstream_connect_timeout_ms: Option<u64>,
+    /// Time to the upstream's response headers, milliseconds [default: 600000].
+    #[arg(long, value_name = "MS")]
+    pub upstream_response_timeout_ms: Option<u64>,
+    /// Longest silence inside an upstream body, milliseconds [default: 300000].
+    #[arg(long, value_name = "MS")]
+    pub upstream_idle_timeout_ms: Option<u64>,
+    /// Log format: `text` or `json` [default: text].
+    #[arg(long, value_name = "FORMAT")]
+    pub log_format: Option<String>,
+}
+
+/// The TOML file: the same keys as the flags, all optional, nothing else.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    listen: Option<String>,
+    admin_listen: Option<String>,
+    policy: Option<PathBuf>,
+    journal: Option<PathBuf>,
+    upstream: Option<BTreeMap<String, String>>,
+    max_body_bytes: Option<usize>,
+    max_response_bytes: Option<usize>,
+    max_event_bytes: Option<usize>,
+    journal_max_record_bytes: Option<usize>,
+    upstream_connect_timeout_ms: Option<u64>,
+    upstream_response_timeout_ms: Option<u64>,
+    upstream_idle_timeout_ms: Option<u64>,
+    log_format: Option<String>,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// A configured upstream: scheme, authority and optional path prefix; fixed at start (no
+/// client-chosen hosts, so no SSRF).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Upstream {
+    /// `http` or `https`.
+    pub scheme: String,
+    /// `host[:port]`.
+    pub authority: String,
+    /// Path prefix without a trailing `/` (empty for none).
+    pub prefix: String,
+}
+
+impl Upstream {
+    /// Parses `http(s)://host[:port][/prefix]`.
+    pub fn parse(url: &str) -> Result<Self, String> {
+        let uri: http::Uri = url.parse().map_err(|e| format!("`{url}` is not a URL: {e}"))?;
+        let scheme = uri.scheme_str().unwrap_or_default().to_owned();
+        if scheme != "http" && scheme != "https" {
+            return Err(format!("`{url}`: the scheme must be http or https"));
+        }
+        let authority = uri
+            .authority()
+            .ok_or_else(|| format!("`{url}` has no host"))?
+            .to_string();
+        if uri.query().is_some() {
+            return Err(format!("`{url}`: an upstream URL takes no query"));
+        }
+        Ok(Self {
+            scheme,
+            authority,
+            prefix: uri.path().trim_end_matches('/').to_owned(),
+        })
+    }
+
+    /// The full URI for `path_and_query` (which starts with `/`).
+    pub fn uri(&self, path_and_query: &str) -> Result<http::Uri, http::Error> {
+        http::Uri::builder()
+            .scheme(self.scheme.as_str())
+            .authority(self.authority.as_str())
+            .path_and_query(format!("{}{}", self.prefix, path_and_query))
+            .build()
+    }
+}
+
+/// The resolved configuration of `turnguard serve`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    pub policy: PathBuf,
+    pub journal: PathBuf,
+    pub upstreams: BTreeMap<String, Upstream>,
+    pub max_body_bytes: usize,
+    pub max_response_bytes: usize,
+    pub max_event_bytes: usize,
+    pub journal_max_record_bytes: usize,
+    pub upstream_connect_timeout_ms: u64,
+    pub upstream_response_timeout_ms: u64,
+    pub upstream_idle_timeout_ms: u64,
+    pub log_format: LogFormat,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        let mut upstreams = BTreeMap::new();
+        for (name, url) in [
+            ("openai", "https://api.openai.com"),
+            ("anthropic", "https://api.anthropic.com"),
+        ] {
+            if let Ok(u) = Upstream::parse(url) {
+                upstreams.insert(name.to_owned(), u);
+            }
+        }
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8787)),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 8788)),
+            policy: PathBuf::from("./policy"),
+            journal: PathBuf::from("./turnguard.db"),
+            upstreams,
+            max_body_bytes: 8 << 20,
+            max_response_bytes: 32 << 20,
+            max_event_bytes: 4 << 20,
+            journal_max_record_bytes: 1 << 20,
+            upstream_connect_timeout_ms: 10_000,
+            upstream_response_timeout_ms: 600_000,
+            upstream_idle_timeout_ms: 300_000,
+            log_format: LogFormat::Text,
+        }
+    }
+}
+
+impl Config {
+    /// Builds the configuration: defaults < file < env < flags.
+    ///
+    /// `env` looks up a variable by its full name (`TURNGUARD_LISTEN`).
+    /// Errors: [`ConfigError`] naming the file and key, or the variable or flag.
+    pub fn resolve(
+        flags: &ServeArgs,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let config_file = flags
+            .config
+            .clone()
+            .or_else(|| env("TURNGUARD_CONFIG").map(PathBuf::from));
+        let file = match &config_file {
+            Some(path) => read_file(path)?,
+            None => FileConfig::default(),
+        };
+        let file_name = config_file
+            .as_deref()
+            .map(Path::display)
+            .map(|d| d.to_string())
+            .unwrap_or_default();
+        let mut c = Config::default();
+
+        // Each key: flag, else env, else file, else default.
+        macro_rules! layer {
+            ($field:ident, $env:literal, $parse:expr) => {
+                if let Some(v) = &flags.$field {
+                    c.$field = $parse(v.clone(), concat!("--", stringify!($field)))?;
+                } else if let Some(v) = env($env) {
+                    c.$field = $parse(v, $env)?;
+                } else if let Some(v) = &file.$field {
+                    c.$field = $parse(v.clone(), &format!("{file_name}: `{}`", stringify!($field)))?;
+                }
+            };
+        }
+        let addr = |v: String, src: &str| -> Result<SocketAddr, ConfigError> {
+            v.parse().map_err(|_| value_err(src, format!("`{v}` is not an address like 127.0.0.1:8787")))
+        };
+        let same = |v: PathBuf, _: &str| -> Result<PathBuf, ConfigError> { Ok(v) };
+        let path_env = |v: String, _: &str| -> Result<PathBuf, ConfigError> { Ok(PathBuf::from(v)) };
+        let size = |v: usize, src: &str| -> Result<usize, ConfigError> {
+            if v == 0 { Err(value_err(src, "must be greater than 0".into())) } else { Ok(v) }
+        };
+        let size_env = |v: String, src: &str| -> Result<usize, ConfigError> {
+            let n: usize = v.parse().map_err(|_| value_err(src, format!("`{v}` is not a byte count")))?;
+            size(n, src)
+        };
+        let ms = |v: u64, src: &str| -> Result<u64, ConfigError> {
+            if v == 0 { Err(value_err(src, "must be greater than 0".into())) } else { Ok(v) }
+        };
+        let ms_env = |v: String, src: &str| -> Result<u64, ConfigError> {
+            let n: u64 = v.parse().map_err(|_| value_err(src, format!("`{v}` is not a number of milliseconds")))?;
+            ms(n, src)
+        };
+        let log = |v: String, src: &str| -> Result<LogFormat, ConfigError> {
+            match v.as_str() {
+                "text" => Ok(LogFormat::Text),
+                "json" => Ok(LogFormat::Json),
+                _ => Err(value_err(src, format!("`{v}` is not `text` or `json`"))),
+            }
+        };
+
+        // Addresses and the log format are strings everywhere.
+        layer!(listen, "TURNGUARD_LISTEN", |v: String, s: &str| addr(v, s));
+        layer!(admin_listen, "TURNGUARD_ADMIN_LISTEN", |v: String, s: &str| addr(v, s));
+        layer!(log_format, "TURNGUARD_LOG_FORMAT", |v: String, s: &str| log(v, s));
+        // Paths.
+        resolve_path(&mut c.policy, &flags.policy, env("TURNGUARD_POLICY"), &file.policy, same, path_env)?;
+        resolve_path(&mut c.journal, &flags.journal, env("TURNGUARD_JOURNAL"), &file.journal, same, path_env)?;
+        // Numbers: typed in the file and flags, strings in the environment.
+        macro_rules! number {
+            ($field:ident, $env:literal, $typed:expr, $from_env:expr) => {
+                if let Some(v) = flags.$field {
+                    c.$field = $typed(v, concat!("--", stringify!($field)))?;
+                } else if let Some(v) = env($env) {
+                    c.$field = $from_env(v, $env)?;
+                } else if let Some(v) = file.$field {
+                    c.$field = $typed(v, &format!("{file_name}: `{}`", stringify!($field)))?;
+                }
+            };
+        }
+        number!(max_body_bytes, "TURNGUARD_MAX_BODY_BYTES", size, size_env);
+        number!(max_response_bytes, "TURNGUARD_MAX_RESPONSE_BYTES", size, size_env);
+        number!(max_event_bytes, "TURNGUARD_MAX_EVENT_BYTES", size, size_env);
+        number!(journal_max_record_bytes, "TURNGUARD_JOURNAL_MAX_RECORD_BYTES", size, size_env);
+        number!(upstream_connect_timeout_ms, "TURNGUARD_UPSTREAM_CONNECT_TIMEOUT_MS", ms, ms_env);
+        number!(upstream_response_timeout_ms, "TURNGUARD_UPSTREAM_RESPONSE_TIMEOUT_MS", ms, ms_env);
+        number!(upstream_idle_timeout_ms, "TURNGUARD_UPSTREAM_IDLE_TIMEOUT_MS", ms, ms_env);
+
+        // Upstreams: each layer overrides names it sets; defaults stay for the others.
+        if let Some(map) = &file.upstream {
+            for (name, url) in map {
+                let u = Upstream::parse(url)
+                    .map_err(|r| value_err(&format!("{file_name}: `upstream.{name}`"), r))?;
+                c.upstreams.insert(name.clone(), u);
+            }
+        }
+        let pairs: Vec<(String, &str)> = if !flags.upstream.is_empty() {
+            flags.upstream.iter().map(|p| (p.clone(), "--upstream")).collect()
+        } else if let Some(v) = env("TURNGUARD_UPSTREAM") {
+            v.split(',')
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| (s.trim().to_owned(), "TURNGUARD_UPSTREAM"))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for (pair, src) in pairs {
+            let (name, url) = pair
+                .split_once('=')
+                .ok_or_else(|| value_err(src, format!("`{pair}` is not NAME=URL")))?;
+            let u = Upstream::parse(url).map_err(|r| value_err(src, r))?;
+            c.upstreams.insert(name.to_owned(), u);
+        }
+        Ok(c)
+    }
+}
+
+fn value_err(src: &str, reason: String) -> ConfigError {
+    ConfigError::Value {
+        source_name: src.to_owned(),
+        reason,
+    }
+}
+
+fn resolve_path(
+    target: &mut PathBuf,
+    flag: &Option<PathBuf>,
+    env: Option<String>,
+    file: &Option<PathBuf>,
+    same: impl Fn(PathBuf, &str) -> Result<PathBuf, ConfigError>,
+    from_env: impl Fn(String, &str) -> Result<PathBuf, ConfigError>,
+) -> Result<(), ConfigError> {
+    if let Some(v) = flag {
+        *target = same(v.clone(), "flag")?;
+    } else if let Some(v) = env {
+        *target = from_env(v, "env")?;
+    } else if let Some(v) = file {
+        *target = same(v.clone(), "file")?;
+    }
+    Ok(())
+}
+
+fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+        file: path.to_owned(),
+        reason: e.to_string(),
+    })?;
+    let de = toml::Deserializer::new(&text);
+    serde_path_to_error::deserialize(de).map_err(|e| ConfigError::File {
+        file: path.to_owned(),
+        path: e.path().to_string(),
+        reason: e.inner().message().to_owned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: BTreeMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        move |k| map.get(k).cloned()
+    }
+
+    #[test]
+    fn defaults_start_with_nothing() {
+        let c = Config::resolve(&ServeArgs::default(), &env_of(&[])).unwrap();
+        assert_eq!(c.listen.to_string(), "127.0.0.1:8787");
+        assert_eq!(c.admin_listen.to_string(), "127.0.0.1:8788");
+        assert_eq!(c.upstreams["openai"].authority, "api.openai.com");
+        assert_eq!(c.upstreams["anthropic"].scheme, "https");
+    }
+
+    #[test]
+    fn flags_beat_env_beat_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(
+            &file,
+            "listen = \"127.0.0.1:1001\"\nadmin_listen = \"127.0.0.1:1002\"\nmax_body_bytes = 10\n[upstream]\nopenai = \"http://127.0.0.1:9/v1x\"\n",
+        )
+        .unwrap();
+        let flags = ServeArgs {
+            config: Some(file),
+            listen: Some("127.0.0.1:3001".into()),
+            ..Default::default()
+        };
+        let c = Config::resolve(
+            &flags,
+            &env_of(&[("TURNGUARD_LISTEN", "127.0.0.1:2001"), ("TURNGUARD_ADMIN_LISTEN", "127.0.0.1:2002")]),
+        )
+        .unwrap();
+        assert_eq!(c.listen.port(), 3001);
+        assert_eq!(c.admin_listen.port(), 2002);
+        assert_eq!(c.max_body_bytes, 10);
+        assert_eq!(c.upstreams["openai"].prefix, "/v1x");
+        assert_eq!(c.upstreams["openai"].uri("/v1/models").unwrap().to_string(), "http://127.0.0.1:9/v1x/v1/models");
+    }
+
+    #[test]
+    fn unknown_file_key_names_file_and_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(&file, "listne = \"127.0.0.1:1\"\n").unwrap();
+        let flags = ServeArgs { config: Some(file), ..Default::default() };
+        let err = Config::resolve(&flags, &env_of(&[])).unwrap_err().to_string();
+        assert!(err.contains("t.toml") && err.contains("listne"), "{err}");
+    }
+
+    #[test]
+    fn bad_upstream_is_refused() {
+        let flags = ServeArgs { upstream: vec!["openai=ftp://x".into()], ..Default::default() };
+        assert!(Config::resolve(&flags, &env_of(&[])).is_err());
+        let c = Config::resolve(&ServeArgs::default(), &env_of(&[("TURNGUARD_UPSTREAM", "openai=http://127.0.0.1:1,local=http://127.0.0.1:2")])).unwrap();
+        assert_eq!(c.upstreams["local"].authority, "127.0.0.1:2");
+        assert_eq!(c.upstreams["anthropic"].authority, "api.anthropic.com");
+    }
+}

@@ -1,0 +1,121 @@
+//! Errors turnguard authors on the wire, mapped in one place to (HTTP status, OpenWOP code,
+//! reason label).
+//!
+//! The body is the OpenWOP error envelope `{error, message, details?}` (OpenWOP
+//! `spec/v2/core/errors.md`; codes from `shared/spec/openwop/errors.json`). Codes the registry
+//! lacks use the vendor form `turnguard.<name>`. Upstream errors are never wrapped: they are
+//! passed through unchanged by the proxy and never reach this type.
+
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode};
+use serde_json::{json, Value};
+
+/// An error turnguard itself answers with. Each variant has exactly one status, code and
+/// reason label; the same reason feeds the metric label, the journal and the JSON body.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// No route serves this method and path (DESIGN.md §1: everything off the allowlist is 404).
+    #[error("no route for {method} {path}: turnguard serves only the provider APIs it admits")]
+    RouteNotFound { method: String, path: String },
+    /// The request body exceeded the configured cap (`max_body_bytes`).
+    #[error("request body exceeds the {limit_bytes}-byte limit")]
+    PayloadTooLarge { limit_bytes: usize },
+    /// The request body is not the JSON the API expects.
+    #[error("request body is not valid: {reason}")]
+    InvalidRequest { reason: String },
+    /// The upstream could not be reached or did not answer in time.
+    #[error("upstream `{upstream}` is unavailable: {reason}")]
+    UpstreamUnavailable { upstream: String, reason: String },
+    /// The configured upstream for this API is missing.
+    #[error("no upstream named `{upstream}` is configured")]
+    UpstreamNotConfigured { upstream: String },
+    /// A required record could not be written (tool-turn contract §D: a record failure fails
+    /// the request).
+    #[error("the journal could not record this request: {reason}")]
+    JournalUnavailable { reason: String },
+    /// An invariant turnguard relies on did not hold.
+    #[error("internal error: {reason}")]
+    Internal { reason: String },
+}
+
+impl WireError {
+    /// The HTTP status, the OpenWOP error code and the reason label (metrics, journal).
+    pub fn parts(&self) -> (StatusCode, &'static str, &'static str) {
+        match self {
+            Self::RouteNotFound { .. } => (StatusCode::NOT_FOUND, "not_found", "route_not_found"),
+            Self::PayloadTooLarge { .. } => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                "payload_too_large",
+            ),
+            Self::InvalidRequest { .. } => (
+                StatusCode::BAD_REQUEST,
+                "validation_error",
+                "invalid_request",
+            ),
+            // `upstream_unavailable` is registered (502) in the newer OpenWOP errors.md
+            // (shared/reference/openwop-spec.md §5).
+            Self::UpstreamUnavailable { .. } => (
+                StatusCode::BAD_GATEWAY,
+                "upstream_unavailable",
+                "upstream_unavailable",
+            ),
+            Self::UpstreamNotConfigured { .. } => (
+                StatusCode::BAD_GATEWAY,
+                "upstream_unavailable",
+                "upstream_not_configured",
+            ),
+            Self::JournalUnavailable { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "turnguard.journal_unavailable",
+                "journal_unavailable",
+            ),
+            Self::Internal { .. } => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                "internal",
+            ),
+        }
+    }
+
+    /// The OpenWOP envelope `{error, message, details?}` for this error.
+    pub fn body(&self) -> Value {
+        let (_, code, reason) = self.parts();
+        let mut details = json!({ "reason": reason, "source": "turnguard" });
+        match self {
+            Self::PayloadTooLarge { limit_bytes } => {
+                details["limitBytes"] = json!(limit_bytes);
+            }
+            Self::UpstreamUnavailable { upstream, .. }
+            | Self::UpstreamNotConfigured { upstream } => {
+                details["upstream"] = json!(upstream);
+            }
+            _ => {}
+        }
+        json!({ "error": code, "message": self.to_string(), "details": details })
+    }
+}
+
+impl IntoResponse for WireError {
+    fn into_response(self) -> Response {
+        let (status, _, _) = self.parts();
+        let body = self.body().to_string();
+        let mut resp = (status, body).into_response();
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        resp
+    }
+}
+
+/// The OpenWOP envelope for a status and code authored outside [`WireError`] (admin plane).
+pub fn envelope(status: StatusCode, code: &str, message: &str) -> Response {
+    let body = json!({ "error": code, "message": message }).to_string();
+    let mut resp = (status, body).into_response();
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}

@@ -1,0 +1,336 @@
+//! The SQLite journal (DESIGN.md §8): one file in WAL mode, one writer thread fed by a
+//! bounded channel, group commit with `synchronous=FULL`.
+//!
+//! Writes are insert-if-absent (`ON CONFLICT DO NOTHING`), never `INSERT OR REPLACE`: a
+//! record, once written, is never silently overwritten. A caller that needs durability awaits
+//! the commit acknowledgement; when the journal cannot record, the caller fails the request.
+
+mod schema;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use rusqlite::{params, Connection};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::metrics::Metrics;
+
+/// Records waiting in the channel before senders wait.
+const QUEUE_CAPACITY: usize = 4096;
+/// Records committed in one transaction at most.
+const MAX_BATCH: usize = 512;
+
+/// Why the journal could not record.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum JournalError {
+    /// The database could not be opened or migrated.
+    #[error("cannot open journal {path}: {reason}")]
+    Open { path: PathBuf, reason: String },
+    /// A batch failed to commit.
+    #[error("journal write failed: {0}")]
+    Write(String),
+    /// The writer thread is gone (shutdown or a crash).
+    #[error("the journal writer has stopped")]
+    Closed,
+}
+
+/// A body kept in the journal: the bytes up to the record cap, the full size and SHA-256.
+#[derive(Debug, Clone, Default)]
+pub struct Recorded {
+    /// The bytes kept (all of them unless `truncated`).
+    pub bytes: Vec<u8>,
+    /// Size of the whole body, bytes.
+    pub total_bytes: u64,
+    /// SHA-256 (hex) of the whole body.
+    pub digest: String,
+    /// The body was larger than `journal_max_record_bytes`: only the digest is usable
+    /// (tool-turn contract §D: on replay or recovery this is a miss).
+    pub truncated: bool,
+}
+
+impl Recorded {
+    /// Keeps `body` whole if it fits in `cap` bytes, else its digest with a truncation marker.
+    pub fn of(body: &[u8], cap: usize) -> Self {
+        use sha2::{Digest, Sha256};
+        let truncated = body.len() > cap;
+        Self {
+            bytes: if truncated { Vec::new() } else { body.to_vec() },
+            total_bytes: body.len() as u64,
+            digest: hex::encode(Sha256::digest(body)),
+            truncated,
+        }
+    }
+}
+
+/// Which run a record belongs to (DESIGN.md §2); all `None` for a chat turn.
+#[derive(Debug, Clone, Default)]
+pub struct RunKey {
+    pub run_id: Option<String>,
+    pub node_id: Option<String>,
+    pub attempt: Option<u32>,
+}
+
+/// One tool call of a round with its decision.
+#[derive(Debug, Clone)]
+pub struct CallRecord {
+    pub choice: u32,
+    /// Position of the call within its choice.
+    pub ordinal: u32,
+    pub call_id: String,
+    pub name: String,
+    pub outcome: &'static str,
+    pub stage: &'static str,
+    pub reason: &'static str,
+    pub args_hash: Option<String>,
+}
+
+/// One model round: the request, what the upstream answered, and every decision.
+#[derive(Debug, Clone)]
+pub struct RoundRecord {
+    pub request_id: String,
+    pub at_ms: i64,
+    pub api: &'static str,
+    pub model: Option<String>,
+    pub stream: bool,
+    pub run: RunKey,
+    pub round_index: u32,
+    /// SHA-256 (hex) of the RFC 8785 form of the request body.
+    pub request_digest: String,
+    /// Completion state per choice, comma-separated (`clean`, `truncated`, `refused`).
+    pub completion: Option<String>,
+    /// The provider's finish/stop reasons per choice, comma-separated.
+    pub finish_reason: Option<String>,
+    pub upstream_status: Option<u16>,
+    pub latency_ms: u64,
+    /// `ok`, `upstream_error`, `failed` (stream cut, invalid response), `client_gone`.
+    pub state: &'static str,
+    pub error: Option<String>,
+    /// The response as received from upstream (SSE bytes for a stream).
+    pub response: Recorded,
+    pub calls: Vec<CallRecord>,
+}
+
+/// A tool result the agent sent in a request.
+#[derive(Debug, Clone)]
+pub struct ToolResultRecord {
+    pub request_id: String,
+    pub at_ms: i64,
+    pub run: RunKey,
+    pub tool_call_id: String,
+    pub tool_name: Option<String>,
+    pub is_error: bool,
+    pub content: Recorded,
+}
+
+enum Op {
+    Round(Box<RoundRecord>),
+    ToolResults(Vec<ToolResultRecord>),
+}
+
+struct Job {
+    op: Op,
+    ack: Option<oneshot::Sender<Result<(), JournalError>>>,
+}
+
+/// Handle to the journal writer. Cheap to clone.
+#[derive(Clone)]
+pub struct Journal {
+    tx: mpsc::Sender<Job>,
+    metrics: Arc<Metrics>,
+    path: PathBuf,
+}
+
+impl Journal {
+    /// Opens (creating and migrating) the database and starts the writer thread.
+    ///
+    /// Errors: [`JournalError::Open`] naming the path.
+    pub fn open(path: &Path, metrics: Arc<Metrics>) -> Result<(Self, WriterThread), JournalError> {
+        let open_err = |e: rusqlite::Error| JournalError::Open {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        };
+        let conn = Connection::open(path).map_err(open_err)?;
+        schema::migrate(&conn).map_err(open_err)?;
+        let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
+        let m = Arc::clone(&metrics);
+        let handle = std::thread::Builder::new()
+            .name("turnguard-journal".into())
+            .spawn(move || writer(conn, rx, &m))
+            .map_err(|e| JournalError::Open {
+                path: path.to_owned(),
+                reason: e.to_string(),
+            })?;
+        Ok((
+            Self {
+                tx,
+                metrics,
+                path: path.to_owned(),
+            },
+            WriterThread(handle),
+        ))
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    async fn submit(&self, op: Op) -> Result<(), JournalError> {
+        let (ack, done) = oneshot::channel();
+        self.metrics.journal_queue_depth.inc();
+        if self.tx.send(Job { op, ack: Some(ack) }).await.is_err() {
+            self.metrics.journal_queue_depth.dec();
+            self.metrics.journal_write_failures.inc();
+            return Err(JournalError::Closed);
+        }
+        done.await.unwrap_or(Err(JournalError::Closed))
+    }
+
+    /// Records tool results durably; returns once they are committed.
+    pub async fn record_tool_results(&self, recs: Vec<ToolResultRecord>) -> Result<(), JournalError> {
+        if recs.is_empty() {
+            return Ok(());
+        }
+        self.submit(Op::ToolResults(recs)).await
+    }
+
+    /// Records a model round; returns once it is committed.
+    pub async fn record_round(&self, rec: RoundRecord) -> Result<(), JournalError> {
+        self.submit(Op::Round(Box::new(rec))).await
+    }
+}
+
+/// The writer thread; join it after every [`Journal`] handle is dropped to flush the queue.
+pub struct WriterThread(std::thread::JoinHandle<()>);
+
+impl WriterThread {
+    /// Waits until the queue is drained and the database closed.
+    pub fn join(self) {
+        let _ = self.0.join();
+    }
+}
+
+fn writer(mut conn: Connection, mut rx: mpsc::Receiver<Job>, metrics: &Metrics) {
+    while let Some(first) = rx.blocking_recv() {
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        metrics.journal_queue_depth.dec_by(batch.len() as i64);
+        let started = Instant::now();
+        let result = commit(&mut conn, &batch).map_err(|e| JournalError::Write(e.to_string()));
+        metrics
+            .journal_commit_latency
+            .observe(started.elapsed().as_secs_f64());
+        metrics.journal_batch_size.observe(batch.len() as f64);
+        if let Err(e) = &result {
+            metrics.journal_write_failures.inc_by(batch.len() as u64);
+            tracing::error!(error = %e, records = batch.len(), "journal batch failed");
+        }
+        for job in batch {
+            if let Some(ack) = job.ack {
+                let _ = ack.send(result.clone());
+            }
+        }
+    }
+}
+
+fn commit(conn: &mut Connection, batch: &[Job]) -> rusqlite::Result<()> {
+    let tx = conn.transaction()?;
+    for job in batch {
+        match &job.op {
+            Op::Round(r) => insert_round(&tx, r)?,
+            Op::ToolResults(list) => {
+                for t in list {
+                    insert_tool_result(&tx, t)?;
+                }
+            }
+        }
+    }
+    tx.commit()
+}
+
+fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Result<()> {
+    tx.execute(
+        "INSERT INTO rounds (request_id, at_ms, api, model, stream, run_id, node_id, attempt,
+            round_index, request_digest, completion, finish_reason, upstream_status, latency_ms,
+            state, error, response, response_bytes, response_digest, response_truncated)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)
+         ON CONFLICT (request_id) DO NOTHING",
+        params![
+            r.request_id,
+            r.at_ms,
+            r.api,
+            r.model,
+            r.stream,
+            r.run.run_id,
+            r.run.node_id,
+            r.run.attempt,
+            r.round_index,
+            r.request_digest,
+            r.completion,
+            r.finish_reason,
+            r.upstream_status,
+            r.latency_ms as i64,
+            r.state,
+            r.error,
+            r.response.bytes,
+            r.response.total_bytes as i64,
+            r.response.digest,
+            r.response.truncated,
+        ],
+    )?;
+    for c in &r.calls {
+        tx.execute(
+            "INSERT INTO tool_calls (request_id, choice, ordinal, call_id, name, outcome, stage,
+                reason, args_hash)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+             ON CONFLICT (request_id, choice, ordinal) DO NOTHING",
+            params![
+                r.request_id,
+                c.choice,
+                c.ordinal,
+                c.call_id,
+                c.name,
+                c.outcome,
+                c.stage,
+                c.reason,
+                c.args_hash
+            ],
+        )?;
+    }
+    Ok(())
+}
+
+fn insert_tool_result(tx: &rusqlite::Transaction<'_>, t: &ToolResultRecord) -> rusqlite::Result<()> {
+    let scope = match &t.run.run_id {
+        Some(run) => format!("run:{run}"),
+        None => "chat".to_owned(),
+    };
+    tx.execute(
+        "INSERT INTO tool_results (scope, run_id, node_id, attempt, tool_call_id, tool_name,
+            is_error, content, content_bytes, content_digest, truncated, first_request_id, at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
+         ON CONFLICT (scope, tool_call_id, content_digest) DO NOTHING",
+        params![
+            scope,
+            t.run.run_id,
+            t.run.node_id,
+            t.run.attempt,
+            t.tool_call_id,
+            t.tool_name,
+            t.is_error,
+            t.content.bytes,
+            t.content.total_bytes as i64,
+            t.content.digest,
+            t.content.truncated,
+            t.request_id,
+            t.at_ms,
+        ],
+    )?;
+    Ok(())
+}

@@ -1,0 +1,77 @@
+//! Journal schema and migrations (`PRAGMA user_version`).
+
+use rusqlite::Connection;
+
+/// The schema version this build writes.
+pub const VERSION: i64 = 1;
+
+/// Sets the pragmas and brings the schema to [`VERSION`].
+pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.pragma_update(None, "foreign_keys", "ON")?;
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    if version >= VERSION {
+        return Ok(());
+    }
+    conn.execute_batch(
+        "BEGIN;
+         CREATE TABLE IF NOT EXISTS rounds (
+            id INTEGER PRIMARY KEY,
+            request_id TEXT NOT NULL UNIQUE,
+            at_ms INTEGER NOT NULL,
+            api TEXT NOT NULL,
+            model TEXT,
+            stream INTEGER NOT NULL,
+            run_id TEXT,
+            node_id TEXT,
+            attempt INTEGER,
+            round_index INTEGER NOT NULL,
+            request_digest TEXT NOT NULL,
+            completion TEXT,
+            finish_reason TEXT,
+            upstream_status INTEGER,
+            latency_ms INTEGER NOT NULL,
+            state TEXT NOT NULL,
+            error TEXT,
+            response BLOB,
+            response_bytes INTEGER NOT NULL,
+            response_digest TEXT NOT NULL,
+            response_truncated INTEGER NOT NULL
+         );
+         CREATE INDEX IF NOT EXISTS rounds_run ON rounds (run_id, node_id, attempt, round_index);
+         CREATE TABLE IF NOT EXISTS tool_calls (
+            id INTEGER PRIMARY KEY,
+            request_id TEXT NOT NULL REFERENCES rounds (request_id),
+            choice INTEGER NOT NULL,
+            ordinal INTEGER NOT NULL,
+            call_id TEXT NOT NULL,
+            name TEXT NOT NULL,
+            outcome TEXT NOT NULL,
+            stage TEXT NOT NULL,
+            reason TEXT NOT NULL,
+            args_hash TEXT,
+            UNIQUE (request_id, choice, ordinal)
+         );
+         CREATE TABLE IF NOT EXISTS tool_results (
+            id INTEGER PRIMARY KEY,
+            scope TEXT NOT NULL,
+            run_id TEXT,
+            node_id TEXT,
+            attempt INTEGER,
+            tool_call_id TEXT NOT NULL,
+            tool_name TEXT,
+            is_error INTEGER NOT NULL,
+            content BLOB,
+            content_bytes INTEGER NOT NULL,
+            content_digest TEXT NOT NULL,
+            truncated INTEGER NOT NULL,
+            first_request_id TEXT NOT NULL,
+            at_ms INTEGER NOT NULL,
+            UNIQUE (scope, tool_call_id, content_digest)
+         );
+         PRAGMA user_version = 1;
+         COMMIT;",
+    )
+}

@@ -1,0 +1,34 @@
+//! turnguard: a sidecar proxy and tool-call firewall for LLM agents.
+//!
+//! It enforces the *tool-turn contract* (the RFC in `shared/seeds/000_…`, built on OpenWOP v2)
+//! between an unchanged agent runtime and the model providers. Module map, in request order:
+//!
+//! | module | stage |
+//! |---|---|
+//! | [`config`] | layered configuration: defaults, TOML file, `TURNGUARD_*` env, flags |
+//! | [`server`] | binds the data plane and admin plane, wires the shared state |
+//! | [`body`] | the capped body reader: the only place a request or response body is collected |
+//! | [`proxy`] | the request path: parse → adapter → record tool results → upstream → admit → surface |
+//! | [`sse`] | byte-faithful `text/event-stream` framing (raw bytes kept per event) |
+//! | [`provider`] | one adapter per provider API, into and out of the neutral [`model`] |
+//! | [`model`] | the provider-neutral `Turn`, `ToolCall`, `Completion`, `Decision` |
+//! | [`admission`] | the admission order of tool-turn contract §B (completion, name, arguments, …) |
+//! | [`journal`] | the SQLite journal: one writer thread, group commit, insert-if-absent |
+//! | [`metrics`] | every Prometheus metric, in one registry handle |
+//! | [`admin`] | the admin plane: `/metrics`, `/healthz`, `/readyz`, `/config` |
+//! | [`error`] | the one boundary enum for errors turnguard authors on the wire |
+//! | [`mock_provider`] | the scripted model used by tests and the offline demo |
+
+pub mod admin;
+pub mod admission;
+pub mod body;
+pub mod config;
+pub mod error;
+pub mod journal;
+pub mod metrics;
+pub mod mock_provider;
+pub mod model;
+pub mod provider;
+pub mod proxy;
+pub mod server;
+pub mod sse;

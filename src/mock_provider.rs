@@ -1,0 +1,304 @@
+//! `turnguard mock-provider`: a scripted OpenAI/Anthropic-compatible model for tests and the
+//! offline demo. It is a seam for scripting the model, never a way around admission: it only
+//! plays the upstream.
+//!
+//! A script is JSON: `{"responses": [STEP, …], "repeat": false, "base_dir": "…"}`. Each
+//! request to any path other than `/_mock/*` takes the first STEP whose `path` matches (or
+//! that has none). A STEP is one of
+//! - `{"file": "x.json"}` / `{"file": "x.sse"}`: a fixture served byte for byte
+//!   (`.sse` as `text/event-stream`, one event at a time);
+//! - `{"json": {…}}`: an inline JSON body;
+//! - `{"sse": ["event: a\ndata: {…}", …]}`: inline events (a blank line is added to each);
+//! plus optional `status` (default 200), `headers`, `path`, `delay_ms` (before the headers),
+//! `event_delay_ms` (between events), `gate` (each event waits for one `POST /_mock/step`),
+//! and `cut_after_events` (the connection is broken after that many events).
+//! Relative `file` paths resolve against `base_dir`, else the script file's directory.
+//!
+//! Control endpoints: `GET /_mock/requests` (every request received, in order, with headers
+//! and JSON body), `POST /_mock/script` (replace the script), `POST /_mock/step`,
+//! `POST /_mock/reset` (forget the request log).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Request, StatusCode};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::body::read_capped;
+use crate::sse::SseFramer;
+
+/// A mock script (see the module docs).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Script {
+    /// Responses in the order they are served.
+    pub responses: Vec<Step>,
+    /// Start again from the first response when the list is used up.
+    #[serde(default)]
+    pub repeat: bool,
+    /// Directory relative `file` paths resolve against.
+    #[serde(default)]
+    pub base_dir: Option<PathBuf>,
+}
+
+/// One scripted response.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Step {
+    pub path: Option<String>,
+    pub file: Option<PathBuf>,
+    pub json: Option<Value>,
+    pub sse: Option<Vec<String>>,
+    #[serde(default)]
+    pub status: Option<u16>,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    #[serde(default)]
+    pub delay_ms: u64,
+    #[serde(default)]
+    pub event_delay_ms: u64,
+    #[serde(default)]
+    pub gate: bool,
+    #[serde(default)]
+    pub cut_after_events: Option<usize>,
+}
+
+/// Why a script could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ScriptError {
+    #[error("cannot read script {0}: {1}")]
+    Read(PathBuf, String),
+    #[error("{file}: at `{path}`: {reason}")]
+    Invalid { file: String, path: String, reason: String },
+}
+
+impl Script {
+    /// Loads a script file; relative fixture paths resolve against its directory.
+    pub fn load(path: &Path) -> Result<Self, ScriptError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ScriptError::Read(path.to_owned(), e.to_string()))?;
+        let mut s = Self::parse(&text, &path.display().to_string())?;
+        if s.base_dir.is_none() {
+            s.base_dir = path.parent().map(Path::to_owned);
+        }
+        Ok(s)
+    }
+
+    /// Parses script JSON; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Self, ScriptError> {
+        let de = &mut serde_json::Deserializer::from_str(text);
+        serde_path_to_error::deserialize(de).map_err(|e| ScriptError::Invalid {
+            file: origin.to_owned(),
+            path: e.path().to_string(),
+            reason: e.inner().to_string(),
+        })
+    }
+}
+
+struct Mock {
+    queue: Mutex<VecDeque<Step>>,
+    script: Mutex<Script>,
+    requests: Mutex<Vec<Value>>,
+    gate: Semaphore,
+}
+
+/// A running mock provider.
+pub struct MockHandle {
+    /// The address it listens on.
+    pub addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl MockHandle {
+    /// Stops the mock.
+    pub fn abort(&self) {
+        self.task.abort();
+    }
+}
+
+/// Serves `script` on `listener` until the task is aborted.
+pub fn spawn(listener: TcpListener, script: Script) -> std::io::Result<MockHandle> {
+    let addr = listener.local_addr()?;
+    let mock = Arc::new(Mock {
+        queue: Mutex::new(script.responses.iter().cloned().collect()),
+        script: Mutex::new(script),
+        requests: Mutex::new(Vec::new()),
+        gate: Semaphore::new(0),
+    });
+    let router = Router::new()
+        .route("/_mock/requests", get(requests))
+        .route("/_mock/script", post(set_script))
+        .route("/_mock/step", post(step))
+        .route("/_mock/reset", post(reset))
+        .fallback(serve_step)
+        .with_state(mock);
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router).await {
+            tracing::error!(error = %e, "mock provider failed");
+        }
+    });
+    Ok(MockHandle { addr, task })
+}
+
+async fn requests(State(m): State<Arc<Mock>>) -> Response {
+    let list = m.requests.lock().map(|r| r.clone()).unwrap_or_default();
+    Json(Value::Array(list)).into_response()
+}
+
+async fn reset(State(m): State<Arc<Mock>>) -> Response {
+    if let Ok(mut r) = m.requests.lock() {
+        r.clear();
+    }
+    Json(json!({"ok": true})).into_response()
+}
+
+async fn step(State(m): State<Arc<Mock>>) -> Response {
+    m.gate.add_permits(1);
+    Json(json!({"ok": true})).into_response()
+}
+
+async fn set_script(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response {
+    let body = match read_capped(req.into_body(), 16 << 20).await {
+        Ok(b) => b,
+        Err(e) => return mock_error(StatusCode::BAD_REQUEST, &e.to_string()),
+    };
+    let text = String::from_utf8_lossy(&body);
+    match Script::parse(&text, "POST /_mock/script") {
+        Ok(s) => {
+            if let Ok(mut q) = m.queue.lock() {
+                *q = s.responses.iter().cloned().collect();
+            }
+            if let Ok(mut cur) = m.script.lock() {
+                *cur = s;
+            }
+            Json(json!({"ok": true})).into_response()
+        }
+        Err(e) => mock_error(StatusCode::BAD_REQUEST, &e.to_string()),
+    }
+}
+
+fn mock_error(status: StatusCode, message: &str) -> Response {
+    (status, Json(json!({"error": {"type": "mock_error", "message": message}}))).into_response()
+}
+
+fn next_step(m: &Mock, path: &str) -> Option<(Step, Option<PathBuf>)> {
+    let mut q = m.queue.lock().ok()?;
+    let script = m.script.lock().ok()?;
+    if q.is_empty() && script.repeat {
+        *q = script.responses.iter().cloned().collect();
+    }
+    let pos = q.iter().position(|s| s.path.as_deref().is_none_or(|p| p == path))?;
+    let step = q.remove(pos)?;
+    Some((step, script.base_dir.clone()))
+}
+
+async fn serve_step(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response {
+    let (parts, body) = req.into_parts();
+    let body = read_capped(body, 64 << 20).await.unwrap_or_default();
+    let headers: serde_json::Map<String, Value> = parts
+        .headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), json!(v.to_str().unwrap_or_default())))
+        .collect();
+    let parsed = serde_json::from_slice::<Value>(&body)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
+    let path = parts.uri.path().to_owned();
+    if let Ok(mut r) = m.requests.lock() {
+        r.push(json!({"method": parts.method.as_str(), "path": path, "headers": headers, "body": parsed}));
+    }
+    let Some((step, base)) = next_step(&m, &path) else {
+        return mock_error(StatusCode::INTERNAL_SERVER_ERROR, "mock script exhausted: no response left for this request");
+    };
+    if step.delay_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(step.delay_ms)).await;
+    }
+    let (content_type, events): (&str, Result<Vec<Bytes>, String>) = if let Some(file) = &step.file {
+        let full = match &base {
+            Some(b) if file.is_relative() => b.join(file),
+            _ => file.clone(),
+        };
+        let is_sse = full.extension().is_some_and(|e| e == "sse");
+        match std::fs::read(&full) {
+            Ok(bytes) if is_sse => ("text/event-stream", Ok(split_events(&bytes))),
+            Ok(bytes) => ("application/json", Ok(vec![Bytes::from(bytes)])),
+            Err(e) => ("application/json", Err(format!("cannot read fixture {}: {e}", full.display()))),
+        }
+    } else if let Some(v) = &step.json {
+        ("application/json", Ok(vec![Bytes::from(v.to_string())]))
+    } else if let Some(list) = &step.sse {
+        let events = list
+            .iter()
+            .map(|e| {
+                let mut s = e.trim_end_matches('\n').to_owned();
+                s.push_str("\n\n");
+                Bytes::from(s)
+            })
+            .collect();
+        ("text/event-stream", Ok(events))
+    } else {
+        ("application/json", Err("a step needs `file`, `json` or `sse`".to_owned()))
+    };
+    let events = match events {
+        Ok(e) => e,
+        Err(reason) => return mock_error(StatusCode::INTERNAL_SERVER_ERROR, &reason),
+    };
+    let status = StatusCode::from_u16(step.status.unwrap_or(200)).unwrap_or(StatusCode::OK);
+    let mut resp = if content_type == "text/event-stream" {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+        let mock = Arc::clone(&m);
+        tokio::spawn(async move {
+            for (i, ev) in events.into_iter().enumerate() {
+                if step.cut_after_events.is_some_and(|n| i >= n) {
+                    let _ = tx.send(Err(std::io::Error::other("scripted cut"))).await;
+                    return;
+                }
+                if step.gate {
+                    match mock.gate.acquire().await {
+                        Ok(p) => p.forget(),
+                        Err(_) => return,
+                    }
+                } else if i > 0 && step.event_delay_ms > 0 {
+                    tokio::time::sleep(Duration::from_millis(step.event_delay_ms)).await;
+                }
+                if tx.send(Ok(ev)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Response::new(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    } else {
+        Response::new(Body::from(events.into_iter().flatten().collect::<Vec<u8>>()))
+    };
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    for (k, v) in &step.headers {
+        if let (Ok(k), Ok(v)) = (HeaderName::try_from(k.as_str()), HeaderValue::from_str(v)) {
+            resp.headers_mut().insert(k, v);
+        }
+    }
+    resp
+}
+
+/// Splits an `.sse` fixture into its events, byte for byte (a trailing partial event is kept
+/// as the last piece).
+fn split_events(bytes: &[u8]) -> Vec<Bytes> {
+    let mut framer = SseFramer::new(usize::MAX);
+    let mut out: Vec<Bytes> = framer.push(bytes).map(|b| b.into_iter().map(|e| e.raw).collect()).unwrap_or_default();
+    let rest = framer.finish();
+    if !rest.is_empty() {
+        out.push(rest);
+    }
+    out
+}

@@ -1,0 +1,227 @@
+//! The provider-neutral model every stage after the adapters speaks (DESIGN.md §3).
+//!
+//! A request becomes a [`Turn`]; a response (JSON or stream) becomes one [`ChoiceEmissions`]
+//! per choice, holding its [`Completion`] and its [`ToolCall`]s; admission turns each call into
+//! a [`Decision`] (tool-turn contract §B).
+
+use serde_json::Value;
+
+/// The provider API a request speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Api {
+    /// OpenAI Chat Completions and compatibles, `POST /v1/chat/completions`.
+    OpenAiChat,
+    /// Anthropic Messages, `POST /v1/messages`.
+    AnthropicMessages,
+}
+
+impl Api {
+    /// Label used in metrics and the journal.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::OpenAiChat => "openai_chat",
+            Self::AnthropicMessages => "anthropic_messages",
+        }
+    }
+
+    /// The configured upstream name this API is sent to.
+    pub fn upstream(self) -> &'static str {
+        match self {
+            Self::OpenAiChat => "openai",
+            Self::AnthropicMessages => "anthropic",
+        }
+    }
+}
+
+/// A tool the request declares (`tools[]`), with its input schema when it has one.
+#[derive(Debug, Clone)]
+pub struct DeclaredTool {
+    /// The provider-facing tool name.
+    pub name: String,
+    /// JSON Schema of the arguments (`function.parameters` / `input_schema`).
+    pub schema: Option<Value>,
+}
+
+/// A tool result the agent sends back in a request (`role: tool` / `tool_result` block).
+#[derive(Debug, Clone)]
+pub struct ToolResultSeen {
+    /// The provider's call id (`tool_call_id` / `tool_use_id`).
+    pub tool_call_id: String,
+    /// The tool's name, when the echoed assistant turn names it.
+    pub tool_name: Option<String>,
+    /// The result content, serialized as JSON text (a string stays a JSON string).
+    pub content: String,
+    /// The agent marked the result as a failure (`is_error`).
+    pub is_error: bool,
+}
+
+/// One request, as the adapter read it.
+#[derive(Debug, Clone)]
+pub struct Turn {
+    /// The API spoken.
+    pub api: Api,
+    /// `model` of the request.
+    pub model: Option<String>,
+    /// `stream: true` was asked.
+    pub stream: bool,
+    /// Tools declared in `tools[]`, in request order.
+    pub tools: Vec<DeclaredTool>,
+    /// Tool results present in the transcript, in order.
+    pub tool_results: Vec<ToolResultSeen>,
+    /// Output token limit of the request (`max_tokens`, `max_completion_tokens`), tokens.
+    pub max_output_tokens: Option<u64>,
+    /// Chat only: `stream_options.include_usage` is set, so a usage chunk will follow.
+    pub include_usage: bool,
+    /// Index of the model round this request asks for: assistant turns already in the
+    /// transcript (DESIGN.md §2: derived from the transcript, not a counter).
+    pub round_index: u32,
+}
+
+impl Turn {
+    /// The declared tool named `name`, if any.
+    pub fn declared(&self, name: &str) -> Option<&DeclaredTool> {
+        self.tools.iter().find(|t| t.name == name)
+    }
+}
+
+/// How the model's output ended (tool-turn contract §B stage 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompletionState {
+    /// The output ended normally.
+    Clean,
+    /// The output hit a token limit; anything open at that point is cut.
+    Truncated,
+    /// The model or provider refused.
+    Refused,
+}
+
+impl CompletionState {
+    /// Label used in metrics and the journal.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Clean => "clean",
+            Self::Truncated => "truncated",
+            Self::Refused => "refused",
+        }
+    }
+}
+
+/// The completion state of one choice, with the provider's own reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The classified state.
+    pub state: CompletionState,
+    /// The provider's `finish_reason` / `stop_reason`, or what stood in for it.
+    pub reason: String,
+}
+
+/// A provider-native tool call emitted by the model (channel `tool`, contract §A).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    /// The provider's call id (`call_…`, `toolu_…`).
+    pub id: String,
+    /// The tool name the model called.
+    pub name: String,
+    /// The arguments exactly as emitted (the concatenation of all deltas), JSON text.
+    pub arguments: String,
+}
+
+/// Everything one choice emitted that admission decides on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChoiceEmissions {
+    /// Choice index (0 for Anthropic).
+    pub choice: u32,
+    /// How the choice ended.
+    pub completion: Completion,
+    /// Its tool calls, in emission order.
+    pub calls: Vec<ToolCall>,
+}
+
+/// The outcome of one tool call (tool-turn contract §B).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    Executed,
+    Refused,
+    Held,
+    SuppressedRepeat,
+    EndedTurn,
+    Invalid,
+}
+
+impl Outcome {
+    /// The contract's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Executed => "executed",
+            Self::Refused => "refused",
+            Self::Held => "held",
+            Self::SuppressedRepeat => "suppressed-repeat",
+            Self::EndedTurn => "ended-turn",
+            Self::Invalid => "invalid",
+        }
+    }
+}
+
+/// The admission stages, in their fixed order (tool-turn contract §B).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Stage {
+    Completion,
+    Name,
+    Arguments,
+    Trust,
+    Authorization,
+    Limits,
+    Redaction,
+    Dispatch,
+}
+
+impl Stage {
+    /// The contract's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Completion => "completion",
+            Self::Name => "name",
+            Self::Arguments => "arguments",
+            Self::Trust => "trust",
+            Self::Authorization => "authorization",
+            Self::Limits => "limits",
+            Self::Redaction => "redaction",
+            Self::Dispatch => "dispatch",
+        }
+    }
+}
+
+/// What admission decided for one call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// The outcome.
+    pub outcome: Outcome,
+    /// The stage that decided it.
+    pub stage: Stage,
+    /// A stable reason code (`truncated`, `undeclared_tool`, `schema_violation`, …).
+    pub reason: &'static str,
+    /// Host-authored explanation, built from validator or decision output, never model text.
+    pub message: String,
+    /// SHA-256 (hex) of the RFC 8785 form of the arguments, when they parsed.
+    pub args_hash: Option<String>,
+}
+
+impl Decision {
+    /// The call goes to the agent.
+    pub fn released(&self) -> bool {
+        self.outcome == Outcome::Executed
+    }
+}
+
+/// Admission's verdict on one choice: a decision per call, and, when the turn is ended,
+/// the host-authored text that replaces the withheld calls.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChoiceVerdict {
+    /// Choice index.
+    pub choice: u32,
+    /// One decision per call, aligned with [`ChoiceEmissions::calls`].
+    pub decisions: Vec<Decision>,
+    /// `Some(text)` when calls were withheld: the calls are removed, `text` is added as
+    /// assistant text and the finish reason becomes a normal stop (DESIGN.md §4 `end-turn`).
+    pub end_turn: Option<String>,
+}

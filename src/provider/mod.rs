@@ -1,0 +1,121 @@
+//! Provider adapters: each provider API's requests, JSON responses and SSE events into the
+//! neutral [`crate::model`] and back. Provider specifics live here and nowhere else.
+
+pub mod anthropic_messages;
+pub mod openai_chat;
+
+use bytes::Bytes;
+use serde_json::Value;
+
+use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Completion, Turn};
+use crate::sse::SseBlock;
+
+/// Reads a request body of `api` into a [`Turn`].
+///
+/// Errors: a reason naming the field that is not what the API expects.
+pub fn parse_request(api: Api, body: &Value) -> Result<Turn, String> {
+    match api {
+        Api::OpenAiChat => openai_chat::parse_request(body),
+        Api::AnthropicMessages => anthropic_messages::parse_request(body),
+    }
+}
+
+/// Reads a non-stream response body into one [`ChoiceEmissions`] per choice.
+pub fn parse_response(api: Api, body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
+    match api {
+        Api::OpenAiChat => openai_chat::parse_response(body, turn),
+        Api::AnthropicMessages => anthropic_messages::parse_response(body, turn),
+    }
+}
+
+/// Applies verdicts to a non-stream response body; `true` when the body changed.
+pub fn rewrite_response(api: Api, body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
+    match api {
+        Api::OpenAiChat => openai_chat::rewrite_response(body, verdicts),
+        Api::AnthropicMessages => anthropic_messages::rewrite_response(body, verdicts),
+    }
+}
+
+/// The per-API stream state machine: forwards what it may at once, holds tool-call events
+/// until the completion state is known, then releases or rewrites them.
+#[derive(Debug)]
+pub enum StreamAdapter {
+    OpenAiChat(openai_chat::ChatStream),
+    AnthropicMessages(anthropic_messages::MessagesStream),
+}
+
+impl StreamAdapter {
+    /// A fresh state machine for one streamed response to `turn`.
+    pub fn new(turn: &Turn) -> Self {
+        match turn.api {
+            Api::OpenAiChat => Self::OpenAiChat(openai_chat::ChatStream::new(turn)),
+            Api::AnthropicMessages => {
+                Self::AnthropicMessages(anthropic_messages::MessagesStream::new(turn))
+            }
+        }
+    }
+
+    /// Takes one SSE block; what may be forwarded now is appended to `out`.
+    pub fn push(&mut self, block: SseBlock, out: &mut Vec<Bytes>) {
+        match self {
+            Self::OpenAiChat(s) => s.push(block, out),
+            Self::AnthropicMessages(s) => s.push(block, out),
+        }
+    }
+
+    /// Held calls can now be admitted: their completion state is known.
+    pub fn ready(&self) -> bool {
+        match self {
+            Self::OpenAiChat(s) => s.ready(),
+            Self::AnthropicMessages(s) => s.ready(),
+        }
+    }
+
+    /// The response reached its terminal event; ending now is not a cut.
+    pub fn finished(&self) -> bool {
+        match self {
+            Self::OpenAiChat(s) => s.finished(),
+            Self::AnthropicMessages(s) => s.finished(),
+        }
+    }
+
+    /// Calls are held and not yet decided.
+    pub fn pending(&self) -> bool {
+        match self {
+            Self::OpenAiChat(s) => s.pending(),
+            Self::AnthropicMessages(s) => s.pending(),
+        }
+    }
+
+    /// The held emissions to admit.
+    pub fn round(&self) -> Vec<ChoiceEmissions> {
+        match self {
+            Self::OpenAiChat(s) => s.round(),
+            Self::AnthropicMessages(s) => s.round(),
+        }
+    }
+
+    /// Completion state of each choice seen so far, for the journal.
+    pub fn completions(&self) -> Vec<Completion> {
+        match self {
+            Self::OpenAiChat(s) => s.completions(),
+            Self::AnthropicMessages(s) => s.completions(),
+        }
+    }
+
+    /// Releases the held events with the verdicts applied.
+    pub fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
+        match self {
+            Self::OpenAiChat(s) => s.release(verdicts, out),
+            Self::AnthropicMessages(s) => s.release(verdicts, out),
+        }
+    }
+
+    /// Drops everything held and appends a provider-shaped error event.
+    pub fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
+        match self {
+            Self::OpenAiChat(s) => s.cut(reason, out),
+            Self::AnthropicMessages(s) => s.cut(reason, out),
+        }
+    }
+}

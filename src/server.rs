@@ -1,0 +1,185 @@
+//! Binds the data plane and the admin plane, opens the journal, and wires the shared state.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use http::Request;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::admission::SchemaCache;
+use crate::config::Config;
+use crate::error::WireError;
+use crate::journal::{Journal, JournalError, WriterThread};
+use crate::metrics::Metrics;
+use crate::model::Api;
+use crate::proxy::{self, upstream};
+
+/// State shared by every request of both planes.
+pub struct AppState {
+    /// The resolved configuration.
+    pub config: Config,
+    /// The pooled upstream client.
+    pub client: upstream::HttpClient,
+    /// The journal writer handle.
+    pub journal: Journal,
+    /// The metrics registry handle.
+    pub metrics: Arc<Metrics>,
+    /// Compiled argument schemas, by schema hash.
+    pub schemas: SchemaCache,
+    /// Readiness: true once both planes listen, false again when shutdown starts.
+    pub ready: AtomicBool,
+}
+
+/// Why `serve` could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A listener could not bind.
+    #[error("cannot listen on {addr}: {reason}")]
+    Bind { addr: SocketAddr, reason: String },
+    /// The journal could not be opened.
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+}
+
+/// A running turnguard: its bound addresses and the handle to stop it.
+pub struct Running {
+    /// The data-plane address actually bound.
+    pub addr: SocketAddr,
+    /// The admin-plane address actually bound.
+    pub admin_addr: SocketAddr,
+    /// The shared state (for in-process tests and shutdown).
+    pub state: Arc<AppState>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+    writer: WriterThread,
+}
+
+impl Running {
+    /// Graceful shutdown: readiness goes false, listeners stop accepting, in-flight requests
+    /// finish, then the journal queue is flushed and closed.
+    pub async fn shutdown(self) {
+        self.state.ready.store(false, Ordering::SeqCst);
+        let _ = self.stop.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+        let writer = self.writer;
+        drop(self.state);
+        // The writer exits once every journal handle (held by the state and by in-flight
+        // relays) is dropped; join it off the async threads.
+        let _ = tokio::task::spawn_blocking(move || writer.join()).await;
+    }
+}
+
+/// Binds both planes and starts serving.
+///
+/// Errors: [`StartError`] naming the address or journal path that failed.
+pub async fn start(config: Config) -> Result<Running, StartError> {
+    let metrics = Arc::new(Metrics::new());
+    let (journal, writer) = Journal::open(&config.journal, Arc::clone(&metrics))?;
+    let bind = |addr: SocketAddr| async move {
+        TcpListener::bind(addr).await.map_err(|e| StartError::Bind {
+            addr,
+            reason: e.to_string(),
+        })
+    };
+    let data_listener = bind(config.listen).await?;
+    let admin_listener = bind(config.admin_listen).await?;
+    let addr = data_listener.local_addr().map_err(|e| StartError::Bind {
+        addr: config.listen,
+        reason: e.to_string(),
+    })?;
+    let admin_addr = admin_listener.local_addr().map_err(|e| StartError::Bind {
+        addr: config.admin_listen,
+        reason: e.to_string(),
+    })?;
+    let state = Arc::new(AppState {
+        client: upstream::client(&config),
+        config,
+        journal,
+        metrics,
+        schemas: SchemaCache::default(),
+        ready: AtomicBool::new(false),
+    });
+    let (stop, stopped) = watch::channel(false);
+    let serve = |listener: TcpListener, router: Router, mut stopped: watch::Receiver<bool>| {
+        tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            };
+            if let Err(e) = axum::serve(listener, router).with_graceful_shutdown(shutdown).await {
+                tracing::error!(error = %e, "listener failed");
+            }
+        })
+    };
+    let tasks = vec![
+        serve(data_listener, data_router(Arc::clone(&state)), stopped.clone()),
+        serve(admin_listener, crate::admin::router(Arc::clone(&state)), stopped),
+    ];
+    state.ready.store(true, Ordering::SeqCst);
+    tracing::info!(data = %addr, admin = %admin_addr, journal = %state.journal.path().display(), "turnguard listening");
+    Ok(Running {
+        addr,
+        admin_addr,
+        state,
+        stop,
+        tasks,
+        writer,
+    })
+}
+
+/// The data plane: the provider APIs turnguard admits, the emission-free allowlist, and 404
+/// for everything else so no surface bypasses the pipeline (DESIGN.md §1).
+fn data_router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{model}", get(models))
+        .route("/v1/embeddings", post(embeddings))
+        .fallback(not_found)
+        .method_not_allowed_fallback(not_found)
+        .with_state(state)
+}
+
+async fn chat_completions(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
+    proxy::handle(s, Api::OpenAiChat, req).await
+}
+
+async fn messages(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
+    proxy::handle(s, Api::AnthropicMessages, req).await
+}
+
+async fn count_tokens(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
+    proxy::passthrough(s, "anthropic", req).await
+}
+
+async fn embeddings(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
+    proxy::passthrough(s, "openai", req).await
+}
+
+/// `GET /v1/models` exists on both providers: an Anthropic client is recognised by its
+/// `anthropic-version` or `x-api-key` header.
+async fn models(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
+    let anthropic = req.headers().contains_key("anthropic-version") || req.headers().contains_key("x-api-key");
+    proxy::passthrough(s, if anthropic { "anthropic" } else { "openai" }, req).await
+}
+
+async fn not_found(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
+    let resp = WireError::RouteNotFound {
+        method: req.method().to_string(),
+        path: req.uri().path().chars().take(200).collect(),
+    }
+    .into_response();
+    s.metrics.request("none", resp.status().as_u16(), false);
+    resp
+}

@@ -1,0 +1,208 @@
+//! Byte-faithful `text/event-stream` framing (WHATWG HTML §9.2 "Server-sent events").
+//!
+//! SSE crates parse events and drop the bytes they came from; a transparent proxy must
+//! re-emit every event it does not change exactly as received (padding, `event:` lines,
+//! comments, line endings — `shared/reference/wire-formats.md` §1, §18). So this module only
+//! finds event boundaries and reads the `event` and `data` fields, keeping each block's raw
+//! bytes. It accepts `\n`, `\r\n` and `\r` line endings and multi-line `data:`; any split of
+//! the input into chunks yields the same blocks.
+
+use bytes::{Bytes, BytesMut};
+
+/// One SSE block: the raw bytes through its terminating blank line, and its fields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SseBlock {
+    /// The bytes exactly as received, including the blank line that ended the block.
+    pub raw: Bytes,
+    /// The `event:` field, if any.
+    pub event: Option<String>,
+    /// The `data:` lines joined with `\n`; `None` for a comment-only block (keep-alive).
+    pub data: Option<String>,
+}
+
+/// The framer met a block larger than its cap.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("an SSE event exceeds the {0}-byte limit")]
+pub struct EventTooLarge(pub usize);
+
+/// Incremental framer: push chunks in, take complete blocks out.
+#[derive(Debug)]
+pub struct SseFramer {
+    buf: BytesMut,
+    /// Where the line being scanned starts, relative to `buf` (the current block starts at 0).
+    line_start: usize,
+    /// How far `buf` has been scanned.
+    scanned: usize,
+    max_event_bytes: usize,
+}
+
+impl SseFramer {
+    /// A framer that refuses blocks longer than `max_event_bytes`.
+    pub fn new(max_event_bytes: usize) -> Self {
+        Self {
+            buf: BytesMut::new(),
+            line_start: 0,
+            scanned: 0,
+            max_event_bytes,
+        }
+    }
+
+    /// Appends `chunk` and returns every block it completes, in order.
+    ///
+    /// Errors: [`EventTooLarge`] when an unterminated block grows past the cap.
+    pub fn push(&mut self, chunk: &[u8]) -> Result<Vec<SseBlock>, EventTooLarge> {
+        self.buf.extend_from_slice(chunk);
+        let mut out = Vec::new();
+        loop {
+            match self.next_block_end() {
+                Some(end) => {
+                    let raw = self.buf.split_to(end).freeze();
+                    self.line_start = 0;
+                    self.scanned = 0;
+                    out.push(parse_block(raw));
+                }
+                None => break,
+            }
+        }
+        if self.buf.len() > self.max_event_bytes {
+            return Err(EventTooLarge(self.max_event_bytes));
+        }
+        Ok(out)
+    }
+
+    /// Bytes left over at end of stream that never formed a complete block.
+    pub fn finish(&mut self) -> Bytes {
+        self.line_start = 0;
+        self.scanned = 0;
+        self.buf.split().freeze()
+    }
+
+    /// Scans for the blank line ending the current block; returns the block's length.
+    fn next_block_end(&mut self) -> Option<usize> {
+        let buf = &self.buf[..];
+        let mut i = self.scanned;
+        while i < buf.len() {
+            let b = buf[i];
+            if b == b'\n' || b == b'\r' {
+                let term = if b == b'\r' {
+                    if i + 1 >= buf.len() {
+                        // A lone `\r` at the end may be the first half of `\r\n`: wait.
+                        self.scanned = i;
+                        return None;
+                    }
+                    if buf[i + 1] == b'\n' {
+                        2
+                    } else {
+                        1
+                    }
+                } else {
+                    1
+                };
+                let empty_line = i == self.line_start;
+                i += term;
+                self.line_start = i;
+                if empty_line {
+                    return Some(i);
+                }
+                continue;
+            }
+            i += 1;
+        }
+        self.scanned = i;
+        None
+    }
+}
+
+fn parse_block(raw: Bytes) -> SseBlock {
+    let text = String::from_utf8_lossy(&raw);
+    let mut event = None;
+    let mut data: Option<String> = None;
+    for line in text.split(['\n', '\r']) {
+        if line.is_empty() || line.starts_with(':') {
+            continue;
+        }
+        let (field, value) = match line.split_once(':') {
+            Some((f, v)) => (f, v.strip_prefix(' ').unwrap_or(v)),
+            None => (line, ""),
+        };
+        match field {
+            "event" => event = Some(value.to_owned()),
+            "data" => match &mut data {
+                Some(d) => {
+                    d.push('\n');
+                    d.push_str(value);
+                }
+                None => data = Some(value.to_owned()),
+            },
+            _ => {}
+        }
+    }
+    SseBlock { raw, event, data }
+}
+
+/// Serializes one event as `event: NAME\n` (when given) + `data: JSON\n\n`.
+pub fn encode(event: Option<&str>, data: &str) -> Bytes {
+    let mut s = String::with_capacity(data.len() + 32);
+    if let Some(name) = event {
+        s.push_str("event: ");
+        s.push_str(name);
+        s.push('\n');
+    }
+    for line in data.split('\n') {
+        s.push_str("data: ");
+        s.push_str(line);
+        s.push('\n');
+    }
+    s.push('\n');
+    Bytes::from(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame_all(chunks: &[&[u8]]) -> (Vec<SseBlock>, Bytes) {
+        let mut f = SseFramer::new(1 << 20);
+        let mut out = Vec::new();
+        for c in chunks {
+            out.extend(f.push(c).unwrap());
+        }
+        let rest = f.finish();
+        (out, rest)
+    }
+
+    #[test]
+    fn frames_lf_crlf_and_cr_blocks_with_raw_bytes() {
+        let input = b"event: a\ndata: {\"x\":1}   \n\n: keep-alive\r\n\r\ndata: 1\rdata: 2\r\r";
+        let (blocks, rest) = frame_all(&[input]);
+        assert_eq!(blocks.len(), 3);
+        assert_eq!(blocks[0].event.as_deref(), Some("a"));
+        assert_eq!(blocks[0].data.as_deref(), Some("{\"x\":1}   "));
+        assert_eq!(&blocks[1].raw[..], b": keep-alive\r\n\r\n");
+        assert_eq!(blocks[1].data, None);
+        assert_eq!(blocks[2].data.as_deref(), Some("1\n2"));
+        assert!(rest.is_empty());
+        let joined: Vec<u8> = blocks.iter().flat_map(|b| b.raw.to_vec()).collect();
+        assert_eq!(&joined[..], &input[..]);
+    }
+
+    #[test]
+    fn crlf_split_across_chunks_is_one_terminator() {
+        let (blocks, _) = frame_all(&[b"data: x\r", b"\n\r", b"\n"]);
+        assert_eq!(blocks.len(), 1);
+        assert_eq!(&blocks[0].raw[..], b"data: x\r\n\r\n");
+    }
+
+    #[test]
+    fn unterminated_tail_is_returned_not_framed() {
+        let (blocks, rest) = frame_all(&[b"data: a\n\ndata: b\n"]);
+        assert_eq!(blocks.len(), 1);
+        assert_eq!(&rest[..], b"data: b\n");
+    }
+
+    #[test]
+    fn oversized_block_is_refused() {
+        let mut f = SseFramer::new(16);
+        assert!(f.push(b"data: 0123456789abcdef").is_err());
+    }
+}
