@@ -260,6 +260,9 @@ async fn serve_step(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response 
         tokio::spawn(async move {
             for (i, ev) in events.into_iter().enumerate() {
                 if step.cut_after_events.is_some_and(|n| i >= n) {
+                    // Let the events already sent reach the peer before the connection breaks
+                    // (a reset can discard bytes the peer has not read yet).
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                     let _ = tx.send(Err(std::io::Error::other("scripted cut"))).await;
                     return;
                 }

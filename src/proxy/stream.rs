@@ -90,6 +90,98 @@ impl Capture {
     }
 }
 
+/// The pure part of a relay: framing, the adapter's hold-and-release, and admission at the
+/// decision point. Fed upstream bytes, it appends what the agent receives to `out`.
+pub struct Pipeline {
+    framer: SseFramer,
+    adapter: StreamAdapter,
+    /// Each decision point's emissions and verdicts, in order.
+    pub decided: Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>,
+}
+
+impl Pipeline {
+    /// A pipeline for one streamed response to `turn`.
+    pub fn new(turn: &Turn, max_event_bytes: usize) -> Self {
+        Self { framer: SseFramer::new(max_event_bytes), adapter: StreamAdapter::new(turn), decided: Vec::new() }
+    }
+
+    /// Takes the next upstream bytes. `admit` decides a round of held calls.
+    ///
+    /// Errors: the event-size cap was passed (the caller cuts the stream).
+    pub fn feed(
+        &mut self,
+        data: &[u8],
+        admit: &mut dyn FnMut(&[ChoiceEmissions]) -> Vec<ChoiceVerdict>,
+        out: &mut Vec<Bytes>,
+    ) -> Result<(), String> {
+        let blocks = self.framer.push(data).map_err(|e| e.to_string())?;
+        for block in blocks {
+            self.adapter.push(block, out);
+            if self.adapter.ready() {
+                self.decide(admit, out);
+            }
+        }
+        Ok(())
+    }
+
+    fn decide(&mut self, admit: &mut dyn FnMut(&[ChoiceEmissions]) -> Vec<ChoiceVerdict>, out: &mut Vec<Bytes>) {
+        let round = self.adapter.round();
+        let verdicts = admit(&round);
+        self.adapter.release(&verdicts, out);
+        self.decided.push((round, verdicts));
+    }
+
+    /// The upstream body ended (`cut = None`) or failed (`cut = Some(reason)`). Returns the
+    /// round state for the journal and its error, if any.
+    pub fn end(
+        &mut self,
+        cut: Option<String>,
+        admit: &mut dyn FnMut(&[ChoiceEmissions]) -> Vec<ChoiceVerdict>,
+        out: &mut Vec<Bytes>,
+    ) -> (&'static str, Option<String>) {
+        match cut {
+            None if self.adapter.finished() => {
+                if self.adapter.pending() {
+                    self.decide(admit, out);
+                }
+                let rest = self.framer.finish();
+                if !rest.is_empty() {
+                    out.push(rest);
+                }
+                ("ok", None)
+            }
+            None => {
+                self.adapter.cut("the stream ended before its terminal event", out);
+                ("failed", Some("upstream stream ended before its terminal event".to_owned()))
+            }
+            Some(reason) => {
+                self.adapter.cut(&reason, out);
+                ("failed", Some(reason))
+            }
+        }
+    }
+
+    /// Completion state of each choice, for the journal.
+    pub fn completions(&self) -> Vec<crate::model::Completion> {
+        self.adapter.completions()
+    }
+
+    /// Journal rows for every call: decided ones with their verdicts, calls still held when
+    /// the stream failed as withheld at the completion stage.
+    pub fn call_records(&self) -> Vec<crate::journal::CallRecord> {
+        let mut rows = Vec::new();
+        for (round, verdicts) in &self.decided {
+            rows.extend(call_records(round, verdicts));
+        }
+        if self.decided.is_empty() {
+            let round = self.adapter.round();
+            let verdicts: Vec<ChoiceVerdict> = round.iter().map(crate::admission::withheld_by_cut).collect();
+            rows.extend(call_records(&round, &verdicts));
+        }
+        rows
+    }
+}
+
 async fn run(
     state: Arc<AppState>,
     ctx: RequestCtx,
@@ -98,11 +190,19 @@ async fn run(
     mut body: Incoming,
     tx: mpsc::Sender<Result<Bytes, Infallible>>,
 ) {
-    let mut framer = SseFramer::new(state.config.max_event_bytes);
-    let mut adapter = StreamAdapter::new(&turn);
+    let mut pipeline = Pipeline::new(&turn, state.config.max_event_bytes);
     let mut capture = Capture::new(state.config.journal_max_record_bytes);
-    let mut decided: Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)> = Vec::new();
     let idle = Duration::from_millis(state.config.upstream_idle_timeout_ms);
+    let mut admit_round = |round: &[ChoiceEmissions]| {
+        let started = Instant::now();
+        let verdicts = admit(&state, &turn, round);
+        state
+            .metrics
+            .hold_latency
+            .get_or_create(&ApiLabels { api: turn.api.as_str().to_owned() })
+            .observe(started.elapsed().as_secs_f64());
+        verdicts
+    };
     let mut out: Vec<Bytes> = Vec::new();
 
     let end = 'relay: loop {
@@ -114,15 +214,8 @@ async fn run(
         };
         let Ok(data) = frame.into_data() else { continue };
         capture.push(&data);
-        let blocks = match framer.push(&data) {
-            Ok(b) => b,
-            Err(e) => break End::Cut(e.to_string()),
-        };
-        for block in blocks {
-            adapter.push(block, &mut out);
-            if adapter.ready() {
-                decide(&state, &turn, &mut adapter, &mut decided, &mut out);
-            }
+        if let Err(reason) = pipeline.feed(&data, &mut admit_round, &mut out) {
+            break End::Cut(reason);
         }
         for chunk in out.drain(..) {
             if tx.send(Ok(chunk)).await.is_err() {
@@ -132,28 +225,13 @@ async fn run(
     };
 
     let (round_state, error) = match end {
-        End::Eof if adapter.finished() => {
-            if adapter.pending() {
-                decide(&state, &turn, &mut adapter, &mut decided, &mut out);
-            }
-            let rest = framer.finish();
-            if !rest.is_empty() {
-                out.push(rest);
-            }
-            ("ok", None)
-        }
-        End::Eof => {
-            adapter.cut("the stream ended before its terminal event", &mut out);
-            count_cut(&state, "stream_incomplete");
-            ("failed", Some("upstream stream ended before its terminal event".to_owned()))
-        }
-        End::Cut(reason) => {
-            adapter.cut(&reason, &mut out);
-            count_cut(&state, "stream_cut");
-            ("failed", Some(reason))
-        }
+        End::Eof => pipeline.end(None, &mut admit_round, &mut out),
+        End::Cut(reason) => pipeline.end(Some(reason), &mut admit_round, &mut out),
         End::ClientGone => ("client_gone", Some("the agent closed the stream".to_owned())),
     };
+    if round_state == "failed" {
+        count_cut(&state, "stream_cut");
+    }
     for chunk in out.drain(..) {
         if tx.send(Ok(chunk)).await.is_err() {
             break;
@@ -164,43 +242,13 @@ async fn run(
     let mut rec = round_record(&state, &ctx, &turn, &base, round_state, &[]);
     rec.response = capture.finish();
     rec.error = error;
-    let completions = adapter.completions();
+    let completions = pipeline.completions();
     if !completions.is_empty() {
         rec.completion = Some(join(completions.iter().map(|c| c.state.as_str())));
         rec.finish_reason = Some(join(completions.iter().map(|c| c.reason.as_str())));
     }
-    for (round, verdicts) in &decided {
-        rec.calls.extend(call_records(round, verdicts));
-    }
-    if decided.is_empty() {
-        // Calls that were held when the stream failed: journaled as withheld by completion.
-        let round = adapter.round();
-        let verdicts: Vec<ChoiceVerdict> = round
-            .iter()
-            .map(|c| crate::admission::withheld_by_cut(c))
-            .collect();
-        rec.calls.extend(call_records(&round, &verdicts));
-    }
+    rec.calls = pipeline.call_records();
     record_round(&state, rec).await;
-}
-
-fn decide(
-    state: &AppState,
-    turn: &Turn,
-    adapter: &mut StreamAdapter,
-    decided: &mut Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>,
-    out: &mut Vec<Bytes>,
-) {
-    let started = Instant::now();
-    let round = adapter.round();
-    let verdicts = admit(state, turn, &round);
-    adapter.release(&verdicts, out);
-    state
-        .metrics
-        .hold_latency
-        .get_or_create(&ApiLabels { api: turn.api.as_str().to_owned() })
-        .observe(started.elapsed().as_secs_f64());
-    decided.push((round, verdicts));
 }
 
 fn count_cut(state: &AppState, reason: &str) {

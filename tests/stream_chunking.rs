@@ -1,0 +1,111 @@
+//! Property: any split of a fixture stream into arbitrary byte chunks yields the same
+//! emissions and the same forwarded bytes (the framer and the adapters keep no state that
+//! depends on where the transport cut the bytes).
+
+mod support;
+
+use std::path::PathBuf;
+
+use bytes::Bytes;
+use proptest::prelude::*;
+use serde_json::json;
+use turnguard::admission::{admit_choice, SchemaCache};
+use turnguard::model::{Api, ChoiceEmissions, ChoiceVerdict, DeclaredTool, Turn};
+use turnguard::proxy::stream::Pipeline;
+
+fn turn(api: Api) -> Turn {
+    let tools = ["get_capital", "get_weather", "make_file", "list_files", "web_search"]
+        .iter()
+        .map(|n| DeclaredTool { name: (*n).into(), schema: Some(json!({"type": "object"})) })
+        .collect();
+    Turn {
+        api,
+        model: None,
+        stream: true,
+        tools,
+        tool_results: Vec::new(),
+        max_output_tokens: Some(4096),
+        include_usage: true,
+        round_index: 0,
+    }
+}
+
+fn stream_fixtures() -> Vec<(PathBuf, Api)> {
+    let mut out = Vec::new();
+    for (dir, api) in [
+        (support::fixtures().join("openai-chat"), Api::OpenAiChat),
+        (support::fixtures().join("anthropic-messages"), Api::AnthropicMessages),
+    ] {
+        for e in std::fs::read_dir(&dir).expect("fixture dir") {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "sse") {
+                out.push((p, api));
+            }
+        }
+    }
+    for e in std::fs::read_dir(support::own_fixtures()).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().to_string();
+        if name.ends_with(".sse") {
+            let api = if name.starts_with("anthropic") { Api::AnthropicMessages } else { Api::OpenAiChat };
+            out.push((p, api));
+        }
+    }
+    assert!(out.len() >= 10, "expected the shared and own stream fixtures, found {}", out.len());
+    out
+}
+
+/// Feeds `chunks` through the relay pipeline; returns the forwarded bytes and the decisions.
+fn relay(api: Api, chunks: &[&[u8]]) -> (Vec<u8>, Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>) {
+    let t = turn(api);
+    let schemas = SchemaCache::default();
+    let mut admit = |round: &[ChoiceEmissions]| round.iter().map(|c| admit_choice(&t, c, &schemas)).collect();
+    let mut p = Pipeline::new(&t, 1 << 20);
+    let mut out: Vec<Bytes> = Vec::new();
+    for c in chunks {
+        p.feed(c, &mut admit, &mut out).expect("event within cap");
+    }
+    let (state, _) = p.end(None, &mut admit, &mut out);
+    assert_eq!(state, "ok");
+    (out.concat(), p.decided.clone())
+}
+
+fn split<'a>(bytes: &'a [u8], cuts: &[usize]) -> Vec<&'a [u8]> {
+    let mut points: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+    points.sort_unstable();
+    points.dedup();
+    let mut out = Vec::new();
+    let mut last = 0;
+    for p in points {
+        out.push(&bytes[last..p]);
+        last = p;
+    }
+    out.push(&bytes[last..]);
+    out
+}
+
+#[test]
+fn whole_streams_decide_every_call() {
+    for (path, api) in stream_fixtures() {
+        let bytes = std::fs::read(&path).unwrap();
+        let (_, decided) = relay(api, &[&bytes]);
+        let text = String::from_utf8_lossy(&bytes);
+        let has_client_call = text.contains("\"tool_calls\":[{") || text.contains("\"type\":\"tool_use\"");
+        assert_eq!(!decided.is_empty(), has_client_call, "{}", path.display());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn any_split_yields_the_same_emissions_and_bytes(cuts in proptest::collection::vec(any::<usize>(), 0..40), one_byte in any::<bool>()) {
+        for (path, api) in stream_fixtures() {
+            let bytes = std::fs::read(&path).unwrap();
+            let (want_bytes, want_decided) = relay(api, &[&bytes]);
+            let chunks: Vec<&[u8]> = if one_byte { bytes.chunks(1).collect() } else { split(&bytes, &cuts) };
+            let (got_bytes, got_decided) = relay(api, &chunks);
+            prop_assert_eq!(&got_bytes, &want_bytes, "bytes differ for {}", path.display());
+            prop_assert_eq!(&got_decided, &want_decided, "decisions differ for {}", path.display());
+        }
+    }
+}

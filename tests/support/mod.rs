@@ -1,0 +1,174 @@
+//! Test support: a scripted mock provider and turnguard, both in-process on `127.0.0.1:0`,
+//! driven over real sockets; fixture loaders for `../shared/fixtures`; a small HTTP client.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+use turnguard::config::{Config, ServeArgs};
+use turnguard::mock_provider::{self, MockHandle, Script};
+use turnguard::server::{self, Running};
+
+/// A running pair: the mock provider and turnguard in front of it.
+pub struct Harness {
+    pub tg: Running,
+    pub mock: MockHandle,
+    pub dir: tempfile::TempDir,
+}
+
+impl Harness {
+    /// `http://ADDR` of turnguard's data plane.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.tg.addr)
+    }
+    /// `http://ADDR` of turnguard's admin plane.
+    pub fn admin_url(&self) -> String {
+        format!("http://{}", self.tg.admin_addr)
+    }
+    /// `http://ADDR` of the mock provider.
+    pub fn mock_url(&self) -> String {
+        format!("http://{}", self.mock.addr)
+    }
+    /// The journal file.
+    pub fn journal(&self) -> PathBuf {
+        self.dir.path().join("journal.db")
+    }
+    /// Replaces the mock's script.
+    pub async fn script(&self, script: &Value) {
+        let (status, body) = post_json(&format!("{}/_mock/script", self.mock_url()), script, &[]).await;
+        assert_eq!(status, 200, "mock refused script: {}", String::from_utf8_lossy(&body));
+    }
+    /// Requests the mock received.
+    pub async fn mock_requests(&self) -> Vec<Value> {
+        let (_, body) = get(&format!("{}/_mock/requests", self.mock_url())).await;
+        serde_json::from_slice(&body).expect("mock requests are JSON")
+    }
+    /// Stops turnguard (flushing the journal) and the mock.
+    pub async fn stop(self) -> tempfile::TempDir {
+        self.tg.shutdown().await;
+        self.mock.abort();
+        self.dir
+    }
+}
+
+/// Starts the mock with `script` and turnguard with both upstreams pointing at it.
+pub async fn start(script: Script) -> Harness {
+    start_with(script, |_| {}).await
+}
+
+/// Like [`start`], with a chance to adjust the config.
+pub async fn start_with(script: Script, tweak: impl FnOnce(&mut Config)) -> Harness {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind mock");
+    let mock = mock_provider::spawn(listener, script).expect("mock");
+    let mock_url = format!("http://{}", mock.addr);
+    let flags = ServeArgs {
+        listen: Some("127.0.0.1:0".into()),
+        admin_listen: Some("127.0.0.1:0".into()),
+        journal: Some(dir.path().join("journal.db")),
+        policy: Some(dir.path().join("policy")),
+        upstream: vec![format!("openai={mock_url}"), format!("anthropic={mock_url}")],
+        ..Default::default()
+    };
+    let mut config = Config::resolve(&flags, &|_| None).expect("config");
+    tweak(&mut config);
+    let tg = server::start(config).await.expect("turnguard starts");
+    Harness { tg, mock, dir }
+}
+
+/// `../shared/fixtures/providers` beside the checkout (or `$TURNGUARD_FIXTURES`).
+pub fn fixtures() -> PathBuf {
+    if let Some(p) = std::env::var_os("TURNGUARD_FIXTURES") {
+        return PathBuf::from(p);
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/providers")
+}
+
+/// This repository's own fixtures (`tests/fixtures`).
+pub fn own_fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// A script serving `steps` (JSON values) in order, files relative to `base_dir`.
+pub fn script(steps: Value, base_dir: &Path) -> Value {
+    serde_json::json!({ "responses": steps, "base_dir": base_dir })
+}
+
+fn client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// POSTs JSON; returns status and the whole body.
+pub async fn post_json(url: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, Bytes) {
+    let (status, _, body) = post_raw(url, Bytes::from(body.to_string()), headers).await;
+    (status, body)
+}
+
+/// POSTs bytes; returns status, headers and the whole body.
+pub async fn post_raw(url: &str, body: Bytes, headers: &[(&str, &str)]) -> (u16, http::HeaderMap, Bytes) {
+    let mut req = http::Request::post(url).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = tokio::time::timeout(Duration::from_secs(30), client().request(req.body(Full::new(body)).unwrap()))
+        .await
+        .expect("response in time")
+        .expect("request");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    (status, headers, body)
+}
+
+/// GETs a URL; returns status and body.
+pub async fn get(url: &str) -> (u16, Bytes) {
+    let req = http::Request::get(url).body(Full::new(Bytes::new())).unwrap();
+    let resp = client().request(req).await.expect("request");
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    (status, body)
+}
+
+/// Opens a streaming POST and returns the response for frame-by-frame reading.
+pub async fn post_stream(url: &str, body: &Value) -> http::Response<hyper::body::Incoming> {
+    let req = http::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    client().request(req).await.expect("request")
+}
+
+/// The `data:` payloads of an SSE body, parsed as JSON where they are JSON.
+pub fn sse_data(body: &[u8]) -> Vec<Value> {
+    String::from_utf8_lossy(body)
+        .split("\n\n")
+        .flat_map(|ev| ev.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_owned).collect::<Vec<_>>())
+        .map(|d| serde_json::from_str(&d).unwrap_or(Value::String(d)))
+        .collect()
+}
+
+/// The Python interpreter that has the official SDKs: `$TURNGUARD_TEST_PYTHON`, else
+/// `.venv/bin/python` in the checkout.
+pub fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("TURNGUARD_TEST_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    assert!(
+        venv.exists(),
+        "the SDK tests need a Python with the official openai and anthropic packages: run \
+         `python3 -m venv .venv && .venv/bin/pip install -r tests/sdk/requirements.txt` \
+         (README, 'Tests') or set TURNGUARD_TEST_PYTHON"
+    );
+    venv
+}
+
+/// Opens the journal read-only.
+pub fn journal(path: &Path) -> rusqlite::Connection {
+    rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).expect("journal opens")
+}
