@@ -44,7 +44,11 @@ async fn readyz(State(s): State<Arc<AppState>>) -> Response {
     if s.ready.load(Ordering::SeqCst) {
         Json(json!({ "status": "ready" })).into_response()
     } else {
-        envelope(StatusCode::SERVICE_UNAVAILABLE, "runner_unavailable", "turnguard is not ready (starting or shutting down)")
+        envelope(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "runner_unavailable",
+            "turnguard is not ready (starting or shutting down)",
+        )
     }
 }
 

@@ -29,7 +29,9 @@ where
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) => {
-            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
                 Err(BodyError::TooLarge(limit))
             } else {
                 Err(BodyError::Read(e.to_string()))

@@ -120,7 +120,9 @@ pub struct Upstream {
 impl Upstream {
     /// Parses `http(s)://host[:port][/prefix]`.
     pub fn parse(url: &str) -> Result<Self, String> {
-        let uri: http::Uri = url.parse().map_err(|e| format!("`{url}` is not a URL: {e}"))?;
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|e| format!("`{url}` is not a URL: {e}"))?;
         let scheme = uri.scheme_str().unwrap_or_default().to_owned();
         if scheme != "http" && scheme != "https" {
             return Err(format!("`{url}`: the scheme must be http or https"));
@@ -228,27 +230,42 @@ impl Config {
                 } else if let Some(v) = env($env) {
                     c.$field = $parse(v, $env)?;
                 } else if let Some(v) = &file.$field {
-                    c.$field = $parse(v.clone(), &format!("{file_name}: `{}`", stringify!($field)))?;
+                    c.$field =
+                        $parse(v.clone(), &format!("{file_name}: `{}`", stringify!($field)))?;
                 }
             };
         }
         let addr = |v: String, src: &str| -> Result<SocketAddr, ConfigError> {
-            v.parse().map_err(|_| value_err(src, format!("`{v}` is not an address like 127.0.0.1:8787")))
+            v.parse()
+                .map_err(|_| value_err(src, format!("`{v}` is not an address like 127.0.0.1:8787")))
         };
         let same = |v: PathBuf, _: &str| -> Result<PathBuf, ConfigError> { Ok(v) };
-        let path_env = |v: String, _: &str| -> Result<PathBuf, ConfigError> { Ok(PathBuf::from(v)) };
+        let path_env =
+            |v: String, _: &str| -> Result<PathBuf, ConfigError> { Ok(PathBuf::from(v)) };
         let size = |v: usize, src: &str| -> Result<usize, ConfigError> {
-            if v == 0 { Err(value_err(src, "must be greater than 0".into())) } else { Ok(v) }
+            if v == 0 {
+                Err(value_err(src, "must be greater than 0".into()))
+            } else {
+                Ok(v)
+            }
         };
         let size_env = |v: String, src: &str| -> Result<usize, ConfigError> {
-            let n: usize = v.parse().map_err(|_| value_err(src, format!("`{v}` is not a byte count")))?;
+            let n: usize = v
+                .parse()
+                .map_err(|_| value_err(src, format!("`{v}` is not a byte count")))?;
             size(n, src)
         };
         let ms = |v: u64, src: &str| -> Result<u64, ConfigError> {
-            if v == 0 { Err(value_err(src, "must be greater than 0".into())) } else { Ok(v) }
+            if v == 0 {
+                Err(value_err(src, "must be greater than 0".into()))
+            } else {
+                Ok(v)
+            }
         };
         let ms_env = |v: String, src: &str| -> Result<u64, ConfigError> {
-            let n: u64 = v.parse().map_err(|_| value_err(src, format!("`{v}` is not a number of milliseconds")))?;
+            let n: u64 = v
+                .parse()
+                .map_err(|_| value_err(src, format!("`{v}` is not a number of milliseconds")))?;
             ms(n, src)
         };
         let log = |v: String, src: &str| -> Result<LogFormat, ConfigError> {
@@ -261,11 +278,33 @@ impl Config {
 
         // Addresses and the log format are strings everywhere.
         layer!(listen, "TURNGUARD_LISTEN", |v: String, s: &str| addr(v, s));
-        layer!(admin_listen, "TURNGUARD_ADMIN_LISTEN", |v: String, s: &str| addr(v, s));
-        layer!(log_format, "TURNGUARD_LOG_FORMAT", |v: String, s: &str| log(v, s));
+        layer!(
+            admin_listen,
+            "TURNGUARD_ADMIN_LISTEN",
+            |v: String, s: &str| addr(v, s)
+        );
+        layer!(
+            log_format,
+            "TURNGUARD_LOG_FORMAT",
+            |v: String, s: &str| log(v, s)
+        );
         // Paths.
-        resolve_path(&mut c.policy, &flags.policy, env("TURNGUARD_POLICY"), &file.policy, same, path_env)?;
-        resolve_path(&mut c.journal, &flags.journal, env("TURNGUARD_JOURNAL"), &file.journal, same, path_env)?;
+        resolve_path(
+            &mut c.policy,
+            &flags.policy,
+            env("TURNGUARD_POLICY"),
+            &file.policy,
+            same,
+            path_env,
+        )?;
+        resolve_path(
+            &mut c.journal,
+            &flags.journal,
+            env("TURNGUARD_JOURNAL"),
+            &file.journal,
+            same,
+            path_env,
+        )?;
         // Numbers: typed in the file and flags, strings in the environment.
         macro_rules! number {
             ($field:ident, $env:literal, $typed:expr, $from_env:expr) => {
@@ -279,12 +318,37 @@ impl Config {
             };
         }
         number!(max_body_bytes, "TURNGUARD_MAX_BODY_BYTES", size, size_env);
-        number!(max_response_bytes, "TURNGUARD_MAX_RESPONSE_BYTES", size, size_env);
+        number!(
+            max_response_bytes,
+            "TURNGUARD_MAX_RESPONSE_BYTES",
+            size,
+            size_env
+        );
         number!(max_event_bytes, "TURNGUARD_MAX_EVENT_BYTES", size, size_env);
-        number!(journal_max_record_bytes, "TURNGUARD_JOURNAL_MAX_RECORD_BYTES", size, size_env);
-        number!(upstream_connect_timeout_ms, "TURNGUARD_UPSTREAM_CONNECT_TIMEOUT_MS", ms, ms_env);
-        number!(upstream_response_timeout_ms, "TURNGUARD_UPSTREAM_RESPONSE_TIMEOUT_MS", ms, ms_env);
-        number!(upstream_idle_timeout_ms, "TURNGUARD_UPSTREAM_IDLE_TIMEOUT_MS", ms, ms_env);
+        number!(
+            journal_max_record_bytes,
+            "TURNGUARD_JOURNAL_MAX_RECORD_BYTES",
+            size,
+            size_env
+        );
+        number!(
+            upstream_connect_timeout_ms,
+            "TURNGUARD_UPSTREAM_CONNECT_TIMEOUT_MS",
+            ms,
+            ms_env
+        );
+        number!(
+            upstream_response_timeout_ms,
+            "TURNGUARD_UPSTREAM_RESPONSE_TIMEOUT_MS",
+            ms,
+            ms_env
+        );
+        number!(
+            upstream_idle_timeout_ms,
+            "TURNGUARD_UPSTREAM_IDLE_TIMEOUT_MS",
+            ms,
+            ms_env
+        );
 
         // Upstreams: each layer overrides names it sets; defaults stay for the others.
         if let Some(map) = &file.upstream {
@@ -295,7 +359,11 @@ impl Config {
             }
         }
         let pairs: Vec<(String, &str)> = if !flags.upstream.is_empty() {
-            flags.upstream.iter().map(|p| (p.clone(), "--upstream")).collect()
+            flags
+                .upstream
+                .iter()
+                .map(|p| (p.clone(), "--upstream"))
+                .collect()
         } else if let Some(v) = env("TURNGUARD_UPSTREAM") {
             v.split(',')
                 .filter(|s| !s.trim().is_empty())
@@ -390,14 +458,20 @@ mod tests {
         };
         let c = Config::resolve(
             &flags,
-            &env_of(&[("TURNGUARD_LISTEN", "127.0.0.1:2001"), ("TURNGUARD_ADMIN_LISTEN", "127.0.0.1:2002")]),
+            &env_of(&[
+                ("TURNGUARD_LISTEN", "127.0.0.1:2001"),
+                ("TURNGUARD_ADMIN_LISTEN", "127.0.0.1:2002"),
+            ]),
         )
         .unwrap();
         assert_eq!(c.listen.port(), 3001);
         assert_eq!(c.admin_listen.port(), 2002);
         assert_eq!(c.max_body_bytes, 10);
         assert_eq!(c.upstreams["openai"].prefix, "/v1x");
-        assert_eq!(c.upstreams["openai"].uri("/v1/models").unwrap().to_string(), "http://127.0.0.1:9/v1x/v1/models");
+        assert_eq!(
+            c.upstreams["openai"].uri("/v1/models").unwrap().to_string(),
+            "http://127.0.0.1:9/v1x/v1/models"
+        );
     }
 
     #[test]
@@ -405,16 +479,31 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("t.toml");
         std::fs::write(&file, "listne = \"127.0.0.1:1\"\n").unwrap();
-        let flags = ServeArgs { config: Some(file), ..Default::default() };
-        let err = Config::resolve(&flags, &env_of(&[])).unwrap_err().to_string();
+        let flags = ServeArgs {
+            config: Some(file),
+            ..Default::default()
+        };
+        let err = Config::resolve(&flags, &env_of(&[]))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("t.toml") && err.contains("listne"), "{err}");
     }
 
     #[test]
     fn bad_upstream_is_refused() {
-        let flags = ServeArgs { upstream: vec!["openai=ftp://x".into()], ..Default::default() };
+        let flags = ServeArgs {
+            upstream: vec!["openai=ftp://x".into()],
+            ..Default::default()
+        };
         assert!(Config::resolve(&flags, &env_of(&[])).is_err());
-        let c = Config::resolve(&ServeArgs::default(), &env_of(&[("TURNGUARD_UPSTREAM", "openai=http://127.0.0.1:1,local=http://127.0.0.1:2")])).unwrap();
+        let c = Config::resolve(
+            &ServeArgs::default(),
+            &env_of(&[(
+                "TURNGUARD_UPSTREAM",
+                "openai=http://127.0.0.1:1,local=http://127.0.0.1:2",
+            )]),
+        )
+        .unwrap();
         assert_eq!(c.upstreams["local"].authority, "127.0.0.1:2");
         assert_eq!(c.upstreams["anthropic"].authority, "api.anthropic.com");
     }

@@ -10,7 +10,11 @@ use tracing_subscriber::EnvFilter;
 use turnguard::config::{Config, LogFormat, ServeArgs};
 
 #[derive(Parser)]
-#[command(name = "turnguard", version, about = "Sidecar proxy and tool-call firewall for LLM agents")]
+#[command(
+    name = "turnguard",
+    version,
+    about = "Sidecar proxy and tool-call firewall for LLM agents"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -19,7 +23,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the proxy: data plane (provider APIs) and admin plane (metrics, health).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Run a scripted OpenAI/Anthropic-compatible model (tests, offline demo).
     MockProvider {
         /// Address to listen on.
@@ -32,8 +36,11 @@ enum Command {
 }
 
 fn init_logs(format: LogFormat) {
-    let filter = EnvFilter::try_from_env("TURNGUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let filter =
+        EnvFilter::try_from_env("TURNGUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
         LogFormat::Text => builder.init(),
@@ -47,7 +54,9 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve(args) => {
             let config = Config::resolve(&args, &|k| std::env::var(k).ok())?;
             init_logs(config.log_format);
-            let running = turnguard::server::start(config).await.context("turnguard could not start")?;
+            let running = turnguard::server::start(config)
+                .await
+                .context("turnguard could not start")?;
             shutdown_signal().await;
             tracing::info!("shutting down");
             running.shutdown().await;
@@ -75,13 +84,14 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}

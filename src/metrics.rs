@@ -76,7 +76,11 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("turnguard");
         let requests = Family::<RequestLabels, Counter>::default();
-        registry.register("requests", "Requests answered on the data plane", requests.clone());
+        registry.register(
+            "requests",
+            "Requests answered on the data plane",
+            requests.clone(),
+        );
         let upstream_latency = Family::<ApiLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.005, 2.0, 14))
         });
@@ -94,9 +98,17 @@ impl Metrics {
             hold_latency.clone(),
         );
         let tool_calls = Family::<CallLabels, Counter>::default();
-        registry.register("tool_calls", "Tool calls decided by admission", tool_calls.clone());
+        registry.register(
+            "tool_calls",
+            "Tool calls decided by admission",
+            tool_calls.clone(),
+        );
         let upstream_errors = Family::<ReasonLabels, Counter>::default();
-        registry.register("upstream_errors", "Upstream failures", upstream_errors.clone());
+        registry.register(
+            "upstream_errors",
+            "Upstream failures",
+            upstream_errors.clone(),
+        );
         let journal_write_failures = Counter::default();
         registry.register(
             "journal_write_failures",

@@ -8,8 +8,9 @@
 //! - `{"file": "x.json"}` / `{"file": "x.sse"}`: a fixture served byte for byte
 //!   (`.sse` as `text/event-stream`, one event at a time);
 //! - `{"json": {…}}`: an inline JSON body;
-//! - `{"sse": ["event: a\ndata: {…}", …]}`: inline events (a blank line is added to each);
-//! plus optional `status` (default 200), `headers`, `path`, `delay_ms` (before the headers),
+//! - `{"sse": ["event: a\ndata: {…}", …]}`: inline events (a blank line is added to each).
+//!
+//! Each STEP takes the optional `status` (default 200), `headers`, `path`, `delay_ms` (before the headers),
 //! `event_delay_ms` (between events), `gate` (each event waits for one `POST /_mock/step`),
 //! and `cut_after_events` (the connection is broken after that many events).
 //! Relative `file` paths resolve against `base_dir`, else the script file's directory.
@@ -81,13 +82,18 @@ pub enum ScriptError {
     #[error("cannot read script {0}: {1}")]
     Read(PathBuf, String),
     #[error("{file}: at `{path}`: {reason}")]
-    Invalid { file: String, path: String, reason: String },
+    Invalid {
+        file: String,
+        path: String,
+        reason: String,
+    },
 }
 
 impl Script {
     /// Loads a script file; relative fixture paths resolve against its directory.
     pub fn load(path: &Path) -> Result<Self, ScriptError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ScriptError::Read(path.to_owned(), e.to_string()))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ScriptError::Read(path.to_owned(), e.to_string()))?;
         let mut s = Self::parse(&text, &path.display().to_string())?;
         if s.base_dir.is_none() {
             s.base_dir = path.parent().map(Path::to_owned);
@@ -189,7 +195,11 @@ async fn set_script(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response 
 }
 
 fn mock_error(status: StatusCode, message: &str) -> Response {
-    (status, Json(json!({"error": {"type": "mock_error", "message": message}}))).into_response()
+    (
+        status,
+        Json(json!({"error": {"type": "mock_error", "message": message}})),
+    )
+        .into_response()
 }
 
 fn next_step(m: &Mock, path: &str) -> Option<(Step, Option<PathBuf>)> {
@@ -198,7 +208,9 @@ fn next_step(m: &Mock, path: &str) -> Option<(Step, Option<PathBuf>)> {
     if q.is_empty() && script.repeat {
         *q = script.responses.iter().cloned().collect();
     }
-    let pos = q.iter().position(|s| s.path.as_deref().is_none_or(|p| p == path))?;
+    let pos = q
+        .iter()
+        .position(|s| s.path.as_deref().is_none_or(|p| p == path))?;
     let step = q.remove(pos)?;
     Some((step, script.base_dir.clone()))
 }
@@ -218,12 +230,16 @@ async fn serve_step(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response 
         r.push(json!({"method": parts.method.as_str(), "path": path, "headers": headers, "body": parsed}));
     }
     let Some((step, base)) = next_step(&m, &path) else {
-        return mock_error(StatusCode::INTERNAL_SERVER_ERROR, "mock script exhausted: no response left for this request");
+        return mock_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "mock script exhausted: no response left for this request",
+        );
     };
     if step.delay_ms > 0 {
         tokio::time::sleep(Duration::from_millis(step.delay_ms)).await;
     }
-    let (content_type, events): (&str, Result<Vec<Bytes>, String>) = if let Some(file) = &step.file {
+    let (content_type, events): (&str, Result<Vec<Bytes>, String>) = if let Some(file) = &step.file
+    {
         let full = match &base {
             Some(b) if file.is_relative() => b.join(file),
             _ => file.clone(),
@@ -232,7 +248,10 @@ async fn serve_step(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response 
         match std::fs::read(&full) {
             Ok(bytes) if is_sse => ("text/event-stream", Ok(split_events(&bytes))),
             Ok(bytes) => ("application/json", Ok(vec![Bytes::from(bytes)])),
-            Err(e) => ("application/json", Err(format!("cannot read fixture {}: {e}", full.display()))),
+            Err(e) => (
+                "application/json",
+                Err(format!("cannot read fixture {}: {e}", full.display())),
+            ),
         }
     } else if let Some(v) = &step.json {
         ("application/json", Ok(vec![Bytes::from(v.to_string())]))
@@ -247,7 +266,10 @@ async fn serve_step(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response 
             .collect();
         ("text/event-stream", Ok(events))
     } else {
-        ("application/json", Err("a step needs `file`, `json` or `sse`".to_owned()))
+        (
+            "application/json",
+            Err("a step needs `file`, `json` or `sse`".to_owned()),
+        )
     };
     let events = match events {
         Ok(e) => e,
@@ -279,13 +301,19 @@ async fn serve_step(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response 
                 }
             }
         });
-        Response::new(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
+        Response::new(Body::from_stream(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ))
     } else {
-        Response::new(Body::from(events.into_iter().flatten().collect::<Vec<u8>>()))
+        Response::new(Body::from(
+            events.into_iter().flatten().collect::<Vec<u8>>(),
+        ))
     };
     *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static(content_type),
+    );
     for (k, v) in &step.headers {
         if let (Ok(k), Ok(v)) = (HeaderName::try_from(k.as_str()), HeaderValue::from_str(v)) {
             resp.headers_mut().insert(k, v);
@@ -298,7 +326,10 @@ async fn serve_step(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response 
 /// as the last piece).
 fn split_events(bytes: &[u8]) -> Vec<Bytes> {
     let mut framer = SseFramer::new(usize::MAX);
-    let mut out: Vec<Bytes> = framer.push(bytes).map(|b| b.into_iter().map(|e| e.raw).collect()).unwrap_or_default();
+    let mut out: Vec<Bytes> = framer
+        .push(bytes)
+        .map(|b| b.into_iter().map(|e| e.raw).collect())
+        .unwrap_or_default();
     let rest = framer.finish();
     if !rest.is_empty() {
         out.push(rest);

@@ -115,14 +115,25 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             let shutdown = async move {
                 let _ = stopped.wait_for(|s| *s).await;
             };
-            if let Err(e) = axum::serve(listener, router).with_graceful_shutdown(shutdown).await {
+            if let Err(e) = axum::serve(listener, router)
+                .with_graceful_shutdown(shutdown)
+                .await
+            {
                 tracing::error!(error = %e, "listener failed");
             }
         })
     };
     let tasks = vec![
-        serve(data_listener, data_router(Arc::clone(&state)), stopped.clone()),
-        serve(admin_listener, crate::admin::router(Arc::clone(&state)), stopped),
+        serve(
+            data_listener,
+            data_router(Arc::clone(&state)),
+            stopped.clone(),
+        ),
+        serve(
+            admin_listener,
+            crate::admin::router(Arc::clone(&state)),
+            stopped,
+        ),
     ];
     state.ready.store(true, Ordering::SeqCst);
     tracing::info!(data = %addr, admin = %admin_addr, journal = %state.journal.path().display(), "turnguard listening");
@@ -170,7 +181,8 @@ async fn embeddings(State(s): State<Arc<AppState>>, req: Request<Body>) -> Respo
 /// `GET /v1/models` exists on both providers: an Anthropic client is recognised by its
 /// `anthropic-version` or `x-api-key` header.
 async fn models(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
-    let anthropic = req.headers().contains_key("anthropic-version") || req.headers().contains_key("x-api-key");
+    let anthropic =
+        req.headers().contains_key("anthropic-version") || req.headers().contains_key("x-api-key");
     proxy::passthrough(s, if anthropic { "anthropic" } else { "openai" }, req).await
 }
 

@@ -53,16 +53,11 @@ impl SseFramer {
     pub fn push(&mut self, chunk: &[u8]) -> Result<Vec<SseBlock>, EventTooLarge> {
         self.buf.extend_from_slice(chunk);
         let mut out = Vec::new();
-        loop {
-            match self.next_block_end() {
-                Some(end) => {
-                    let raw = self.buf.split_to(end).freeze();
-                    self.line_start = 0;
-                    self.scanned = 0;
-                    out.push(parse_block(raw));
-                }
-                None => break,
-            }
+        while let Some(end) = self.next_block_end() {
+            let raw = self.buf.split_to(end).freeze();
+            self.line_start = 0;
+            self.scanned = 0;
+            out.push(parse_block(raw));
         }
         if self.buf.len() > self.max_event_bytes {
             return Err(EventTooLarge(self.max_event_bytes));

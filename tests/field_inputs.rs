@@ -2,6 +2,8 @@
 //! "Foundation", "Inputs from the field"): each drives turnguard over real sockets with the
 //! mock provider serving one of `tests/fixtures`.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods, clippy::type_complexity)] // test code
+
 mod support;
 
 use serde_json::{json, Value};
@@ -78,7 +80,8 @@ fn finish_reasons(body: &[u8]) -> Vec<String> {
 
 async fn serve_one(file: &str) -> support::Harness {
     let h = support::start(Script::default()).await;
-    h.script(&script(json!([{ "file": file }]), &own_fixtures())).await;
+    h.script(&script(json!([{ "file": file }]), &own_fixtures()))
+        .await;
     h
 }
 
@@ -88,29 +91,48 @@ fn journal_calls(dir: &tempfile::TempDir) -> Vec<(String, String, String, String
     let mut stmt = conn
         .prepare("SELECT call_id, outcome, stage, reason, args_hash FROM tool_calls ORDER BY choice, ordinal")
         .unwrap();
-    stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect()
+    stmt.query_map([], |r| {
+        Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+    })
+    .unwrap()
+    .map(Result::unwrap)
+    .collect()
 }
 
 #[tokio::test]
 async fn tool_calls_finish_with_usage_at_the_limit_releases_no_call() {
     let h = serve_one("chat-nonstream-truncated-by-usage.json").await;
-    let req = chat_request(json!([function("get_capital", country_schema())]), false, 60);
+    let req = chat_request(
+        json!([function("get_capital", country_schema())]),
+        false,
+        60,
+    );
     let (status, body) = post_json(&format!("{}/v1/chat/completions", h.url()), &req, &[]).await;
     assert_eq!(status, 200);
     let resp: Value = serde_json::from_slice(&body).unwrap();
     let message = &resp["choices"][0]["message"];
-    assert!(message.get("tool_calls").is_none(), "no call may be released: {message}");
-    assert!(message["content"].as_str().unwrap().starts_with("[turnguard]"));
+    assert!(
+        message.get("tool_calls").is_none(),
+        "no call may be released: {message}"
+    );
+    assert!(message["content"]
+        .as_str()
+        .unwrap()
+        .starts_with("[turnguard]"));
     assert_eq!(resp["choices"][0]["finish_reason"], "stop");
-    assert_eq!(resp["usage"]["completion_tokens"], 60, "the rest of the body is kept");
+    assert_eq!(
+        resp["usage"]["completion_tokens"], 60,
+        "the rest of the body is kept"
+    );
     let dir = h.stop().await;
     let calls = journal_calls(&dir);
     assert_eq!(calls.len(), 2);
     for (id, outcome, stage, reason, _) in &calls {
-        assert_eq!((outcome.as_str(), stage.as_str(), reason.as_str()), ("invalid", "completion", "truncated"), "{id}");
+        assert_eq!(
+            (outcome.as_str(), stage.as_str(), reason.as_str()),
+            ("invalid", "completion", "truncated"),
+            "{id}"
+        );
     }
     // The first call parses, so its hash is known; the cut one does not.
     assert!(calls[0].4.is_some() && calls[1].4.is_none());
@@ -119,8 +141,17 @@ async fn tool_calls_finish_with_usage_at_the_limit_releases_no_call() {
 #[tokio::test]
 async fn empty_arguments_cut_by_length_are_not_released() {
     let h = serve_one("chat-stream-empty-args-length.sse").await;
-    let req = chat_request(json!([function("list_files", json!({"type": "object"}))]), true, 16);
-    let (status, _, body) = post_raw(&format!("{}/v1/chat/completions", h.url()), req.to_string().into(), &[]).await;
+    let req = chat_request(
+        json!([function("list_files", json!({"type": "object"}))]),
+        true,
+        16,
+    );
+    let (status, _, body) = post_raw(
+        &format!("{}/v1/chat/completions", h.url()),
+        req.to_string().into(),
+        &[],
+    )
+    .await;
     assert_eq!(status, 200);
     assert!(accumulate_chat_calls(&body).is_empty());
     assert!(chat_text(&body).contains("completion stage, truncated"));
@@ -134,21 +165,40 @@ async fn empty_arguments_with_clean_finish_are_read_as_an_empty_object() {
     let h = serve_one("chat-stream-empty-args-tool-calls.sse").await;
     let schema = json!({"type": "object", "properties": {"dir": {"type": "string"}}});
     let req = chat_request(json!([function("list_files", schema)]), true, 16);
-    let (_, _, body) = post_raw(&format!("{}/v1/chat/completions", h.url()), req.to_string().into(), &[]).await;
-    let fixture = std::fs::read(own_fixtures().join("chat-stream-empty-args-tool-calls.sse")).unwrap();
+    let (_, _, body) = post_raw(
+        &format!("{}/v1/chat/completions", h.url()),
+        req.to_string().into(),
+        &[],
+    )
+    .await;
+    let fixture =
+        std::fs::read(own_fixtures().join("chat-stream-empty-args-tool-calls.sse")).unwrap();
     assert_eq!(&body[..], &fixture[..]);
     let dir = h.stop().await;
     let calls = journal_calls(&dir);
     assert_eq!(calls[0].1, "executed");
-    assert_eq!(calls[0].4.as_deref(), Some(hex::encode(Sha256::digest(b"{}")).as_str()));
+    assert_eq!(
+        calls[0].4.as_deref(),
+        Some(hex::encode(Sha256::digest(b"{}")).as_str())
+    );
 
     // Validated like any other arguments: `{}` misses a required property.
     let h = serve_one("chat-stream-empty-args-tool-calls.sse").await;
-    let schema = json!({"type": "object", "properties": {"dir": {"type": "string"}}, "required": ["dir"]});
+    let schema =
+        json!({"type": "object", "properties": {"dir": {"type": "string"}}, "required": ["dir"]});
     let req = chat_request(json!([function("list_files", schema)]), true, 16);
-    let (_, _, body) = post_raw(&format!("{}/v1/chat/completions", h.url()), req.to_string().into(), &[]).await;
+    let (_, _, body) = post_raw(
+        &format!("{}/v1/chat/completions", h.url()),
+        req.to_string().into(),
+        &[],
+    )
+    .await;
     assert!(accumulate_chat_calls(&body).is_empty());
-    assert!(chat_text(&body).contains("missing required property \"dir\""), "{}", chat_text(&body));
+    assert!(
+        chat_text(&body).contains("missing required property \"dir\""),
+        "{}",
+        chat_text(&body)
+    );
     let dir = h.stop().await;
     assert_eq!(journal_calls(&dir)[0].2, "arguments");
 }
@@ -167,29 +217,56 @@ async fn anthropic_input_is_the_concatenation_of_its_fragments() {
             "required": ["location", "unit"], "additionalProperties": false
         }}]
     });
-    let (status, _, body) = post_raw(&format!("{}/v1/messages", h.url()), req.to_string().into(), &[]).await;
+    let (status, _, body) = post_raw(
+        &format!("{}/v1/messages", h.url()),
+        req.to_string().into(),
+        &[],
+    )
+    .await;
     assert_eq!(status, 200);
     // Neither `{}` nor a fragment would pass the schema: released means concatenated.
-    let fixture = std::fs::read(own_fixtures().join("anthropic-stream-split-input-json.sse")).unwrap();
+    let fixture =
+        std::fs::read(own_fixtures().join("anthropic-stream-split-input-json.sse")).unwrap();
     assert_eq!(&body[..], &fixture[..]);
     let dir = h.stop().await;
     let calls = journal_calls(&dir);
     assert_eq!(calls[0].1, "executed");
-    let expected = hex::encode(Sha256::digest(br#"{"location":"San Francisco","unit":"c"}"#));
+    let expected = hex::encode(Sha256::digest(
+        br#"{"location":"San Francisco","unit":"c"}"#,
+    ));
     assert_eq!(calls[0].4.as_deref(), Some(expected.as_str()));
 }
 
 #[tokio::test]
 async fn parallel_calls_on_one_index_stay_two_calls() {
     let h = serve_one("chat-stream-same-index-two-ids.sse").await;
-    let req = chat_request(json!([function("get_capital", country_schema())]), true, 4096);
-    let (_, _, body) = post_raw(&format!("{}/v1/chat/completions", h.url()), req.to_string().into(), &[]).await;
+    let req = chat_request(
+        json!([function("get_capital", country_schema())]),
+        true,
+        4096,
+    );
+    let (_, _, body) = post_raw(
+        &format!("{}/v1/chat/completions", h.url()),
+        req.to_string().into(),
+        &[],
+    )
+    .await;
     let calls = accumulate_chat_calls(&body);
     assert_eq!(
         calls,
         vec![
-            (0, "call_p1".into(), "get_capital".into(), r#"{"country":"UK"}"#.into()),
-            (1, "call_p2".into(), "get_capital".into(), r#"{"country":"FR"}"#.into()),
+            (
+                0,
+                "call_p1".into(),
+                "get_capital".into(),
+                r#"{"country":"UK"}"#.into()
+            ),
+            (
+                1,
+                "call_p2".into(),
+                "get_capital".into(),
+                r#"{"country":"FR"}"#.into()
+            ),
         ]
     );
     let dir = h.stop().await;
@@ -201,15 +278,25 @@ async fn parallel_calls_on_one_index_stay_two_calls() {
 #[tokio::test]
 async fn missing_required_property_is_invalid() {
     let h = serve_one("chat-nonstream-required-missing.json").await;
-    let req = chat_request(json!([function("get_capital", country_schema())]), false, 4096);
+    let req = chat_request(
+        json!([function("get_capital", country_schema())]),
+        false,
+        4096,
+    );
     let (_, body) = post_json(&format!("{}/v1/chat/completions", h.url()), &req, &[]).await;
     let resp: Value = serde_json::from_slice(&body).unwrap();
     assert!(resp["choices"][0]["message"].get("tool_calls").is_none());
     let text = resp["choices"][0]["message"]["content"].as_str().unwrap();
-    assert!(text.contains("arguments stage, schema_violation") && text.contains("\"country\""), "{text}");
+    assert!(
+        text.contains("arguments stage, schema_violation") && text.contains("\"country\""),
+        "{text}"
+    );
     let dir = h.stop().await;
     let rows = journal_calls(&dir);
-    assert_eq!((rows[0].1.as_str(), rows[0].2.as_str()), ("invalid", "arguments"));
+    assert_eq!(
+        (rows[0].1.as_str(), rows[0].2.as_str()),
+        ("invalid", "arguments")
+    );
 }
 
 #[tokio::test]
@@ -221,10 +308,18 @@ async fn text_shaped_like_a_call_stays_text() {
     ] {
         let h = serve_one(file).await;
         let req = chat_request(json!([delete.clone()]), stream, 4096);
-        let (_, _, body) = post_raw(&format!("{}/v1/chat/completions", h.url()), req.to_string().into(), &[]).await;
+        let (_, _, body) = post_raw(
+            &format!("{}/v1/chat/completions", h.url()),
+            req.to_string().into(),
+            &[],
+        )
+        .await;
         let fixture = std::fs::read(own_fixtures().join(file)).unwrap();
         assert_eq!(&body[..], &fixture[..], "{file} passes through unchanged");
         let dir = h.stop().await;
-        assert!(journal_calls(&dir).is_empty(), "{file}: no tool call exists");
+        assert!(
+            journal_calls(&dir).is_empty(),
+            "{file}: no tool call exists"
+        );
     }
 }

@@ -1,6 +1,8 @@
 //! The proxy as a platform team meets it: pass-through fidelity, streaming without
 //! buffering, bad input, upstream failures, and the journal afterwards.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods, clippy::type_complexity)] // test code
+
 mod support;
 
 use std::time::Duration;
@@ -23,15 +25,23 @@ fn chat(stream: bool) -> Value {
 async fn streaming_text_reaches_the_agent_before_the_next_delta_leaves_the_mock() {
     let h = support::start(Script::default()).await;
     // `gate`: the mock sends each event only after one POST /_mock/step.
-    h.script(&script(json!([{ "file": "openai-chat/stream-text-plain.sse", "gate": true }]), &fixtures())).await;
+    h.script(&script(
+        json!([{ "file": "openai-chat/stream-text-plain.sse", "gate": true }]),
+        &fixtures(),
+    ))
+    .await;
     let resp = support::post_stream(&format!("{}/v1/chat/completions", h.url()), &chat(true)).await;
     assert_eq!(resp.status(), 200);
     let mut body = resp.into_body();
     let fixture = std::fs::read(fixtures().join("openai-chat/stream-text-plain.sse")).unwrap();
-    let events: Vec<&str> = std::str::from_utf8(&fixture).unwrap().split_inclusive("\n\n").collect();
+    let events: Vec<&str> = std::str::from_utf8(&fixture)
+        .unwrap()
+        .split_inclusive("\n\n")
+        .collect();
     let mut received = Vec::new();
     for (i, event) in events.iter().enumerate() {
-        let (status, _) = support::post_json(&format!("{}/_mock/step", h.mock_url()), &json!({}), &[]).await;
+        let (status, _) =
+            support::post_json(&format!("{}/_mock/step", h.mock_url()), &json!({}), &[]).await;
         assert_eq!(status, 200);
         // Event i must arrive before event i+1 is released by the mock.
         let mut got = Vec::new();
@@ -45,7 +55,11 @@ async fn streaming_text_reaches_the_agent_before_the_next_delta_leaves_the_mock(
                 got.extend_from_slice(&data);
             }
         }
-        assert_eq!(std::str::from_utf8(&got).unwrap(), *event, "event {i} forwarded byte for byte");
+        assert_eq!(
+            std::str::from_utf8(&got).unwrap(),
+            *event,
+            "event {i} forwarded byte for byte"
+        );
         received.extend(got);
     }
     assert_eq!(received, fixture);
@@ -77,7 +91,10 @@ async fn unchanged_bodies_and_headers_pass_through() {
     )
     .await;
     assert_eq!(status, 200);
-    assert_eq!(&body[..], &std::fs::read(fixtures().join("openai-chat/nonstream-tool-call-single.json")).unwrap()[..]);
+    assert_eq!(
+        &body[..],
+        &std::fs::read(fixtures().join("openai-chat/nonstream-tool-call-single.json")).unwrap()[..]
+    );
     assert_eq!(headers["x-ratelimit-remaining-requests"], "99");
     assert!(headers.contains_key("x-request-id"));
 
@@ -85,18 +102,35 @@ async fn unchanged_bodies_and_headers_pass_through() {
     let (_, _, body) = post_raw(
         &format!("{}/v1/messages", h.url()),
         anthropic.to_string().into(),
-        &[("x-api-key", "sk-ant-test"), ("anthropic-version", "2023-06-01"), ("anthropic-beta", "tools-2024")],
+        &[
+            ("x-api-key", "sk-ant-test"),
+            ("anthropic-version", "2023-06-01"),
+            ("anthropic-beta", "tools-2024"),
+        ],
     )
     .await;
-    assert_eq!(&body[..], &std::fs::read(fixtures().join("anthropic-messages/stream-refusal-after-content.sse")).unwrap()[..]);
+    assert_eq!(
+        &body[..],
+        &std::fs::read(fixtures().join("anthropic-messages/stream-refusal-after-content.sse"))
+            .unwrap()[..]
+    );
 
     let seen = h.mock_requests().await;
     let first = &seen[0]["headers"];
     assert_eq!(first["authorization"], "Bearer sk-test-123");
     assert_eq!(first["openai-organization"], "org-x");
-    assert!(first.get("turnguard-run").is_none(), "turnguard's own headers stay here");
-    assert!(first.get("x-hop").is_none(), "fields named by Connection are hop-by-hop");
-    assert_eq!(seen[0]["body"], req, "the request body reaches the upstream unchanged");
+    assert!(
+        first.get("turnguard-run").is_none(),
+        "turnguard's own headers stay here"
+    );
+    assert!(
+        first.get("x-hop").is_none(),
+        "fields named by Connection are hop-by-hop"
+    );
+    assert_eq!(
+        seen[0]["body"], req,
+        "the request body reaches the upstream unchanged"
+    );
     let second = &seen[1]["headers"];
     assert_eq!(second["x-api-key"], "sk-ant-test");
     assert_eq!(second["anthropic-version"], "2023-06-01");
@@ -107,15 +141,25 @@ async fn unchanged_bodies_and_headers_pass_through() {
 async fn upstream_errors_pass_through_unchanged() {
     let h = support::start(Script::default()).await;
     let err = json!({"error": {"message": "Rate limit reached", "type": "requests", "code": "rate_limit_exceeded"}});
-    h.script(&json!({"responses": [{ "json": err, "status": 429, "headers": {"retry-after": "7"} }]})).await;
-    let (status, headers, body) = post_raw(&format!("{}/v1/chat/completions", h.url()), chat(false).to_string().into(), &[]).await;
+    h.script(
+        &json!({"responses": [{ "json": err, "status": 429, "headers": {"retry-after": "7"} }]}),
+    )
+    .await;
+    let (status, headers, body) = post_raw(
+        &format!("{}/v1/chat/completions", h.url()),
+        chat(false).to_string().into(),
+        &[],
+    )
+    .await;
     assert_eq!(status, 429);
     assert_eq!(headers["retry-after"], "7");
     assert_eq!(serde_json::from_slice::<Value>(&body).unwrap(), err);
     let dir = h.stop().await;
     let conn = support::journal(&dir.path().join("journal.db"));
     let (state, upstream): (String, i64) = conn
-        .query_row("SELECT state, upstream_status FROM rounds", [], |r| Ok((r.get(0)?, r.get(1)?)))
+        .query_row("SELECT state, upstream_status FROM rounds", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
         .unwrap();
     assert_eq!((state.as_str(), upstream), ("upstream_error", 429));
 }
@@ -126,23 +170,47 @@ async fn bad_input_gets_a_clear_error_and_loses_nothing() {
     let url = format!("{}/v1/chat/completions", h.url());
     let (status, _, body) = post_raw(&url, vec![b' '; 5000].into(), &[]).await;
     assert_eq!(status, 413);
-    assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["error"], "payload_too_large");
+    assert_eq!(
+        serde_json::from_slice::<Value>(&body).unwrap()["error"],
+        "payload_too_large"
+    );
     let (status, _, body) = post_raw(&url, "{\"model\": \"x\", \"messages\": [".into(), &[]).await;
     assert_eq!(status, 400);
     let err: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(err["error"], "validation_error");
-    assert!(err["message"].as_str().unwrap().contains("malformed JSON"), "{err}");
+    assert!(
+        err["message"].as_str().unwrap().contains("malformed JSON"),
+        "{err}"
+    );
     let (status, _, body) = post_raw(&url, "{\"model\": \"x\", \"messages\": 3}".into(), &[]).await;
     assert_eq!(status, 400);
     assert!(String::from_utf8_lossy(&body).contains("`messages` must be an array"));
-    let (status, _, body) = post_raw(&format!("{}/v1/messages", h.url()), "[1,2]".into(), &[]).await;
+    let (status, _, body) =
+        post_raw(&format!("{}/v1/messages", h.url()), "[1,2]".into(), &[]).await;
     assert_eq!(status, 400);
     assert!(String::from_utf8_lossy(&body).contains("must be a JSON object"));
-    assert!(h.mock_requests().await.is_empty(), "nothing malformed reaches the upstream");
+    assert!(
+        h.mock_requests().await.is_empty(),
+        "nothing malformed reaches the upstream"
+    );
     // Unknown paths and methods: 404 with the OpenWOP body, never forwarded.
-    for (method, path) in [("GET", "/v1/chat/completions"), ("POST", "/v1/responses"), ("GET", "/admin"), ("POST", "/v1/files")] {
-        let req = http::Request::builder().method(method).uri(format!("{}{}", h.url(), path)).body(http_body_util::Full::new(bytes::Bytes::new())).unwrap();
-        let resp = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http().request(req).await.unwrap();
+    for (method, path) in [
+        ("GET", "/v1/chat/completions"),
+        ("POST", "/v1/responses"),
+        ("GET", "/admin"),
+        ("POST", "/v1/files"),
+    ] {
+        let req = http::Request::builder()
+            .method(method)
+            .uri(format!("{}{}", h.url(), path))
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let resp =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http()
+                .request(req)
+                .await
+                .unwrap();
         assert_eq!(resp.status(), 404, "{method} {path}");
         let body = resp.into_body().collect().await.unwrap().to_bytes();
         let err: Value = serde_json::from_slice(&body).unwrap();
@@ -154,10 +222,18 @@ async fn bad_input_gets_a_clear_error_and_loses_nothing() {
 #[tokio::test]
 async fn unreachable_upstream_is_502() {
     let h = support::start_with(Script::default(), |c| {
-        c.upstreams.insert("openai".into(), turnguard::config::Upstream::parse("http://127.0.0.1:9").unwrap());
+        c.upstreams.insert(
+            "openai".into(),
+            turnguard::config::Upstream::parse("http://127.0.0.1:9").unwrap(),
+        );
     })
     .await;
-    let (status, body) = post_json(&format!("{}/v1/chat/completions", h.url()), &chat(false), &[]).await;
+    let (status, body) = post_json(
+        &format!("{}/v1/chat/completions", h.url()),
+        &chat(false),
+        &[],
+    )
+    .await;
     assert_eq!(status, 502);
     let err: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(err["error"], "upstream_unavailable");
@@ -172,27 +248,61 @@ async fn a_stream_cut_mid_call_releases_nothing_and_ends_with_an_error_event() {
         { "file": fixtures().join("anthropic-messages/stream-text-then-tool-use.sse"), "cut_after_events": 12 }
     ]}))
     .await;
-    let (status, _, body) = post_raw(&format!("{}/v1/chat/completions", h.url()), chat(true).to_string().into(), &[]).await;
+    let (status, _, body) = post_raw(
+        &format!("{}/v1/chat/completions", h.url()),
+        chat(true).to_string().into(),
+        &[],
+    )
+    .await;
     assert_eq!(status, 200);
     let events = sse_data(&body);
-    assert!(events.iter().all(|e| e["choices"][0]["delta"].get("tool_calls").is_none()), "nothing half-released");
+    assert!(
+        events
+            .iter()
+            .all(|e| e["choices"][0]["delta"].get("tool_calls").is_none()),
+        "nothing half-released"
+    );
     let last = events.last().unwrap();
-    assert_eq!(last["error"]["type"], "upstream_stream_interrupted", "{last}");
+    assert_eq!(
+        last["error"]["type"], "upstream_stream_interrupted",
+        "{last}"
+    );
 
     let req = json!({"model": "c", "max_tokens": 1024, "stream": true, "messages": [{"role": "user", "content": "x"}],
         "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]});
-    let (_, _, body) = post_raw(&format!("{}/v1/messages", h.url()), req.to_string().into(), &[]).await;
+    let (_, _, body) = post_raw(
+        &format!("{}/v1/messages", h.url()),
+        req.to_string().into(),
+        &[],
+    )
+    .await;
     let text = String::from_utf8_lossy(&body);
-    assert!(text.contains("'ll check the current weather"), "text before the call was forwarded");
+    assert!(
+        text.contains("'ll check the current weather"),
+        "text before the call was forwarded"
+    );
     assert!(!text.contains("tool_use"), "the held call is not released");
-    assert!(text.trim_end().ends_with("}") && text.contains("event: error"), "{text}");
+    assert!(
+        text.trim_end().ends_with("}") && text.contains("event: error"),
+        "{text}"
+    );
 
     let dir = h.stop().await;
     let conn = support::journal(&dir.path().join("journal.db"));
-    let failed: i64 = conn.query_row("SELECT count(*) FROM rounds WHERE state = 'failed'", [], |r| r.get(0)).unwrap();
+    let failed: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM rounds WHERE state = 'failed'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
     assert_eq!(failed, 2);
     let withheld: i64 = conn
-        .query_row("SELECT count(*) FROM tool_calls WHERE outcome = 'invalid' AND reason = 'stream_cut'", [], |r| r.get(0))
+        .query_row(
+            "SELECT count(*) FROM tool_calls WHERE outcome = 'invalid' AND reason = 'stream_cut'",
+            [],
+            |r| r.get(0),
+        )
         .unwrap();
     let rows: Vec<String> = conn.prepare("SELECT r.api || coalesce(c.outcome,'-') || coalesce(c.reason,'-') || r.state || coalesce(r.error, '') FROM rounds r LEFT JOIN tool_calls c USING (request_id)").unwrap().query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect();
     assert_eq!(withheld, 2, "{rows:?}");
@@ -209,26 +319,62 @@ async fn the_journal_holds_rounds_calls_and_tool_results() {
         &fixtures(),
     ))
     .await;
-    let chat_req: Value = serde_json::from_slice(&std::fs::read(fixtures().join("openai-chat/request-tools-and-tool-result.json")).unwrap()).unwrap();
-    let (status, _) = post_json(&format!("{}/v1/chat/completions", h.url()), &chat_req, &[("turnguard-run", "run-7"), ("turnguard-node", "n1")]).await;
+    let chat_req: Value = serde_json::from_slice(
+        &std::fs::read(fixtures().join("openai-chat/request-tools-and-tool-result.json")).unwrap(),
+    )
+    .unwrap();
+    let (status, _) = post_json(
+        &format!("{}/v1/chat/completions", h.url()),
+        &chat_req,
+        &[("turnguard-run", "run-7"), ("turnguard-node", "n1")],
+    )
+    .await;
     assert_eq!(status, 200);
-    let ant_req: Value = serde_json::from_slice(&std::fs::read(fixtures().join("anthropic-messages/request-tools-and-tool-result-is-error.json")).unwrap()).unwrap();
+    let ant_req: Value = serde_json::from_slice(
+        &std::fs::read(
+            fixtures().join("anthropic-messages/request-tools-and-tool-result-is-error.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
     let (status, _) = post_json(&format!("{}/v1/messages", h.url()), &ant_req, &[]).await;
     assert_eq!(status, 200);
     // Sent again: the same tool result is not recorded twice.
-    h.script(&script(json!([{ "file": "anthropic-messages/nonstream-tool-use.json" }]), &fixtures())).await;
+    h.script(&script(
+        json!([{ "file": "anthropic-messages/nonstream-tool-use.json" }]),
+        &fixtures(),
+    ))
+    .await;
     post_json(&format!("{}/v1/messages", h.url()), &ant_req, &[]).await;
     let dir = h.stop().await;
     let conn = support::journal(&dir.path().join("journal.db"));
-    let rounds: i64 = conn.query_row("SELECT count(*) FROM rounds WHERE state = 'ok'", [], |r| r.get(0)).unwrap();
+    let rounds: i64 = conn
+        .query_row("SELECT count(*) FROM rounds WHERE state = 'ok'", [], |r| {
+            r.get(0)
+        })
+        .unwrap();
     assert_eq!(rounds, 3);
     let (run, node, round_index, completion): (String, String, i64, String) = conn
-        .query_row("SELECT run_id, node_id, round_index, completion FROM rounds WHERE api = 'openai_chat'", [], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+        .query_row(
+            "SELECT run_id, node_id, round_index, completion FROM rounds WHERE api = 'openai_chat'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+        )
         .unwrap();
-    assert_eq!((run.as_str(), node.as_str(), round_index, completion.as_str()), ("run-7", "n1", 1, "clean"));
+    assert_eq!(
+        (
+            run.as_str(),
+            node.as_str(),
+            round_index,
+            completion.as_str()
+        ),
+        ("run-7", "n1", 1, "clean")
+    );
     let mut stmt = conn.prepare("SELECT scope, tool_call_id, tool_name, is_error, content FROM tool_results ORDER BY id").unwrap();
     let results: Vec<(String, String, Option<String>, bool, Vec<u8>)> = stmt
-        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+        .query_map([], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+        })
         .unwrap()
         .map(Result::unwrap)
         .collect();
@@ -237,8 +383,17 @@ async fn the_journal_holds_rounds_calls_and_tool_results() {
     assert_eq!(results[0].1, "call_ZR5UUuTt3pf61kjwAJIYdVMj");
     assert_eq!(results[0].2.as_deref(), Some("get_capital"));
     assert_eq!(results[0].4, b"\"London\"");
-    assert_eq!((results[1].1.as_str(), results[1].3), ("toolu_01A9HHF5Ezy3oBrKmSgfASm9", true));
-    let calls: i64 = conn.query_row("SELECT count(*) FROM tool_calls WHERE name = 'get_weather' AND outcome = 'executed'", [], |r| r.get(0)).unwrap();
+    assert_eq!(
+        (results[1].1.as_str(), results[1].3),
+        ("toolu_01A9HHF5Ezy3oBrKmSgfASm9", true)
+    );
+    let calls: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM tool_calls WHERE name = 'get_weather' AND outcome = 'executed'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
     assert_eq!(calls, 2);
     let _ = own_fixtures();
 }
@@ -250,8 +405,17 @@ async fn admin_plane_serves_health_and_metrics() {
     assert_eq!((status, &body[..]), (200, &b"{\"status\":\"ok\"}"[..]));
     let (status, _) = get(&format!("{}/readyz", h.admin_url())).await;
     assert_eq!(status, 200);
-    h.script(&script(json!([{ "file": "openai-chat/stream-tool-call-cut-by-length.sse" }]), &fixtures())).await;
-    post_raw(&format!("{}/v1/chat/completions", h.url()), chat(true).to_string().into(), &[]).await;
+    h.script(&script(
+        json!([{ "file": "openai-chat/stream-tool-call-cut-by-length.sse" }]),
+        &fixtures(),
+    ))
+    .await;
+    post_raw(
+        &format!("{}/v1/chat/completions", h.url()),
+        chat(true).to_string().into(),
+        &[],
+    )
+    .await;
     let (_, metrics) = get(&format!("{}/metrics", h.admin_url())).await;
     let metrics = String::from_utf8_lossy(&metrics);
     for want in [

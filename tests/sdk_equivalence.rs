@@ -5,6 +5,8 @@
 //! (`tests/sdk/equivalence.py` does the calls and the comparison). Then the journal must hold one
 //! round per proxied request and the admission decision of every call.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods, clippy::type_complexity)] // test code
+
 mod support;
 
 use std::collections::BTreeMap;
@@ -36,9 +38,16 @@ fn response_fixtures(root: &Path) -> Vec<(String, PathBuf)> {
             })
             .collect();
         found.sort();
-        assert!(!found.is_empty(), "no response fixtures in {}", dir.display());
+        assert!(
+            !found.is_empty(),
+            "no response fixtures in {}",
+            dir.display()
+        );
         for p in found {
-            let name = format!("{api}/{}", p.file_name().and_then(|n| n.to_str()).expect("utf-8 name"));
+            let name = format!(
+                "{api}/{}",
+                p.file_name().and_then(|n| n.to_str()).expect("utf-8 name")
+            );
             out.push((name, p));
         }
     }
@@ -63,7 +72,12 @@ fn expected_calls(name: &str, path: &Path) -> Vec<(String, String)> {
         if stream {
             for chunk in sse_payloads(path) {
                 for c in chunk["choices"].as_array().into_iter().flatten() {
-                    for tc in c.pointer("/delta/tool_calls").and_then(Value::as_array).into_iter().flatten() {
+                    for tc in c
+                        .pointer("/delta/tool_calls")
+                        .and_then(Value::as_array)
+                        .into_iter()
+                        .flatten()
+                    {
                         if tc.get("id").is_some_and(|id| id.is_string()) {
                             calls.push((s(tc.get("id")), s(tc.pointer("/function/name"))));
                         }
@@ -71,9 +85,15 @@ fn expected_calls(name: &str, path: &Path) -> Vec<(String, String)> {
                 }
             }
         } else {
-            let body: Value = serde_json::from_slice(&std::fs::read(path).expect("fixture")).expect("fixture JSON");
+            let body: Value = serde_json::from_slice(&std::fs::read(path).expect("fixture"))
+                .expect("fixture JSON");
             for c in body["choices"].as_array().into_iter().flatten() {
-                for tc in c.pointer("/message/tool_calls").and_then(Value::as_array).into_iter().flatten() {
+                for tc in c
+                    .pointer("/message/tool_calls")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
                     calls.push((s(tc.get("id")), s(tc.pointer("/function/name"))));
                 }
             }
@@ -86,7 +106,8 @@ fn expected_calls(name: &str, path: &Path) -> Vec<(String, String)> {
                 .map(|e| e["content_block"].clone())
                 .collect()
         } else {
-            let body: Value = serde_json::from_slice(&std::fs::read(path).expect("fixture")).expect("fixture JSON");
+            let body: Value = serde_json::from_slice(&std::fs::read(path).expect("fixture"))
+                .expect("fixture JSON");
             body["content"].as_array().cloned().unwrap_or_default()
         };
         for b in blocks.iter().filter(|b| b["type"] == "tool_use") {
@@ -140,13 +161,28 @@ async fn official_sdks_get_the_same_result_through_turnguard_for_every_fixture()
         .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python.display(), script.display()));
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    let report = format!("--- equivalence.py stdout\n{stdout}--- stderr\n{stderr}");
-    assert!(output.status.success(), "equivalence.py failed ({}):\n{report}", output.status);
+
+    // Every problem is collected, so one run reports both the SDK comparison and the journal.
+    let mut problems: Vec<String> = Vec::new();
+    macro_rules! expect {
+        ($cond:expr, $($msg:tt)+) => {
+            if !$cond {
+                problems.push(format!($($msg)+));
+            }
+        };
+    }
+    expect!(
+        output.status.success(),
+        "equivalence.py exited with {}",
+        output.status
+    );
     for (name, _) in &fixtures {
         let ok = format!("ok {name}");
-        assert!(stdout.lines().any(|l| l.trim_end() == ok), "no `{ok}` line:\n{report}");
+        expect!(
+            stdout.lines().any(|l| l.trim_end() == ok),
+            "equivalence.py printed no `{ok}` line"
+        );
     }
-    assert!(!stdout.lines().any(|l| l.starts_with("FAIL")), "a fixture failed:\n{report}");
 
     let dir = harness.stop().await;
     let db = support::journal(&dir.path().join("journal.db"));
@@ -174,12 +210,14 @@ async fn official_sdks_get_the_same_result_through_turnguard_for_every_fixture()
     for row in rows {
         let (id, round) = row.expect("round row");
         round_count += 1;
-        assert!(rounds.insert(id.clone(), round).is_none(), "two rounds with request_id {id}");
+        expect!(
+            rounds.insert(id.clone(), round).is_none(),
+            "journal: two rounds with request_id {id}"
+        );
     }
-    assert_eq!(
-        round_count,
-        fixtures.len(),
-        "expected one round per proxied request ({} fixtures), got {round_count}: {:?}",
+    expect!(
+        round_count == fixtures.len(),
+        "journal: expected one round per proxied request ({} fixtures), got {round_count}: {:?}",
         fixtures.len(),
         rounds.keys().collect::<Vec<_>>()
     );
@@ -211,16 +249,21 @@ async fn official_sdks_get_the_same_result_through_turnguard_for_every_fixture()
 
     let mut expected_call_count = 0usize;
     for (name, path) in &fixtures {
+        let want = expected_calls(name, path);
+        expected_call_count += want.len();
         let request_id = format!("sdk-eq:{name}");
-        let round = rounds
-            .get(&request_id)
-            .unwrap_or_else(|| panic!("no round for {name} (request_id {request_id}); rounds: {:?}", rounds.keys()));
-        let api = if name.starts_with("openai-chat/") { "openai_chat" } else { "anthropic_messages" };
+        let Some(round) = rounds.get(&request_id) else {
+            problems.push(format!(
+                "journal: no round for {name} (request_id {request_id})"
+            ));
+            continue;
+        };
+        let api = if name.starts_with("openai-chat/") {
+            "openai_chat"
+        } else {
+            "anthropic_messages"
+        };
         let truncated = TRUNCATED.contains(&name.as_str());
-        assert_eq!(round.api, api, "{name}: rounds.api");
-        assert_eq!(round.stream, name.ends_with(".sse"), "{name}: rounds.stream");
-        assert_eq!(round.state, "ok", "{name}: rounds.state");
-        assert_eq!(round.upstream_status, Some(200), "{name}: rounds.upstream_status");
         let completion = if truncated {
             "truncated"
         } else if name.contains("refusal") {
@@ -228,38 +271,83 @@ async fn official_sdks_get_the_same_result_through_turnguard_for_every_fixture()
         } else {
             "clean"
         };
-        assert_eq!(round.completion.as_deref(), Some(completion), "{name}: rounds.completion");
+        expect!(
+            round.api == api,
+            "journal: {name}: rounds.api = {:?}, expected {api:?}",
+            round.api
+        );
+        expect!(
+            round.stream == name.ends_with(".sse"),
+            "journal: {name}: rounds.stream = {}",
+            round.stream
+        );
+        expect!(
+            round.state == "ok",
+            "journal: {name}: rounds.state = {:?}, expected \"ok\"",
+            round.state
+        );
+        expect!(
+            round.upstream_status == Some(200),
+            "journal: {name}: rounds.upstream_status = {:?}, expected 200",
+            round.upstream_status
+        );
+        expect!(
+            round.completion.as_deref() == Some(completion),
+            "journal: {name}: rounds.completion = {:?}, expected {completion:?}",
+            round.completion
+        );
 
-        let want = expected_calls(name, path);
-        expected_call_count += want.len();
-        let got = calls.get(&request_id).map(Vec::as_slice).unwrap_or_default();
-        assert_eq!(
-            got.iter().map(|c| (c.call_id.clone(), c.name.clone())).collect::<Vec<_>>(),
-            want,
-            "{name}: tool_calls rows (call_id, name)"
+        let got = calls
+            .get(&request_id)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let got_ids: Vec<(String, String)> = got
+            .iter()
+            .map(|c| (c.call_id.clone(), c.name.clone()))
+            .collect();
+        expect!(
+            got_ids == want,
+            "journal: {name}: tool_calls (call_id, name) = {got_ids:?}, expected {want:?}"
         );
         for c in got {
+            let decision = (c.outcome.as_str(), c.stage.as_str(), c.reason.as_str());
             if truncated {
-                assert_eq!(
-                    (c.outcome.as_str(), c.stage.as_str(), c.reason.as_str()),
-                    ("invalid", "completion", "truncated"),
-                    "{name}: call {} of a truncated completion",
+                expect!(
+                    decision == ("invalid", "completion", "truncated"),
+                    "journal: {name}: call {} of a truncated completion: (outcome, stage, reason) = {decision:?}, \
+                     expected (\"invalid\", \"completion\", \"truncated\")",
                     c.call_id
                 );
             } else {
-                assert_eq!(
-                    (c.outcome.as_str(), c.stage.as_str()),
-                    ("executed", "dispatch"),
-                    "{name}: call {} of a clean completion",
+                expect!(
+                    (decision.0, decision.1) == ("executed", "dispatch"),
+                    "journal: {name}: call {} of a clean completion: (outcome, stage, reason) = {decision:?}, \
+                     expected executed at dispatch",
                     c.call_id
                 );
             }
         }
     }
-    assert!(
-        TRUNCATED.iter().all(|t| fixtures.iter().any(|(n, _)| n == t)),
-        "a truncated fixture is missing from the fixture directory"
+    expect!(
+        TRUNCATED
+            .iter()
+            .all(|t| fixtures.iter().any(|(n, _)| n == t)),
+        "a truncated fixture is missing from {}",
+        fixtures_dir.display()
     );
-    assert!(expected_call_count > 0, "no fixture has tool calls: the journal check proves nothing");
-    assert_eq!(call_count, expected_call_count, "tool_calls rows in total");
+    expect!(
+        expected_call_count > 0,
+        "no fixture has tool calls: the journal check proves nothing"
+    );
+    expect!(
+        call_count == expected_call_count,
+        "journal: {call_count} tool_calls rows in total, expected {expected_call_count}"
+    );
+
+    assert!(
+        problems.is_empty(),
+        "{} problem(s):\n- {}\n--- equivalence.py stdout\n{stdout}--- equivalence.py stderr\n{stderr}",
+        problems.len(),
+        problems.join("\n- ")
+    );
 }

@@ -2,6 +2,8 @@
 //! `/healthz`, refuses an unknown path with 404 and the OpenWOP error body, and shuts down
 //! cleanly on SIGTERM.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods, clippy::type_complexity)] // test code
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -11,7 +13,11 @@ fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
     let mut buf = String::new();
     s.read_to_string(&mut buf).ok()?;
     let status = buf.split_whitespace().nth(1)?.parse().ok()?;
@@ -39,27 +45,44 @@ fn serve_starts_with_no_arguments() {
         if let Ok(Some(status)) = child.try_wait() {
             panic!("turnguard exited early with {status}");
         }
-        assert!(Instant::now() < deadline, "no /healthz on 127.0.0.1:8788 within 20 s");
+        assert!(
+            Instant::now() < deadline,
+            "no /healthz on 127.0.0.1:8788 within 20 s"
+        );
         std::thread::sleep(Duration::from_millis(100));
     };
     assert_eq!(health.0, 200);
     assert!(health.1.contains("\"ok\""));
 
-    let (status, body) = http_get("127.0.0.1:8787", "/not/a/provider/path").expect("data plane answers");
+    let (status, body) =
+        http_get("127.0.0.1:8787", "/not/a/provider/path").expect("data plane answers");
     assert_eq!(status, 404);
     let err: Value = serde_json::from_str(&body).expect("OpenWOP error body is JSON");
     assert_eq!(err["error"], "not_found");
-    assert!(err["message"].as_str().unwrap().contains("/not/a/provider/path"));
-    assert!(dir.path().join("turnguard.db").exists(), "the journal defaults to ./turnguard.db");
+    assert!(err["message"]
+        .as_str()
+        .unwrap()
+        .contains("/not/a/provider/path"));
+    assert!(
+        dir.path().join("turnguard.db").exists(),
+        "the journal defaults to ./turnguard.db"
+    );
 
-    let term = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
+    let term = Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
     assert!(term.success());
     let deadline = Instant::now() + Duration::from_secs(10);
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
             break s;
         }
-        assert!(Instant::now() < deadline, "SIGTERM did not stop turnguard within 10 s");
+        assert!(
+            Instant::now() < deadline,
+            "SIGTERM did not stop turnguard within 10 s"
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "graceful shutdown exits 0, got {status}");

@@ -2,6 +2,8 @@
 //! emissions and the same forwarded bytes (the framer and the adapters keep no state that
 //! depends on where the transport cut the bytes).
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods, clippy::type_complexity)] // test code
+
 mod support;
 
 use std::path::PathBuf;
@@ -14,10 +16,19 @@ use turnguard::model::{Api, ChoiceEmissions, ChoiceVerdict, DeclaredTool, Turn};
 use turnguard::proxy::stream::Pipeline;
 
 fn turn(api: Api) -> Turn {
-    let tools = ["get_capital", "get_weather", "make_file", "list_files", "web_search"]
-        .iter()
-        .map(|n| DeclaredTool { name: (*n).into(), schema: Some(json!({"type": "object"})) })
-        .collect();
+    let tools = [
+        "get_capital",
+        "get_weather",
+        "make_file",
+        "list_files",
+        "web_search",
+    ]
+    .iter()
+    .map(|n| DeclaredTool {
+        name: (*n).into(),
+        schema: Some(json!({"type": "object"})),
+    })
+    .collect();
     Turn {
         api,
         model: None,
@@ -34,7 +45,10 @@ fn stream_fixtures() -> Vec<(PathBuf, Api)> {
     let mut out = Vec::new();
     for (dir, api) in [
         (support::fixtures().join("openai-chat"), Api::OpenAiChat),
-        (support::fixtures().join("anthropic-messages"), Api::AnthropicMessages),
+        (
+            support::fixtures().join("anthropic-messages"),
+            Api::AnthropicMessages,
+        ),
     ] {
         for e in std::fs::read_dir(&dir).expect("fixture dir") {
             let p = e.unwrap().path();
@@ -47,11 +61,19 @@ fn stream_fixtures() -> Vec<(PathBuf, Api)> {
         let p = e.unwrap().path();
         let name = p.file_name().unwrap().to_string_lossy().to_string();
         if name.ends_with(".sse") {
-            let api = if name.starts_with("anthropic") { Api::AnthropicMessages } else { Api::OpenAiChat };
+            let api = if name.starts_with("anthropic") {
+                Api::AnthropicMessages
+            } else {
+                Api::OpenAiChat
+            };
             out.push((p, api));
         }
     }
-    assert!(out.len() >= 10, "expected the shared and own stream fixtures, found {}", out.len());
+    assert!(
+        out.len() >= 10,
+        "expected the shared and own stream fixtures, found {}",
+        out.len()
+    );
     out
 }
 
@@ -59,7 +81,12 @@ fn stream_fixtures() -> Vec<(PathBuf, Api)> {
 fn relay(api: Api, chunks: &[&[u8]]) -> (Vec<u8>, Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>) {
     let t = turn(api);
     let schemas = SchemaCache::default();
-    let mut admit = |round: &[ChoiceEmissions]| round.iter().map(|c| admit_choice(&t, c, &schemas)).collect();
+    let mut admit = |round: &[ChoiceEmissions]| {
+        round
+            .iter()
+            .map(|c| admit_choice(&t, c, &schemas))
+            .collect()
+    };
     let mut p = Pipeline::new(&t, 1 << 20);
     let mut out: Vec<Bytes> = Vec::new();
     for c in chunks {
@@ -90,7 +117,8 @@ fn whole_streams_decide_every_call() {
         let bytes = std::fs::read(&path).unwrap();
         let (_, decided) = relay(api, &[&bytes]);
         let text = String::from_utf8_lossy(&bytes);
-        let has_client_call = text.contains("\"tool_calls\":[{") || text.contains("\"type\":\"tool_use\"");
+        let has_client_call =
+            text.contains("\"tool_calls\":[{") || text.contains("\"type\":\"tool_use\"");
         assert_eq!(!decided.is_empty(), has_client_call, "{}", path.display());
     }
 }

@@ -53,16 +53,19 @@ pub fn canonical(v: &Value) -> Vec<u8> {
     serde_jcs::to_vec(v).unwrap_or_else(|_| v.to_string().into_bytes())
 }
 
+/// A compiled validator, or why the schema does not compile.
+pub type Compiled = Arc<Result<Validator, String>>;
+
 /// Compiled validators keyed by schema hash, shared by every request.
 #[derive(Default)]
 pub struct SchemaCache {
-    compiled: Mutex<HashMap<[u8; 32], Arc<Result<Validator, String>>>>,
+    compiled: Mutex<HashMap<[u8; 32], Compiled>>,
 }
 
 impl SchemaCache {
     /// The compiled validator for `schema`, compiling it on first use.
     /// `Err(reason)` when the schema does not compile (for example a remote `$ref`).
-    pub fn get(&self, schema: &Value) -> Arc<Result<Validator, String>> {
+    pub fn get(&self, schema: &Value) -> Compiled {
         let key: [u8; 32] = Sha256::digest(canonical(schema)).into();
         if let Ok(map) = self.compiled.lock() {
             if let Some(v) = map.get(&key) {
@@ -73,7 +76,12 @@ impl SchemaCache {
             jsonschema::options()
                 .with_draft(Draft::Draft202012)
                 .build(schema)
-                .map_err(|e| format!("the declared schema does not compile: {}", e.kind().keyword())),
+                .map_err(|e| {
+                    format!(
+                        "the declared schema does not compile: {}",
+                        e.kind().keyword()
+                    )
+                }),
         );
         if let Ok(mut map) = self.compiled.lock() {
             if map.len() >= MAX_CACHED_SCHEMAS {
@@ -114,7 +122,10 @@ pub fn check(
     let args = match args {
         Ok(v) => v,
         Err(ArgsError::NotJson) => {
-            return invalid("arguments_not_json", "the arguments are not valid JSON".into())
+            return invalid(
+                "arguments_not_json",
+                "the arguments are not valid JSON".into(),
+            )
         }
         Err(ArgsError::NotObject) => {
             return invalid(
@@ -156,7 +167,10 @@ fn describe(e: &jsonschema::ValidationError<'_>) -> String {
         K::Required { property } => format!("missing required property {property}"),
         K::Type { kind } => format!("expected type {kind:?}").to_lowercase(),
         K::AdditionalProperties { unexpected } => {
-            format!("{} property(ies) not allowed by the schema", unexpected.len())
+            format!(
+                "{} property(ies) not allowed by the schema",
+                unexpected.len()
+            )
         }
         K::Enum { options } => format!("must be one of {options}"),
         K::Constant { expected_value } => format!("must equal {expected_value}"),

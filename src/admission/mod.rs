@@ -103,7 +103,9 @@ pub fn withheld_by_cut(choice: &ChoiceEmissions) -> ChoiceVerdict {
             stage: Stage::Completion,
             reason: "stream_cut",
             message: "the upstream stream ended before the call was complete".into(),
-            args_hash: arguments::parse(&call.arguments).ok().map(|a| arguments::args_hash(&a)),
+            args_hash: arguments::parse(&call.arguments)
+                .ok()
+                .map(|a| arguments::args_hash(&a)),
         })
         .collect();
     ChoiceVerdict {

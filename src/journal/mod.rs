@@ -188,7 +188,10 @@ impl Journal {
     }
 
     /// Records tool results durably; returns once they are committed.
-    pub async fn record_tool_results(&self, recs: Vec<ToolResultRecord>) -> Result<(), JournalError> {
+    pub async fn record_tool_results(
+        &self,
+        recs: Vec<ToolResultRecord>,
+    ) -> Result<(), JournalError> {
         if recs.is_empty() {
             return Ok(());
         }
@@ -306,7 +309,10 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
     Ok(())
 }
 
-fn insert_tool_result(tx: &rusqlite::Transaction<'_>, t: &ToolResultRecord) -> rusqlite::Result<()> {
+fn insert_tool_result(
+    tx: &rusqlite::Transaction<'_>,
+    t: &ToolResultRecord,
+) -> rusqlite::Result<()> {
     let scope = match &t.run.run_id {
         Some(run) => format!("run:{run}"),
         None => "chat".to_owned(),

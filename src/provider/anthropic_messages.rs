@@ -73,7 +73,11 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                     let id = b
                         .get("tool_use_id")
                         .and_then(Value::as_str)
-                        .ok_or_else(|| format!("`messages[{i}]` has a tool_result without a string `tool_use_id`"))?;
+                        .ok_or_else(|| {
+                            format!(
+                                "`messages[{i}]` has a tool_result without a string `tool_use_id`"
+                            )
+                        })?;
                     tool_results.push(ToolResultSeen {
                         tool_call_id: id.to_owned(),
                         tool_name: names.get(id).cloned(),
@@ -110,7 +114,9 @@ pub fn classify(stop_reason: Option<&str>, used: Option<u64>, max: Option<u64>) 
             completion(CompletionState::Truncated, r)
         }
         Some(r) => match (used, max) {
-            (Some(u), Some(m)) if u >= m => completion(CompletionState::Truncated, "max_tokens_reached"),
+            (Some(u), Some(m)) if u >= m => {
+                completion(CompletionState::Truncated, "max_tokens_reached")
+            }
             _ => completion(CompletionState::Clean, r),
         },
     }
@@ -125,8 +131,16 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
         .flatten()
         .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
         .map(|b| ToolCall {
-            id: b.get("id").and_then(Value::as_str).unwrap_or_default().to_owned(),
-            name: b.get("name").and_then(Value::as_str).unwrap_or_default().to_owned(),
+            id: b
+                .get("id")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
+            name: b
+                .get("name")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
             arguments: b.get("input").map(Value::to_string).unwrap_or_default(),
         })
         .collect();
@@ -223,7 +237,10 @@ impl MessagesStream {
             .and_then(Value::as_str)
             .map(str::to_owned)
             .or_else(|| block.event.clone());
-        let index = parsed.as_ref().and_then(|v| v.get("index")).and_then(Value::as_u64);
+        let index = parsed
+            .as_ref()
+            .and_then(|v| v.get("index"))
+            .and_then(Value::as_u64);
         match kind.as_deref() {
             Some("ping") | None => {
                 out.push(block.raw);
@@ -238,11 +255,20 @@ impl MessagesStream {
             }
             Some("content_block_start") => {
                 let cb = parsed.as_ref().and_then(|v| v.get("content_block"));
-                let is_call = cb.and_then(|b| b.get("type")).and_then(Value::as_str) == Some("tool_use");
+                let is_call =
+                    cb.and_then(|b| b.get("type")).and_then(Value::as_str) == Some("tool_use");
                 if let Some(ix) = index {
                     let call = is_call.then(|| ToolCall {
-                        id: cb.and_then(|b| b.get("id")).and_then(Value::as_str).unwrap_or_default().to_owned(),
-                        name: cb.and_then(|b| b.get("name")).and_then(Value::as_str).unwrap_or_default().to_owned(),
+                        id: cb
+                            .and_then(|b| b.get("id"))
+                            .and_then(Value::as_str)
+                            .unwrap_or_default()
+                            .to_owned(),
+                        name: cb
+                            .and_then(|b| b.get("name"))
+                            .and_then(Value::as_str)
+                            .unwrap_or_default()
+                            .to_owned(),
                         arguments: String::new(),
                     });
                     self.blocks.insert(ix, Block { call });
@@ -319,16 +345,28 @@ impl MessagesStream {
     }
 
     fn completion(&self) -> Completion {
-        classify(self.stop_reason.as_deref(), self.output_tokens, self.max_output_tokens)
+        classify(
+            self.stop_reason.as_deref(),
+            self.output_tokens,
+            self.max_output_tokens,
+        )
     }
 
     /// The emissions to admit (one choice, index 0).
     pub fn round(&self) -> Vec<ChoiceEmissions> {
-        let calls: Vec<ToolCall> = self.blocks.values().filter_map(|b| b.call.clone()).collect();
+        let calls: Vec<ToolCall> = self
+            .blocks
+            .values()
+            .filter_map(|b| b.call.clone())
+            .collect();
         if calls.is_empty() {
             return Vec::new();
         }
-        vec![ChoiceEmissions { choice: 0, completion: self.completion(), calls }]
+        vec![ChoiceEmissions {
+            choice: 0,
+            completion: self.completion(),
+            calls,
+        }]
     }
 
     /// Completion of the message, for the journal.
@@ -389,7 +427,11 @@ impl MessagesStream {
                 out.push(h.raw);
                 continue;
             }
-            let kind = h.json.as_ref().and_then(|v| v.get("type")).and_then(Value::as_str);
+            let kind = h
+                .json
+                .as_ref()
+                .and_then(|v| v.get("type"))
+                .and_then(Value::as_str);
             if !text_sent && matches!(kind, Some("message_delta" | "message_stop")) {
                 out.extend(text_block(text_index, text));
                 text_sent = true;
@@ -397,7 +439,10 @@ impl MessagesStream {
             if kind == Some("message_delta") {
                 if let Some(v) = h.json.as_mut() {
                     v["delta"]["stop_reason"] = json!("end_turn");
-                    out.push(sse::encode(h.name.as_deref().or(Some("message_delta")), &v.to_string()));
+                    out.push(sse::encode(
+                        h.name.as_deref().or(Some("message_delta")),
+                        &v.to_string(),
+                    ));
                     continue;
                 }
             }

@@ -142,7 +142,9 @@ pub fn classify(
         Some("length") => completion(CompletionState::Truncated, "length"),
         Some("content_filter") => completion(CompletionState::Refused, "content_filter"),
         Some(r) => match (used, max) {
-            (Some(u), Some(m)) if u >= m => completion(CompletionState::Truncated, "max_tokens_reached"),
+            (Some(u), Some(m)) if u >= m => {
+                completion(CompletionState::Truncated, "max_tokens_reached")
+            }
             _ => completion(CompletionState::Clean, r),
         },
     }
@@ -155,7 +157,11 @@ fn call_from_message(c: &Value) -> ToolCall {
         None => String::new(),
     };
     ToolCall {
-        id: c.get("id").and_then(Value::as_str).unwrap_or_default().to_owned(),
+        id: c
+            .get("id")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned(),
         name: c
             .pointer("/function/name")
             .and_then(Value::as_str)
@@ -167,7 +173,9 @@ fn call_from_message(c: &Value) -> ToolCall {
 
 /// Reads the emissions of a non-stream response, one entry per choice.
 pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
-    let used = body.pointer("/usage/completion_tokens").and_then(Value::as_u64);
+    let used = body
+        .pointer("/usage/completion_tokens")
+        .and_then(Value::as_u64);
     let mut out = Vec::new();
     for (pos, choice) in body
         .get("choices")
@@ -316,7 +324,11 @@ impl ChatStream {
         if data.trim() == "[DONE]" {
             self.done_seen = true;
             if self.holding() {
-                self.held.push(Held { raw: block.raw, json: None, entries: Vec::new() });
+                self.held.push(Held {
+                    raw: block.raw,
+                    json: None,
+                    entries: Vec::new(),
+                });
             } else {
                 out.push(block.raw);
             }
@@ -346,7 +358,8 @@ impl ChatStream {
             c.pointer("/delta/tool_calls")
                 .and_then(Value::as_array)
                 .is_some_and(|a| !a.is_empty())
-                || c.pointer("/delta/function_call").is_some_and(|v| !v.is_null())
+                || c.pointer("/delta/function_call")
+                    .is_some_and(|v| !v.is_null())
         });
         if self.decided && has_calls {
             // Fail closed: a call after the decision point is never released unadmitted.
@@ -373,12 +386,19 @@ impl ChatStream {
                 .enumerate()
             {
                 let wire_index = e.get("index").and_then(Value::as_u64).unwrap_or(0);
-                let id = e.get("id").and_then(Value::as_str).filter(|s| !s.is_empty());
+                let id = e
+                    .get("id")
+                    .and_then(Value::as_str)
+                    .filter(|s| !s.is_empty());
                 let current = acc.calls.iter().rposition(|a| a.wire_index == wire_index);
                 // A new id on an index already in use is a new call (some compatible servers
                 // send parallel calls all on index 0): keep them apart, never glue them.
                 let slot = match (current, id) {
-                    (Some(p), Some(id)) if !acc.calls[p].call.id.is_empty() && acc.calls[p].call.id != id => None,
+                    (Some(p), Some(id))
+                        if !acc.calls[p].call.id.is_empty() && acc.calls[p].call.id != id =>
+                    {
+                        None
+                    }
                     (p, _) => p,
                 };
                 let slot = match slot {
@@ -386,7 +406,11 @@ impl ChatStream {
                     None => {
                         acc.calls.push(CallAcc {
                             wire_index,
-                            call: ToolCall { id: String::new(), name: String::new(), arguments: String::new() },
+                            call: ToolCall {
+                                id: String::new(),
+                                name: String::new(),
+                                arguments: String::new(),
+                            },
                         });
                         acc.calls.len() - 1
                     }
@@ -410,7 +434,11 @@ impl ChatStream {
                 if acc.calls.is_empty() {
                     acc.calls.push(CallAcc {
                         wire_index: u64::MAX,
-                        call: ToolCall { id: "function_call".into(), name: String::new(), arguments: String::new() },
+                        call: ToolCall {
+                            id: "function_call".into(),
+                            name: String::new(),
+                            arguments: String::new(),
+                        },
                     });
                 }
                 let call = &mut acc.calls[0].call;
@@ -437,9 +465,17 @@ impl ChatStream {
                 remove_finish(&mut text_only);
                 out.push(encode(&text_only));
                 keep_only_calls_and_finish(&mut chunk);
-                self.held.push(Held { raw: encode(&chunk), json: Some(chunk), entries });
+                self.held.push(Held {
+                    raw: encode(&chunk),
+                    json: Some(chunk),
+                    entries,
+                });
             } else {
-                self.held.push(Held { raw: block.raw, json: Some(chunk), entries });
+                self.held.push(Held {
+                    raw: block.raw,
+                    json: Some(chunk),
+                    entries,
+                });
             }
         } else {
             self.push_other(block.raw, out);
@@ -451,7 +487,11 @@ impl ChatStream {
     fn push_other(&mut self, raw: Bytes, out: &mut Vec<Bytes>) {
         let finish_pending = self.choices.values().any(|c| c.finish_held);
         if self.holding() && finish_pending {
-            self.held.push(Held { raw, json: None, entries: Vec::new() });
+            self.held.push(Held {
+                raw,
+                json: None,
+                entries: Vec::new(),
+            });
         } else {
             out.push(raw);
         }
@@ -475,18 +515,29 @@ impl ChatStream {
 
     /// Every choice's finish reason is known (a stream that ends now is not cut).
     pub fn finished(&self) -> bool {
-        self.done_seen || (!self.choices.is_empty() && self.choices.values().all(|c| c.finish_reason.is_some()))
+        self.done_seen
+            || (!self.choices.is_empty()
+                && self.choices.values().all(|c| c.finish_reason.is_some()))
     }
 
     /// The emissions to admit, one entry per choice with calls.
     pub fn round(&self) -> Vec<ChoiceEmissions> {
-        let used = if self.usage_seen { self.usage_tokens } else { None };
+        let used = if self.usage_seen {
+            self.usage_tokens
+        } else {
+            None
+        };
         self.choices
             .iter()
             .filter(|(_, c)| !c.calls.is_empty())
             .map(|(&index, c)| ChoiceEmissions {
                 choice: index,
-                completion: classify(c.finish_reason.as_deref(), c.refused, used, self.max_output_tokens),
+                completion: classify(
+                    c.finish_reason.as_deref(),
+                    c.refused,
+                    used,
+                    self.max_output_tokens,
+                ),
                 calls: c.calls.iter().map(|a| a.call.clone()).collect(),
             })
             .collect()
@@ -494,10 +545,21 @@ impl ChatStream {
 
     /// Completion of every choice seen, for the journal.
     pub fn completions(&self) -> Vec<Completion> {
-        let used = if self.usage_seen { self.usage_tokens } else { None };
+        let used = if self.usage_seen {
+            self.usage_tokens
+        } else {
+            None
+        };
         self.choices
             .values()
-            .map(|c| classify(c.finish_reason.as_deref(), c.refused, used, self.max_output_tokens))
+            .map(|c| {
+                classify(
+                    c.finish_reason.as_deref(),
+                    c.refused,
+                    used,
+                    self.max_output_tokens,
+                )
+            })
             .collect()
     }
 
@@ -507,7 +569,9 @@ impl ChatStream {
         // Per choice: released flag per call, and the index each released call is emitted at.
         let mut plan: BTreeMap<u32, (Vec<Option<u64>>, Option<&str>)> = BTreeMap::new();
         for v in verdicts {
-            let Some(acc) = self.choices.get(&v.choice) else { continue };
+            let Some(acc) = self.choices.get(&v.choice) else {
+                continue;
+            };
             let mut next = 0u64;
             let emitted: Vec<Option<u64>> = acc
                 .calls
@@ -535,9 +599,14 @@ impl ChatStream {
                 let mut drop_positions = Vec::new();
                 for (cpos, c) in choices.iter_mut().enumerate() {
                     let index = c.get("index").and_then(Value::as_u64).unwrap_or(0) as u32;
-                    let Some((emitted, end_turn)) = plan.get(&index) else { continue };
+                    let Some((emitted, end_turn)) = plan.get(&index) else {
+                        continue;
+                    };
                     let acc = &self.choices[&index];
-                    if let Some(list) = c.pointer_mut("/delta/tool_calls").and_then(Value::as_array_mut) {
+                    if let Some(list) = c
+                        .pointer_mut("/delta/tool_calls")
+                        .and_then(Value::as_array_mut)
+                    {
                         let mut keep = Vec::new();
                         for (epos, mut e) in std::mem::take(list).into_iter().enumerate() {
                             let slot = held
@@ -545,7 +614,9 @@ impl ChatStream {
                                 .iter()
                                 .find(|(cp, ep, _)| *cp == cpos && *ep == epos)
                                 .map(|(_, _, s)| *s);
-                            match slot.and_then(|s| emitted.get(s).copied().flatten().map(|ix| (s, ix))) {
+                            match slot
+                                .and_then(|s| emitted.get(s).copied().flatten().map(|ix| (s, ix)))
+                            {
                                 Some((s, ix)) => {
                                     if acc.calls[s].wire_index != ix {
                                         e["index"] = json!(ix);
@@ -558,14 +629,19 @@ impl ChatStream {
                         }
                         *list = keep;
                     }
-                    if c.pointer("/delta/function_call").is_some() && emitted.first().copied().flatten().is_none() {
+                    if c.pointer("/delta/function_call").is_some()
+                        && emitted.first().copied().flatten().is_none()
+                    {
                         if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
                             d.remove("function_call");
                         }
                         changed = true;
                     }
                     if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
-                        if d.get("tool_calls").and_then(Value::as_array).is_some_and(|a| a.is_empty()) {
+                        if d.get("tool_calls")
+                            .and_then(Value::as_array)
+                            .is_some_and(|a| a.is_empty())
+                        {
                             d.remove("tool_calls");
                         }
                     }
@@ -576,7 +652,12 @@ impl ChatStream {
                             c["finish_reason"] = json!("stop");
                             changed = true;
                         }
-                    } else if c.get("delta").and_then(Value::as_object).is_some_and(Map::is_empty) && changed {
+                    } else if c
+                        .get("delta")
+                        .and_then(Value::as_object)
+                        .is_some_and(Map::is_empty)
+                        && changed
+                    {
                         drop_positions.push(cpos);
                     }
                 }

@@ -100,7 +100,9 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Respo
         }
     };
     state.metrics.inflight_requests.dec();
-    state.metrics.request(api.as_str(), resp.status().as_u16(), stream);
+    state
+        .metrics
+        .request(api.as_str(), resp.status().as_u16(), stream);
     if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
         resp.headers_mut().insert("x-request-id", v);
     }
@@ -117,12 +119,26 @@ async fn turn(
     let (parts, body) = req.into_parts();
     let raw = read_request(state, body).await?;
     let json = parse_json(&raw)?;
-    let turn = provider::parse_request(api, &json).map_err(|reason| WireError::InvalidRequest { reason })?;
+    let turn = provider::parse_request(api, &json)
+        .map_err(|reason| WireError::InvalidRequest { reason })?;
     record_tool_results(state, ctx, &turn).await?;
 
-    let path = parts.uri.path_and_query().map_or(parts.uri.path(), |p| p.as_str()).to_owned();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or(parts.uri.path(), |p| p.as_str())
+        .to_owned();
     let headers = upstream::request_headers(&parts.headers, true);
-    let resp = upstream::send(state, api.upstream(), api.as_str(), Method::POST, &path, headers, raw).await?;
+    let resp = upstream::send(
+        state,
+        api.upstream(),
+        api.as_str(),
+        Method::POST,
+        &path,
+        headers,
+        raw,
+    )
+    .await?;
     let round = RoundBase {
         request_digest: hex_sha256(&admission::arguments::canonical(&json)),
         upstream_status: resp.status().as_u16(),
@@ -138,7 +154,10 @@ async fn turn(
         return Ok((out, false));
     }
     if is_event_stream(resp.headers()) {
-        return Ok((stream::relay(Arc::clone(state), ctx.clone(), turn, round, resp), true));
+        return Ok((
+            stream::relay(Arc::clone(state), ctx.clone(), turn, round, resp),
+            true,
+        ));
     }
     let (p, b) = resp.into_parts();
     let body = read_capped(b, state.config.max_response_bytes)
@@ -175,7 +194,12 @@ async fn read_request(state: &AppState, body: Body) -> Result<Bytes, WireError> 
 
 fn parse_json(raw: &[u8]) -> Result<Value, WireError> {
     serde_json::from_slice(raw).map_err(|e| WireError::InvalidRequest {
-        reason: format!("malformed JSON at line {} column {}: {}", e.line(), e.column(), classify_json_error(&e)),
+        reason: format!(
+            "malformed JSON at line {} column {}: {}",
+            e.line(),
+            e.column(),
+            classify_json_error(&e)
+        ),
     })
 }
 
@@ -197,12 +221,20 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().to_ascii_lowercase().starts_with("text/event-stream"))
+        .is_some_and(|v| {
+            v.trim_start()
+                .to_ascii_lowercase()
+                .starts_with("text/event-stream")
+        })
 }
 
 /// Records the tool results the request carries, durably, before it goes upstream
 /// (tool-turn contract §D). A record failure fails the request.
-async fn record_tool_results(state: &AppState, ctx: &RequestCtx, turn: &Turn) -> Result<(), WireError> {
+async fn record_tool_results(
+    state: &AppState,
+    ctx: &RequestCtx,
+    turn: &Turn,
+) -> Result<(), WireError> {
     let cap = state.config.journal_max_record_bytes;
     let recs: Vec<ToolResultRecord> = turn
         .tool_results
@@ -221,7 +253,9 @@ async fn record_tool_results(state: &AppState, ctx: &RequestCtx, turn: &Turn) ->
         .journal
         .record_tool_results(recs)
         .await
-        .map_err(|e| WireError::JournalUnavailable { reason: e.to_string() })
+        .map_err(|e| WireError::JournalUnavailable {
+            reason: e.to_string(),
+        })
 }
 
 /// Admits every call of every choice (tool-turn contract §B) and counts the outcomes.
@@ -288,7 +322,11 @@ async fn surface_json(
         }
     };
     let round = provider::parse_response(turn.api, &json, turn);
-    let with_calls: Vec<ChoiceEmissions> = round.iter().filter(|c| !c.calls.is_empty()).cloned().collect();
+    let with_calls: Vec<ChoiceEmissions> = round
+        .iter()
+        .filter(|c| !c.calls.is_empty())
+        .cloned()
+        .collect();
     let verdicts = admit(state, turn, &with_calls);
     let out = if provider::rewrite_response(turn.api, &mut json, &verdicts) {
         Bytes::from(json.to_string())
@@ -354,14 +392,31 @@ fn record_upstream_error(state: &Arc<AppState>, ctx: &RequestCtx, turn: &Turn, b
 
 /// Passes an emission-free endpoint (`GET /v1/models`, `POST /v1/embeddings`,
 /// `POST /v1/messages/count_tokens`) to `upstream` unchanged, body capped.
-pub async fn passthrough(state: Arc<AppState>, upstream_name: &'static str, req: Request<Body>) -> Response {
+pub async fn passthrough(
+    state: Arc<AppState>,
+    upstream_name: &'static str,
+    req: Request<Body>,
+) -> Response {
     let ctx = RequestCtx::new(req.headers());
     let (parts, body) = req.into_parts();
     let result = async {
         let raw = read_request(&state, body).await?;
-        let path = parts.uri.path_and_query().map_or(parts.uri.path(), |p| p.as_str()).to_owned();
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or(parts.uri.path(), |p| p.as_str())
+            .to_owned();
         let headers = upstream::request_headers(&parts.headers, false);
-        upstream::send(&state, upstream_name, "passthrough", parts.method.clone(), &path, headers, raw).await
+        upstream::send(
+            &state,
+            upstream_name,
+            "passthrough",
+            parts.method.clone(),
+            &path,
+            headers,
+            raw,
+        )
+        .await
     }
     .await;
     let mut resp = match result {
@@ -374,7 +429,9 @@ pub async fn passthrough(state: Arc<AppState>, upstream_name: &'static str, req:
         }
         Err(e) => e.into_response(),
     };
-    state.metrics.request("passthrough", resp.status().as_u16(), false);
+    state
+        .metrics
+        .request("passthrough", resp.status().as_u16(), false);
     if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
         resp.headers_mut().insert("x-request-id", v);
     }

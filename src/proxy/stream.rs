@@ -18,7 +18,9 @@ use hyper::body::Incoming;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::{admit, call_records, join, record_round, round_record, upstream, RequestCtx, RoundBase};
+use super::{
+    admit, call_records, join, record_round, round_record, upstream, RequestCtx, RoundBase,
+};
 use crate::metrics::{ApiLabels, ReasonLabels};
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Turn};
 use crate::provider::StreamAdapter;
@@ -66,7 +68,12 @@ struct Capture {
 impl Capture {
     fn new(cap: usize) -> Self {
         use sha2::Digest;
-        Self { bytes: Vec::new(), total: 0, cap, hasher: sha2::Sha256::new() }
+        Self {
+            bytes: Vec::new(),
+            total: 0,
+            cap,
+            hasher: sha2::Sha256::new(),
+        }
     }
 
     fn push(&mut self, data: &[u8]) {
@@ -102,7 +109,11 @@ pub struct Pipeline {
 impl Pipeline {
     /// A pipeline for one streamed response to `turn`.
     pub fn new(turn: &Turn, max_event_bytes: usize) -> Self {
-        Self { framer: SseFramer::new(max_event_bytes), adapter: StreamAdapter::new(turn), decided: Vec::new() }
+        Self {
+            framer: SseFramer::new(max_event_bytes),
+            adapter: StreamAdapter::new(turn),
+            decided: Vec::new(),
+        }
     }
 
     /// Takes the next upstream bytes. `admit` decides a round of held calls.
@@ -124,7 +135,11 @@ impl Pipeline {
         Ok(())
     }
 
-    fn decide(&mut self, admit: &mut dyn FnMut(&[ChoiceEmissions]) -> Vec<ChoiceVerdict>, out: &mut Vec<Bytes>) {
+    fn decide(
+        &mut self,
+        admit: &mut dyn FnMut(&[ChoiceEmissions]) -> Vec<ChoiceVerdict>,
+        out: &mut Vec<Bytes>,
+    ) {
         let round = self.adapter.round();
         let verdicts = admit(&round);
         self.adapter.release(&verdicts, out);
@@ -151,8 +166,12 @@ impl Pipeline {
                 ("ok", None)
             }
             None => {
-                self.adapter.cut("the stream ended before its terminal event", out);
-                ("failed", Some("upstream stream ended before its terminal event".to_owned()))
+                self.adapter
+                    .cut("the stream ended before its terminal event", out);
+                (
+                    "failed",
+                    Some("upstream stream ended before its terminal event".to_owned()),
+                )
             }
             Some(reason) => {
                 self.adapter.cut(&reason, out);
@@ -175,7 +194,10 @@ impl Pipeline {
         }
         if self.decided.is_empty() {
             let round = self.adapter.round();
-            let verdicts: Vec<ChoiceVerdict> = round.iter().map(crate::admission::withheld_by_cut).collect();
+            let verdicts: Vec<ChoiceVerdict> = round
+                .iter()
+                .map(crate::admission::withheld_by_cut)
+                .collect();
             rows.extend(call_records(&round, &verdicts));
         }
         rows
@@ -199,7 +221,9 @@ async fn run(
         state
             .metrics
             .hold_latency
-            .get_or_create(&ApiLabels { api: turn.api.as_str().to_owned() })
+            .get_or_create(&ApiLabels {
+                api: turn.api.as_str().to_owned(),
+            })
             .observe(started.elapsed().as_secs_f64());
         verdicts
     };
@@ -212,7 +236,9 @@ async fn run(
             Ok(Some(Err(e))) => break End::Cut(format!("upstream body failed: {e}")),
             Ok(Some(Ok(frame))) => frame,
         };
-        let Ok(data) = frame.into_data() else { continue };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
         capture.push(&data);
         if let Err(reason) = pipeline.feed(&data, &mut admit_round, &mut out) {
             break End::Cut(reason);
@@ -227,7 +253,10 @@ async fn run(
     let (round_state, error) = match end {
         End::Eof => pipeline.end(None, &mut admit_round, &mut out),
         End::Cut(reason) => pipeline.end(Some(reason), &mut admit_round, &mut out),
-        End::ClientGone => ("client_gone", Some("the agent closed the stream".to_owned())),
+        End::ClientGone => (
+            "client_gone",
+            Some("the agent closed the stream".to_owned()),
+        ),
     };
     if round_state == "failed" {
         count_cut(&state, "stream_cut");
@@ -255,6 +284,8 @@ fn count_cut(state: &AppState, reason: &str) {
     state
         .metrics
         .upstream_errors
-        .get_or_create(&ReasonLabels { reason: reason.to_owned() })
+        .get_or_create(&ReasonLabels {
+            reason: reason.to_owned(),
+        })
         .inc();
 }

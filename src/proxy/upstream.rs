@@ -27,7 +27,9 @@ pub type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 pub fn client(config: &Config) -> HttpClient {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
-    http.set_connect_timeout(Some(Duration::from_millis(config.upstream_connect_timeout_ms)));
+    http.set_connect_timeout(Some(Duration::from_millis(
+        config.upstream_connect_timeout_ms,
+    )));
     http.set_nodelay(true);
     let https = hyper_rustls::HttpsConnectorBuilder::new()
         .with_webpki_roots()
@@ -89,7 +91,10 @@ pub fn request_headers(incoming: &HeaderMap, parse_response: bool) -> HeaderMap 
         out.append(name.clone(), value.clone());
     }
     if parse_response {
-        out.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+        out.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
     }
     out
 }
@@ -125,13 +130,14 @@ pub async fn send(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response<Incoming>, WireError> {
-    let target = state
-        .config
-        .upstreams
-        .get(upstream)
-        .ok_or_else(|| WireError::UpstreamNotConfigured {
-            upstream: upstream.to_owned(),
-        })?;
+    let target =
+        state
+            .config
+            .upstreams
+            .get(upstream)
+            .ok_or_else(|| WireError::UpstreamNotConfigured {
+                upstream: upstream.to_owned(),
+            })?;
     let uri = target
         .uri(path_and_query)
         .map_err(|e| WireError::Internal {
@@ -151,7 +157,9 @@ pub async fn send(
         state
             .metrics
             .upstream_errors
-            .get_or_create(&ReasonLabels { reason: reason.to_owned() })
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_owned(),
+            })
             .inc();
         WireError::UpstreamUnavailable {
             upstream: upstream.to_owned(),

@@ -1,6 +1,11 @@
 //! Test support: a scripted mock provider and turnguard, both in-process on `127.0.0.1:0`,
 //! driven over real sockets; fixture loaders for `../shared/fixtures`; a small HTTP client.
-#![allow(dead_code)]
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods
+)] // test code
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -40,8 +45,14 @@ impl Harness {
     }
     /// Replaces the mock's script.
     pub async fn script(&self, script: &Value) {
-        let (status, body) = post_json(&format!("{}/_mock/script", self.mock_url()), script, &[]).await;
-        assert_eq!(status, 200, "mock refused script: {}", String::from_utf8_lossy(&body));
+        let (status, body) =
+            post_json(&format!("{}/_mock/script", self.mock_url()), script, &[]).await;
+        assert_eq!(
+            status,
+            200,
+            "mock refused script: {}",
+            String::from_utf8_lossy(&body)
+        );
     }
     /// Requests the mock received.
     pub async fn mock_requests(&self) -> Vec<Value> {
@@ -64,7 +75,9 @@ pub async fn start(script: Script) -> Harness {
 /// Like [`start`], with a chance to adjust the config.
 pub async fn start_with(script: Script, tweak: impl FnOnce(&mut Config)) -> Harness {
     let dir = tempfile::tempdir().expect("tempdir");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind mock");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind mock");
     let mock = mock_provider::spawn(listener, script).expect("mock");
     let mock_url = format!("http://{}", mock.addr);
     let flags = ServeArgs {
@@ -72,7 +85,10 @@ pub async fn start_with(script: Script, tweak: impl FnOnce(&mut Config)) -> Harn
         admin_listen: Some("127.0.0.1:0".into()),
         journal: Some(dir.path().join("journal.db")),
         policy: Some(dir.path().join("policy")),
-        upstream: vec![format!("openai={mock_url}"), format!("anthropic={mock_url}")],
+        upstream: vec![
+            format!("openai={mock_url}"),
+            format!("anthropic={mock_url}"),
+        ],
         ..Default::default()
     };
     let mut config = Config::resolve(&flags, &|_| None).expect("config");
@@ -110,27 +126,46 @@ pub async fn post_json(url: &str, body: &Value, headers: &[(&str, &str)]) -> (u1
 }
 
 /// POSTs bytes; returns status, headers and the whole body.
-pub async fn post_raw(url: &str, body: Bytes, headers: &[(&str, &str)]) -> (u16, http::HeaderMap, Bytes) {
+pub async fn post_raw(
+    url: &str,
+    body: Bytes,
+    headers: &[(&str, &str)],
+) -> (u16, http::HeaderMap, Bytes) {
     let mut req = http::Request::post(url).header("content-type", "application/json");
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    let resp = tokio::time::timeout(Duration::from_secs(30), client().request(req.body(Full::new(body)).unwrap()))
-        .await
-        .expect("response in time")
-        .expect("request");
+    let resp = tokio::time::timeout(
+        Duration::from_secs(30),
+        client().request(req.body(Full::new(body)).unwrap()),
+    )
+    .await
+    .expect("response in time")
+    .expect("request");
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
-    let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
     (status, headers, body)
 }
 
 /// GETs a URL; returns status and body.
 pub async fn get(url: &str) -> (u16, Bytes) {
-    let req = http::Request::get(url).body(Full::new(Bytes::new())).unwrap();
+    let req = http::Request::get(url)
+        .body(Full::new(Bytes::new()))
+        .unwrap();
     let resp = client().request(req).await.expect("request");
     let status = resp.status().as_u16();
-    let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
     (status, body)
 }
 
@@ -147,7 +182,12 @@ pub async fn post_stream(url: &str, body: &Value) -> http::Response<hyper::body:
 pub fn sse_data(body: &[u8]) -> Vec<Value> {
     String::from_utf8_lossy(body)
         .split("\n\n")
-        .flat_map(|ev| ev.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_owned).collect::<Vec<_>>())
+        .flat_map(|ev| {
+            ev.lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
         .map(|d| serde_json::from_str(&d).unwrap_or(Value::String(d)))
         .collect()
 }
@@ -170,5 +210,6 @@ pub fn python() -> PathBuf {
 
 /// Opens the journal read-only.
 pub fn journal(path: &Path) -> rusqlite::Connection {
-    rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).expect("journal opens")
+    rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+        .expect("journal opens")
 }
