@@ -166,11 +166,10 @@ async fn turn(
             upstream: api.upstream().to_owned(),
             reason: format!("response body: {e}"),
         })?;
-    let (body, verdict_calls) = surface_json(state, ctx, &turn, &round, body).await?;
+    let body = surface_json(state, ctx, &turn, &round, body).await?;
     let mut out = Response::new(Body::from(body));
     *out.status_mut() = p.status;
     *out.headers_mut() = upstream::response_headers(&p.headers, false);
-    let _ = verdict_calls;
     Ok((out, false))
 }
 
@@ -301,14 +300,14 @@ pub fn call_records(round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) -> Ve
 }
 
 /// A non-stream response: adapter → admission → surface → record. Returns the body to send
-/// (the upstream's bytes when nothing changed) and the number of calls decided.
+/// (the upstream's bytes when nothing changed).
 async fn surface_json(
     state: &AppState,
     ctx: &RequestCtx,
     turn: &Turn,
     base: &RoundBase,
     body: Bytes,
-) -> Result<(Bytes, usize), WireError> {
+) -> Result<Bytes, WireError> {
     let mut json: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(_) => {
@@ -337,9 +336,8 @@ async fn surface_json(
     rec.completion = Some(join(round.iter().map(|c| c.completion.state.as_str())));
     rec.finish_reason = Some(join(round.iter().map(|c| c.completion.reason.as_str())));
     rec.calls = call_records(&with_calls, &verdicts);
-    let n = rec.calls.len();
     record_round(state, rec).await;
-    Ok((out, n))
+    Ok(out)
 }
 
 /// Comma-joins labels for a journal column.
