@@ -76,6 +76,21 @@ pub struct ServeArgs {
     /// Log format: `text` or `json` [default: text].
     #[arg(long, value_name = "FORMAT")]
     pub log_format: Option<String>,
+    /// Data-plane requests (streams included) served at once; more are shed with 503 and
+    /// `Retry-After` [default: 512].
+    #[arg(long, value_name = "N")]
+    pub max_concurrent_requests: Option<usize>,
+    /// `Retry-After` sent with a shed request, seconds [default: 1].
+    #[arg(long, value_name = "SECONDS")]
+    pub shed_retry_after_s: Option<u64>,
+    /// On SIGTERM, time between readiness going false and the listeners closing,
+    /// milliseconds (0 = close at once) [default: 0].
+    #[arg(long, value_name = "MS")]
+    pub shutdown_delay_ms: Option<u64>,
+    /// On SIGTERM, how long in-flight requests and streams may take to finish before they
+    /// are cut, milliseconds [default: 30000].
+    #[arg(long, value_name = "MS")]
+    pub shutdown_grace_ms: Option<u64>,
 }
 
 /// The TOML file: the same keys as the flags, all optional, nothing else.
@@ -95,6 +110,10 @@ struct FileConfig {
     upstream_response_timeout_ms: Option<u64>,
     upstream_idle_timeout_ms: Option<u64>,
     log_format: Option<String>,
+    max_concurrent_requests: Option<usize>,
+    shed_retry_after_s: Option<u64>,
+    shutdown_delay_ms: Option<u64>,
+    shutdown_grace_ms: Option<u64>,
 }
 
 /// Log output format.
@@ -167,6 +186,14 @@ pub struct Config {
     pub upstream_response_timeout_ms: u64,
     pub upstream_idle_timeout_ms: u64,
     pub log_format: LogFormat,
+    /// Concurrency limit of the data plane; requests over it are shed (503, `Retry-After`).
+    pub max_concurrent_requests: usize,
+    /// `Retry-After` of a shed request, seconds.
+    pub shed_retry_after_s: u64,
+    /// Readiness-false-to-close delay on SIGTERM, milliseconds.
+    pub shutdown_delay_ms: u64,
+    /// Deadline for in-flight requests and streams on SIGTERM, milliseconds.
+    pub shutdown_grace_ms: u64,
 }
 
 impl Default for Config {
@@ -194,6 +221,10 @@ impl Default for Config {
             upstream_response_timeout_ms: 600_000,
             upstream_idle_timeout_ms: 300_000,
             log_format: LogFormat::Text,
+            max_concurrent_requests: 512,
+            shed_retry_after_s: 1,
+            shutdown_delay_ms: 0,
+            shutdown_grace_ms: 30_000,
         }
     }
 }
@@ -350,6 +381,37 @@ impl Config {
             ms_env
         );
 
+        // Protection and shutdown (issue 6).
+        let any_ms = |v: u64, _: &str| -> Result<u64, ConfigError> { Ok(v) };
+        let any_ms_env = |v: String, src: &str| -> Result<u64, ConfigError> {
+            v.parse()
+                .map_err(|_| value_err(src, format!("`{v}` is not a number of milliseconds")))
+        };
+        number!(
+            max_concurrent_requests,
+            "TURNGUARD_MAX_CONCURRENT_REQUESTS",
+            size,
+            size_env
+        );
+        number!(
+            shed_retry_after_s,
+            "TURNGUARD_SHED_RETRY_AFTER_S",
+            ms,
+            ms_env
+        );
+        number!(
+            shutdown_delay_ms,
+            "TURNGUARD_SHUTDOWN_DELAY_MS",
+            any_ms,
+            any_ms_env
+        );
+        number!(
+            shutdown_grace_ms,
+            "TURNGUARD_SHUTDOWN_GRACE_MS",
+            ms,
+            ms_env
+        );
+
         // Upstreams: each layer overrides names it sets; defaults stay for the others.
         if let Some(map) = &file.upstream {
             for (name, url) in map {
@@ -440,6 +502,42 @@ mod tests {
         assert_eq!(c.admin_listen.to_string(), "127.0.0.1:8788");
         assert_eq!(c.upstreams["openai"].authority, "api.openai.com");
         assert_eq!(c.upstreams["anthropic"].scheme, "https");
+        assert_eq!(c.max_concurrent_requests, 512);
+        assert_eq!(c.shutdown_grace_ms, 30_000);
+    }
+
+    #[test]
+    fn protection_and_shutdown_keys_layer_like_the_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(
+            &file,
+            "max_concurrent_requests = 7\nshed_retry_after_s = 3\nshutdown_grace_ms = 900\nshutdown_delay_ms = 5\n",
+        )
+        .unwrap();
+        let flags = ServeArgs {
+            config: Some(file),
+            shutdown_grace_ms: Some(1200),
+            ..Default::default()
+        };
+        let c = Config::resolve(
+            &flags,
+            &env_of(&[
+                ("TURNGUARD_SHED_RETRY_AFTER_S", "4"),
+                ("TURNGUARD_SHUTDOWN_DELAY_MS", "0"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.max_concurrent_requests, 7);
+        assert_eq!(c.shed_retry_after_s, 4);
+        assert_eq!(c.shutdown_delay_ms, 0);
+        assert_eq!(c.shutdown_grace_ms, 1200);
+        let zero = ServeArgs {
+            max_concurrent_requests: Some(0),
+            ..Default::default()
+        };
+        let err = Config::resolve(&zero, &env_of(&[])).unwrap_err().to_string();
+        assert!(err.contains("max_concurrent_requests"), "{err}");
     }
 
     #[test]

@@ -33,6 +33,13 @@ pub enum WireError {
     /// the request).
     #[error("the journal could not record this request: {reason}")]
     JournalUnavailable { reason: String },
+    /// The data plane is at its concurrency limit (`max_concurrent_requests`); the request
+    /// was shed before any work (issue 6: load shedding, 503 with `Retry-After`).
+    #[error("turnguard is at its limit of {limit} concurrent requests; retry after {retry_after_s} s")]
+    Overloaded { limit: usize, retry_after_s: u64 },
+    /// turnguard is draining after SIGTERM and takes no new requests.
+    #[error("turnguard is shutting down; retry after {retry_after_s} s")]
+    ShuttingDown { retry_after_s: u64 },
     /// An invariant turnguard relies on did not hold.
     #[error("internal error: {reason}")]
     Internal { reason: String },
@@ -70,6 +77,18 @@ impl WireError {
                 "turnguard.journal_unavailable",
                 "journal_unavailable",
             ),
+            // `runner_unavailable` (503, retriable) is the registered code for "cannot take
+            // work now"; the reason label tells the two apart.
+            Self::Overloaded { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "runner_unavailable",
+                "overloaded",
+            ),
+            Self::ShuttingDown { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "runner_unavailable",
+                "shutting_down",
+            ),
             Self::Internal { .. } => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal_error",
@@ -90,6 +109,16 @@ impl WireError {
             | Self::UpstreamNotConfigured { upstream } => {
                 details["upstream"] = json!(upstream);
             }
+            Self::Overloaded {
+                limit,
+                retry_after_s,
+            } => {
+                details["limit"] = json!(limit);
+                details["retryAfterSeconds"] = json!(retry_after_s);
+            }
+            Self::ShuttingDown { retry_after_s } => {
+                details["retryAfterSeconds"] = json!(retry_after_s);
+            }
             _ => {}
         }
         json!({ "error": code, "message": self.to_string(), "details": details })
@@ -105,6 +134,16 @@ impl IntoResponse for WireError {
             http::header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if let Self::Overloaded { retry_after_s, .. } | Self::ShuttingDown { retry_after_s } =
+            &self
+        {
+            resp.headers_mut()
+                .insert(http::header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
+        }
+        if matches!(self, Self::ShuttingDown { .. }) {
+            resp.headers_mut()
+                .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        }
         resp
     }
 }

@@ -7,6 +7,7 @@
 //! |---|---|
 //! | [`config`] | layered configuration: defaults, TOML file, `TURNGUARD_*` env, flags |
 //! | [`server`] | binds the data plane and admin plane, wires the shared state |
+//! | [`edge`] | the data-plane edge layer: load shedding, request id, access log, timing |
 //! | [`body`] | the capped body reader: the only place a request or response body is collected |
 //! | [`proxy`] | the request path: parse → adapter → record tool results → upstream → admit → surface |
 //! | [`sse`] | byte-faithful `text/event-stream` framing (raw bytes kept per event) |
@@ -16,6 +17,7 @@
 //! | [`journal`] | the SQLite journal: one writer thread, group commit, insert-if-absent |
 //! | [`metrics`] | every Prometheus metric, in one registry handle |
 //! | [`admin`] | the admin plane: `/metrics`, `/healthz`, `/readyz`, `/config` |
+//! | [`shutdown`] | graceful shutdown: readiness false, drain within a deadline, flush |
 //! | [`error`] | the one boundary enum for errors turnguard authors on the wire |
 //! | [`mock_provider`] | the scripted model used by tests and the offline demo |
 
@@ -23,6 +25,7 @@ pub mod admin;
 pub mod admission;
 pub mod body;
 pub mod config;
+pub mod edge;
 pub mod error;
 pub mod journal;
 pub mod metrics;
@@ -31,4 +34,5 @@ pub mod model;
 pub mod provider;
 pub mod proxy;
 pub mod server;
+pub mod shutdown;
 pub mod sse;

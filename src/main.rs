@@ -59,7 +59,10 @@ async fn main() -> anyhow::Result<()> {
                 .context("turnguard could not start")?;
             shutdown_signal().await;
             tracing::info!("shutting down");
-            running.shutdown().await;
+            let report = running.shutdown().await;
+            if !report.journal_flushed {
+                anyhow::bail!("the journal was not flushed before exit");
+            }
             Ok(())
         }
         Command::MockProvider { listen, script } => {

@@ -40,6 +40,49 @@ pub struct CallLabels {
     pub channel: String,
 }
 
+/// Labels of the edge histograms (`turnguard_request_duration_seconds`,
+/// `turnguard_proxy_added_seconds`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EdgeLabels {
+    /// Provider API (`openai_chat`, `anthropic_messages`, `passthrough`, `none`).
+    pub api: String,
+    /// `true` for an SSE response.
+    pub stream: String,
+}
+
+/// Labels of `turnguard_shed_requests_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ShedLabels {
+    /// Why the request was shed ([`ShedReason::as_str`]).
+    pub reason: String,
+}
+
+/// Why a request was turned away before any work was done on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShedReason {
+    /// The concurrency limit (`max_concurrent_requests`) was reached.
+    Overloaded,
+    /// turnguard is draining after SIGTERM.
+    ShuttingDown,
+}
+
+impl ShedReason {
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Overloaded => "overloaded",
+            Self::ShuttingDown => "shutting_down",
+        }
+    }
+}
+
+/// Labels of `turnguard_build_info`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    /// The crate version.
+    pub version: String,
+}
+
 /// Labels of `turnguard_upstream_errors_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
@@ -69,6 +112,19 @@ pub struct Metrics {
     pub journal_queue_depth: Gauge<i64, AtomicI64>,
     /// Data-plane requests in flight.
     pub inflight_requests: Gauge<i64, AtomicI64>,
+    /// Whole time of a data-plane request at the edge (arrival to the last body byte sent),
+    /// seconds.
+    pub request_duration: Family<EdgeLabels, Histogram>,
+    /// Time spent in turnguard for one request, excluding waits on the upstream, seconds.
+    pub proxy_added: Family<EdgeLabels, Histogram>,
+    /// Time from sending a streamed request upstream to the first body bytes, seconds.
+    pub upstream_ttfb: Family<ApiLabels, Histogram>,
+    /// SSE relays in flight.
+    pub inflight_streams: Gauge<i64, AtomicI64>,
+    /// Requests shed (503 + `Retry-After`) before any work, by reason.
+    pub shed_requests: Family<ShedLabels, Counter>,
+    /// Constant 1, labelled with the build's version.
+    pub build_info: Family<BuildLabels, Gauge<i64, AtomicI64>>,
 }
 
 impl Metrics {
@@ -123,13 +179,13 @@ impl Metrics {
         );
         let journal_batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 10));
         registry.register(
-            "journal_batch_size",
+            "journal_batch_size_records",
             "Records per committed journal batch",
             journal_batch_size.clone(),
         );
         let journal_queue_depth = Gauge::<i64, AtomicI64>::default();
         registry.register(
-            "journal_queue_depth",
+            "journal_queue_depth_records",
             "Records waiting for the journal writer",
             journal_queue_depth.clone(),
         );
@@ -139,6 +195,54 @@ impl Metrics {
             "Data-plane requests in flight",
             inflight_requests.clone(),
         );
+        // Edge and protection metrics (issue 6).
+        let request_duration = Family::<EdgeLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.000_5, 2.0, 18))
+        });
+        registry.register(
+            "request_duration_seconds",
+            "Whole time of a data-plane request, arrival to the last body byte sent",
+            request_duration.clone(),
+        );
+        let proxy_added = Family::<EdgeLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.000_01, 2.0, 18))
+        });
+        registry.register(
+            "proxy_added_seconds",
+            "Time spent in turnguard for one request, excluding waits on the upstream",
+            proxy_added.clone(),
+        );
+        let upstream_ttfb = Family::<ApiLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.005, 2.0, 14))
+        });
+        registry.register(
+            "upstream_ttfb_seconds",
+            "Time from sending a streamed request upstream to its first body bytes",
+            upstream_ttfb.clone(),
+        );
+        let inflight_streams = Gauge::<i64, AtomicI64>::default();
+        registry.register(
+            "inflight_streams",
+            "SSE relays in flight",
+            inflight_streams.clone(),
+        );
+        let shed_requests = Family::<ShedLabels, Counter>::default();
+        registry.register(
+            "shed_requests",
+            "Requests shed with 503 and Retry-After before any work",
+            shed_requests.clone(),
+        );
+        let build_info = Family::<BuildLabels, Gauge<i64, AtomicI64>>::default();
+        registry.register(
+            "build_info",
+            "Build information (constant 1)",
+            build_info.clone(),
+        );
+        build_info
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+            })
+            .set(1);
         Self {
             registry,
             requests,
@@ -151,7 +255,30 @@ impl Metrics {
             journal_batch_size,
             journal_queue_depth,
             inflight_requests,
+            request_duration,
+            proxy_added,
+            upstream_ttfb,
+            inflight_streams,
+            shed_requests,
+            build_info,
         }
+    }
+
+    /// The names of every registered metric family as exposed (`turnguard_…`, with the
+    /// `_total` / `_info` suffix), in registration order. The catalogue in
+    /// `deploy/README.md` is checked against this list.
+    pub fn family_names(&self) -> Vec<String> {
+        self.render()
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| {
+                let (name, kind) = l.split_once(' ')?;
+                Some(match kind {
+                    "counter" => format!("{name}_total"),
+                    _ => name.to_owned(),
+                })
+            })
+            .collect()
     }
 
     /// The exposition text (OpenMetrics text format).

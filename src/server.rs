@@ -36,6 +36,8 @@ pub struct AppState {
     pub schemas: SchemaCache,
     /// Readiness: true once both planes listen, false again when shutdown starts.
     pub ready: AtomicBool,
+    /// Shutdown state: draining (shed new requests) and the stream cut signal.
+    pub lifecycle: crate::shutdown::Lifecycle,
 }
 
 /// Why `serve` could not start.
@@ -64,18 +66,10 @@ pub struct Running {
 
 impl Running {
     /// Graceful shutdown: readiness goes false, listeners stop accepting, in-flight requests
-    /// finish, then the journal queue is flushed and closed.
-    pub async fn shutdown(self) {
-        self.state.ready.store(false, Ordering::SeqCst);
-        let _ = self.stop.send(true);
-        for t in self.tasks {
-            let _ = t.await;
-        }
-        let writer = self.writer;
-        drop(self.state);
-        // The writer exits once every journal handle (held by the state and by in-flight
-        // relays) is dropped; join it off the async threads.
-        let _ = tokio::task::spawn_blocking(move || writer.join()).await;
+    /// and streams finish within `shutdown_grace_ms` (then are cut), then the journal queue
+    /// is flushed and closed. See [`crate::shutdown`].
+    pub async fn shutdown(self) -> crate::shutdown::ShutdownReport {
+        crate::shutdown::sequence(self.state, self.stop, self.tasks, self.writer).await
     }
 }
 
@@ -108,6 +102,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         metrics,
         schemas: SchemaCache::default(),
         ready: AtomicBool::new(false),
+        lifecycle: crate::shutdown::Lifecycle::default(),
     });
     let (stop, stopped) = watch::channel(false);
     let serve = |listener: TcpListener, router: Router, mut stopped: watch::Receiver<bool>| {
@@ -159,6 +154,10 @@ fn data_router(state: Arc<AppState>) -> Router {
         .route("/v1/embeddings", post(embeddings))
         .fallback(not_found)
         .method_not_allowed_fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            crate::edge::Edge::new(Arc::clone(&state)),
+            crate::edge::layer,
+        ))
         .with_state(state)
 }
 

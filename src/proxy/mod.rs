@@ -160,12 +160,13 @@ async fn turn(
         ));
     }
     let (p, b) = resp.into_parts();
-    let body = read_capped(b, state.config.max_response_bytes)
-        .await
-        .map_err(|e| WireError::UpstreamUnavailable {
-            upstream: api.upstream().to_owned(),
-            reason: format!("response body: {e}"),
-        })?;
+    let body_started = Instant::now();
+    let body = read_capped(b, state.config.max_response_bytes).await;
+    crate::edge::upstream_waited(body_started, body_started.elapsed());
+    let body = body.map_err(|e| WireError::UpstreamUnavailable {
+        upstream: api.upstream().to_owned(),
+        reason: format!("response body: {e}"),
+    })?;
     let body = surface_json(state, ctx, &turn, &round, body).await?;
     let mut out = Response::new(Body::from(body));
     *out.status_mut() = p.status;

@@ -40,7 +40,9 @@ pub fn relay(
 ) -> Response {
     let (parts, body) = resp.into_parts();
     let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(OUT_QUEUE);
-    tokio::spawn(run(state, ctx, turn, base, body, tx));
+    // The edge's timing lives in this (the handler's) task; the relay runs in its own.
+    let timing = crate::edge::current();
+    tokio::spawn(run(state, ctx, turn, base, body, tx, timing));
     let mut out = Response::new(Body::from_stream(ReceiverStream::new(rx)));
     *out.status_mut() = parts.status;
     *out.headers_mut() = upstream::response_headers(&parts.headers, false);
@@ -211,7 +213,11 @@ async fn run(
     base: RoundBase,
     mut body: Incoming,
     tx: mpsc::Sender<Result<Bytes, Infallible>>,
+    timing: Option<Arc<crate::edge::Timing>>,
 ) {
+    let _inflight = InflightStream::new(&state);
+    let mut cut = state.lifecycle.cut_signal();
+    let mut first_byte = true;
     let mut pipeline = Pipeline::new(&turn, state.config.max_event_bytes);
     let mut capture = Capture::new(state.config.journal_max_record_bytes);
     let idle = Duration::from_millis(state.config.upstream_idle_timeout_ms);
@@ -230,7 +236,14 @@ async fn run(
     let mut out: Vec<Bytes> = Vec::new();
 
     let end = 'relay: loop {
-        let frame = match tokio::time::timeout(idle, body.frame()).await {
+        let next = tokio::select! {
+            biased;
+            next = tokio::time::timeout(idle, body.frame()) => next,
+            _ = cut.wait_for(|c| *c) => {
+                break End::Cut("turnguard is shutting down: the drain deadline passed".to_owned())
+            }
+        };
+        let frame = match next {
             Err(_) => break End::Cut(format!("no upstream data for {} ms", idle.as_millis())),
             Ok(None) => break End::Eof,
             Ok(Some(Err(e))) => break End::Cut(format!("upstream body failed: {e}")),
@@ -239,8 +252,25 @@ async fn run(
         let Ok(data) = frame.into_data() else {
             continue;
         };
+        let work = Instant::now();
+        if first_byte {
+            first_byte = false;
+            if let Some(sent) = timing.as_ref().and_then(|t| t.upstream_sent()) {
+                state
+                    .metrics
+                    .upstream_ttfb
+                    .get_or_create(&ApiLabels {
+                        api: turn.api.as_str().to_owned(),
+                    })
+                    .observe(sent.elapsed().as_secs_f64());
+            }
+        }
         capture.push(&data);
-        if let Err(reason) = pipeline.feed(&data, &mut admit_round, &mut out) {
+        let fed = pipeline.feed(&data, &mut admit_round, &mut out);
+        if let Some(t) = &timing {
+            t.add_work(work.elapsed());
+        }
+        if let Err(reason) = fed {
             break End::Cut(reason);
         }
         for chunk in out.drain(..) {
@@ -250,6 +280,7 @@ async fn run(
         }
     };
 
+    let work = Instant::now();
     let (round_state, error) = match end {
         End::Eof => pipeline.end(None, &mut admit_round, &mut out),
         End::Cut(reason) => pipeline.end(Some(reason), &mut admit_round, &mut out),
@@ -258,6 +289,9 @@ async fn run(
             Some("the agent closed the stream".to_owned()),
         ),
     };
+    if let Some(t) = &timing {
+        t.add_work(work.elapsed());
+    }
     if round_state == "failed" {
         count_cut(&state, "stream_cut");
     }
@@ -278,6 +312,22 @@ async fn run(
     }
     rec.calls = pipeline.call_records();
     record_round(&state, rec).await;
+}
+
+/// Counts a relay in `turnguard_inflight_streams` for as long as it lives.
+struct InflightStream(Arc<AppState>);
+
+impl InflightStream {
+    fn new(state: &Arc<AppState>) -> Self {
+        state.metrics.inflight_streams.inc();
+        Self(Arc::clone(state))
+    }
+}
+
+impl Drop for InflightStream {
+    fn drop(&mut self) {
+        self.0.metrics.inflight_streams.dec();
+    }
 }
 
 fn count_cut(state: &AppState, reason: &str) {

@@ -166,7 +166,9 @@ pub async fn send(
             reason: detail,
         }
     };
-    let resp = match tokio::time::timeout(timeout, state.client.request(req)).await {
+    let result = tokio::time::timeout(timeout, state.client.request(req)).await;
+    crate::edge::upstream_waited(started, started.elapsed());
+    let resp = match result {
         Err(_) => {
             return Err(unavailable(
                 "response_timeout",

@@ -1,0 +1,424 @@
+//! The data-plane edge: one tower-style layer (an axum `from_fn` middleware) around every
+//! data-plane route, for the generic concerns only (STYLE.md: "Tower layers only for generic
+//! concerns"):
+//!
+//! - **load shedding**: a global concurrency limit (`max_concurrent_requests`); a request over
+//!   it, or one arriving while turnguard drains after SIGTERM, is answered at once with 503,
+//!   `Retry-After` and the OpenWOP error body ([`WireError::Overloaded`],
+//!   [`WireError::ShuttingDown`]). The permit is held until the response body — a whole
+//!   stream — has been sent, so streams count against the limit for their whole life.
+//! - **request identity**: `x-request-id` is kept when the agent sent a sane one (ASCII
+//!   graphic, ≤ 200 bytes), else replaced by a UUID, before the request path sees it; it is
+//!   echoed on every response and forwarded upstream. W3C `traceparent` / `tracestate` are
+//!   forwarded untouched by the upstream leg; the trace id is logged.
+//! - **the access log**: exactly one structured line per request, when its body has been sent
+//!   or abandoned (`request_id`, `api`, `method`, `status`, `stream`, `duration_ms`,
+//!   `added_ms`, `upstream_ms`, `bytes`, `complete`, `trace_id`). It never holds a header
+//!   value other than the request and trace ids, and no body.
+//! - **timing**: `turnguard_request_duration_seconds` and `turnguard_proxy_added_seconds`.
+//!   The request path reports its upstream waits through [`upstream_waited`] (a task-local set
+//!   here), so "added" is the time spent in turnguard excluding waits on the upstream: for a
+//!   JSON response, arrival to response headers minus upstream waits (headers and body); for a
+//!   stream, the same up to the response headers plus the relay's processing time per upstream
+//!   chunk ([`Timing::add_work`]).
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderValue};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::error::WireError;
+use crate::metrics::{EdgeLabels, ShedLabels, ShedReason};
+use crate::server::AppState;
+
+/// The edge's own state: the shared app state and the concurrency permits.
+pub struct Edge {
+    state: Arc<AppState>,
+    permits: Arc<Semaphore>,
+}
+
+impl Edge {
+    /// An edge allowing `config.max_concurrent_requests` requests at once.
+    pub fn new(state: Arc<AppState>) -> Arc<Self> {
+        let permits = Arc::new(Semaphore::new(state.config.max_concurrent_requests));
+        Arc::new(Self { state, permits })
+    }
+}
+
+tokio::task_local! {
+    static TIMING: Arc<Timing>;
+}
+
+/// Per-request timing shared between the edge and the request path.
+#[derive(Debug, Default)]
+pub struct Timing {
+    upstream_wait_ns: AtomicU64,
+    work_ns: AtomicU64,
+    sent: OnceLock<Instant>,
+}
+
+impl Timing {
+    /// Adds processing time spent after the response headers (the stream relay).
+    pub fn add_work(&self, d: Duration) {
+        self.work_ns.fetch_add(nanos(d), Ordering::Relaxed);
+    }
+
+    /// When the request was sent upstream, if it was.
+    pub fn upstream_sent(&self) -> Option<Instant> {
+        self.sent.get().copied()
+    }
+
+    fn upstream_wait(&self) -> Duration {
+        Duration::from_nanos(self.upstream_wait_ns.load(Ordering::Relaxed))
+    }
+
+    fn work(&self) -> Duration {
+        Duration::from_nanos(self.work_ns.load(Ordering::Relaxed))
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The current request's timing, when called inside the edge (the request path's task).
+pub fn current() -> Option<Arc<Timing>> {
+    TIMING.try_with(Arc::clone).ok()
+}
+
+/// Reports a wait on the upstream of `d` that started at `since` (the upstream leg calls it
+/// for the response headers, the request path for a JSON response body). Outside the edge
+/// (tests calling the request path directly) it does nothing.
+pub fn upstream_waited(since: Instant, d: Duration) {
+    let _ = TIMING.try_with(|t| {
+        let _ = t.sent.set(since);
+        t.upstream_wait_ns.fetch_add(nanos(d), Ordering::Relaxed);
+    });
+}
+
+/// The provider API label of a data-plane route (the same labels as
+/// `turnguard_requests_total`), from the path only.
+fn api_of(path: &str) -> &'static str {
+    match path {
+        "/v1/chat/completions" => "openai_chat",
+        "/v1/messages" => "anthropic_messages",
+        "/v1/responses" => "openai_responses",
+        "/v1/messages/count_tokens" | "/v1/embeddings" => "passthrough",
+        p if p == "/v1/models" || p.starts_with("/v1/models/") => "passthrough",
+        _ => "none",
+    }
+}
+
+/// Keeps a sane `x-request-id` (ASCII graphic, 1–200 bytes), else sets a fresh UUID.
+/// Returns the id.
+fn ensure_request_id(headers: &mut HeaderMap) -> String {
+    let sane = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty() && v.len() <= 200 && v.chars().all(|c| c.is_ascii_graphic()))
+        .map(str::to_owned);
+    match sane {
+        Some(id) => {
+            if let Ok(v) = HeaderValue::from_str(&id) {
+                headers.insert("x-request-id", v);
+            }
+            id
+        }
+        None => {
+            let id = uuid::Uuid::new_v4().to_string();
+            if let Ok(v) = HeaderValue::from_str(&id) {
+                headers.insert("x-request-id", v);
+            }
+            id
+        }
+    }
+}
+
+/// The trace id of a valid W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`), for the log.
+/// The header itself is forwarded upstream unchanged whether or not it is valid.
+fn trace_id(headers: &HeaderMap) -> Option<String> {
+    let v = headers.get("traceparent")?.to_str().ok()?;
+    let mut parts = v.trim().split('-');
+    let (version, trace, span, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    (hex(version, 2) && hex(trace, 32) && hex(span, 16) && hex(flags, 2))
+        .then(|| trace.to_ascii_lowercase())
+}
+
+fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.trim_start()
+                .to_ascii_lowercase()
+                .starts_with("text/event-stream")
+        })
+}
+
+/// The middleware: shed or admit, identify, time, and log once (see the module docs).
+pub async fn layer(State(edge): State<Arc<Edge>>, mut req: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let api = api_of(req.uri().path());
+    let method = req.method().clone();
+    let request_id = ensure_request_id(req.headers_mut());
+    let trace = trace_id(req.headers());
+    let metrics = &edge.state.metrics;
+
+    let shed = if edge.state.lifecycle.draining() {
+        Some(ShedReason::ShuttingDown)
+    } else {
+        None
+    };
+    let permit = match shed {
+        Some(r) => Err(r),
+        None => Arc::clone(&edge.permits)
+            .try_acquire_owned()
+            .map_err(|_| ShedReason::Overloaded),
+    };
+    let permit = match permit {
+        Ok(p) => p,
+        Err(reason) => {
+            let retry_after_s = edge.state.config.shed_retry_after_s;
+            let err = match reason {
+                ShedReason::Overloaded => WireError::Overloaded {
+                    limit: edge.state.config.max_concurrent_requests,
+                    retry_after_s,
+                },
+                ShedReason::ShuttingDown => WireError::ShuttingDown { retry_after_s },
+            };
+            metrics
+                .shed_requests
+                .get_or_create(&ShedLabels {
+                    reason: reason.as_str().to_owned(),
+                })
+                .inc();
+            metrics.request(api, 503, false);
+            let mut resp = err.into_response();
+            set_request_id(resp.headers_mut(), &request_id);
+            tracing::warn!(
+                target: "turnguard::access",
+                request_id = %request_id,
+                api,
+                method = %method,
+                status = 503u16,
+                stream = false,
+                duration_ms = ms(started.elapsed()),
+                shed = reason.as_str(),
+                trace_id = trace.as_deref().unwrap_or(""),
+                "request shed"
+            );
+            return resp;
+        }
+    };
+
+    let timing = Arc::new(Timing::default());
+    let mut resp = TIMING.scope(Arc::clone(&timing), next.run(req)).await;
+    set_request_id(resp.headers_mut(), &request_id);
+    let stream = is_event_stream(resp.headers());
+    let at_headers = started.elapsed();
+    let labels = EdgeLabels {
+        api: api.to_owned(),
+        stream: stream.to_string(),
+    };
+    let before_body = at_headers.saturating_sub(timing.upstream_wait());
+    let log = AccessLog {
+        state: Arc::clone(&edge.state),
+        labels,
+        request_id,
+        method: method.to_string(),
+        status: resp.status().as_u16(),
+        trace_id: trace,
+        started,
+        before_body,
+        timing,
+        bytes: 0,
+        _permit: permit,
+    };
+    let (parts, body) = resp.into_parts();
+    Response::from_parts(
+        parts,
+        Body::new(EdgeBody {
+            inner: body,
+            log: Some(log),
+        }),
+    )
+}
+
+fn set_request_id(headers: &mut HeaderMap, id: &str) {
+    if !headers.contains_key("x-request-id") {
+        if let Ok(v) = HeaderValue::from_str(id) {
+            headers.insert("x-request-id", v);
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// What the access log line and the edge histograms need once the body is done. Holds the
+/// concurrency permit, so the request counts against the limit until then.
+struct AccessLog {
+    state: Arc<AppState>,
+    labels: EdgeLabels,
+    request_id: String,
+    method: String,
+    status: u16,
+    trace_id: Option<String>,
+    started: Instant,
+    before_body: Duration,
+    timing: Arc<Timing>,
+    bytes: u64,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl AccessLog {
+    fn finish(self, complete: bool) {
+        let duration = self.started.elapsed();
+        let stream = self.labels.stream == "true";
+        // A JSON response's work is all before its headers; a stream adds the relay's work.
+        let added = if stream {
+            self.before_body + self.timing.work()
+        } else {
+            self.before_body
+        };
+        let m = &self.state.metrics;
+        m.request_duration
+            .get_or_create(&self.labels)
+            .observe(duration.as_secs_f64());
+        m.proxy_added
+            .get_or_create(&self.labels)
+            .observe(added.as_secs_f64());
+        tracing::info!(
+            target: "turnguard::access",
+            request_id = %self.request_id,
+            api = %self.labels.api,
+            method = %self.method,
+            status = self.status,
+            stream,
+            duration_ms = ms(duration),
+            added_ms = ms(added),
+            upstream_ms = ms(self.timing.upstream_wait()),
+            bytes = self.bytes,
+            complete,
+            trace_id = self.trace_id.as_deref().unwrap_or(""),
+            "request"
+        );
+    }
+}
+
+/// The response body, passed through frame by frame; logs when it ends or is dropped.
+struct EdgeBody {
+    inner: Body,
+    log: Option<AccessLog>,
+}
+
+impl HttpBody for EdgeBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(data), Some(log)) = (frame.data_ref(), this.log.as_mut()) {
+                    log.bytes += data.len() as u64;
+                }
+                if this.inner.is_end_stream() {
+                    if let Some(log) = this.log.take() {
+                        log.finish(true);
+                    }
+                }
+            }
+            Poll::Ready(None) => {
+                if let Some(log) = this.log.take() {
+                    log.finish(true);
+                }
+            }
+            Poll::Ready(Some(Err(_))) => {
+                if let Some(log) = this.log.take() {
+                    log.finish(false);
+                }
+            }
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for EdgeBody {
+    fn drop(&mut self) {
+        if let Some(log) = self.log.take() {
+            // An empty body may never be polled; anything else dropped early was abandoned.
+            let complete = self.inner.is_end_stream();
+            log.finish(complete);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_are_kept_when_sane_and_replaced_otherwise() {
+        let mut h = HeaderMap::new();
+        h.insert("x-request-id", HeaderValue::from_static("abc-123"));
+        assert_eq!(ensure_request_id(&mut h), "abc-123");
+        let mut h = HeaderMap::new();
+        h.insert("x-request-id", HeaderValue::from_static("has space"));
+        let id = ensure_request_id(&mut h);
+        assert_ne!(id, "has space");
+        assert_eq!(h["x-request-id"], id.as_str());
+        let mut h = HeaderMap::new();
+        let id = ensure_request_id(&mut h);
+        assert_eq!(id.len(), 36, "a UUID: {id}");
+    }
+
+    #[test]
+    fn only_valid_traceparents_yield_a_trace_id() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            "traceparent",
+            HeaderValue::from_static("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"),
+        );
+        assert_eq!(
+            trace_id(&h).as_deref(),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+        h.insert("traceparent", HeaderValue::from_static("00-xyz-00f067aa0ba902b7-01"));
+        assert_eq!(trace_id(&h), None);
+    }
+
+    #[test]
+    fn routes_map_to_the_request_metric_labels() {
+        assert_eq!(api_of("/v1/chat/completions"), "openai_chat");
+        assert_eq!(api_of("/v1/messages"), "anthropic_messages");
+        assert_eq!(api_of("/v1/models/gpt-4o"), "passthrough");
+        assert_eq!(api_of("/v1/responses"), "none");
+    }
+}
