@@ -10,7 +10,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Metric, Registry};
 
 /// Labels of `turnguard_requests_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -92,6 +93,7 @@ pub struct ReasonLabels {
 /// The metrics handle shared by the data plane, the journal and the admin plane.
 pub struct Metrics {
     registry: Registry,
+    names: Vec<String>,
     /// Requests answered on the data plane.
     pub requests: Family<RequestLabels, Counter>,
     /// Time from sending upstream to the response headers, seconds.
@@ -131,8 +133,11 @@ impl Metrics {
     /// A fresh registry with every metric registered.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("turnguard");
+        let mut names = Vec::new();
         let requests = Family::<RequestLabels, Counter>::default();
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "requests",
             "Requests answered on the data plane",
             requests.clone(),
@@ -140,7 +145,9 @@ impl Metrics {
         let upstream_latency = Family::<ApiLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.005, 2.0, 14))
         });
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "upstream_latency_seconds",
             "Time from sending upstream to the response headers",
             upstream_latency.clone(),
@@ -148,49 +155,65 @@ impl Metrics {
         let hold_latency = Family::<ApiLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
         });
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "stream_hold_seconds",
             "Time from the completion state being known to the held tool calls being released or replaced",
             hold_latency.clone(),
         );
         let tool_calls = Family::<CallLabels, Counter>::default();
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "tool_calls",
             "Tool calls decided by admission",
             tool_calls.clone(),
         );
         let upstream_errors = Family::<ReasonLabels, Counter>::default();
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "upstream_errors",
             "Upstream failures",
             upstream_errors.clone(),
         );
         let journal_write_failures = Counter::default();
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "journal_write_failures",
             "Journal records that failed to commit",
             journal_write_failures.clone(),
         );
         let journal_commit_latency = Histogram::new(exponential_buckets(0.000_1, 2.0, 16));
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "journal_commit_latency_seconds",
             "Journal commit latency per batch",
             journal_commit_latency.clone(),
         );
         let journal_batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 10));
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "journal_batch_size_records",
             "Records per committed journal batch",
             journal_batch_size.clone(),
         );
         let journal_queue_depth = Gauge::<i64, AtomicI64>::default();
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "journal_queue_depth_records",
             "Records waiting for the journal writer",
             journal_queue_depth.clone(),
         );
         let inflight_requests = Gauge::<i64, AtomicI64>::default();
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "inflight_requests",
             "Data-plane requests in flight",
             inflight_requests.clone(),
@@ -199,7 +222,9 @@ impl Metrics {
         let request_duration = Family::<EdgeLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.000_5, 2.0, 18))
         });
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "request_duration_seconds",
             "Whole time of a data-plane request, arrival to the last body byte sent",
             request_duration.clone(),
@@ -207,7 +232,9 @@ impl Metrics {
         let proxy_added = Family::<EdgeLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.000_01, 2.0, 18))
         });
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "proxy_added_seconds",
             "Time spent in turnguard for one request, excluding waits on the upstream",
             proxy_added.clone(),
@@ -215,25 +242,33 @@ impl Metrics {
         let upstream_ttfb = Family::<ApiLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.005, 2.0, 14))
         });
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "upstream_ttfb_seconds",
             "Time from sending a streamed request upstream to its first body bytes",
             upstream_ttfb.clone(),
         );
         let inflight_streams = Gauge::<i64, AtomicI64>::default();
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "inflight_streams",
             "SSE relays in flight",
             inflight_streams.clone(),
         );
         let shed_requests = Family::<ShedLabels, Counter>::default();
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "shed_requests",
             "Requests shed with 503 and Retry-After before any work",
             shed_requests.clone(),
         );
         let build_info = Family::<BuildLabels, Gauge<i64, AtomicI64>>::default();
-        registry.register(
+        reg(
+            &mut registry,
+            &mut names,
             "build_info",
             "Build information (constant 1)",
             build_info.clone(),
@@ -243,8 +278,23 @@ impl Metrics {
                 version: env!("CARGO_PKG_VERSION").to_owned(),
             })
             .set(1);
+        // Label sets from closed enums start at 0, so `rate()` and alerts see them before the
+        // first event.
+        for reason in [ShedReason::Overloaded, ShedReason::ShuttingDown] {
+            shed_requests.get_or_create(&ShedLabels {
+                reason: reason.as_str().to_owned(),
+            })
+            .inc_by(0);
+        }
+        for reason in UPSTREAM_ERROR_REASONS {
+            upstream_errors.get_or_create(&ReasonLabels {
+                reason: (*reason).to_owned(),
+            })
+            .inc_by(0);
+        }
         Self {
             registry,
+            names,
             requests,
             upstream_latency,
             hold_latency,
@@ -264,21 +314,11 @@ impl Metrics {
         }
     }
 
-    /// The names of every registered metric family as exposed (`turnguard_…`, with the
-    /// `_total` / `_info` suffix), in registration order. The catalogue in
-    /// `deploy/README.md` is checked against this list.
+    /// The names of every registered metric family as exposed (`turnguard_…`, with `_total`
+    /// for counters), in registration order. The catalogue in `deploy/README.md` is checked
+    /// against this list.
     pub fn family_names(&self) -> Vec<String> {
-        self.render()
-            .lines()
-            .filter_map(|l| l.strip_prefix("# TYPE "))
-            .filter_map(|l| {
-                let (name, kind) = l.split_once(' ')?;
-                Some(match kind {
-                    "counter" => format!("{name}_total"),
-                    _ => name.to_owned(),
-                })
-            })
-            .collect()
+        self.names.clone()
     }
 
     /// The exposition text (OpenMetrics text format).
@@ -300,6 +340,26 @@ impl Metrics {
             })
             .inc();
     }
+}
+
+/// The `reason` values of `turnguard_upstream_errors_total` (the upstream leg and the relay
+/// use these and no others).
+pub const UPSTREAM_ERROR_REASONS: &[&str] = &["connect", "response_timeout", "stream_cut"];
+
+/// Registers `metric` as `turnguard_<name>` and remembers its exposed name.
+fn reg(
+    registry: &mut Registry,
+    names: &mut Vec<String>,
+    name: &str,
+    help: &str,
+    metric: impl Metric,
+) {
+    let suffix = match metric.metric_type() {
+        MetricType::Counter => "_total",
+        _ => "",
+    };
+    names.push(format!("turnguard_{name}{suffix}"));
+    registry.register(name, help, metric);
 }
 
 impl Default for Metrics {

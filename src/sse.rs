@@ -49,11 +49,15 @@ impl SseFramer {
 
     /// Appends `chunk` and returns every block it completes, in order.
     ///
-    /// Errors: [`EventTooLarge`] when an unterminated block grows past the cap.
+    /// Errors: [`EventTooLarge`] when a block, complete or not, is longer than the cap.
     pub fn push(&mut self, chunk: &[u8]) -> Result<Vec<SseBlock>, EventTooLarge> {
         self.buf.extend_from_slice(chunk);
         let mut out = Vec::new();
         while let Some(end) = self.next_block_end() {
+            // A whole event that arrived in one chunk is held to the same cap.
+            if end > self.max_event_bytes {
+                return Err(EventTooLarge(self.max_event_bytes));
+            }
             let raw = self.buf.split_to(end).freeze();
             self.line_start = 0;
             self.scanned = 0;
@@ -199,5 +203,13 @@ mod tests {
     fn oversized_block_is_refused() {
         let mut f = SseFramer::new(16);
         assert!(f.push(b"data: 0123456789abcdef").is_err());
+    }
+
+    #[test]
+    fn oversized_block_arriving_whole_is_refused_too() {
+        let mut f = SseFramer::new(16);
+        assert!(f.push(b"data: 0123456789abcdef\n\n").is_err());
+        let mut f = SseFramer::new(16);
+        assert_eq!(f.push(b"data: 01234567\n\n").unwrap().len(), 1);
     }
 }
