@@ -405,12 +405,7 @@ impl Config {
             any_ms,
             any_ms_env
         );
-        number!(
-            shutdown_grace_ms,
-            "TURNGUARD_SHUTDOWN_GRACE_MS",
-            ms,
-            ms_env
-        );
+        number!(shutdown_grace_ms, "TURNGUARD_SHUTDOWN_GRACE_MS", ms, ms_env);
 
         // Upstreams: each layer overrides names it sets; defaults stay for the others.
         if let Some(map) = &file.upstream {
@@ -536,7 +531,9 @@ mod tests {
             max_concurrent_requests: Some(0),
             ..Default::default()
         };
-        let err = Config::resolve(&zero, &env_of(&[])).unwrap_err().to_string();
+        let err = Config::resolve(&zero, &env_of(&[]))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("max_concurrent_requests"), "{err}");
     }
 

@@ -150,7 +150,8 @@ fn ensure_request_id(headers: &mut HeaderMap) -> String {
 fn trace_id(headers: &HeaderMap) -> Option<String> {
     let v = headers.get("traceparent")?.to_str().ok()?;
     let mut parts = v.trim().split('-');
-    let (version, trace, span, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let (version, trace, span, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
     let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
     (hex(version, 2) && hex(trace, 32) && hex(span, 16) && hex(flags, 2))
         .then(|| trace.to_ascii_lowercase())
@@ -410,7 +411,10 @@ mod tests {
             trace_id(&h).as_deref(),
             Some("4bf92f3577b34da6a3ce929d0e0e4736")
         );
-        h.insert("traceparent", HeaderValue::from_static("00-xyz-00f067aa0ba902b7-01"));
+        h.insert(
+            "traceparent",
+            HeaderValue::from_static("00-xyz-00f067aa0ba902b7-01"),
+        );
         assert_eq!(trace_id(&h), None);
     }
 
@@ -419,6 +423,7 @@ mod tests {
         assert_eq!(api_of("/v1/chat/completions"), "openai_chat");
         assert_eq!(api_of("/v1/messages"), "anthropic_messages");
         assert_eq!(api_of("/v1/models/gpt-4o"), "passthrough");
-        assert_eq!(api_of("/v1/responses"), "none");
+        assert_eq!(api_of("/v1/responses"), "openai_responses");
+        assert_eq!(api_of("/v1/files"), "none");
     }
 }

@@ -35,7 +35,9 @@ pub enum WireError {
     JournalUnavailable { reason: String },
     /// The data plane is at its concurrency limit (`max_concurrent_requests`); the request
     /// was shed before any work (issue 6: load shedding, 503 with `Retry-After`).
-    #[error("turnguard is at its limit of {limit} concurrent requests; retry after {retry_after_s} s")]
+    #[error(
+        "turnguard is at its limit of {limit} concurrent requests; retry after {retry_after_s} s"
+    )]
     Overloaded { limit: usize, retry_after_s: u64 },
     /// turnguard is draining after SIGTERM and takes no new requests.
     #[error("turnguard is shutting down; retry after {retry_after_s} s")]
@@ -134,8 +136,7 @@ impl IntoResponse for WireError {
             http::header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        if let Self::Overloaded { retry_after_s, .. } | Self::ShuttingDown { retry_after_s } =
-            &self
+        if let Self::Overloaded { retry_after_s, .. } | Self::ShuttingDown { retry_after_s } = &self
         {
             resp.headers_mut()
                 .insert(http::header::RETRY_AFTER, HeaderValue::from(*retry_after_s));

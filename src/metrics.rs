@@ -281,16 +281,18 @@ impl Metrics {
         // Label sets from closed enums start at 0, so `rate()` and alerts see them before the
         // first event.
         for reason in [ShedReason::Overloaded, ShedReason::ShuttingDown] {
-            shed_requests.get_or_create(&ShedLabels {
-                reason: reason.as_str().to_owned(),
-            })
-            .inc_by(0);
+            shed_requests
+                .get_or_create(&ShedLabels {
+                    reason: reason.as_str().to_owned(),
+                })
+                .inc_by(0);
         }
         for reason in UPSTREAM_ERROR_REASONS {
-            upstream_errors.get_or_create(&ReasonLabels {
-                reason: (*reason).to_owned(),
-            })
-            .inc_by(0);
+            upstream_errors
+                .get_or_create(&ReasonLabels {
+                    reason: (*reason).to_owned(),
+                })
+                .inc_by(0);
         }
         Self {
             registry,

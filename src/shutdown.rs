@@ -74,13 +74,20 @@ pub(crate) async fn sequence(
     state.lifecycle.draining.store(true, Ordering::SeqCst);
     let delay = Duration::from_millis(state.config.shutdown_delay_ms);
     if !delay.is_zero() {
-        tracing::info!(delay_ms = delay.as_millis() as u64, "readiness false; waiting before closing the listeners");
+        tracing::info!(
+            delay_ms = delay.as_millis() as u64,
+            "readiness false; waiting before closing the listeners"
+        );
         tokio::time::sleep(delay).await;
     }
     let _ = stop.send(true);
     let grace = Duration::from_millis(state.config.shutdown_grace_ms);
     let inflight = state.metrics.inflight_streams.get();
-    tracing::info!(grace_ms = grace.as_millis() as u64, streams = inflight, "listeners closed; draining in-flight requests");
+    tracing::info!(
+        grace_ms = grace.as_millis() as u64,
+        streams = inflight,
+        "listeners closed; draining in-flight requests"
+    );
 
     let mut tasks = tasks;
     let drained = wait_all(&mut tasks, grace).await;
@@ -105,7 +112,11 @@ pub(crate) async fn sequence(
     if journal_flushed {
         tracing::info!(drained, "journal flushed; shutdown complete");
     } else {
-        tracing::error!(drained, "the journal did not flush within {} s", FLUSH.as_secs());
+        tracing::error!(
+            drained,
+            "the journal did not flush within {} s",
+            FLUSH.as_secs()
+        );
     }
     ShutdownReport {
         drained,

@@ -175,9 +175,12 @@ async fn over_the_concurrency_limit_requests_are_shed_with_503_and_retry_after()
     let stream = support::post_stream(&url, &chat(true)).await;
     assert_eq!(stream.status(), 200);
 
-    let (status, headers, body) =
-        post_raw(&url, Bytes::from(chat(false).to_string()), &[("x-request-id", "shed-me-1")])
-            .await;
+    let (status, headers, body) = post_raw(
+        &url,
+        Bytes::from(chat(false).to_string()),
+        &[("x-request-id", "shed-me-1")],
+    )
+    .await;
     assert_eq!(status, 503, "{}", String::from_utf8_lossy(&body));
     assert_eq!(headers["retry-after"], "7");
     assert_eq!(headers["x-request-id"], "shed-me-1");
@@ -302,7 +305,10 @@ async fn upstream_timeouts_and_the_event_cap_fail_cleanly_and_are_counted() {
     assert_eq!(resp.status(), 200);
     let got = read_all(resp).await;
     let text = String::from_utf8_lossy(&got);
-    assert!(text.contains("error"), "the agent is told the stream failed: {text}");
+    assert!(
+        text.contains("error"),
+        "the agent is told the stream failed: {text}"
+    );
     assert!(!text.contains("[DONE]"), "{text}");
 
     // An event over the cap cuts the stream the same way.
@@ -327,7 +333,10 @@ async fn upstream_timeouts_and_the_event_cap_fail_cleanly_and_are_counted() {
         1.0
     );
     assert_eq!(
-        value(&s, r#"turnguard_upstream_errors_total{reason="stream_cut"}"#),
+        value(
+            &s,
+            r#"turnguard_upstream_errors_total{reason="stream_cut"}"#
+        ),
         2.0
     );
     let dir = h.stop().await;
@@ -386,7 +395,9 @@ async fn a_scrape_after_traffic_shows_every_catalogued_metric_with_plausible_val
 
     let (exported, _) = catalogue();
     for name in &exported {
-        let lines = s.get(name).unwrap_or_else(|| panic!("`{name}` is not in the scrape"));
+        let lines = s
+            .get(name)
+            .unwrap_or_else(|| panic!("`{name}` is not in the scrape"));
         assert!(!lines.is_empty(), "`{name}` has no samples after traffic");
     }
     let v = |series: &str| value(&s, series);
@@ -403,7 +414,10 @@ async fn a_scrape_after_traffic_shows_every_catalogued_metric_with_plausible_val
         2.0,
         "one released call per complete response"
     );
-    assert_eq!(v(r#"turnguard_upstream_errors_total{reason="stream_cut"}"#), 1.0);
+    assert_eq!(
+        v(r#"turnguard_upstream_errors_total{reason="stream_cut"}"#),
+        1.0
+    );
     assert_eq!(v("turnguard_inflight_requests"), 0.0);
     assert_eq!(v("turnguard_inflight_streams"), 0.0);
     assert_eq!(v("turnguard_journal_queue_depth_records"), 0.0);
@@ -430,7 +444,10 @@ async fn a_scrape_after_traffic_shows_every_catalogued_metric_with_plausible_val
         let whole = v(&format!(
             r#"turnguard_request_duration_seconds_sum{{api="openai_chat",stream="{stream}"}}"#
         ));
-        assert!(added > 0.0 && added <= whole, "stream={stream}: added {added} s of {whole} s");
+        assert!(
+            added > 0.0 && added <= whole,
+            "stream={stream}: added {added} s of {whole} s"
+        );
     }
     let streamed = v(r#"turnguard_request_duration_seconds_sum{api="openai_chat",stream="true"}"#);
     assert!(
