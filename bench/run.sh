@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# turnguard benchmark: direct vs an nginx hop vs turnguard, interleaved, on loopback only.
+# Bounded: 5 cells × ROUNDS × 3 configurations × SECONDS (defaults: 5 × 3 × 3 × 6 s ≈ 5 min
+# of load plus warm-ups). Not part of CI. See bench/README.md.
+#
+#   bench/run.sh                 # needs: wrk, nginx (apt-get install wrk nginx), python3
+#   ROUNDS=1 SECONDS_PER_RUN=3 bench/run.sh   # a quick smoke run
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${ROUNDS:-3}
+SECS=${SECONDS_PER_RUN:-6}
+EVENT_DELAY_US=${EVENT_DELAY_US:-1000}
+OUT=${OUT:-bench/out}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
+# Load generator and mock on CPU 0, the proxy under test (nginx or turnguard) alone on CPU 1.
+LOADGEN_CPU=${LOADGEN_CPU:-0}
+PROXY_CPU=${PROXY_CPU:-1}
+
+command -v wrk >/dev/null || { echo "wrk is missing: apt-get install wrk" >&2; exit 1; }
+command -v nginx >/dev/null || { echo "nginx is missing: apt-get install nginx" >&2; exit 1; }
+
+echo "== build (release)"
+cargo build --release --locked --bin turnguard --example benchtool 2>&1 | tail -1
+TG=$CARGO_TARGET_DIR/release/turnguard
+TOOL=$CARGO_TARGET_DIR/release/examples/benchtool
+
+rm -rf "$OUT"; mkdir -p "$OUT"
+WORK=$(mktemp -d)
+free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+MOCK_PORT=$(free_port); NGINX_PORT=$(free_port); TG_PORT=$(free_port); TG_ADMIN=$(free_port)
+
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  [ -f "$WORK/nginx.pid" ] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null || true
+  wait 2>/dev/null || true
+}
+trap cleanup EXIT
+
+echo "== start mock :$MOCK_PORT, nginx :$NGINX_PORT, turnguard :$TG_PORT (admin :$TG_ADMIN)"
+taskset -c "$LOADGEN_CPU" "$TOOL" mock --listen "127.0.0.1:$MOCK_PORT" --event-delay-us "$EVENT_DELAY_US" &
+PIDS+=($!)
+
+mkdir -p "$WORK/nginx"
+sed -e "s/@NGINX_PORT@/$NGINX_PORT/g" -e "s/@MOCK_PORT@/$MOCK_PORT/g" -e "s#@WORK@#$WORK#g" \
+  bench/nginx.conf > "$WORK/nginx.conf"
+taskset -c "$PROXY_CPU" nginx -p "$WORK/nginx" -c "$WORK/nginx.conf"
+
+# Full pipeline: default policy, journal on (a file on disk, synchronous=FULL), JSON logs.
+taskset -c "$PROXY_CPU" "$TG" serve --listen "127.0.0.1:$TG_PORT" --admin-listen "127.0.0.1:$TG_ADMIN" \
+  --journal "$WORK/journal.db" --policy "$WORK/policy" --upstream "openai=http://127.0.0.1:$MOCK_PORT" \
+  --log-format json 2> "$OUT/turnguard.log" &
+TG_PID=$!; PIDS+=($TG_PID)
+for _ in $(seq 100); do
+  curl -sf "http://127.0.0.1:$TG_ADMIN/readyz" >/dev/null && curl -sf -o /dev/null "http://127.0.0.1:$NGINX_PORT/healthz-nginx" && break
+  sleep 0.1
+done
+
+declare -A URL=(
+  [direct]="http://127.0.0.1:$MOCK_PORT/v1/chat/completions"
+  [nginx]="http://127.0.0.1:$NGINX_PORT/v1/chat/completions"
+  [turnguard]="http://127.0.0.1:$TG_PORT/v1/chat/completions"
+)
+ticks() { awk '{print $14+$15}' "/proc/$1/stat"; }
+CLK=$(getconf CLK_TCK)
+
+run_cell() { # kind concurrency config round
+  local kind=$1 c=$2 cfg=$3 round=$4 t0 t1 out
+  t0=$(ticks "$TG_PID")
+  if [ "$kind" = json ]; then
+    out=$(taskset -c "$LOADGEN_CPU" wrk -t1 -c"$c" -d"${SECS}s" --latency -s bench/post.lua "${URL[$cfg]}")
+    echo "$out" > "$OUT/wrk-$kind-c$c-$cfg-r$round.txt"
+    line=$(python3 bench/report.py wrk <<<"$out")
+  else
+    line=$(taskset -c "$LOADGEN_CPU" "$TOOL" stream --url "${URL[$cfg]}" --concurrency "$c" --seconds "$SECS")
+  fi
+  t1=$(ticks "$TG_PID")
+  echo "{\"kind\":\"$kind\",\"c\":$c,\"config\":\"$cfg\",\"round\":$round,\"tg_cpu_ticks\":$((t1-t0)),\"clk_tck\":$CLK,\"result\":$line}" >> "$OUT/results.jsonl"
+  echo "   $kind c=$c $cfg r$round: $line"
+}
+
+echo "== warm-up"
+for cfg in direct nginx turnguard; do
+  taskset -c "$LOADGEN_CPU" wrk -t1 -c16 -d2s -s bench/post.lua "${URL[$cfg]}" >/dev/null
+done
+
+echo "== measure (interleaved: every round runs the three configurations back to back)"
+for cell in "json 1" "json 16" "json 64" "stream 1" "stream 16"; do
+  set -- $cell
+  for round in $(seq "$ROUNDS"); do
+    for cfg in direct nginx turnguard; do run_cell "$1" "$2" "$cfg" "$round"; done
+  done
+  if [ "$1 $2" = "json 64" ]; then
+    grep VmHWM "/proc/$TG_PID/status" | awk '{print "{\"peak_rss_kib_after_c64\":"$2"}"}' >> "$OUT/rss.jsonl"
+  fi
+done
+grep VmHWM "/proc/$TG_PID/status" | awk '{print "{\"peak_rss_kib_end\":"$2"}"}' >> "$OUT/rss.jsonl"
+for p in $(pgrep -P "$(cat "$WORK/nginx.pid")") "$(cat "$WORK/nginx.pid")"; do
+  grep VmHWM "/proc/$p/status" | awk -v p="$p" '{print "{\"nginx_pid\":"p",\"peak_rss_kib\":"$2"}"}' >> "$OUT/rss.jsonl"
+done
+curl -s "http://127.0.0.1:$TG_ADMIN/metrics" > "$OUT/turnguard-metrics.txt"
+sqlite3 "$WORK/journal.db" "select count(*) from rounds" > "$OUT/journal-rounds.txt" 2>/dev/null || true
+
+echo "== environment"
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "kernel: $(uname -sr)"
+  echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) × $(nproc)"
+  echo "memory: $(free -m | awk '/Mem:/{print $2}') MiB"
+  echo "turnguard: $($TG --version) ($(git rev-parse --short HEAD))"
+  echo "rustc: $(rustc --version)"
+  echo "nginx: $(nginx -v 2>&1 | cut -d/ -f2)"
+  echo "wrk: $(wrk -v 2>&1 | head -1)"
+  echo "rounds: $ROUNDS × ${SECS}s per configuration and cell; stream event delay ${EVENT_DELAY_US}µs"
+} > "$OUT/env.txt"
+cat "$OUT/env.txt"
+python3 bench/report.py summary "$OUT" | tee "$OUT/summary.md"
