@@ -246,7 +246,7 @@ async fn one_stream(
     };
     if resp.status() != 200 {
         s.errors += 1;
-        let _ = resp.into_body().collect().await;
+        let _ = turnguard::body::read_capped(resp.into_body(), 1 << 20).await;
         return;
     }
     let mut body = resp.into_body();

@@ -292,8 +292,8 @@ fn localize(arg: &str, root: &Path) -> String {
     let Some((name, value)) = arg.split_once('=') else {
         return arg.to_owned();
     };
-    if value.starts_with('/') {
-        return format!("{name}={}", root.join(&value[1..]).display());
+    if let Some(rel) = value.strip_prefix('/') {
+        return format!("{name}={}", root.join(rel).display());
     }
     if name == "--listen" || name == "--admin-listen" {
         let host = value.rsplit_once(':').unwrap().0;
