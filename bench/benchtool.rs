@@ -165,6 +165,9 @@ async fn mock(listen: SocketAddr, delay: Duration) {
     });
     let router = Router::new().fallback(serve).with_state(state);
     let listener = tokio::net::TcpListener::bind(listen).await.unwrap();
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, router).await.unwrap();
 }
 
@@ -304,9 +307,11 @@ fn pct(v: &mut [u64], p: f64) -> u64 {
 }
 
 async fn stream_load(url: &str, concurrency: usize, duration: Duration) {
+    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    connector.set_nodelay(true);
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(concurrency)
-        .build_http();
+        .build(connector);
     let body = request_body();
     let started = Instant::now();
     let deadline = started + duration;

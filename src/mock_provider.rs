@@ -150,6 +150,9 @@ pub fn spawn(listener: TcpListener, script: Script) -> std::io::Result<MockHandl
         .fallback(serve_step)
         .with_state(mock);
     let task = tokio::spawn(async move {
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         if let Err(e) = axum::serve(listener, router).await {
             tracing::error!(error = %e, "mock provider failed");
         }

@@ -110,6 +110,12 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             let shutdown = async move {
                 let _ = stopped.wait_for(|s| *s).await;
             };
+            // Small writes (SSE events) go out at once: without TCP_NODELAY an event written
+            // while the previous segment is unacknowledged waits for the peer's delayed ACK
+            // (up to 40 ms on Linux).
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             if let Err(e) = axum::serve(listener, router)
                 .with_graceful_shutdown(shutdown)
                 .await
