@@ -188,11 +188,13 @@ async fn serve(State(m): State<Arc<MockState>>, req: Request<Body>) -> Response 
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
     tokio::spawn(async move {
         let mut i = 0;
-        while let Some(ev) = stream_event(i) {
+        loop {
             // The finish chunk follows the last argument delta at once.
             if i > 0 && i != 10 && !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }
+            // Built (and stamped) right before it is sent.
+            let Some(ev) = stream_event(i) else { return };
             if tx.send(Ok(ev)).await.is_err() {
                 return;
             }
