@@ -2,7 +2,12 @@
 //! "Foundation", "Inputs from the field"): each drives turnguard over real sockets with the
 //! mock provider serving one of `tests/fixtures`.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods, clippy::type_complexity)] // test code
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::type_complexity
+)] // test code
 
 mod support;
 

@@ -1,7 +1,12 @@
 //! The proxy as a platform team meets it: pass-through fidelity, streaming without
 //! buffering, bad input, upstream failures, and the journal afterwards.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods, clippy::type_complexity)] // test code
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::type_complexity
+)] // test code
 
 mod support;
 

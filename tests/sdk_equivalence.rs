@@ -5,7 +5,12 @@
 //! (`tests/sdk/equivalence.py` does the calls and the comparison). Then the journal must hold one
 //! round per proxied request and the admission decision of every call.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods, clippy::type_complexity)] // test code
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::type_complexity
+)] // test code
 
 mod support;
 

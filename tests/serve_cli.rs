@@ -2,7 +2,12 @@
 //! `/healthz`, refuses an unknown path with 404 and the OpenWOP error body, and shuts down
 //! cleanly on SIGTERM.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods, clippy::type_complexity)] // test code
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::type_complexity
+)] // test code
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

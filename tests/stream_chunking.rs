@@ -2,7 +2,12 @@
 //! emissions and the same forwarded bytes (the framer and the adapters keep no state that
 //! depends on where the transport cut the bytes).
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods, clippy::type_complexity)] // test code
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::type_complexity
+)] // test code
 
 mod support;
 

@@ -265,6 +265,9 @@ struct ChoiceAcc {
     refused: bool,
     /// A held finish chunk exists for this choice.
     finish_held: bool,
+    /// Some chunk of this choice carried `delta.role`; it is always sent (held chunks keep
+    /// it), so an added chunk must not repeat it (the SDK concatenates string deltas).
+    role_seen: bool,
 }
 
 /// A held chunk: its raw bytes, its JSON, and for each `tool_calls` entry (choice position,
@@ -373,6 +376,9 @@ impl ChatStream {
         for (cpos, c) in choices.iter().enumerate() {
             let index = c.get("index").and_then(Value::as_u64).unwrap_or(0) as u32;
             let acc = self.choices.entry(index).or_default();
+            if c.pointer("/delta/role").is_some_and(|r| !r.is_null()) {
+                acc.role_seen = true;
+            }
             if let Some(Value::String(r)) = c.pointer("/delta/refusal") {
                 if !r.is_empty() {
                     acc.refused = true;
@@ -648,7 +654,12 @@ impl ChatStream {
                     let has_finish = c.get("finish_reason").is_some_and(|f| !f.is_null());
                     if has_finish {
                         if let Some(text) = end_turn {
-                            insert_before.push(text_chunk(&chunk_template(&held.raw), index, text));
+                            insert_before.push(text_chunk(
+                                &chunk_template(&held.raw),
+                                index,
+                                text,
+                                !acc.role_seen,
+                            ));
                             c["finish_reason"] = json!("stop");
                             changed = true;
                         }
@@ -763,8 +774,9 @@ fn chunk_template(raw: &Bytes) -> Value {
     serde_json::from_str(&data).unwrap_or_else(|_| json!({}))
 }
 
-/// A chunk carrying host-authored `text` as content for choice `index`.
-fn text_chunk(template: &Value, index: u32, text: &str) -> Bytes {
+/// A chunk carrying host-authored `text` as content for choice `index`; `with_role` when no
+/// earlier chunk of the choice carried the role.
+fn text_chunk(template: &Value, index: u32, text: &str, with_role: bool) -> Bytes {
     let mut chunk = Map::new();
     if let Some(obj) = template.as_object() {
         for (k, v) in obj {
@@ -779,9 +791,14 @@ fn text_chunk(template: &Value, index: u32, text: &str) -> Bytes {
             }
         }
     }
+    let delta = if with_role {
+        json!({ "role": "assistant", "content": text })
+    } else {
+        json!({ "content": text })
+    };
     chunk.insert(
         "choices".into(),
-        json!([{ "index": index, "delta": { "role": "assistant", "content": text }, "finish_reason": null }]),
+        json!([{ "index": index, "delta": delta, "finish_reason": null }]),
     );
     encode(&Value::Object(chunk))
 }
