@@ -16,9 +16,10 @@ use std::path::PathBuf;
 use bytes::Bytes;
 use proptest::prelude::*;
 use serde_json::json;
-use turnguard::admission::{admit_choice, SchemaCache};
+use turnguard::admission::{admit_choice, AdmitCtx, LimitState, SchemaCache};
 use turnguard::model::{Api, ChoiceEmissions, ChoiceVerdict, DeclaredTool, Turn};
-use turnguard::proxy::stream::Pipeline;
+use turnguard::policy::bundle::ContentTrust;
+use turnguard::proxy::stream::{Finish, Pipeline};
 
 fn turn(api: Api) -> Turn {
     let tools = [
@@ -43,6 +44,8 @@ fn turn(api: Api) -> Turn {
         max_output_tokens: Some(4096),
         include_usage: true,
         round_index: 0,
+        prior_calls: Vec::new(),
+        provider_output_seen: false,
     }
 }
 
@@ -85,20 +88,46 @@ fn stream_fixtures() -> Vec<(PathBuf, Api)> {
 /// Feeds `chunks` through the relay pipeline; returns the forwarded bytes and the decisions.
 fn relay(api: Api, chunks: &[&[u8]]) -> (Vec<u8>, Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>) {
     let t = turn(api);
+    static POLICY: std::sync::OnceLock<turnguard::policy::CompiledPolicy> = std::sync::OnceLock::new();
+    let policy = POLICY.get_or_init(|| turnguard::policy::compile(&turnguard::reload::embedded()).expect("default bundle"));
     let schemas = SchemaCache::default();
-    let mut admit = |round: &[ChoiceEmissions]| {
-        round
-            .iter()
-            .map(|c| admit_choice(&t, c, &schemas))
-            .collect()
+    // A bucket that never runs dry: the property is about framing, not rate limits.
+    let limits = LimitState::default();
+    let never = |_: &str| false;
+    let ctx = AdmitCtx {
+        policy,
+        schemas: &schemas,
+        limits: &limits,
+        person: None,
+        agent: "agent",
+        trust: ContentTrust::Trusted,
+        run: None,
+        provider: "test",
+        approved: &never,
+        repairs_left: 0,
     };
-    let mut p = Pipeline::new(&t, 1 << 20);
+    let admit = |round: &[ChoiceEmissions]| -> Vec<ChoiceVerdict> { round.iter().map(|c| admit_choice(&ctx, &t, c)).collect() };
+    let mut p = Pipeline::new(&t, 1 << 20, None);
     let mut out: Vec<Bytes> = Vec::new();
     for c in chunks {
-        p.feed(c, &mut admit, &mut out).expect("event within cap");
+        p.feed(c).expect("event within cap");
+        while let Some(round) = p.advance(&mut out) {
+            let v = admit(&round);
+            p.release(round, v, &mut out);
+        }
     }
-    let (state, _) = p.end(None, &mut admit, &mut out);
-    assert_eq!(state, "ok");
+    loop {
+        match p.finish(None, &mut out) {
+            Finish::Decide(round) => {
+                let v = admit(&round);
+                p.release(round, v, &mut out);
+            }
+            Finish::Ended(state, _) => {
+                assert_eq!(state, "ok");
+                break;
+            }
+        }
+    }
     (out.concat(), p.decided.clone())
 }
 

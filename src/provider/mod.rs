@@ -7,7 +7,7 @@ pub mod openai_chat;
 use bytes::Bytes;
 use serde_json::Value;
 
-use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Completion, Turn};
+use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Completion, RepairItem, Turn};
 use crate::sse::SseBlock;
 
 /// Reads a request body of `api` into a [`Turn`].
@@ -33,6 +33,15 @@ pub fn rewrite_response(api: Api, body: &mut Value, verdicts: &[ChoiceVerdict]) 
     match api {
         Api::OpenAiChat => openai_chat::rewrite_response(body, verdicts),
         Api::AnthropicMessages => anthropic_messages::rewrite_response(body, verdicts),
+    }
+}
+
+/// Appends a repair turn to a request body: the withheld calls as the assistant's turn and
+/// one host-authored result per call (tool-turn contract §B "repair"; MCP `isError`, §G).
+pub fn append_repair(api: Api, body: &mut Value, choice: &ChoiceEmissions, items: &[RepairItem]) {
+    match api {
+        Api::OpenAiChat => openai_chat::append_repair(body, choice, items),
+        Api::AnthropicMessages => anthropic_messages::append_repair(body, choice, items),
     }
 }
 
@@ -117,5 +126,73 @@ impl StreamAdapter {
             Self::OpenAiChat(s) => s.cut(reason, out),
             Self::AnthropicMessages(s) => s.cut(reason, out),
         }
+    }
+
+    /// Drops everything held and ends the stream with a provider-shaped error carrying an
+    /// OpenWOP `code` (an outcome surfaced as `error` after the headers went out).
+    pub fn fail(&mut self, code: &str, message: &str, out: &mut Vec<Bytes>) {
+        match self {
+            Self::OpenAiChat(s) => s.fail("turnguard_refused", code, message, out),
+            Self::AnthropicMessages(s) => s.fail("invalid_request_error", &format!("{code}: {message}"), out),
+        }
+    }
+
+    /// Drops everything held because the round is repaired; returns how the next round's
+    /// events must be spliced into the agent's stream.
+    pub fn abandon(&mut self) -> Splice {
+        match self {
+            Self::OpenAiChat(s) => {
+                s.abandon();
+                Splice::OpenAiChat
+            }
+            Self::AnthropicMessages(s) => Splice::AnthropicMessages { offset: s.abandon() },
+        }
+    }
+}
+
+/// How a repair round's stream continues the agent's stream, which already carries the
+/// first round's text: the SDKs must see one message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Splice {
+    /// Chat: the role is not repeated (the SDK concatenates string deltas).
+    OpenAiChat,
+    /// Messages: no second `message_start`; content block indices continue after `offset`.
+    AnthropicMessages { offset: u64 },
+}
+
+impl Splice {
+    /// Rewrites one block of the repair round, or drops it (`None`).
+    pub fn apply(self, block: SseBlock) -> Option<SseBlock> {
+        let Some(data) = block.data.as_deref() else { return Some(block) };
+        let Ok(mut v) = serde_json::from_str::<Value>(data) else { return Some(block) };
+        let changed = match self {
+            Self::OpenAiChat => {
+                let mut changed = false;
+                for c in v.get_mut("choices").and_then(Value::as_array_mut).into_iter().flatten() {
+                    if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
+                        changed |= d.remove("role").is_some();
+                    }
+                }
+                changed
+            }
+            Self::AnthropicMessages { offset } => {
+                if v.get("type").and_then(Value::as_str) == Some("message_start") {
+                    return None;
+                }
+                match v.get("index").and_then(Value::as_u64) {
+                    Some(ix) if offset > 0 => {
+                        v["index"] = Value::from(ix + offset);
+                        true
+                    }
+                    _ => false,
+                }
+            }
+        };
+        if !changed {
+            return Some(block);
+        }
+        let data = v.to_string();
+        let raw = crate::sse::encode(block.event.as_deref(), &data);
+        Some(SseBlock { raw, event: block.event, data: Some(data) })
     }
 }
