@@ -24,6 +24,15 @@ impl Api {
         }
     }
 
+    /// The API for a label (`openai_chat`, `anthropic_messages`).
+    pub fn from_label(label: &str) -> Option<Self> {
+        match label {
+            "openai_chat" => Some(Self::OpenAiChat),
+            "anthropic_messages" => Some(Self::AnthropicMessages),
+            _ => None,
+        }
+    }
+
     /// The configured upstream name this API is sent to.
     pub fn upstream(self) -> &'static str {
         match self {

@@ -417,19 +417,14 @@ pub struct Expectation {
     pub stage: String,
 }
 
-/// The JSON Schema of every bundle file format, generated from these types.
-pub fn bundle_json_schema() -> Value {
-    let settings = schemars::schema_for!(Settings);
-    let tools = schemars::schema_for!(ToolsFile);
-    let tests = schemars::schema_for!(TestsFile);
-    serde_json::json!({
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "title": "turnguard policy bundle",
-        "description": "Generated from src/policy/bundle.rs by `turnguard policy schema`; do not edit.",
-        "$defs": {
-            "turnguard.toml": settings,
-            "tools/*.toml": tools,
-            "tests/*.toml": tests
-        }
-    })
+/// The JSON Schemas of the bundle file formats, generated from these types, with the file
+/// names they are committed under in a bundle: `turnguard.schema.json` (for
+/// `turnguard.toml`), `tools.schema.json` (`tools/*.toml`), `tests.schema.json`
+/// (`tests/*.toml`).
+pub fn bundle_json_schemas() -> Vec<(&'static str, Value)> {
+    vec![
+        ("turnguard.schema.json", serde_json::to_value(schemars::schema_for!(Settings)).unwrap_or_default()),
+        ("tools.schema.json", serde_json::to_value(schemars::schema_for!(ToolsFile)).unwrap_or_default()),
+        ("tests.schema.json", serde_json::to_value(schemars::schema_for!(TestsFile)).unwrap_or_default()),
+    ]
 }

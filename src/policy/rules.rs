@@ -161,7 +161,10 @@ impl Rules {
                 }
                 let result = Validator::new(schema.clone()).validate(&one, ValidationMode::Strict);
                 for e in result.validation_errors() {
-                    let at = first_label(e).map(|o| line_of(text, chunk.start + o)).unwrap_or(line);
+                    let at = first_label(e)
+                        .or_else(|| mentioned_offset(src, &e.to_string()))
+                        .map(|o| line_of(text, chunk.start + o))
+                        .unwrap_or(line);
                     errors.push(PolicyError::rule(file, at, &label, e.to_string()));
                 }
                 if !result.validation_passed() {
@@ -316,6 +319,17 @@ fn split_statements(text: &str) -> Vec<Chunk> {
 
 fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())].bytes().filter(|b| *b == b'\n').count() + 1
+}
+
+/// Where in `src` a name the message quotes (`` `args.amout` `` → `amout`) first appears.
+fn mentioned_offset(src: &str, message: &str) -> Option<usize> {
+    message
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter_map(|quoted| quoted.rsplit(['.', ':']).next())
+        .filter(|name| !name.is_empty() && name.chars().all(|c| c.is_alphanumeric() || c == '_'))
+        .find_map(|name| src.find(name))
 }
 
 fn first_label(d: &dyn miette::Diagnostic) -> Option<usize> {
