@@ -483,6 +483,18 @@ fn insert_tool_result(
         if t.is_error {
             payload["error"] = serde_json::json!({"code": "turnguard.tool_reported_error", "message": "the agent reported that the tool failed"});
         }
+        // durationMs: from the round that released the call to the request carrying its result.
+        let released_at: Option<i64> = tx
+            .query_row(
+                "SELECT r.at_ms FROM tool_calls c JOIN rounds r ON r.request_id = c.request_id
+                 WHERE c.call_id = ?1 AND c.outcome = 'executed' ORDER BY c.id DESC LIMIT 1",
+                params![t.tool_call_id],
+                |r| r.get(0),
+            )
+            .ok();
+        if let Some(at) = released_at {
+            payload["durationMs"] = serde_json::json!((t.at_ms - at).max(0));
+        }
         insert_event(
             tx,
             &EventRecord { request_id: t.request_id.clone(), run: t.run.clone(), at_ms: t.at_ms, kind: "agent.tool-returned", payload },

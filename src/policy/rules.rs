@@ -260,6 +260,47 @@ impl Rules {
     }
 }
 
+impl Rules {
+    /// Whether the caller may invoke `tool` at all (OpenWOP tool-catalog.md: the catalog lists
+    /// only such tools). Decided by the rules with empty arguments and an approval in hand:
+    /// a tool some call could be permitted for is listed; one no call can be permitted for
+    /// (no permit, or a forbid that does not depend on the arguments) is not. Rules that read
+    /// arguments cannot be evaluated here and do not hide a tool.
+    pub fn may_invoke(&self, person: Option<&str>, agent: &str, tool: &CatalogTool) -> bool {
+        let principal = match person {
+            Some(sub) => uid("User", sub),
+            None => uid("Agent", agent),
+        };
+        let (Some(principal), Some(action), Some(resource)) =
+            (principal, uid("Action", "call"), uid("Tool", &tool.descriptor.tool_id))
+        else {
+            return false;
+        };
+        let empty = RestrictedExpression::new_record(Vec::<(String, RestrictedExpression)>::new());
+        let Ok(args) = empty else { return false };
+        let context = Context::from_pairs([
+            ("trust".to_owned(), RestrictedExpression::new_string("trusted".into())),
+            ("provider".to_owned(), RestrictedExpression::new_string(String::new())),
+            ("model".to_owned(), RestrictedExpression::new_string(String::new())),
+            ("run".to_owned(), RestrictedExpression::new_string(String::new())),
+            ("approved".to_owned(), RestrictedExpression::new_bool(true)),
+            ("args".to_owned(), args),
+        ]);
+        let Ok(context) = context else { return false };
+        let Ok(request) = Request::new(principal, action, resource, context, None) else {
+            return false;
+        };
+        let response = self.authorizer.is_authorized(&request, &self.policies, &self.entities);
+        match response.decision() {
+            Decision::Allow => true,
+            Decision::Deny => {
+                let rules: Vec<String> = response.diagnostics().reason().map(|id| id.to_string()).collect();
+                !rules.is_empty() && rules.iter().all(|r| self.meta(r).is_some_and(|m| m.hold))
+            }
+        }
+    }
+}
+
 fn uid(ty: &str, id: &str) -> Option<EntityUid> {
     let ty = EntityTypeName::from_str(ty).ok()?;
     Some(EntityUid::from_type_name_and_id(ty, EntityId::new(id)))
