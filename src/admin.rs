@@ -116,13 +116,22 @@ fn served(tool: &CatalogTool, compact: bool) -> Value {
 /// `$ref`, `oneOf`, `allOf`, `anyOf`, `not`, `patternProperties`, `dependentSchemas` at any
 /// depth (RFC 0112); otherwise it is left out.
 fn compact_schema_ok(schema: &Value, top: bool) -> bool {
-    const BANNED: [&str; 7] = ["$ref", "oneOf", "allOf", "anyOf", "not", "patternProperties", "dependentSchemas"];
+    const BANNED: [&str; 7] = [
+        "$ref",
+        "oneOf",
+        "allOf",
+        "anyOf",
+        "not",
+        "patternProperties",
+        "dependentSchemas",
+    ];
     match schema {
         Value::Object(m) => {
             if top && (m.get("type") != Some(&json!("object")) || !m.contains_key("properties")) {
                 return false;
             }
-            !m.keys().any(|k| BANNED.contains(&k.as_str())) && m.values().all(|v| compact_schema_ok(v, false))
+            !m.keys().any(|k| BANNED.contains(&k.as_str()))
+                && m.values().all(|v| compact_schema_ok(v, false))
         }
         Value::Array(a) => a.iter().all(|v| compact_schema_ok(v, false)),
         _ => true,
@@ -146,7 +155,11 @@ async fn tools(State(s): State<Arc<AppState>>, Query(q): Query<ViewQuery>) -> Re
 /// `GET /tools/{toolId}`: one descriptor; an unknown id and a tool the caller may not use
 /// get the same 404, so the catalog never confirms a tool exists to someone who may not
 /// use it.
-async fn tool(State(s): State<Arc<AppState>>, Path(tool_id): Path<String>, Query(q): Query<ViewQuery>) -> Response {
+async fn tool(
+    State(s): State<Arc<AppState>>,
+    Path(tool_id): Path<String>,
+    Query(q): Query<ViewQuery>,
+) -> Response {
     let policy = s.policy.snapshot();
     match policy.catalog.by_id(&tool_id) {
         Some(t) if policy.rules.may_invoke(None, crate::proxy::AGENT_ID, t) => {

@@ -149,6 +149,8 @@ pub struct ChoiceEmissions {
     pub completion: Completion,
     /// Its tool calls, in emission order.
     pub calls: Vec<ToolCall>,
+    /// Its assistant text (for the structured and prompted channels), when read.
+    pub text: Option<String>,
 }
 
 /// The outcome of one tool call (tool-turn contract §B).

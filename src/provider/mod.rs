@@ -45,6 +45,36 @@ pub fn append_repair(api: Api, body: &mut Value, choice: &ChoiceEmissions, items
     }
 }
 
+/// The provider-enforced output schema of a request (`structured` channel, tool-turn
+/// contract §A): Chat `response_format: {type: "json_schema", json_schema: {name, schema}}`.
+pub fn structured_schema(api: Api, body: &Value) -> Option<(String, Value)> {
+    match api {
+        Api::OpenAiChat => {
+            let rf = body.get("response_format")?;
+            if rf.get("type").and_then(Value::as_str) != Some("json_schema") {
+                return None;
+            }
+            let js = rf.get("json_schema")?;
+            let name = js
+                .get("name")
+                .and_then(Value::as_str)
+                .unwrap_or("response_format")
+                .to_owned();
+            Some((name, js.get("schema")?.clone()))
+        }
+        Api::AnthropicMessages => None,
+    }
+}
+
+/// Appends a repair turn for a text answer: the answer as the assistant's turn, then a
+/// host-authored user message with the validator's findings.
+pub fn append_text_repair(body: &mut Value, answer: &str, feedback: &str) {
+    if let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) {
+        messages.push(serde_json::json!({"role": "assistant", "content": answer}));
+        messages.push(serde_json::json!({"role": "user", "content": feedback}));
+    }
+}
+
 /// The per-API stream state machine: forwards what it may at once, holds tool-call events
 /// until the completion state is known, then releases or rewrites them.
 #[derive(Debug)]
@@ -133,7 +163,9 @@ impl StreamAdapter {
     pub fn fail(&mut self, code: &str, message: &str, out: &mut Vec<Bytes>) {
         match self {
             Self::OpenAiChat(s) => s.fail("turnguard_refused", code, message, out),
-            Self::AnthropicMessages(s) => s.fail("invalid_request_error", &format!("{code}: {message}"), out),
+            Self::AnthropicMessages(s) => {
+                s.fail("invalid_request_error", &format!("{code}: {message}"), out)
+            }
         }
     }
 
@@ -145,7 +177,9 @@ impl StreamAdapter {
                 s.abandon();
                 Splice::OpenAiChat
             }
-            Self::AnthropicMessages(s) => Splice::AnthropicMessages { offset: s.abandon() },
+            Self::AnthropicMessages(s) => Splice::AnthropicMessages {
+                offset: s.abandon(),
+            },
         }
     }
 }
@@ -163,12 +197,21 @@ pub enum Splice {
 impl Splice {
     /// Rewrites one block of the repair round, or drops it (`None`).
     pub fn apply(self, block: SseBlock) -> Option<SseBlock> {
-        let Some(data) = block.data.as_deref() else { return Some(block) };
-        let Ok(mut v) = serde_json::from_str::<Value>(data) else { return Some(block) };
+        let Some(data) = block.data.as_deref() else {
+            return Some(block);
+        };
+        let Ok(mut v) = serde_json::from_str::<Value>(data) else {
+            return Some(block);
+        };
         let changed = match self {
             Self::OpenAiChat => {
                 let mut changed = false;
-                for c in v.get_mut("choices").and_then(Value::as_array_mut).into_iter().flatten() {
+                for c in v
+                    .get_mut("choices")
+                    .and_then(Value::as_array_mut)
+                    .into_iter()
+                    .flatten()
+                {
                     if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
                         changed |= d.remove("role").is_some();
                     }
@@ -193,6 +236,10 @@ impl Splice {
         }
         let data = v.to_string();
         let raw = crate::sse::encode(block.event.as_deref(), &data);
-        Some(SseBlock { raw, event: block.event, data: Some(data) })
+        Some(SseBlock {
+            raw,
+            event: block.event,
+            data: Some(data),
+        })
     }
 }
