@@ -88,8 +88,11 @@ fn stream_fixtures() -> Vec<(PathBuf, Api)> {
 /// Feeds `chunks` through the relay pipeline; returns the forwarded bytes and the decisions.
 fn relay(api: Api, chunks: &[&[u8]]) -> (Vec<u8>, Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>) {
     let t = turn(api);
-    static POLICY: std::sync::OnceLock<turnguard::policy::CompiledPolicy> = std::sync::OnceLock::new();
-    let policy = POLICY.get_or_init(|| turnguard::policy::compile(&turnguard::reload::embedded()).expect("default bundle"));
+    static POLICY: std::sync::OnceLock<turnguard::policy::CompiledPolicy> =
+        std::sync::OnceLock::new();
+    let policy = POLICY.get_or_init(|| {
+        turnguard::policy::compile(&turnguard::reload::embedded()).expect("default bundle")
+    });
     let schemas = SchemaCache::default();
     // A bucket that never runs dry: the property is about framing, not rate limits.
     let limits = LimitState::default();
@@ -106,7 +109,9 @@ fn relay(api: Api, chunks: &[&[u8]]) -> (Vec<u8>, Vec<(Vec<ChoiceEmissions>, Vec
         approved: &never,
         repairs_left: 0,
     };
-    let admit = |round: &[ChoiceEmissions]| -> Vec<ChoiceVerdict> { round.iter().map(|c| admit_choice(&ctx, &t, c)).collect() };
+    let admit = |round: &[ChoiceEmissions]| -> Vec<ChoiceVerdict> {
+        round.iter().map(|c| admit_choice(&ctx, &t, c)).collect()
+    };
     let mut p = Pipeline::new(&t, 1 << 20, None);
     let mut out: Vec<Bytes> = Vec::new();
     for c in chunks {

@@ -297,7 +297,7 @@ enum FileKind {
 
 fn classify(path: &str) -> FileKind {
     let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
-    match (dir, name.rsplit_once('.').map(|(stem, ext)| (stem, ext))) {
+    match (dir, name.rsplit_once('.')) {
         ("", Some(("turnguard", "toml"))) => FileKind::Settings,
         ("", Some((_, "json"))) if name.ends_with(".schema.json") => FileKind::Data,
         ("", Some((_, "md"))) => FileKind::Data,
