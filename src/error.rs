@@ -33,6 +33,18 @@ pub enum WireError {
     /// the request).
     #[error("the journal could not record this request: {reason}")]
     JournalUnavailable { reason: String },
+    /// Same-attempt recovery found a released, non-re-runnable call with no recorded result
+    /// (tool-turn contract §D).
+    #[error("the outcome of released call(s) is unknown and they are not re-runnable: {calls}")]
+    ToolOutcomeUnknown { calls: String },
+    /// Replay reached a position with no usable record (tool-turn contract §D; OpenWOP
+    /// replay.md).
+    #[error("replay has no record to serve: {reason}")]
+    ReplaySourceMissing { reason: String },
+    /// Inside a run, the request asks the provider to call MCP servers itself (Anthropic
+    /// `mcp_servers`): tool-turn contract §F forbids delegating MCP or A2A to the provider.
+    #[error("inside a run, MCP calls may not be delegated to the provider (`{field}`); call MCP tools through the agent")]
+    ProviderMcpInRun { field: String },
     /// An invariant turnguard relies on did not hold.
     #[error("internal error: {reason}")]
     Internal { reason: String },
@@ -70,6 +82,19 @@ impl WireError {
                 "turnguard.journal_unavailable",
                 "journal_unavailable",
             ),
+            Self::ToolOutcomeUnknown { .. } => (
+                StatusCode::CONFLICT,
+                "turnguard.tool_outcome_unknown",
+                "tool_outcome_unknown",
+            ),
+            Self::ReplaySourceMissing { .. } => (
+                StatusCode::NOT_FOUND,
+                "replay_source_missing",
+                "replay_source_missing",
+            ),
+            Self::ProviderMcpInRun { .. } => {
+                (StatusCode::FORBIDDEN, "forbidden", "provider_mcp_in_run")
+            }
             Self::Internal { .. } => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal_error",

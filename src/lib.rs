@@ -13,6 +13,7 @@
 //! | [`provider`] | one adapter per provider API, into and out of the neutral [`model`] |
 //! | [`model`] | the provider-neutral `Turn`, `ToolCall`, `Completion`, `Decision` |
 //! | [`admission`] | the admission order of tool-turn contract §B (completion, name, arguments, …) |
+//! | [`recipes`] | RFC 0150 recipes: semantic request digest v2, `logicalInvocationId` |
 //! | [`journal`] | the SQLite journal: one writer thread, group commit, insert-if-absent |
 //! | [`metrics`] | every Prometheus metric, in one registry handle |
 //! | [`admin`] | the admin plane: `/metrics`, `/healthz`, `/readyz`, `/config` |
@@ -35,6 +36,7 @@ pub mod policy;
 pub mod policy_cli;
 pub mod provider;
 pub mod proxy;
+pub mod recipes;
 pub mod reload;
 pub mod server;
 pub mod sse;

@@ -83,6 +83,15 @@ pub struct EmissionLabels {
     pub result: String,
 }
 
+/// Labels of `turnguard_replay_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplayLabels {
+    /// `recovery` or `replay`.
+    pub mode: String,
+    /// `hit`, `miss`, `outcome_unknown`.
+    pub result: String,
+}
+
 /// The metrics handle shared by the data plane, the journal and the admin plane.
 pub struct Metrics {
     registry: Registry,
@@ -116,6 +125,8 @@ pub struct Metrics {
     pub repairs: Family<RepairLabels, Counter>,
     /// Text answers checked in the structured and prompted channels.
     pub emissions: Family<EmissionLabels, Counter>,
+    /// Recovery and replay lookups by result.
+    pub replay: Family<ReplayLabels, Counter>,
 }
 
 impl Metrics {
@@ -212,7 +223,14 @@ impl Metrics {
             "Text answers checked in the structured and prompted channels, by result",
             emissions.clone(),
         );
+        let replay = Family::<ReplayLabels, Counter>::default();
+        registry.register(
+            "replay",
+            "Recovery and replay lookups by result",
+            replay.clone(),
+        );
         Self {
+            replay,
             emissions,
             policy_reloads,
             policy_revision_info,

@@ -233,6 +233,8 @@ pub struct Decision {
     pub retry_after_secs: Option<u64>,
     /// The arguments after redaction (safe to journal and log), when they parsed.
     pub redacted_args: Option<serde_json::Value>,
+    /// How many secrets redaction found in the arguments.
+    pub secrets: usize,
     /// Stage by stage, what admission found (for `policy explain`).
     pub trace: Vec<(Stage, String)>,
 }
@@ -252,6 +254,7 @@ impl Decision {
             rules: Vec::new(),
             retry_after_secs: None,
             redacted_args: None,
+            secrets: 0,
             trace: Vec::new(),
         }
     }

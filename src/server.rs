@@ -17,7 +17,7 @@ use tokio::task::JoinHandle;
 use crate::admission::{LimitState, SchemaCache};
 use crate::config::Config;
 use crate::error::WireError;
-use crate::journal::{Journal, JournalError, WriterThread};
+use crate::journal::{Journal, JournalError, JournalReader, WriterThread};
 use crate::metrics::Metrics;
 use crate::model::Api;
 use crate::proxy::{self, upstream};
@@ -31,6 +31,8 @@ pub struct AppState {
     pub client: upstream::HttpClient,
     /// The journal writer handle.
     pub journal: Journal,
+    /// A read-only journal connection (recovery, replay, admin plane).
+    pub reader: Arc<JournalReader>,
     /// The metrics registry handle.
     pub metrics: Arc<Metrics>,
     /// Compiled argument schemas, by schema hash.
@@ -68,6 +70,7 @@ pub struct Running {
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     watcher: JoinHandle<()>,
+    pruner: JoinHandle<()>,
     writer: WriterThread,
 }
 
@@ -77,6 +80,7 @@ impl Running {
     pub async fn shutdown(self) {
         self.state.ready.store(false, Ordering::SeqCst);
         self.watcher.abort();
+        self.pruner.abort();
         let _ = self.stop.send(true);
         for t in self.tasks {
             let _ = t.await;
@@ -102,6 +106,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     metrics.policy_revision("", &policy.revision);
     let policy = Arc::new(PolicyHandle::new(policy, config.policy.clone()));
     let (journal, writer) = Journal::open(&config.journal, Arc::clone(&metrics))?;
+    let reader = Arc::new(JournalReader::open(&config.journal)?);
     let bind = |addr: SocketAddr| async move {
         TcpListener::bind(addr).await.map_err(|e| StartError::Bind {
             addr,
@@ -122,6 +127,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         client: upstream::client(&config),
         config,
         journal,
+        reader,
         metrics,
         schemas: SchemaCache::default(),
         policy: Arc::clone(&policy),
@@ -133,6 +139,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         Arc::clone(&state.metrics),
         std::time::Duration::from_millis(250),
     );
+    let pruner = prune_task(Arc::clone(&state));
     let (stop, stopped) = watch::channel(false);
     let serve = |listener: TcpListener, router: Router, mut stopped: watch::Receiver<bool>| {
         tokio::spawn(async move {
@@ -168,7 +175,29 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         stop,
         tasks,
         watcher,
+        pruner,
         writer,
+    })
+}
+
+/// Deletes journal records past `journal_retention_days`, hourly (and once at start).
+fn prune_task(state: Arc<AppState>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(3600));
+        loop {
+            tick.tick().await;
+            let keep_ms = i64::try_from(
+                state
+                    .config
+                    .journal_retention_days
+                    .saturating_mul(86_400_000),
+            )
+            .unwrap_or(i64::MAX);
+            let before = crate::proxy::now_ms().saturating_sub(keep_ms);
+            if let Err(e) = state.journal.prune(before).await {
+                tracing::error!(error = %e, "journal pruning failed");
+            }
+        }
     })
 }
 

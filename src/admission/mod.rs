@@ -110,10 +110,12 @@ fn decide(
 ) -> Decision {
     let tool = ctx.policy.tool(&call.name);
     let mut trace: Vec<(Stage, String)> = Vec::new();
+    let secrets = std::cell::Cell::new(0usize);
     let finish = |mut d: Decision,
                   trace: Vec<(Stage, String)>,
                   hash: Option<String>,
                   redacted: Option<Value>| {
+        d.secrets = secrets.get();
         d.tool_id = tool.descriptor.tool_id.clone();
         d.tool_name = sanitize_label(&call.name);
         d.args_hash = hash;
@@ -133,6 +135,7 @@ fn decide(
         .ok()
         .map(|a| ctx.policy.redactor.redact(&tool.descriptor.tool_id, a));
     let hash = redacted.as_ref().map(|(r, _)| arguments::args_hash(r));
+    secrets.set(redacted.as_ref().map_or(0, |(_, n)| *n));
     let redacted_args = redacted.as_ref().map(|(r, _)| r.clone());
 
     // 1. completion

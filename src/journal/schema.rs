@@ -55,6 +55,8 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
             reason TEXT NOT NULL,
             args_hash TEXT,
             tool_id TEXT,
+            logical_invocation_id TEXT,
+            node_ordinal INTEGER,
             enforced INTEGER NOT NULL DEFAULT 1,
             rules TEXT,
             redacted_args TEXT,
@@ -100,6 +102,30 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
             payload TEXT NOT NULL,
             at_ms INTEGER NOT NULL,
             UNIQUE (scope, sequence)
+         );
+         CREATE TABLE IF NOT EXISTS served (
+            id INTEGER PRIMARY KEY,
+            run_id TEXT NOT NULL,
+            node_id TEXT NOT NULL,
+            attempt INTEGER NOT NULL,
+            round_index INTEGER NOT NULL,
+            request_digest TEXT NOT NULL,
+            request_id TEXT NOT NULL,
+            status INTEGER NOT NULL,
+            content_type TEXT NOT NULL,
+            body BLOB,
+            body_bytes INTEGER NOT NULL,
+            body_digest TEXT NOT NULL,
+            truncated INTEGER NOT NULL,
+            calls TEXT NOT NULL,
+            at_ms INTEGER NOT NULL,
+            UNIQUE (run_id, node_id, attempt, round_index)
+         );
+         CREATE TABLE IF NOT EXISTS replay_cursor (
+            run_id TEXT NOT NULL,
+            node_id TEXT NOT NULL,
+            skipped INTEGER NOT NULL,
+            PRIMARY KEY (run_id, node_id)
          );
          PRAGMA user_version = 1;
          COMMIT;",

@@ -183,10 +183,10 @@ impl Pipeline {
 
     /// Journal rows for every call: decided ones with their verdicts, calls still held when
     /// the stream failed as withheld at the completion stage.
-    pub fn call_records(&self) -> Vec<crate::journal::CallRecord> {
+    pub fn call_records(&self, ids: &super::CallIds) -> Vec<crate::journal::CallRecord> {
         let mut rows = Vec::new();
         for (round, verdicts) in &self.decided {
-            rows.extend(call_records(round, verdicts));
+            rows.extend(call_records(round, verdicts, ids));
         }
         if self.decided.is_empty() {
             let round = self.adapter.round();
@@ -194,7 +194,7 @@ impl Pipeline {
                 .iter()
                 .map(crate::admission::withheld_by_cut)
                 .collect();
-            rows.extend(call_records(&round, &verdicts));
+            rows.extend(call_records(&round, &verdicts, ids));
         }
         rows
     }
@@ -264,11 +264,18 @@ async fn run(
     tx: mpsc::Sender<Result<Bytes, Infallible>>,
 ) {
     let mut splice = None;
+    let cap = session.state.config.journal_max_record_bytes;
+    let mut agent = ToAgent {
+        tx,
+        sent: Vec::new(),
+        total: 0,
+        cap,
+    };
     loop {
         let mut pipeline =
             Pipeline::new(&session.turn, session.state.config.max_event_bytes, splice);
-        let mut capture = Capture::new(session.state.config.journal_max_record_bytes);
-        let end = read_round(&session, &mut pipeline, &mut capture, &mut body, &tx).await;
+        let mut capture = Capture::new(cap);
+        let end = read_round(&session, &mut pipeline, &mut capture, &mut body, &mut agent).await;
         let (state, error) = match &end {
             RoundEnd::Repair(..) => ("repaired", None),
             RoundEnd::Done(s, e) => (*s, e.clone()),
@@ -277,7 +284,22 @@ async fn run(
                 Some("the agent closed the stream".to_owned()),
             ),
         };
-        record(&session, &base, &pipeline, capture, state, error).await;
+        let secrets = pipeline.decided.iter().any(|(_, v)| super::has_secrets(v));
+        record(&session, &base, &pipeline, capture, state, error, secrets).await;
+        if state == "ok" {
+            let calls: Vec<_> = pipeline
+                .decided
+                .iter()
+                .flat_map(|(r, v)| session.served_calls(r, v))
+                .collect();
+            if agent.total <= cap {
+                session
+                    .record_served(200, "text/event-stream", &agent.sent, calls, secrets)
+                    .await;
+            } else {
+                tracing::warn!(request_id = %session.ctx.request_id, "stream larger than the record cap: not kept for recovery");
+            }
+        }
         let RoundEnd::Repair(next, how) = end else {
             return;
         };
@@ -299,7 +321,7 @@ async fn run(
                     &format!("the repair round failed upstream with HTTP {status}"),
                     &mut out,
                 );
-                send_all(&tx, &mut out).await;
+                agent.send_all(&mut out).await;
                 return;
             }
             Err(e) => {
@@ -307,20 +329,35 @@ async fn run(
                     Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
                 p.adapter
                     .fail("turnguard.repair_failed", &e.to_string(), &mut out);
-                send_all(&tx, &mut out).await;
+                agent.send_all(&mut out).await;
                 return;
             }
         }
     }
 }
 
-async fn send_all(tx: &mpsc::Sender<Result<Bytes, Infallible>>, out: &mut Vec<Bytes>) -> bool {
-    for chunk in out.drain(..) {
-        if tx.send(Ok(chunk)).await.is_err() {
-            return false;
+/// The agent's side of the relay: the channel and a copy of what was sent (for the served
+/// record of a run node), bounded by the record cap.
+struct ToAgent {
+    tx: mpsc::Sender<Result<Bytes, Infallible>>,
+    sent: Vec<u8>,
+    total: usize,
+    cap: usize,
+}
+
+impl ToAgent {
+    async fn send_all(&mut self, out: &mut Vec<Bytes>) -> bool {
+        for chunk in out.drain(..) {
+            self.total += chunk.len();
+            if self.sent.len() + chunk.len() <= self.cap {
+                self.sent.extend_from_slice(&chunk);
+            }
+            if self.tx.send(Ok(chunk)).await.is_err() {
+                return false;
+            }
         }
+        true
     }
-    true
 }
 
 async fn read_round(
@@ -328,7 +365,7 @@ async fn read_round(
     pipeline: &mut Pipeline,
     capture: &mut Capture,
     body: &mut Incoming,
-    tx: &mpsc::Sender<Result<Bytes, Infallible>>,
+    agent: &mut ToAgent,
 ) -> RoundEnd {
     let idle = Duration::from_millis(session.state.config.upstream_idle_timeout_ms);
     let mut out: Vec<Bytes> = Vec::new();
@@ -350,11 +387,11 @@ async fn read_round(
             match decide(session, pipeline, round, &mut out).await {
                 Next::Continue => {}
                 Next::Repair(body, splice) => {
-                    send_all(tx, &mut out).await;
+                    agent.send_all(&mut out).await;
                     return RoundEnd::Repair(body, splice);
                 }
                 Next::Stop => {
-                    return if send_all(tx, &mut out).await {
+                    return if agent.send_all(&mut out).await {
                         RoundEnd::Done("surfaced_error", None)
                     } else {
                         RoundEnd::ClientGone
@@ -362,7 +399,7 @@ async fn read_round(
                 }
             }
         }
-        if !send_all(tx, &mut out).await {
+        if !agent.send_all(&mut out).await {
             return RoundEnd::ClientGone;
         }
     };
@@ -374,16 +411,16 @@ async fn read_round(
             Finish::Decide(round) => match decide(session, pipeline, round, &mut out).await {
                 Next::Continue => {}
                 Next::Repair(body, splice) => {
-                    send_all(tx, &mut out).await;
+                    agent.send_all(&mut out).await;
                     return RoundEnd::Repair(body, splice);
                 }
                 Next::Stop => {
-                    send_all(tx, &mut out).await;
+                    agent.send_all(&mut out).await;
                     return RoundEnd::Done("surfaced_error", None);
                 }
             },
             Finish::Ended(state, error) => {
-                if !send_all(tx, &mut out).await {
+                if !agent.send_all(&mut out).await {
                     return RoundEnd::ClientGone;
                 }
                 return RoundEnd::Done(state, error);
@@ -438,16 +475,21 @@ async fn record(
     capture: Capture,
     state: &'static str,
     error: Option<String>,
+    secrets: bool,
 ) {
     let mut rec = round_record(session, base, state, &[]);
-    rec.response = capture.finish();
+    rec.response = if secrets {
+        capture.finish().withheld()
+    } else {
+        capture.finish()
+    };
     rec.error = error;
     let completions = pipeline.completions();
     if !completions.is_empty() {
         rec.completion = Some(join(completions.iter().map(|c| c.state.as_str())));
         rec.finish_reason = Some(join(completions.iter().map(|c| c.reason.as_str())));
     }
-    rec.calls = pipeline.call_records();
+    rec.calls = pipeline.call_records(&session.call_ids());
     record_round(&session.state, rec).await;
 }
 
