@@ -33,6 +33,11 @@ pub enum WireError {
     /// the request).
     #[error("the journal could not record this request: {reason}")]
     JournalUnavailable { reason: String },
+    /// Inside a run, the request asks the provider to make MCP (or A2A) calls on the agent's
+    /// behalf, e.g. a Responses `tools[].type = "mcp"` (tool-turn contract §F: a host MUST NOT
+    /// delegate an MCP or A2A call to provider execution inside a run).
+    #[error("inside a run, turnguard does not let the provider make MCP or A2A calls: remove {what} (or send the request without `Turnguard-Run`)")]
+    ProviderDelegationInRun { what: String },
     /// An invariant turnguard relies on did not hold.
     #[error("internal error: {reason}")]
     Internal { reason: String },
@@ -70,6 +75,16 @@ impl WireError {
                 "turnguard.journal_unavailable",
                 "journal_unavailable",
             ),
+            // `forbidden` (403): the body is a valid provider request, so not
+            // `validation_error`; turnguard understood it and refuses it by rule, and the same
+            // request without the delegated tool would be served. `capability_not_provided`
+            // (422) means the host lacks something a run needs, and `sandbox_capability_denied`
+            // is about sandboxes; neither is this refusal.
+            Self::ProviderDelegationInRun { .. } => (
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                "provider_delegation_in_run",
+            ),
             Self::Internal { .. } => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal_error",
@@ -89,6 +104,9 @@ impl WireError {
             Self::UpstreamUnavailable { upstream, .. }
             | Self::UpstreamNotConfigured { upstream } => {
                 details["upstream"] = json!(upstream);
+            }
+            Self::ProviderDelegationInRun { what } => {
+                details["field"] = json!(what);
             }
             _ => {}
         }

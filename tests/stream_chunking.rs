@@ -27,6 +27,7 @@ fn turn(api: Api) -> Turn {
         "make_file",
         "list_files",
         "web_search",
+        "final_result",
     ]
     .iter()
     .map(|n| DeclaredTool {
@@ -43,6 +44,9 @@ fn turn(api: Api) -> Turn {
         max_output_tokens: Some(4096),
         include_usage: true,
         round_index: 0,
+        previous_response_id: None,
+        provider_delegations: Vec::new(),
+        output_format: None,
     }
 }
 
@@ -53,6 +57,10 @@ fn stream_fixtures() -> Vec<(PathBuf, Api)> {
         (
             support::fixtures().join("anthropic-messages"),
             Api::AnthropicMessages,
+        ),
+        (
+            support::fixtures().join("openai-responses"),
+            Api::OpenAiResponses,
         ),
     ] {
         for e in std::fs::read_dir(&dir).expect("fixture dir") {
@@ -68,6 +76,8 @@ fn stream_fixtures() -> Vec<(PathBuf, Api)> {
         if name.ends_with(".sse") {
             let api = if name.starts_with("anthropic") {
                 Api::AnthropicMessages
+            } else if name.starts_with("responses") {
+                Api::OpenAiResponses
             } else {
                 Api::OpenAiChat
             };
@@ -122,8 +132,9 @@ fn whole_streams_decide_every_call() {
         let bytes = std::fs::read(&path).unwrap();
         let (_, decided) = relay(api, &[&bytes]);
         let text = String::from_utf8_lossy(&bytes);
-        let has_client_call =
-            text.contains("\"tool_calls\":[{") || text.contains("\"type\":\"tool_use\"");
+        let has_client_call = text.contains("\"tool_calls\":[{")
+            || text.contains("\"type\":\"tool_use\"")
+            || text.contains("\"type\":\"function_call\"");
         assert_eq!(!decided.is_empty(), has_client_call, "{}", path.display());
     }
 }

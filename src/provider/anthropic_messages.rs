@@ -98,6 +98,9 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         max_output_tokens: obj.get("max_tokens").and_then(Value::as_u64),
         include_usage: true,
         round_index,
+        previous_response_id: None,
+        provider_delegations: Vec::new(),
+        output_format: None,
     })
 }
 

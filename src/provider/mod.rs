@@ -3,11 +3,12 @@
 
 pub mod anthropic_messages;
 pub mod openai_chat;
+pub mod openai_responses;
 
 use bytes::Bytes;
 use serde_json::Value;
 
-use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Completion, Turn};
+use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Completion, ResponseLink, Turn};
 use crate::sse::SseBlock;
 
 /// Reads a request body of `api` into a [`Turn`].
@@ -17,6 +18,7 @@ pub fn parse_request(api: Api, body: &Value) -> Result<Turn, String> {
     match api {
         Api::OpenAiChat => openai_chat::parse_request(body),
         Api::AnthropicMessages => anthropic_messages::parse_request(body),
+        Api::OpenAiResponses => openai_responses::parse_request(body),
     }
 }
 
@@ -25,6 +27,16 @@ pub fn parse_response(api: Api, body: &Value, turn: &Turn) -> Vec<ChoiceEmission
     match api {
         Api::OpenAiChat => openai_chat::parse_response(body, turn),
         Api::AnthropicMessages => anthropic_messages::parse_response(body, turn),
+        Api::OpenAiResponses => openai_responses::parse_response(body, turn),
+    }
+}
+
+/// What the journal keeps of a non-stream response the provider stores for later turns
+/// (`previous_response_id`); `None` for APIs without stored responses.
+pub fn response_link(body: &Value, turn: &Turn) -> Option<ResponseLink> {
+    match turn.api {
+        Api::OpenAiChat | Api::AnthropicMessages => None,
+        Api::OpenAiResponses => openai_responses::response_link(body, turn),
     }
 }
 
@@ -33,6 +45,7 @@ pub fn rewrite_response(api: Api, body: &mut Value, verdicts: &[ChoiceVerdict]) 
     match api {
         Api::OpenAiChat => openai_chat::rewrite_response(body, verdicts),
         Api::AnthropicMessages => anthropic_messages::rewrite_response(body, verdicts),
+        Api::OpenAiResponses => openai_responses::rewrite_response(body, verdicts),
     }
 }
 
@@ -42,6 +55,7 @@ pub fn rewrite_response(api: Api, body: &mut Value, verdicts: &[ChoiceVerdict]) 
 pub enum StreamAdapter {
     OpenAiChat(openai_chat::ChatStream),
     AnthropicMessages(anthropic_messages::MessagesStream),
+    OpenAiResponses(openai_responses::ResponsesStream),
 }
 
 impl StreamAdapter {
@@ -52,6 +66,9 @@ impl StreamAdapter {
             Api::AnthropicMessages => {
                 Self::AnthropicMessages(anthropic_messages::MessagesStream::new(turn))
             }
+            Api::OpenAiResponses => {
+                Self::OpenAiResponses(openai_responses::ResponsesStream::new(turn))
+            }
         }
     }
 
@@ -60,6 +77,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.push(block, out),
             Self::AnthropicMessages(s) => s.push(block, out),
+            Self::OpenAiResponses(s) => s.push(block, out),
         }
     }
 
@@ -68,6 +86,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.ready(),
             Self::AnthropicMessages(s) => s.ready(),
+            Self::OpenAiResponses(s) => s.ready(),
         }
     }
 
@@ -76,6 +95,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.finished(),
             Self::AnthropicMessages(s) => s.finished(),
+            Self::OpenAiResponses(s) => s.finished(),
         }
     }
 
@@ -84,6 +104,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.pending(),
             Self::AnthropicMessages(s) => s.pending(),
+            Self::OpenAiResponses(s) => s.pending(),
         }
     }
 
@@ -92,6 +113,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.round(),
             Self::AnthropicMessages(s) => s.round(),
+            Self::OpenAiResponses(s) => s.round(),
         }
     }
 
@@ -100,6 +122,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.completions(),
             Self::AnthropicMessages(s) => s.completions(),
+            Self::OpenAiResponses(s) => s.completions(),
         }
     }
 
@@ -108,6 +131,16 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.release(verdicts, out),
             Self::AnthropicMessages(s) => s.release(verdicts, out),
+            Self::OpenAiResponses(s) => s.release(verdicts, out),
+        }
+    }
+
+    /// The journal's record of the provider-stored response, once its id is known
+    /// (Responses only).
+    pub fn response_link(&self) -> Option<ResponseLink> {
+        match self {
+            Self::OpenAiResponses(s) => s.response_link(),
+            Self::OpenAiChat(_) | Self::AnthropicMessages(_) => None,
         }
     }
 
@@ -116,6 +149,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.cut(reason, out),
             Self::AnthropicMessages(s) => s.cut(reason, out),
+            Self::OpenAiResponses(s) => s.cut(reason, out),
         }
     }
 }

@@ -117,6 +117,9 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         max_output_tokens,
         include_usage,
         round_index,
+        previous_response_id: None,
+        provider_delegations: Vec::new(),
+        output_format: None,
     })
 }
 

@@ -87,7 +87,8 @@ pub fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
-/// Serves one model request of `api` (`POST /v1/chat/completions`, `POST /v1/messages`).
+/// Serves one model request of `api` (`POST /v1/chat/completions`, `POST /v1/messages`,
+/// `POST /v1/responses`).
 pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Response {
     let ctx = RequestCtx::new(req.headers());
     state.metrics.inflight_requests.inc();
@@ -121,6 +122,7 @@ async fn turn(
     let json = parse_json(&raw)?;
     let turn = provider::parse_request(api, &json)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
+    refuse_provider_delegation(ctx, &turn)?;
     record_tool_results(state, ctx, &turn).await?;
 
     let path = parts
@@ -225,6 +227,15 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
                 .to_ascii_lowercase()
                 .starts_with("text/event-stream")
         })
+}
+
+/// Inside a run, a request that delegates MCP or A2A calls to the provider is refused before
+/// it goes upstream (tool-turn contract §F). A chat turn (no `Turnguard-Run`) may.
+fn refuse_provider_delegation(ctx: &RequestCtx, turn: &Turn) -> Result<(), WireError> {
+    match (&ctx.run.run_id, turn.provider_delegations.first()) {
+        (Some(_), Some(what)) => Err(WireError::ProviderDelegationInRun { what: what.clone() }),
+        _ => Ok(()),
+    }
 }
 
 /// Records the tool results the request carries, durably, before it goes upstream
@@ -336,6 +347,7 @@ async fn surface_json(
     rec.completion = Some(join(round.iter().map(|c| c.completion.state.as_str())));
     rec.finish_reason = Some(join(round.iter().map(|c| c.completion.reason.as_str())));
     rec.calls = call_records(&with_calls, &verdicts);
+    rec.response_link = provider::response_link(&json, turn);
     record_round(state, rec).await;
     Ok(out)
 }
@@ -371,6 +383,7 @@ pub fn round_record(
         error: None,
         response: Recorded::of(response, state.config.journal_max_record_bytes),
         calls: Vec::new(),
+        response_link: None,
     }
 }
 

@@ -185,6 +185,11 @@ impl Pipeline {
         self.adapter.completions()
     }
 
+    /// The provider-stored response this stream produced (Responses only), for the journal.
+    pub fn response_link(&self) -> Option<crate::model::ResponseLink> {
+        self.adapter.response_link()
+    }
+
     /// Journal rows for every call: decided ones with their verdicts, calls still held when
     /// the stream failed as withheld at the completion stage.
     pub fn call_records(&self) -> Vec<crate::journal::CallRecord> {
@@ -277,6 +282,7 @@ async fn run(
         rec.finish_reason = Some(join(completions.iter().map(|c| c.reason.as_str())));
     }
     rec.calls = pipeline.call_records();
+    rec.response_link = pipeline.response_link();
     record_round(&state, rec).await;
 }
 

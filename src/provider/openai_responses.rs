@@ -1,0 +1,1012 @@
+//! OpenAI Responses (`POST /v1/responses`): requests, JSON responses and the SSE stream, into
+//! and out of the neutral model. Wire facts are from `shared/reference/wire-formats.md` §1, §4.
+//!
+//! Output items fall in three kinds:
+//! - **client calls**, which the agent executes and admission decides: `function_call` (the
+//!   `tool` channel of contract §A), and, fail closed, the other client-executed call items
+//!   (`custom_tool_call`, `computer_call`, `local_shell_call`, `shell_call`,
+//!   `apply_patch_call`). Admission has no declared tool for those yet, so they are withheld at
+//!   the name stage rather than released unadmitted;
+//! - **model output**: `message`, `reasoning` (passed through; text is never a call);
+//! - **provider-executed** items (`web_search_call`, `file_search_call`,
+//!   `code_interpreter_call`, `image_generation_call`, `mcp_call`, `mcp_list_tools`,
+//!   `mcp_approval_request`, and any type this module does not know): passed through
+//!   unchanged, never admitted as calls (the provider already ran them), and recorded as
+//!   untrusted output for the response chain ([`ResponseLink`], contract §C, §F).
+//!
+//! A call has two ids: the item `id` (`fc_…`), which keys the stream's argument deltas, and
+//! the `call_id` (`call_…`), which the agent's `function_call_output` refers to. The neutral
+//! [`ToolCall::id`] is the `call_id`; the stream state keys items by `output_index` and `id`.
+//!
+//! Stream rule: events pass through as received until the first client-call item starts
+//! (`response.output_item.added`). From then on every event is held, in order (the SDK
+//! requires each item's `output_index` to be added before its events and the
+//! `sequence_number`s to rise), until the terminal event (`response.completed`,
+//! `.incomplete`, `.failed`) gives the completion state. Then the calls are admitted and the
+//! held events released byte for byte, or rewritten: a withheld call item loses all of its
+//! events and its entry in the terminal `response.output`, later items' `output_index` close
+//! the gap, a host-authored `message` item explaining why is streamed before the terminal
+//! event (and added to its `output`), `response.incomplete` becomes `response.completed`, and
+//! every event after the first change gets a renumbered `sequence_number` so the numbers stay
+//! consecutive. Events turnguard did not change keep their exact bytes; keep-alive comments
+//! and unknown events pass through.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use bytes::Bytes;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::model::{
+    Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, ResponseLink,
+    ToolCall, ToolResultSeen, Turn,
+};
+use crate::sse::{self, SseBlock};
+
+/// Output item types the agent (client) executes: each is a call admission decides.
+const CLIENT_CALLS: [&str; 6] = [
+    "function_call",
+    "custom_tool_call",
+    "computer_call",
+    "local_shell_call",
+    "shell_call",
+    "apply_patch_call",
+];
+
+/// Output item types that are the model's own output (neither a call nor provider-executed).
+const MODEL_ITEMS: [&str; 2] = ["message", "reasoning"];
+
+/// Terminal events of a Responses stream (`error` is handled apart: it fails the stream).
+const TERMINAL: [&str; 3] = [
+    "response.completed",
+    "response.incomplete",
+    "response.failed",
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Model,
+    Call,
+    Provider,
+}
+
+fn kind_of(ty: &str) -> Kind {
+    if CLIENT_CALLS.contains(&ty) {
+        Kind::Call
+    } else if MODEL_ITEMS.contains(&ty) {
+        Kind::Model
+    } else {
+        // Built-in tools the provider ran, and anything unknown: untrusted (fail closed).
+        Kind::Provider
+    }
+}
+
+fn item_type(item: &Value) -> &str {
+    item.get("type")
+        .and_then(Value::as_str)
+        .unwrap_or("message")
+}
+
+fn str_of<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
+    v.get(key).and_then(Value::as_str)
+}
+
+/// Reads a Responses request body.
+///
+/// Errors: a human-readable reason naming the offending field.
+pub fn parse_request(body: &Value) -> Result<Turn, String> {
+    let obj = body.as_object().ok_or("the body must be a JSON object")?;
+    let items: &[Value] = match obj.get("input") {
+        None | Some(Value::Null) | Some(Value::String(_)) => &[],
+        Some(Value::Array(items)) => items,
+        Some(_) => return Err("`input` must be a string or an array of items".into()),
+    };
+    let mut tools = Vec::new();
+    let mut provider_delegations = Vec::new();
+    if let Some(list) = obj.get("tools").filter(|v| !v.is_null()) {
+        let list = list.as_array().ok_or("`tools` must be an array")?;
+        for (i, t) in list.iter().enumerate() {
+            match str_of(t, "type") {
+                Some("function") => {
+                    let name = str_of(t, "name")
+                        .ok_or_else(|| format!("`tools[{i}].name` must be a string"))?;
+                    tools.push(DeclaredTool {
+                        name: name.to_owned(),
+                        schema: t.get("parameters").filter(|p| !p.is_null()).cloned(),
+                    });
+                }
+                // The provider would call an MCP server (or a connector) itself, on the
+                // agent's behalf (contract §F).
+                Some("mcp") => {
+                    let label = str_of(t, "server_label")
+                        .or_else(|| str_of(t, "connector_id"))
+                        .map(crate::admission::sanitize_label)
+                        .unwrap_or_else(|| "(unlabelled)".into());
+                    provider_delegations.push(format!("tools[{i}] (mcp, server_label {label})"));
+                }
+                _ => {}
+            }
+        }
+    }
+    let previous_response_id = match obj.get("previous_response_id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => return Err("`previous_response_id` must be a string".into()),
+    };
+    let output_format = body
+        .pointer("/text/format")
+        .filter(|f| str_of(f, "type") == Some("json_schema"))
+        .cloned();
+
+    let mut names: HashMap<String, String> = HashMap::new();
+    let mut tool_results = Vec::new();
+    let mut round_index = 0u32;
+    let mut in_model_turn = false;
+    for (i, item) in items.iter().enumerate() {
+        if !item.is_object() {
+            return Err(format!("`input[{i}]` must be an object"));
+        }
+        let ty = item_type(item);
+        // A model turn is a run of assistant messages, reasoning, calls and provider items.
+        let from_model = match ty {
+            "message" => str_of(item, "role") == Some("assistant"),
+            "reasoning" => true,
+            "item_reference" | "mcp_approval_response" => false,
+            t => !t.ends_with("_output") && kind_of(t) != Kind::Model,
+        };
+        if from_model && !in_model_turn {
+            round_index = round_index.saturating_add(1);
+        }
+        in_model_turn = from_model;
+        if kind_of(ty) == Kind::Call {
+            if let Some(call_id) = str_of(item, "call_id") {
+                let name = str_of(item, "name").unwrap_or(ty);
+                names.insert(call_id.to_owned(), name.to_owned());
+            }
+        }
+        if ty.ends_with("_call_output") {
+            let call_id = str_of(item, "call_id")
+                .ok_or_else(|| format!("`input[{i}]` ({ty}) needs a string `call_id`"))?;
+            tool_results.push(ToolResultSeen {
+                tool_call_id: call_id.to_owned(),
+                tool_name: names.get(call_id).cloned(),
+                content: item
+                    .get("output")
+                    .cloned()
+                    .unwrap_or(Value::Null)
+                    .to_string(),
+                is_error: false,
+            });
+        }
+    }
+    Ok(Turn {
+        api: Api::OpenAiResponses,
+        model: str_of(body, "model").map(str::to_owned),
+        stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
+        tools,
+        tool_results,
+        max_output_tokens: obj.get("max_output_tokens").and_then(Value::as_u64),
+        include_usage: true,
+        round_index,
+        previous_response_id,
+        provider_delegations,
+        output_format,
+    })
+}
+
+/// Classifies how a response ended (wire-formats.md §30, §5): `completed` is clean unless
+/// `used` (`usage.output_tokens`) reached the request's limit; `incomplete` is truncation
+/// (`max_output_tokens`) or refusal (`content_filter`); a `refusal` content part is a
+/// refusal; any other status (`failed`, `cancelled`, `in_progress` …) did not complete, and a
+/// call in it is treated as cut.
+pub fn classify(
+    status: Option<&str>,
+    incomplete_reason: Option<&str>,
+    refused: bool,
+    used: Option<u64>,
+    max: Option<u64>,
+) -> Completion {
+    let completion = |state, reason: &str| Completion {
+        state,
+        reason: reason.to_owned(),
+    };
+    if refused {
+        return completion(CompletionState::Refused, "refusal");
+    }
+    match (status, incomplete_reason) {
+        (Some("completed"), _) => match (used, max) {
+            (Some(u), Some(m)) if u >= m => {
+                completion(CompletionState::Truncated, "max_output_tokens_reached")
+            }
+            _ => completion(CompletionState::Clean, "completed"),
+        },
+        (Some("incomplete"), Some("content_filter")) => {
+            completion(CompletionState::Refused, "content_filter")
+        }
+        (Some("incomplete"), Some(r)) => completion(CompletionState::Truncated, r),
+        (Some(s), _) => completion(CompletionState::Truncated, s),
+        (None, _) => completion(CompletionState::Truncated, "missing_status"),
+    }
+}
+
+/// The arguments of a client-call item as admission sees them (JSON text).
+fn call_arguments(item: &Value) -> String {
+    match item_type(item) {
+        "function_call" => match item.get("arguments") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Null) | None => String::new(),
+            Some(other) => other.to_string(),
+        },
+        // Free-form input is not JSON arguments: keep it as a JSON string.
+        "custom_tool_call" => item
+            .get("input")
+            .cloned()
+            .unwrap_or(Value::Null)
+            .to_string(),
+        _ => ["action", "operation", "input"]
+            .iter()
+            .find_map(|k| item.get(*k))
+            .map(Value::to_string)
+            .unwrap_or_default(),
+    }
+}
+
+fn call_name(item: &Value) -> String {
+    str_of(item, "name")
+        .unwrap_or_else(|| item_type(item))
+        .to_owned()
+}
+
+fn call_from_item(item: &Value) -> ToolCall {
+    ToolCall {
+        id: str_of(item, "call_id")
+            .or_else(|| str_of(item, "id"))
+            .unwrap_or_default()
+            .to_owned(),
+        name: call_name(item),
+        arguments: call_arguments(item),
+    }
+}
+
+fn has_refusal_part(item: &Value) -> bool {
+    item_type(item) == "message"
+        && item
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .any(|p| str_of(p, "type") == Some("refusal"))
+}
+
+fn output_items(response: &Value) -> impl Iterator<Item = &Value> {
+    response
+        .get("output")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+}
+
+fn completion_of_response(response: &Value, refused: bool, max: Option<u64>) -> Completion {
+    classify(
+        str_of(response, "status"),
+        response
+            .pointer("/incomplete_details/reason")
+            .and_then(Value::as_str),
+        refused || output_items(response).any(has_refusal_part),
+        response
+            .pointer("/usage/output_tokens")
+            .and_then(Value::as_u64),
+        max,
+    )
+}
+
+/// Reads the emissions of a non-stream response (one choice, index 0).
+pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
+    let calls = output_items(body)
+        .filter(|i| kind_of(item_type(i)) == Kind::Call)
+        .map(call_from_item)
+        .collect();
+    vec![ChoiceEmissions {
+        choice: 0,
+        completion: completion_of_response(body, false, turn.max_output_tokens),
+        calls,
+    }]
+}
+
+/// The journal's record of a (non-stream) response the provider stores.
+pub fn response_link(body: &Value, turn: &Turn) -> Option<ResponseLink> {
+    let response_id = str_of(body, "id")?.to_owned();
+    let mut provider_items = Vec::new();
+    for item in output_items(body) {
+        note_provider_item(&mut provider_items, item_type(item));
+    }
+    Some(ResponseLink {
+        response_id,
+        previous_response_id: turn.previous_response_id.clone(),
+        status: str_of(body, "status").map(str::to_owned),
+        provider_items,
+    })
+}
+
+fn note_provider_item(list: &mut Vec<String>, ty: &str) {
+    if kind_of(ty) == Kind::Provider && !list.iter().any(|t| t == ty) {
+        list.push(sanitize_type(ty));
+    }
+}
+
+/// Item types come from the upstream: keep a short safe alphabet for the journal.
+fn sanitize_type(ty: &str) -> String {
+    ty.chars()
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+        .take(64)
+        .collect()
+}
+
+/// The id of the host-authored message item of a response: derived from the response id so
+/// a re-sent response gets the same id (`msg_turnguard_` + 32 hex digits).
+fn host_message_id(response_id: Option<&str>) -> String {
+    let digest = Sha256::digest(response_id.unwrap_or_default().as_bytes());
+    format!("msg_turnguard_{}", &hex::encode(digest)[..32])
+}
+
+fn host_text_part(text: &str) -> Value {
+    json!({"type": "output_text", "annotations": [], "logprobs": [], "text": text})
+}
+
+/// A completed assistant `message` item carrying host-authored `text`.
+fn host_message(id: &str, text: &str) -> Value {
+    json!({
+        "id": id,
+        "type": "message",
+        "status": "completed",
+        "content": [host_text_part(text)],
+        "role": "assistant"
+    })
+}
+
+/// Removes the withheld client calls from `response.output`; with `text`, appends the
+/// host-authored message and turns an `incomplete` status into `completed` (DESIGN.md §4
+/// `end-turn`: the finish becomes a normal stop). Returns whether anything changed.
+fn rewrite_output(
+    response: &mut Value,
+    withheld: &dyn Fn(usize, &Value) -> bool,
+    text: Option<&str>,
+) -> bool {
+    let mut changed = false;
+    let message_id = host_message_id(str_of(response, "id"));
+    if let Some(output) = response.get_mut("output").and_then(Value::as_array_mut) {
+        let mut call_no = 0usize;
+        let before = output.len();
+        output.retain(|item| {
+            if kind_of(item_type(item)) != Kind::Call {
+                return true;
+            }
+            call_no += 1;
+            !withheld(call_no - 1, item)
+        });
+        changed |= output.len() != before;
+        if let Some(text) = text {
+            output.push(host_message(&message_id, text));
+            changed = true;
+        }
+    }
+    if text.is_some() && str_of(response, "status") == Some("incomplete") {
+        response["status"] = json!("completed");
+        response["incomplete_details"] = Value::Null;
+        changed = true;
+    }
+    changed
+}
+
+/// Applies verdicts to a non-stream response: withheld calls are removed, the host-authored
+/// message is added and an `incomplete` status becomes `completed`. Returns whether it
+/// changed.
+pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
+    let Some(verdict) = verdicts.first() else {
+        return false;
+    };
+    let released = |k: usize| verdict.decisions.get(k).is_some_and(|d| d.released());
+    let any_withheld = output_items(body)
+        .filter(|i| kind_of(item_type(i)) == Kind::Call)
+        .enumerate()
+        .any(|(k, _)| !released(k));
+    if !any_withheld && verdict.end_turn.is_none() {
+        return false;
+    }
+    rewrite_output(body, &|k, _| !released(k), verdict.end_turn.as_deref())
+}
+
+/// A client call being assembled from stream events.
+#[derive(Debug, Clone, Default)]
+struct CallAcc {
+    item_id: Option<String>,
+    call_id: String,
+    name: String,
+    /// Concatenated argument / input deltas.
+    deltas: String,
+    saw_delta: bool,
+    /// `(name, arguments)` of each complete form seen, in arrival order:
+    /// `….arguments.done`, `output_item.done`, the terminal event's `output`.
+    finals: Vec<(Option<String>, String)>,
+}
+
+impl CallAcc {
+    fn from_item(item: &Value) -> Self {
+        Self {
+            item_id: str_of(item, "id").map(str::to_owned),
+            call_id: str_of(item, "call_id")
+                .or_else(|| str_of(item, "id"))
+                .unwrap_or_default()
+                .to_owned(),
+            name: call_name(item),
+            ..Self::default()
+        }
+    }
+
+    /// The call as the agent executes it: the last complete form (the terminal event's
+    /// `output`, which SDKs return as the final response), else the deltas.
+    fn call(&self) -> ToolCall {
+        let (name, arguments) = match self.finals.last() {
+            Some((name, args)) => (name.clone().unwrap_or_else(|| self.name.clone()), args),
+            None => (self.name.clone(), &self.deltas),
+        };
+        ToolCall {
+            id: self.call_id.clone(),
+            name,
+            arguments: arguments.clone(),
+        }
+    }
+
+    /// Every form of the call the agent may read agrees (deltas, `.done`, `output_item.done`,
+    /// terminal `output`). When they differ, admitting one of them could release another.
+    fn consistent(&self) -> bool {
+        let call = self.call();
+        (!self.saw_delta || self.finals.is_empty() || self.deltas == call.arguments)
+            && self
+                .finals
+                .iter()
+                .all(|(n, a)| *a == call.arguments && n.as_ref().is_none_or(|n| *n == call.name))
+    }
+}
+
+#[derive(Debug)]
+struct Item {
+    call: Option<CallAcc>,
+    /// A call that started after the decision point: its events are dropped (fail closed).
+    dropped: bool,
+}
+
+#[derive(Debug)]
+struct Held {
+    raw: Bytes,
+    event: Option<String>,
+    json: Option<Value>,
+}
+
+/// The terminal event's facts.
+#[derive(Debug, Clone)]
+struct Terminal {
+    response: Value,
+}
+
+/// `sequence_number` bookkeeping: upstream numbers shifted by the events turnguard dropped
+/// (−1 each) or inserted (+1 each) before them.
+#[derive(Debug, Default)]
+struct Sequence {
+    offset: i64,
+    last: Option<u64>,
+    /// The upstream numbers its events (newer API versions; a 2025-03 capture has none).
+    seen: bool,
+}
+
+impl Sequence {
+    fn dropped(&mut self, json: Option<&Value>) {
+        if json.and_then(|j| j.get("sequence_number")).is_some() {
+            self.offset -= 1;
+        }
+    }
+}
+
+/// The Responses stream state machine (see the module docs).
+#[derive(Debug)]
+pub struct ResponsesStream {
+    max_output_tokens: Option<u64>,
+    previous_response_id: Option<String>,
+    response_id: Option<String>,
+    /// Items by `output_index`.
+    items: BTreeMap<u64, Item>,
+    /// Item `id` → `output_index`.
+    by_id: HashMap<String, u64>,
+    /// Client calls that appear only in the terminal event's `output` (never streamed).
+    unstreamed: Vec<CallAcc>,
+    holding: bool,
+    held: Vec<Held>,
+    terminal: Option<Terminal>,
+    refused: bool,
+    failed: bool,
+    decided: bool,
+    /// Upstream blocks carry `event:` lines (they do on OpenAI; kept as received).
+    event_lines: bool,
+    seq: Sequence,
+    provider_items: Vec<String>,
+}
+
+impl ResponsesStream {
+    /// State for one response to `turn`.
+    pub fn new(turn: &Turn) -> Self {
+        Self {
+            max_output_tokens: turn.max_output_tokens,
+            previous_response_id: turn.previous_response_id.clone(),
+            response_id: None,
+            items: BTreeMap::new(),
+            by_id: HashMap::new(),
+            unstreamed: Vec::new(),
+            holding: false,
+            held: Vec::new(),
+            terminal: None,
+            refused: false,
+            failed: false,
+            decided: false,
+            event_lines: true,
+            seq: Sequence::default(),
+            provider_items: Vec::new(),
+        }
+    }
+
+    /// Calls are held and not yet decided.
+    pub fn pending(&self) -> bool {
+        self.holding && !self.decided
+    }
+
+    /// The terminal event arrived while calls are held: they can be admitted.
+    pub fn ready(&self) -> bool {
+        self.pending() && !self.failed && self.terminal.is_some()
+    }
+
+    /// The terminal event was seen: a stream that ends now is complete.
+    pub fn finished(&self) -> bool {
+        self.terminal.is_some()
+    }
+
+    fn item_of(&self, json: &Value) -> Option<u64> {
+        json.get("output_index")
+            .and_then(Value::as_u64)
+            .filter(|ix| self.items.contains_key(ix))
+            .or_else(|| {
+                str_of(json, "item_id")
+                    .and_then(|id| self.by_id.get(id))
+                    .copied()
+            })
+    }
+
+    fn call_mut(&mut self, json: &Value) -> Option<&mut CallAcc> {
+        let ix = self.item_of(json)?;
+        self.items.get_mut(&ix)?.call.as_mut()
+    }
+
+    /// Takes one SSE block; bytes to forward now are appended to `out`.
+    pub fn push(&mut self, block: SseBlock, out: &mut Vec<Bytes>) {
+        let Some(data) = block.data.as_deref() else {
+            out.push(block.raw); // comment / keep-alive: no sequence number, nothing to hold
+            return;
+        };
+        self.event_lines = block.event.is_some();
+        let json = serde_json::from_str::<Value>(data)
+            .ok()
+            .filter(Value::is_object);
+        if json
+            .as_ref()
+            .is_some_and(|j| j.get("sequence_number").is_some())
+        {
+            self.seq.seen = true;
+        }
+        let kind = json
+            .as_ref()
+            .and_then(|j| str_of(j, "type"))
+            .map(str::to_owned)
+            .or_else(|| block.event.clone())
+            .unwrap_or_default();
+        if let Some(j) = &json {
+            if !self.observe(&kind, j) {
+                self.seq.dropped(Some(j));
+                return;
+            }
+        }
+        if kind == "error" {
+            // A provider error mid-stream: nothing held is released.
+            self.failed = true;
+            self.decided = true;
+            for h in std::mem::take(&mut self.held) {
+                self.seq.dropped(h.json.as_ref());
+            }
+        }
+        let held = Held {
+            raw: block.raw,
+            event: block.event,
+            json,
+        };
+        if self.pending() {
+            self.held.push(held);
+        } else {
+            self.emit(held, false, out);
+        }
+    }
+
+    /// Updates the state from one event; `false` when the event must be dropped.
+    fn observe(&mut self, kind: &str, j: &Value) -> bool {
+        match kind {
+            "response.created" | "response.queued" | "response.in_progress"
+                if self.response_id.is_none() =>
+            {
+                self.response_id = j
+                    .pointer("/response/id")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned);
+            }
+            "response.output_item.added" => {
+                let Some(ix) = j.get("output_index").and_then(Value::as_u64) else {
+                    return true;
+                };
+                let item = j.get("item").unwrap_or(&Value::Null);
+                let ty = item_type(item);
+                let kind = kind_of(ty);
+                if kind == Kind::Provider {
+                    note_provider_item(&mut self.provider_items, ty);
+                }
+                let dropped = kind == Kind::Call && self.decided;
+                if let Some(id) = str_of(item, "id") {
+                    self.by_id.insert(id.to_owned(), ix);
+                }
+                self.items.insert(
+                    ix,
+                    Item {
+                        call: (kind == Kind::Call).then(|| CallAcc::from_item(item)),
+                        dropped,
+                    },
+                );
+                if dropped {
+                    // Fail closed: a call after the decision point is never released.
+                    return false;
+                }
+                if kind == Kind::Call {
+                    self.holding = true;
+                }
+            }
+            "response.function_call_arguments.delta" | "response.custom_tool_call_input.delta" => {
+                if let (Some(call), Some(d)) = (self.call_mut(j), str_of(j, "delta")) {
+                    call.deltas.push_str(d);
+                    call.saw_delta = true;
+                }
+            }
+            "response.function_call_arguments.done" => {
+                let name = str_of(j, "name").map(str::to_owned);
+                let args = str_of(j, "arguments").map(str::to_owned);
+                if let (Some(call), Some(args)) = (self.call_mut(j), args) {
+                    call.finals.push((name, args));
+                }
+            }
+            "response.custom_tool_call_input.done" => {
+                let input = j.get("input").cloned().unwrap_or(Value::Null).to_string();
+                if let Some(call) = self.call_mut(j) {
+                    call.finals.push((None, input));
+                }
+            }
+            "response.output_item.done" => {
+                let item = j.get("item").unwrap_or(&Value::Null);
+                let ty = item_type(item);
+                if kind_of(ty) == Kind::Provider {
+                    note_provider_item(&mut self.provider_items, ty);
+                }
+                if has_refusal_part(item) {
+                    self.refused = true;
+                }
+                if kind_of(ty) == Kind::Call {
+                    let form = (Some(call_name(item)), call_arguments(item));
+                    if let Some(call) = self.call_mut(j) {
+                        call.finals.push(form);
+                    }
+                }
+            }
+            "response.refusal.delta" | "response.refusal.done" => self.refused = true,
+            "response.content_part.added" | "response.content_part.done"
+                if j.pointer("/part/type").and_then(Value::as_str) == Some("refusal") =>
+            {
+                self.refused = true;
+            }
+            k if TERMINAL.contains(&k) && !self.decided => {
+                let response = j.get("response").cloned().unwrap_or(Value::Null);
+                if self.response_id.is_none() {
+                    self.response_id = str_of(&response, "id").map(str::to_owned);
+                }
+                for item in output_items(&response) {
+                    let ty = item_type(item);
+                    note_provider_item(&mut self.provider_items, ty);
+                    if kind_of(ty) != Kind::Call {
+                        continue;
+                    }
+                    let form = (Some(call_name(item)), call_arguments(item));
+                    let call_id = str_of(item, "call_id");
+                    let known = self
+                        .items
+                        .values_mut()
+                        .filter_map(|i| i.call.as_mut())
+                        .find(|c| {
+                            (c.item_id.is_some() && c.item_id.as_deref() == str_of(item, "id"))
+                                || (call_id.is_some() && Some(c.call_id.as_str()) == call_id)
+                        });
+                    match known {
+                        Some(call) => call.finals.push(form),
+                        None => {
+                            // A call the stream never showed: admit it too (fail closed).
+                            let mut call = CallAcc::from_item(item);
+                            call.finals.push(form);
+                            self.unstreamed.push(call);
+                            self.holding = true;
+                        }
+                    }
+                }
+                self.terminal = Some(Terminal { response });
+            }
+            _ => {}
+        }
+        // Events of a call that arrived after the decision point.
+        !self
+            .item_of(j)
+            .and_then(|ix| self.items.get(&ix))
+            .is_some_and(|i| i.dropped)
+    }
+
+    /// Sends one event, renumbering its `sequence_number` when earlier events were dropped or
+    /// inserted; its raw bytes when nothing changed.
+    fn emit(&mut self, h: Held, changed: bool, out: &mut Vec<Bytes>) {
+        let Some(mut json) = h.json else {
+            out.push(h.raw);
+            return;
+        };
+        let mut changed = changed;
+        if let Some(n) = json.get("sequence_number").and_then(Value::as_u64) {
+            let new = u64::try_from(n as i64 + self.seq.offset).unwrap_or(0);
+            if new != n {
+                json["sequence_number"] = json!(new);
+                changed = true;
+            }
+            self.seq.last = Some(new);
+        }
+        if changed {
+            let name = h
+                .event
+                .as_ref()
+                .map(|_| str_of(&json, "type").unwrap_or_default().to_owned());
+            out.push(sse::encode(name.as_deref(), &json.to_string()));
+        } else {
+            out.push(h.raw);
+        }
+    }
+
+    /// Sends an event turnguard authored, numbered after the last one sent.
+    fn emit_new(&mut self, mut json: Value, out: &mut Vec<Bytes>) {
+        if self.seq.seen {
+            let n = self.seq.last.map_or(0, |l| l + 1);
+            json["sequence_number"] = json!(n);
+            self.seq.last = Some(n);
+            self.seq.offset += 1;
+        }
+        let name = self
+            .event_lines
+            .then(|| str_of(&json, "type").unwrap_or_default().to_owned());
+        out.push(sse::encode(name.as_deref(), &json.to_string()));
+    }
+
+    fn completion(&self) -> Completion {
+        let response = self
+            .terminal
+            .as_ref()
+            .map(|t| &t.response)
+            .unwrap_or(&Value::Null);
+        let completion = completion_of_response(response, self.refused, self.max_output_tokens);
+        if completion.state == CompletionState::Clean && !self.calls().all(CallAcc::consistent) {
+            // The deltas, `.done` events and final `output` disagree on a call: whichever one
+            // admission read, the agent could execute another. Withheld at stage 1.
+            return Completion {
+                state: CompletionState::Truncated,
+                reason: "inconsistent_call_events".into(),
+            };
+        }
+        completion
+    }
+
+    /// Every client call, streamed ones by `output_index`, then unstreamed ones.
+    fn calls(&self) -> impl Iterator<Item = &CallAcc> {
+        self.items
+            .values()
+            .filter(|i| !i.dropped)
+            .filter_map(|i| i.call.as_ref())
+            .chain(self.unstreamed.iter())
+    }
+
+    /// The emissions to admit (one choice, index 0).
+    pub fn round(&self) -> Vec<ChoiceEmissions> {
+        let calls: Vec<ToolCall> = self.calls().map(CallAcc::call).collect();
+        if calls.is_empty() {
+            return Vec::new();
+        }
+        vec![ChoiceEmissions {
+            choice: 0,
+            completion: self.completion(),
+            calls,
+        }]
+    }
+
+    /// Completion of the response, for the journal.
+    pub fn completions(&self) -> Vec<Completion> {
+        if self.terminal.is_some() {
+            vec![self.completion()]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The journal's record of this response, once its id is known.
+    pub fn response_link(&self) -> Option<ResponseLink> {
+        Some(ResponseLink {
+            response_id: self.response_id.clone()?,
+            previous_response_id: self.previous_response_id.clone(),
+            status: self
+                .terminal
+                .as_ref()
+                .and_then(|t| str_of(&t.response, "status"))
+                .map(str::to_owned),
+            provider_items: self.provider_items.clone(),
+        })
+    }
+
+    /// Emits the held events with the verdicts applied; later events flow through.
+    pub fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
+        self.decided = true;
+        let held = std::mem::take(&mut self.held);
+        let verdict = verdicts.first();
+        let text = verdict.and_then(|v| v.end_turn.clone());
+        let decisions = verdict.map(|v| v.decisions.as_slice()).unwrap_or_default();
+
+        // Withheld calls: by output_index (streamed) and by item id / call id (any).
+        let mut withheld_ix: BTreeSet<u64> = BTreeSet::new();
+        let mut withheld_ids: BTreeSet<String> = BTreeSet::new();
+        let streamed: Vec<(u64, &CallAcc)> = self
+            .items
+            .iter()
+            .filter(|(_, i)| !i.dropped)
+            .filter_map(|(ix, i)| i.call.as_ref().map(|c| (*ix, c)))
+            .collect();
+        let all: Vec<(Option<u64>, &CallAcc)> = streamed
+            .iter()
+            .map(|(ix, c)| (Some(*ix), *c))
+            .chain(self.unstreamed.iter().map(|c| (None, c)))
+            .collect();
+        for (k, (ix, call)) in all.iter().enumerate() {
+            // Fail closed: a call without a decision is withheld.
+            if decisions.get(k).is_some_and(|d| d.released()) {
+                continue;
+            }
+            if let Some(ix) = ix {
+                withheld_ix.insert(*ix);
+            }
+            withheld_ids.extend(
+                [call.item_id.as_deref(), Some(call.call_id.as_str())]
+                    .into_iter()
+                    .flatten()
+                    .filter(|id| !id.is_empty())
+                    .map(str::to_owned),
+            );
+        }
+        if withheld_ix.is_empty() && withheld_ids.is_empty() && text.is_none() {
+            for h in held {
+                self.emit(h, false, out);
+            }
+            return;
+        }
+        let new_index = |ix: u64| ix - withheld_ix.range(..ix).count() as u64;
+        let host_index = self
+            .items
+            .keys()
+            .next_back()
+            .map_or(0, |last| last + 1 - withheld_ix.len() as u64);
+        let is_withheld = |item: &Value| {
+            kind_of(item_type(item)) == Kind::Call
+                && [str_of(item, "id"), str_of(item, "call_id")]
+                    .iter()
+                    .flatten()
+                    .any(|id| withheld_ids.contains(*id))
+        };
+        let mut text_sent = false;
+        for mut h in held {
+            let Some(json) = h.json.as_mut() else {
+                out.push(h.raw);
+                continue;
+            };
+            let ix = json.get("output_index").and_then(Value::as_u64);
+            let item_id = str_of(json, "item_id");
+            if ix.is_some_and(|ix| withheld_ix.contains(&ix))
+                || item_id.is_some_and(|id| withheld_ids.contains(id))
+            {
+                self.seq.dropped(Some(json));
+                continue;
+            }
+            let mut changed = false;
+            if let Some(ix) = ix {
+                if new_index(ix) != ix {
+                    json["output_index"] = json!(new_index(ix));
+                    changed = true;
+                }
+            }
+            let kind = str_of(json, "type").unwrap_or_default().to_owned();
+            if TERMINAL.contains(&kind.as_str()) {
+                if let Some(text) = &text {
+                    if !text_sent {
+                        self.emit_host_message(host_index, text, out);
+                        text_sent = true;
+                    }
+                }
+                if let Some(response) = json.get_mut("response") {
+                    changed |=
+                        rewrite_output(response, &|_, item| is_withheld(item), text.as_deref());
+                }
+                if kind == "response.incomplete" && text.is_some() {
+                    json["type"] = json!("response.completed");
+                    changed = true;
+                }
+            }
+            self.emit(h, changed, out);
+        }
+        if let (Some(text), false) = (&text, text_sent) {
+            self.emit_host_message(host_index, text, out);
+        }
+    }
+
+    /// Streams the host-authored message item at `output_index` `ix`, as the provider
+    /// streams a message: added, content part, text delta and done events.
+    fn emit_host_message(&mut self, ix: u64, text: &str, out: &mut Vec<Bytes>) {
+        let id = host_message_id(self.response_id.as_deref());
+        let mut in_progress = host_message(&id, text);
+        in_progress["status"] = json!("in_progress");
+        in_progress["content"] = json!([]);
+        let empty_part = host_text_part("");
+        let part = host_text_part(text);
+        let events = [
+            json!({"type": "response.output_item.added", "output_index": ix, "item": in_progress}),
+            json!({"type": "response.content_part.added", "item_id": id, "output_index": ix, "content_index": 0, "part": empty_part}),
+            json!({"type": "response.output_text.delta", "item_id": id, "output_index": ix, "content_index": 0, "delta": text, "logprobs": []}),
+            json!({"type": "response.output_text.done", "item_id": id, "output_index": ix, "content_index": 0, "text": text, "logprobs": []}),
+            json!({"type": "response.content_part.done", "item_id": id, "output_index": ix, "content_index": 0, "part": part}),
+            json!({"type": "response.output_item.done", "output_index": ix, "item": host_message(&id, text)}),
+        ];
+        for e in events {
+            self.emit_new(e, out);
+        }
+    }
+
+    /// The upstream stream was cut: drop what is held and end the agent's stream with an
+    /// `error` event. It has the Responses `error` event's fields (`code`, `message`, `param`)
+    /// and an `error` object, on which the official SDK raises.
+    pub fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
+        for h in std::mem::take(&mut self.held) {
+            self.seq.dropped(h.json.as_ref());
+        }
+        self.decided = true;
+        let message = format!(
+            "turnguard: the upstream stream ended early ({reason}); withheld tool calls were not released"
+        );
+        let body = json!({
+            "type": "error",
+            "code": "turnguard.upstream_stream_cut",
+            "message": message,
+            "param": null,
+            "error": {
+                "type": "upstream_stream_interrupted",
+                "code": "turnguard.upstream_stream_cut",
+                "message": message,
+                "param": null
+            }
+        });
+        self.emit_new(body, out);
+    }
+}
