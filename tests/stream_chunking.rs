@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 use bytes::Bytes;
 use proptest::prelude::*;
-use serde_json::json;
+use serde_json::{json, Value};
 use turnguard::admission::{admit_choice, SchemaCache};
 use turnguard::model::{Api, ChoiceEmissions, ChoiceVerdict, DeclaredTool, Turn};
 use turnguard::proxy::stream::Pipeline;
@@ -152,4 +152,100 @@ proptest! {
             prop_assert_eq!(&got_decided, &want_decided, "decisions differ for {}", path.display());
         }
     }
+}
+
+/// A Responses stream with every client call withheld (no tool declared) stays what the
+/// official SDK accepts: consecutive `sequence_number`s, items added at contiguous
+/// `output_index`es before their events, no `function_call` anywhere, a `[turnguard]` message,
+/// and a terminal `response.completed` whose `output` lists exactly the items streamed.
+#[test]
+fn withheld_responses_calls_leave_a_valid_stream() {
+    let mut checked = 0;
+    for (path, api) in stream_fixtures() {
+        if api != Api::OpenAiResponses {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let mut t = turn(api);
+        t.tools.clear();
+        let schemas = SchemaCache::default();
+        let mut admit = |round: &[ChoiceEmissions]| {
+            round
+                .iter()
+                .map(|c| admit_choice(&t, c, &schemas))
+                .collect()
+        };
+        let mut p = Pipeline::new(&t, 1 << 20);
+        let mut out: Vec<Bytes> = Vec::new();
+        p.feed(&bytes, &mut admit, &mut out).unwrap();
+        p.end(None, &mut admit, &mut out);
+        let body = out.concat();
+        let name = path.display().to_string();
+        let had_call = String::from_utf8_lossy(&bytes).contains("\"type\":\"function_call\"");
+        if !had_call {
+            assert_eq!(body, bytes, "{name}: nothing to withhold, bytes unchanged");
+            continue;
+        }
+        checked += 1;
+        let text = String::from_utf8_lossy(&body).to_string();
+        let mut items: Vec<Value> = Vec::new();
+        let mut terminal = None;
+        for (i, block) in text.split_terminator("\n\n").enumerate() {
+            let (event, data) = block
+                .strip_prefix("event: ")
+                .and_then(|b| b.split_once("\ndata: "))
+                .unwrap_or_else(|| panic!("{name}: block {i} is not `event:` + `data:`: {block}"));
+            let ev: Value = serde_json::from_str(data).unwrap();
+            assert_eq!(ev["type"], event, "{name}: event name = type");
+            assert_eq!(
+                ev["sequence_number"], i,
+                "{name}: sequence_number of event {i}"
+            );
+            assert!(
+                !data.contains("\"function_call"),
+                "{name}: a call reached the agent: {data}"
+            );
+            if let Some(ix) = ev["output_index"].as_u64() {
+                assert!(
+                    ix < items.len() as u64 + 1,
+                    "{name}: output_index {ix} out of order"
+                );
+            }
+            if ev["type"] == "response.output_item.added" {
+                assert_eq!(
+                    ev["output_index"],
+                    items.len(),
+                    "{name}: items added in order"
+                );
+                items.push(ev["item"].clone());
+            }
+            if ev["type"].as_str().unwrap().starts_with("response.")
+                && ev["response"]["status"] != "in_progress"
+                && ev.get("response").is_some()
+            {
+                terminal = Some(ev);
+            }
+        }
+        let terminal = terminal.unwrap_or_else(|| panic!("{name}: no terminal event"));
+        assert_eq!(terminal["type"], "response.completed", "{name}");
+        assert_eq!(terminal["response"]["status"], "completed", "{name}");
+        let output = terminal["response"]["output"].as_array().unwrap();
+        let ids = |list: &[Value]| -> Vec<Value> { list.iter().map(|i| i["id"].clone()).collect() };
+        assert_eq!(
+            ids(output),
+            ids(&items),
+            "{name}: terminal output = streamed items"
+        );
+        let last = output.last().unwrap();
+        assert!(
+            last["content"][0]["text"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("[turnguard]")),
+            "{name}: host-authored message last: {last}"
+        );
+    }
+    assert!(
+        checked >= 3,
+        "only {checked} Responses streams with calls checked"
+    );
 }
