@@ -784,12 +784,24 @@ impl ResponsesStream {
     }
 
     /// Sends an event turnguard authored, numbered after the last one sent.
-    fn emit_new(&mut self, mut json: Value, out: &mut Vec<Bytes>) {
+    fn emit_new(&mut self, json: Value, out: &mut Vec<Bytes>) {
+        let mut json = json;
         if self.seq.seen {
             let n = self.seq.last.map_or(0, |l| l + 1);
-            json["sequence_number"] = json!(n);
             self.seq.last = Some(n);
             self.seq.offset += 1;
+            // `sequence_number` right after `type`, where the provider puts it.
+            if let Value::Object(fields) = json {
+                let mut ordered = serde_json::Map::new();
+                for (k, v) in fields {
+                    let after_type = k == "type";
+                    ordered.insert(k, v);
+                    if after_type {
+                        ordered.insert("sequence_number".into(), json!(n));
+                    }
+                }
+                json = Value::Object(ordered);
+            }
         }
         let name = self
             .event_lines
