@@ -30,6 +30,21 @@
 //! every event after the first change gets a renumbered `sequence_number` so the numbers stay
 //! consecutive. Events turnguard did not change keep their exact bytes; keep-alive comments
 //! and unknown events pass through.
+//!
+//! Provider-held state, which this adapter can only record, not see:
+//! - `previous_response_id` (and the Conversations API's `conversation`, not read yet) means
+//!   the provider holds earlier turns; [`Turn::previous_response_id`] carries it and the
+//!   journal records every response id ([`response_link`]) so the trust stage can judge the
+//!   chain (rule in [`crate::journal`], "The response chain"). A `conversation` id must be
+//!   treated the same way (unknown history: untrusted) when the trust stage lands.
+//! - A call turnguard withholds is still in the provider's stored response (`store: true`).
+//!   A later request that continues from it without a `function_call_output` for that
+//!   `call_id` is expected to be refused by the provider (an output is owed for every call);
+//!   that error passes through unchanged. Supplying a host-authored output for the withheld
+//!   call (its `call_id` is in the journal's `tool_calls`) is left to the replay/repair work.
+//! - `background: true` responses are fetched later with `GET /v1/responses/{id}`, which
+//!   turnguard does not serve (it would release calls unadmitted): background polling fails
+//!   closed with 404; background *streaming* goes through this adapter like any stream.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -1020,5 +1035,221 @@ impl ResponsesStream {
             }
         });
         self.emit_new(body, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classify_cases() {
+        let cases: [(
+            Option<&str>,
+            Option<&str>,
+            bool,
+            Option<u64>,
+            CompletionState,
+            &str,
+        ); 9] = [
+            (
+                Some("completed"),
+                None,
+                false,
+                Some(10),
+                CompletionState::Clean,
+                "completed",
+            ),
+            (
+                Some("completed"),
+                None,
+                false,
+                Some(100),
+                CompletionState::Truncated,
+                "max_output_tokens_reached",
+            ),
+            (
+                Some("completed"),
+                None,
+                true,
+                Some(10),
+                CompletionState::Refused,
+                "refusal",
+            ),
+            (
+                Some("incomplete"),
+                Some("max_output_tokens"),
+                false,
+                None,
+                CompletionState::Truncated,
+                "max_output_tokens",
+            ),
+            (
+                Some("incomplete"),
+                Some("content_filter"),
+                false,
+                None,
+                CompletionState::Refused,
+                "content_filter",
+            ),
+            (
+                Some("incomplete"),
+                None,
+                false,
+                None,
+                CompletionState::Truncated,
+                "incomplete",
+            ),
+            (
+                Some("failed"),
+                None,
+                false,
+                None,
+                CompletionState::Truncated,
+                "failed",
+            ),
+            (
+                Some("in_progress"),
+                None,
+                false,
+                None,
+                CompletionState::Truncated,
+                "in_progress",
+            ),
+            (
+                None,
+                None,
+                false,
+                None,
+                CompletionState::Truncated,
+                "missing_status",
+            ),
+        ];
+        for (status, reason, refused, used, state, label) in cases {
+            let c = classify(status, reason, refused, used, Some(100));
+            assert_eq!(
+                (c.state, c.reason.as_str()),
+                (state, label),
+                "{status:?} {reason:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn requests_are_read_into_a_turn() {
+        let body = json!({
+            "model": "gpt-5",
+            "instructions": "be brief",
+            "previous_response_id": "resp_1",
+            "max_output_tokens": 64,
+            "text": {"format": {"type": "json_schema", "name": "A", "schema": {"type": "object"}, "strict": true}},
+            "tools": [
+                {"type": "function", "name": "get_capital", "parameters": {"type": "object"}, "strict": true},
+                {"type": "web_search"},
+                {"type": "mcp", "server_label": "deepwiki", "server_url": "https://x"}
+            ],
+            "input": [
+                {"role": "user", "content": "capital?"},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "function_call", "call_id": "call_1", "name": "get_capital", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "Paris"},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Paris."}]},
+                {"role": "user", "content": "and Spain?"},
+                {"type": "custom_tool_call_output", "call_id": "call_9", "output": [{"type": "input_text", "text": "x"}]}
+            ]
+        });
+        let t = parse_request(&body).unwrap();
+        assert_eq!(t.api, Api::OpenAiResponses);
+        assert_eq!(t.tools.len(), 1);
+        assert_eq!(t.tools[0].name, "get_capital");
+        assert_eq!(
+            t.provider_delegations,
+            vec!["tools[2] (mcp, server_label deepwiki)"]
+        );
+        assert_eq!(t.previous_response_id.as_deref(), Some("resp_1"));
+        assert_eq!(t.max_output_tokens, Some(64));
+        assert_eq!(
+            t.output_format.as_ref().and_then(|f| f.get("name")),
+            Some(&json!("A"))
+        );
+        // reasoning + call is one model turn, the assistant message after the output another.
+        assert_eq!(t.round_index, 2);
+        let results: Vec<(&str, Option<&str>, &str)> = t
+            .tool_results
+            .iter()
+            .map(|r| {
+                (
+                    r.tool_call_id.as_str(),
+                    r.tool_name.as_deref(),
+                    r.content.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            results,
+            vec![
+                ("call_1", Some("get_capital"), "\"Paris\""),
+                ("call_9", None, "[{\"type\":\"input_text\",\"text\":\"x\"}]")
+            ]
+        );
+        let plain = parse_request(&json!({"model": "m", "input": "hi"})).unwrap();
+        assert_eq!((plain.round_index, plain.tool_results.len()), (0, 0));
+    }
+
+    #[test]
+    fn non_stream_calls_and_rewrite() {
+        let mut body = json!({
+            "id": "resp_2",
+            "status": "completed",
+            "output": [
+                {"type": "web_search_call", "id": "ws_1", "status": "completed"},
+                {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "a", "arguments": "{\"x\":1}"},
+                {"type": "custom_tool_call", "id": "ctc_1", "call_id": "call_2", "name": "sql", "input": "SELECT 1"}
+            ]
+        });
+        let turn = parse_request(&json!({"input": "x"})).unwrap();
+        let round = parse_response(&body, &turn);
+        let calls: Vec<(&str, &str, &str)> = round[0]
+            .calls
+            .iter()
+            .map(|c| (c.id.as_str(), c.name.as_str(), c.arguments.as_str()))
+            .collect();
+        assert_eq!(
+            calls,
+            vec![
+                ("call_1", "a", "{\"x\":1}"),
+                ("call_2", "sql", "\"SELECT 1\"")
+            ]
+        );
+        let link = response_link(&body, &turn).unwrap();
+        assert_eq!(link.provider_items, vec!["web_search_call"]);
+        let decision = |released: bool| crate::model::Decision {
+            outcome: if released {
+                crate::model::Outcome::Executed
+            } else {
+                crate::model::Outcome::Invalid
+            },
+            stage: crate::model::Stage::Name,
+            reason: "r",
+            message: String::new(),
+            args_hash: None,
+        };
+        let verdict = ChoiceVerdict {
+            choice: 0,
+            decisions: vec![decision(true), decision(false)],
+            end_turn: Some("[turnguard] no".into()),
+        };
+        assert!(rewrite_response(&mut body, &[verdict]));
+        let types: Vec<&str> = body["output"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(item_type)
+            .collect();
+        assert_eq!(types, vec!["web_search_call", "function_call", "message"]);
+        assert_eq!(
+            body["output"][2]["id"],
+            json!(host_message_id(Some("resp_2")))
+        );
     }
 }
