@@ -1044,14 +1044,16 @@ mod tests {
 
     #[test]
     fn classify_cases() {
-        let cases: [(
-            Option<&str>,
-            Option<&str>,
+        // (status, incomplete reason, refusal part, output tokens) → (state, reason)
+        type Case<'a> = (
+            Option<&'a str>,
+            Option<&'a str>,
             bool,
             Option<u64>,
             CompletionState,
-            &str,
-        ); 9] = [
+            &'a str,
+        );
+        let cases: [Case; 9] = [
             (
                 Some("completed"),
                 None,
