@@ -419,3 +419,69 @@ async fn malformed_responses_requests_get_a_clear_error() {
     }
     assert!(h.mock_requests().await.is_empty());
 }
+
+#[tokio::test]
+async fn calls_the_stream_never_announced_are_still_admitted() {
+    let h = support::start(Script::default()).await;
+    let evs = events(&fixtures().join("openai-responses/stream-function-call.sse"));
+    // 1. No `output_item.added` for the call: its deltas and `.done` events come unannounced.
+    let unannounced: Vec<String> = evs
+        .iter()
+        .filter(|e| {
+            let d = data_of(e);
+            !(d["type"] == "response.output_item.added" && d["item"]["type"] == "function_call")
+        })
+        .cloned()
+        .collect();
+    // 2. The call appears only in the terminal event's `output`.
+    let only_final: Vec<String> = evs
+        .iter()
+        .filter(|e| {
+            let d = data_of(e);
+            d["output_index"] != 1
+        })
+        .cloned()
+        .collect();
+    h.script(&json!({"responses": [{"sse": unannounced}, {"sse": only_final}]}))
+        .await;
+    for case in ["unannounced", "only-final"] {
+        let (status, _, body) = post_raw(
+            &url(&h),
+            request(json!([function("another_tool")]), true)
+                .to_string()
+                .into(),
+            &[("x-request-id", case)],
+        )
+        .await;
+        assert_eq!(status, 200);
+        let text = String::from_utf8_lossy(&body);
+        assert!(
+            !text.contains("\"function_call"),
+            "{case}: an undeclared call reached the agent"
+        );
+        assert_consecutive(&body);
+        let last = sse_data(&body).pop().unwrap();
+        assert_eq!(last["type"], "response.completed", "{case}");
+        assert!(
+            last["response"]["output"]
+                .as_array()
+                .unwrap()
+                .last()
+                .unwrap()["content"][0]["text"]
+                .as_str()
+                .unwrap()
+                .starts_with("[turnguard]"),
+            "{case}"
+        );
+    }
+    let dir = h.stop().await;
+    let db = support::journal(&dir.path().join("journal.db"));
+    let decided: i64 = db
+        .query_row(
+            "SELECT count(*) FROM tool_calls WHERE outcome = 'invalid' AND stage = 'name' AND call_id = 'call_CWXgs68YprAjp6t0371hiPOI'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(decided, 2);
+}

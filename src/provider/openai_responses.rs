@@ -27,8 +27,8 @@
 //! events and its entry in the terminal `response.output`, later items' `output_index` close
 //! the gap, a host-authored `message` item explaining why is streamed before the terminal
 //! event (and added to its `output`), `response.incomplete` becomes `response.completed`, and
-//! every event after the first change gets a renumbered `sequence_number` so the numbers stay
-//! consecutive. Events turnguard did not change keep their exact bytes; keep-alive comments
+//! from the first change on every event is renumbered (`sequence_number` = the previous one
+//! sent + 1) so the numbers stay consecutive. Events turnguard did not change keep their exact bytes; keep-alive comments
 //! and unknown events pass through.
 //!
 //! Provider-held state, which this adapter can only record, not see:
@@ -458,6 +458,23 @@ impl CallAcc {
         }
     }
 
+    /// Records a complete form of the call from its item (`output_item.done`, terminal
+    /// `output`), filling in the ids when the stream never announced the item.
+    fn absorb(&mut self, item: &Value) {
+        if self.call_id.is_empty() {
+            let announced = Self::from_item(item);
+            self.call_id = announced.call_id;
+            if self.name.is_empty() {
+                self.name = announced.name;
+            }
+        }
+        if self.item_id.is_none() {
+            self.item_id = str_of(item, "id").map(str::to_owned);
+        }
+        self.finals
+            .push((Some(call_name(item)), call_arguments(item)));
+    }
+
     /// The call as the agent executes it: the last complete form (the terminal event's
     /// `output`, which SDKs return as the final response), else the deltas.
     fn call(&self) -> ToolCall {
@@ -504,11 +521,12 @@ struct Terminal {
     response: Value,
 }
 
-/// `sequence_number` bookkeeping: upstream numbers shifted by the events turnguard dropped
-/// (−1 each) or inserted (+1 each) before them.
+/// `sequence_number` bookkeeping. Until turnguard drops or inserts an event, every event keeps
+/// its upstream number (and its bytes); from the first change on, each event sent gets the
+/// number after the last one sent, so the agent's numbers stay consecutive.
 #[derive(Debug, Default)]
 struct Sequence {
-    offset: i64,
+    renumber: bool,
     last: Option<u64>,
     /// The upstream numbers its events (newer API versions; a 2025-03 capture has none).
     seen: bool,
@@ -517,8 +535,27 @@ struct Sequence {
 impl Sequence {
     fn dropped(&mut self, json: Option<&Value>) {
         if json.and_then(|j| j.get("sequence_number")).is_some() {
-            self.offset -= 1;
+            self.renumber = true;
         }
+    }
+
+    /// The number to send for an upstream event numbered `n`.
+    fn next(&mut self, n: u64) -> u64 {
+        let new = match (self.renumber, self.last) {
+            (true, Some(last)) => last + 1,
+            (true, None) => 0,
+            (false, _) => n,
+        };
+        self.last = Some(new);
+        new
+    }
+
+    /// The number of an event turnguard inserts.
+    fn inserted(&mut self) -> u64 {
+        self.renumber = true;
+        let n = self.last.map_or(0, |l| l + 1);
+        self.last = Some(n);
+        n
     }
 }
 
@@ -594,9 +631,49 @@ impl ResponsesStream {
             })
     }
 
-    fn call_mut(&mut self, json: &Value) -> Option<&mut CallAcc> {
-        let ix = self.item_of(json)?;
-        self.items.get_mut(&ix)?.call.as_mut()
+    /// The event's `output_index`, or the next free one when it has none.
+    fn index_of(&self, json: &Value) -> u64 {
+        json.get("output_index")
+            .and_then(Value::as_u64)
+            .unwrap_or_else(|| self.items.keys().next_back().map_or(0, |l| l + 1))
+    }
+
+    /// The call an event belongs to. An event that carries a call (arguments, input, a done
+    /// call item) for an item never announced as a call starts one, so it is held and
+    /// admitted like any other (fail closed: a consumer may act on `.done` events alone).
+    /// `None` when the call is dropped (it started after the decision point).
+    fn call_for(&mut self, json: &Value, item: Option<&Value>) -> Option<&mut CallAcc> {
+        let ix = match self.item_of(json) {
+            Some(ix) if self.items.get(&ix).is_some_and(|i| i.call.is_some()) => ix,
+            _ => {
+                let ix = self.index_of(json);
+                let mut call = item.map(CallAcc::from_item).unwrap_or_default();
+                if let Some(id) = str_of(json, "item_id") {
+                    call.item_id.get_or_insert_with(|| id.to_owned());
+                    self.by_id.insert(id.to_owned(), ix);
+                }
+                if let Some(id) = call.item_id.clone() {
+                    self.by_id.insert(id, ix);
+                }
+                let dropped = self.decided;
+                self.items.insert(
+                    ix,
+                    Item {
+                        call: Some(call),
+                        dropped,
+                    },
+                );
+                if !dropped {
+                    self.holding = true;
+                }
+                ix
+            }
+        };
+        let item = self.items.get_mut(&ix)?;
+        if item.dropped {
+            return None;
+        }
+        item.call.as_mut()
     }
 
     /// Takes one SSE block; bytes to forward now are appended to `out`.
@@ -659,9 +736,7 @@ impl ResponsesStream {
                     .map(str::to_owned);
             }
             "response.output_item.added" => {
-                let Some(ix) = j.get("output_index").and_then(Value::as_u64) else {
-                    return true;
-                };
+                let ix = self.index_of(j);
                 let item = j.get("item").unwrap_or(&Value::Null);
                 let ty = item_type(item);
                 let kind = kind_of(ty);
@@ -688,21 +763,22 @@ impl ResponsesStream {
                 }
             }
             "response.function_call_arguments.delta" | "response.custom_tool_call_input.delta" => {
-                if let (Some(call), Some(d)) = (self.call_mut(j), str_of(j, "delta")) {
-                    call.deltas.push_str(d);
+                let delta = str_of(j, "delta").unwrap_or_default().to_owned();
+                if let Some(call) = self.call_for(j, None) {
+                    call.deltas.push_str(&delta);
                     call.saw_delta = true;
                 }
             }
             "response.function_call_arguments.done" => {
                 let name = str_of(j, "name").map(str::to_owned);
-                let args = str_of(j, "arguments").map(str::to_owned);
-                if let (Some(call), Some(args)) = (self.call_mut(j), args) {
+                let args = str_of(j, "arguments").unwrap_or_default().to_owned();
+                if let Some(call) = self.call_for(j, None) {
                     call.finals.push((name, args));
                 }
             }
             "response.custom_tool_call_input.done" => {
                 let input = j.get("input").cloned().unwrap_or(Value::Null).to_string();
-                if let Some(call) = self.call_mut(j) {
+                if let Some(call) = self.call_for(j, None) {
                     call.finals.push((None, input));
                 }
             }
@@ -716,9 +792,8 @@ impl ResponsesStream {
                     self.refused = true;
                 }
                 if kind_of(ty) == Kind::Call {
-                    let form = (Some(call_name(item)), call_arguments(item));
-                    if let Some(call) = self.call_mut(j) {
-                        call.finals.push(form);
+                    if let Some(call) = self.call_for(j, Some(item)) {
+                        call.absorb(item);
                     }
                 }
             }
@@ -739,7 +814,6 @@ impl ResponsesStream {
                     if kind_of(ty) != Kind::Call {
                         continue;
                     }
-                    let form = (Some(call_name(item)), call_arguments(item));
                     let call_id = str_of(item, "call_id");
                     let known = self
                         .items
@@ -750,11 +824,11 @@ impl ResponsesStream {
                                 || (call_id.is_some() && Some(c.call_id.as_str()) == call_id)
                         });
                     match known {
-                        Some(call) => call.finals.push(form),
+                        Some(call) => call.absorb(item),
                         None => {
                             // A call the stream never showed: admit it too (fail closed).
                             let mut call = CallAcc::from_item(item);
-                            call.finals.push(form);
+                            call.absorb(item);
                             self.unstreamed.push(call);
                             self.holding = true;
                         }
@@ -771,8 +845,8 @@ impl ResponsesStream {
             .is_some_and(|i| i.dropped)
     }
 
-    /// Sends one event, renumbering its `sequence_number` when earlier events were dropped or
-    /// inserted; its raw bytes when nothing changed.
+    /// Sends one event, renumbering its `sequence_number` once any event was dropped or
+    /// inserted before it; its raw bytes when nothing changed.
     fn emit(&mut self, h: Held, changed: bool, out: &mut Vec<Bytes>) {
         let Some(mut json) = h.json else {
             out.push(h.raw);
@@ -780,12 +854,11 @@ impl ResponsesStream {
         };
         let mut changed = changed;
         if let Some(n) = json.get("sequence_number").and_then(Value::as_u64) {
-            let new = u64::try_from(n as i64 + self.seq.offset).unwrap_or(0);
+            let new = self.seq.next(n);
             if new != n {
                 json["sequence_number"] = json!(new);
                 changed = true;
             }
-            self.seq.last = Some(new);
         }
         if changed {
             let name = h
@@ -802,9 +875,7 @@ impl ResponsesStream {
     fn emit_new(&mut self, json: Value, out: &mut Vec<Bytes>) {
         let mut json = json;
         if self.seq.seen {
-            let n = self.seq.last.map_or(0, |l| l + 1);
-            self.seq.last = Some(n);
-            self.seq.offset += 1;
+            let n = self.seq.inserted();
             // `sequence_number` right after `type`, where the provider puts it.
             if let Value::Object(fields) = json {
                 let mut ordered = serde_json::Map::new();
