@@ -485,3 +485,48 @@ async fn calls_the_stream_never_announced_are_still_admitted() {
         .unwrap();
     assert_eq!(decided, 2);
 }
+
+#[tokio::test]
+async fn an_upstream_error_event_mid_call_drops_the_held_call() {
+    let h = support::start(Script::default()).await;
+    let evs = events(&fixtures().join("openai-responses/stream-function-call.sse"));
+    let mut upstream: Vec<String> = evs[..7].to_vec(); // through two argument deltas
+    upstream.push(encode(&json!({
+        "type": "error", "sequence_number": 7, "code": "server_error",
+        "message": "The server had an error while processing your request.", "param": null
+    })));
+    h.script(&json!({"responses": [{"sse": upstream}]})).await;
+    let (status, _, body) = post_raw(
+        &url(&h),
+        request(json!([function("final_result")]), true)
+            .to_string()
+            .into(),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        !text.contains("\"function_call"),
+        "nothing held is released"
+    );
+    assert_consecutive(&body);
+    let data = sse_data(&body);
+    let kinds: Vec<&str> = data.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        vec![
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.output_item.done",
+            "error",
+            "error"
+        ]
+    );
+    assert_eq!(
+        data[4]["code"], "server_error",
+        "the provider's error, as sent"
+    );
+    assert_eq!(data[5]["code"], "turnguard.upstream_stream_cut");
+}
