@@ -17,6 +17,9 @@
 //! | [`metrics`] | every Prometheus metric, in one registry handle |
 //! | [`admin`] | the admin plane: `/metrics`, `/healthz`, `/readyz`, `/config` |
 //! | [`error`] | the one boundary enum for errors turnguard authors on the wire |
+//! | [`policy`] | the pure policy engine: bundle formats, catalog, Cedar rules, redaction |
+//! | [`policy_cli`] | `turnguard policy check / test / explain / schema` |
+//! | [`reload`] | bundle IO: reading, the embedded default, watch + SIGHUP hot reload |
 //! | [`mock_provider`] | the scripted model used by tests and the offline demo |
 
 pub mod admin;
@@ -27,8 +30,11 @@ pub mod error;
 pub mod journal;
 pub mod metrics;
 pub mod mock_provider;
+pub mod policy;
+pub mod policy_cli;
 pub mod model;
 pub mod provider;
 pub mod proxy;
+pub mod reload;
 pub mod server;
 pub mod sse;

@@ -24,6 +24,9 @@ struct Cli {
 enum Command {
     /// Run the proxy: data plane (provider APIs) and admin plane (metrics, health).
     Serve(Box<ServeArgs>),
+    /// Policy author tools: check, test, explain, schema.
+    #[command(subcommand)]
+    Policy(PolicyCommand),
     /// Run a scripted OpenAI/Anthropic-compatible model (tests, offline demo).
     MockProvider {
         /// Address to listen on.
@@ -32,6 +35,44 @@ enum Command {
         /// Script file (JSON; see README "Mock provider").
         #[arg(long)]
         script: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum PolicyCommand {
+    /// Validate a bundle exactly as `serve` does at start; exit 1 with file:line errors.
+    Check {
+        /// Bundle directory.
+        dir: PathBuf,
+    },
+    /// Run the bundle's test cases (`tests/*.toml`); exit 1 on any failure.
+    Test {
+        /// Bundle directory.
+        dir: PathBuf,
+    },
+    /// Print each admission stage's decision for each tool call of a response.
+    Explain {
+        /// Request body (JSON).
+        #[arg(long)]
+        request: PathBuf,
+        /// Non-stream response body (JSON).
+        #[arg(long)]
+        response: PathBuf,
+        /// Bundle directory [default: ./policy, else the embedded bundle].
+        #[arg(long, default_value = "./policy")]
+        policy: PathBuf,
+        /// `openai_chat` or `anthropic_messages` [default: from the response shape].
+        #[arg(long)]
+        api: Option<String>,
+        /// Acting person (`sub`) to authorize as.
+        #[arg(long)]
+        principal: Option<String>,
+    },
+    /// Print (or write into DIR) the JSON Schemas of the bundle file formats.
+    Schema {
+        /// Write `turnguard.schema.json`, `tools.schema.json`, `tests.schema.json` here.
+        #[arg(long)]
+        write: Option<PathBuf>,
     },
 }
 
@@ -61,6 +102,22 @@ async fn main() -> anyhow::Result<()> {
             tracing::info!("shutting down");
             running.shutdown().await;
             Ok(())
+        }
+        Command::Policy(cmd) => {
+            use turnguard::policy_cli as p;
+            let report = match cmd {
+                PolicyCommand::Check { dir } => p::check(&dir),
+                PolicyCommand::Test { dir } => p::test(&dir),
+                PolicyCommand::Explain { request, response, policy, api, principal } => {
+                    p::explain(&policy, api.as_deref(), &request, &response, principal.as_deref())
+                }
+                PolicyCommand::Schema { write } => p::schema(write.as_deref()),
+            };
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(report.text.as_bytes());
+            let _ = out.flush();
+            std::process::exit(report.code);
         }
         Command::MockProvider { listen, script } => {
             init_logs(LogFormat::Text);

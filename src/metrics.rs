@@ -46,6 +46,34 @@ pub struct ReasonLabels {
     pub reason: String,
 }
 
+/// Labels of `turnguard_policy_reloads_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `ok` or `error`.
+    pub result: String,
+}
+
+/// Labels of `turnguard_policy_revision_info`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RevisionLabels {
+    /// The active bundle's revision.
+    pub revision: String,
+}
+
+/// Labels of `turnguard_turns_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TrustLabels {
+    /// The turn's `contentTrust`.
+    pub trust: String,
+}
+
+/// Labels of `turnguard_repairs_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RepairLabels {
+    /// Provider API.
+    pub api: String,
+}
+
 /// The metrics handle shared by the data plane, the journal and the admin plane.
 pub struct Metrics {
     registry: Registry,
@@ -69,6 +97,14 @@ pub struct Metrics {
     pub journal_queue_depth: Gauge<i64, AtomicI64>,
     /// Data-plane requests in flight.
     pub inflight_requests: Gauge<i64, AtomicI64>,
+    /// Policy reloads by result.
+    pub policy_reloads: Family<ResultLabels, Counter>,
+    /// 1 for the active policy revision.
+    pub policy_revision_info: Family<RevisionLabels, Gauge<i64, AtomicI64>>,
+    /// Model turns admitted, by `contentTrust`.
+    pub turns: Family<TrustLabels, Counter>,
+    /// Repair rounds turnguard sent upstream.
+    pub repairs: Family<RepairLabels, Counter>,
 }
 
 impl Metrics {
@@ -139,7 +175,23 @@ impl Metrics {
             "Data-plane requests in flight",
             inflight_requests.clone(),
         );
+        let policy_reloads = Family::<ResultLabels, Counter>::default();
+        registry.register("policy_reloads", "Policy bundle reloads by result", policy_reloads.clone());
+        let policy_revision_info = Family::<RevisionLabels, Gauge<i64, AtomicI64>>::default();
+        registry.register(
+            "policy_revision_info",
+            "1 for the revision of the active policy bundle",
+            policy_revision_info.clone(),
+        );
+        let turns = Family::<TrustLabels, Counter>::default();
+        registry.register("turns", "Model turns admitted, by contentTrust", turns.clone());
+        let repairs = Family::<RepairLabels, Counter>::default();
+        registry.register("repairs", "Repair rounds sent upstream", repairs.clone());
         Self {
+            policy_reloads,
+            policy_revision_info,
+            turns,
+            repairs,
             registry,
             requests,
             upstream_latency,
@@ -172,6 +224,21 @@ impl Metrics {
                 stream: stream.to_string(),
             })
             .inc();
+    }
+}
+
+impl Metrics {
+    /// Counts one policy reload (`ok` or `error`).
+    pub fn policy_reload(&self, result: &str) {
+        self.policy_reloads.get_or_create(&ResultLabels { result: result.to_owned() }).inc();
+    }
+
+    /// Marks `new` as the active revision (and `old`, if different, as gone).
+    pub fn policy_revision(&self, old: &str, new: &str) {
+        if old != new {
+            self.policy_revision_info.remove(&RevisionLabels { revision: old.to_owned() });
+        }
+        self.policy_revision_info.get_or_create(&RevisionLabels { revision: new.to_owned() }).set(1);
     }
 }
 

@@ -27,6 +27,16 @@ impl Api {
         }
     }
 
+    /// The API for a label (`openai_chat`, `anthropic_messages`).
+    pub fn from_label(label: &str) -> Option<Self> {
+        match label {
+            "openai_chat" => Some(Self::OpenAiChat),
+            "anthropic_messages" => Some(Self::AnthropicMessages),
+            "openai_responses" => Some(Self::OpenAiResponses),
+            _ => None,
+        }
+    }
+
     /// The configured upstream name this API is sent to.
     pub fn upstream(self) -> &'static str {
         match self {
@@ -81,6 +91,11 @@ pub struct Turn {
     /// `previous_response_id` the earlier turns are held by the provider, so this counts only
     /// the turns the request itself carries.
     pub round_index: u32,
+    /// Names of the tool calls already in the transcript, in order.
+    pub prior_calls: Vec<String>,
+    /// The transcript carries provider-executed tool output (Anthropic
+    /// `web_search_tool_result` …): always untrusted (tool-turn contract §F).
+    pub provider_output_seen: bool,
     /// Responses only: `previous_response_id`. The provider holds the earlier turns of the
     /// conversation, which the proxy cannot see in this request; their trust can only come
     /// from turnguard's own journal of that response chain (the trust rule is in
@@ -223,14 +238,47 @@ pub struct Decision {
     pub reason: &'static str,
     /// Host-authored explanation, built from validator or decision output, never model text.
     pub message: String,
-    /// SHA-256 (hex) of the RFC 8785 form of the arguments, when they parsed.
+    /// `argsHash`: SHA-256 (hex) of the RFC 8785 form of the *redacted* arguments, when they
+    /// parsed.
     pub args_hash: Option<String>,
+    /// The catalog `toolId` (or `turnguard:unknown`).
+    pub tool_id: String,
+    /// The provider-facing tool name, sanitized for host-authored text.
+    pub tool_name: String,
+    /// `false` when shadow mode released a call enforcement would have withheld.
+    pub enforced: bool,
+    /// Cedar rules that determined an authorization decision.
+    pub rules: Vec<String>,
+    /// For `rate_limited`: seconds until the bucket has a token.
+    pub retry_after_secs: Option<u64>,
+    /// The arguments after redaction (safe to journal and log), when they parsed.
+    pub redacted_args: Option<serde_json::Value>,
+    /// Stage by stage, what admission found (for `policy explain`).
+    pub trace: Vec<(Stage, String)>,
 }
 
 impl Decision {
-    /// The call goes to the agent.
+    /// A decision with only the outcome fields set.
+    pub fn new(outcome: Outcome, stage: Stage, reason: &'static str, message: String) -> Self {
+        Self {
+            outcome,
+            stage,
+            reason,
+            message,
+            args_hash: None,
+            tool_id: String::new(),
+            tool_name: String::new(),
+            enforced: true,
+            rules: Vec::new(),
+            retry_after_secs: None,
+            redacted_args: None,
+            trace: Vec::new(),
+        }
+    }
+
+    /// The call goes to the agent (executed, or withheld only in shadow mode).
     pub fn released(&self) -> bool {
-        self.outcome == Outcome::Executed
+        self.outcome == Outcome::Executed || !self.enforced
     }
 }
 
@@ -252,15 +300,76 @@ pub struct ResponseLink {
     pub provider_items: Vec<String>,
 }
 
-/// Admission's verdict on one choice: a decision per call, and, when the turn is ended,
-/// the host-authored text that replaces the withheld calls.
+/// A host-authored tool result for a repair round (MCP result shape, tool-turn contract §G).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RepairItem {
+    /// Index of the call in [`ChoiceEmissions::calls`].
+    pub call: usize,
+    /// The result text, built from validator or decision output (or a recorded result for a
+    /// suppressed repeat), never from model text.
+    pub text: String,
+    /// `isError`: a model-correctable failure.
+    pub is_error: bool,
+}
+
+/// An HTTP error surfaced for a withheld call (DESIGN.md §7).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SurfacedError {
+    /// HTTP status.
+    pub status: u16,
+    /// OpenWOP error code.
+    pub code: &'static str,
+    /// Host-authored message.
+    pub message: String,
+    /// `Retry-After` seconds, for `rate_limited`.
+    pub retry_after_secs: Option<u64>,
+}
+
+/// How a choice's withheld calls reach the agent (DESIGN.md §4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Surfacing {
+    /// Every call is released as emitted.
+    Release,
+    /// The withheld calls are removed; the released ones go out and the finish reason is
+    /// kept (calls after a clarification ask, tool-turn contract §E).
+    Drop,
+    /// The withheld calls are removed, the text is added as assistant text, the finish
+    /// reason becomes a normal stop.
+    EndTurn(String),
+    /// The model is asked again with these host-authored results.
+    Repair(Vec<RepairItem>),
+    /// The request fails with this error.
+    Error(SurfacedError),
+}
+
+/// Admission's verdict on one choice: a decision per call and how it surfaces.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChoiceVerdict {
     /// Choice index.
     pub choice: u32,
     /// One decision per call, aligned with [`ChoiceEmissions::calls`].
     pub decisions: Vec<Decision>,
-    /// `Some(text)` when calls were withheld: the calls are removed, `text` is added as
-    /// assistant text and the finish reason becomes a normal stop (DESIGN.md §4 `end-turn`).
-    pub end_turn: Option<String>,
+    /// How the withheld calls surface.
+    pub surfacing: Surfacing,
+}
+
+impl ChoiceVerdict {
+    /// Whether call `i` goes to the agent.
+    pub fn released(&self, i: usize) -> bool {
+        self.decisions.get(i).is_some_and(Decision::released)
+    }
+
+    /// Some call is withheld.
+    pub fn any_withheld(&self) -> bool {
+        self.decisions.iter().any(|d| !d.released())
+    }
+
+    /// The host-authored text when the turn is ended with calls removed.
+    pub fn end_turn(&self) -> Option<&str> {
+        match &self.surfacing {
+            Surfacing::Release | Surfacing::Drop => None,
+            Surfacing::EndTurn(t) => Some(t),
+            Surfacing::Repair(_) | Surfacing::Error(_) => None,
+        }
+    }
 }

@@ -14,7 +14,8 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::admission::SchemaCache;
+use crate::admission::{LimitState, SchemaCache};
+use crate::reload::{self, LoadError, PolicyHandle};
 use crate::config::Config;
 use crate::error::WireError;
 use crate::journal::{Journal, JournalError, WriterThread};
@@ -34,6 +35,10 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Compiled argument schemas, by schema hash.
     pub schemas: SchemaCache,
+    /// The active policy bundle; each request takes one snapshot.
+    pub policy: Arc<PolicyHandle>,
+    /// Limits-stage state (token buckets, per-run counters).
+    pub limits: LimitState,
     /// Readiness: true once both planes listen, false again when shutdown starts.
     pub ready: AtomicBool,
 }
@@ -47,6 +52,9 @@ pub enum StartError {
     /// The journal could not be opened.
     #[error(transparent)]
     Journal(#[from] JournalError),
+    /// The policy bundle does not load.
+    #[error("policy bundle {dir}:\n{source}")]
+    Policy { dir: String, source: LoadError },
 }
 
 /// A running turnguard: its bound addresses and the handle to stop it.
@@ -59,6 +67,7 @@ pub struct Running {
     pub state: Arc<AppState>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    watcher: JoinHandle<()>,
     writer: WriterThread,
 }
 
@@ -67,6 +76,7 @@ impl Running {
     /// finish, then the journal queue is flushed and closed.
     pub async fn shutdown(self) {
         self.state.ready.store(false, Ordering::SeqCst);
+        self.watcher.abort();
         let _ = self.stop.send(true);
         for t in self.tasks {
             let _ = t.await;
@@ -84,6 +94,13 @@ impl Running {
 /// Errors: [`StartError`] naming the address or journal path that failed.
 pub async fn start(config: Config) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
+    let policy = reload::load(&config.policy).map_err(|source| StartError::Policy {
+        dir: config.policy.display().to_string(),
+        source,
+    })?;
+    tracing::info!(revision = %policy.revision, origin = %policy.origin, tools = policy.catalog.len(), rules = policy.rules.len(), "policy bundle loaded");
+    metrics.policy_revision("", &policy.revision);
+    let policy = Arc::new(PolicyHandle::new(policy, config.policy.clone()));
     let (journal, writer) = Journal::open(&config.journal, Arc::clone(&metrics))?;
     let bind = |addr: SocketAddr| async move {
         TcpListener::bind(addr).await.map_err(|e| StartError::Bind {
@@ -107,8 +124,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         journal,
         metrics,
         schemas: SchemaCache::default(),
+        policy: Arc::clone(&policy),
+        limits: LimitState::default(),
         ready: AtomicBool::new(false),
     });
+    let watcher = reload::watch(policy, Arc::clone(&state.metrics), std::time::Duration::from_millis(250));
     let (stop, stopped) = watch::channel(false);
     let serve = |listener: TcpListener, router: Router, mut stopped: watch::Receiver<bool>| {
         tokio::spawn(async move {
@@ -143,6 +163,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         state,
         stop,
         tasks,
+        watcher,
         writer,
     })
 }

@@ -138,7 +138,7 @@ async fn a_truncated_function_call_is_never_released_even_when_its_arguments_par
     assert!(output[1]["content"][0]["text"]
         .as_str()
         .unwrap()
-        .contains("completion stage, truncated"));
+        .contains("at the completion stage (truncated)"));
 
     let (status, out) = post_json(
         &url(&h),

@@ -16,9 +16,10 @@ use std::path::PathBuf;
 use bytes::Bytes;
 use proptest::prelude::*;
 use serde_json::{json, Value};
-use turnguard::admission::{admit_choice, SchemaCache};
+use turnguard::admission::{admit_choice, AdmitCtx, LimitState, SchemaCache};
 use turnguard::model::{Api, ChoiceEmissions, ChoiceVerdict, DeclaredTool, Turn};
-use turnguard::proxy::stream::Pipeline;
+use turnguard::policy::bundle::ContentTrust;
+use turnguard::proxy::stream::{Finish, Pipeline};
 
 fn turn(api: Api) -> Turn {
     let tools = [
@@ -44,6 +45,8 @@ fn turn(api: Api) -> Turn {
         max_output_tokens: Some(4096),
         include_usage: true,
         round_index: 0,
+        prior_calls: Vec::new(),
+        provider_output_seen: false,
         previous_response_id: None,
         provider_delegations: Vec::new(),
         output_format: None,
@@ -94,21 +97,56 @@ fn stream_fixtures() -> Vec<(PathBuf, Api)> {
 
 /// Feeds `chunks` through the relay pipeline; returns the forwarded bytes and the decisions.
 fn relay(api: Api, chunks: &[&[u8]]) -> (Vec<u8>, Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>) {
-    let t = turn(api);
+    static POLICY: std::sync::OnceLock<turnguard::policy::CompiledPolicy> = std::sync::OnceLock::new();
+    let policy = POLICY.get_or_init(|| turnguard::policy::compile(&turnguard::reload::embedded()).expect("default bundle"));
+    relay_with(&turn(api), policy, 0, chunks)
+}
+
+/// [`relay`] for a given turn and policy.
+fn relay_with(
+    t: &Turn,
+    policy: &turnguard::policy::CompiledPolicy,
+    repairs_left: u32,
+    chunks: &[&[u8]],
+) -> (Vec<u8>, Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>) {
     let schemas = SchemaCache::default();
-    let mut admit = |round: &[ChoiceEmissions]| {
-        round
-            .iter()
-            .map(|c| admit_choice(&t, c, &schemas))
-            .collect()
+    // A bucket that never runs dry: the property is about framing, not rate limits.
+    let limits = LimitState::default();
+    let never = |_: &str| false;
+    let ctx = AdmitCtx {
+        policy,
+        schemas: &schemas,
+        limits: &limits,
+        person: None,
+        agent: "agent",
+        trust: ContentTrust::Trusted,
+        run: None,
+        provider: "test",
+        approved: &never,
+        repairs_left,
     };
-    let mut p = Pipeline::new(&t, 1 << 20);
+    let admit = |round: &[ChoiceEmissions]| -> Vec<ChoiceVerdict> { round.iter().map(|c| admit_choice(&ctx, t, c)).collect() };
+    let mut p = Pipeline::new(t, 1 << 20, None);
     let mut out: Vec<Bytes> = Vec::new();
     for c in chunks {
-        p.feed(c, &mut admit, &mut out).expect("event within cap");
+        p.feed(c).expect("event within cap");
+        while let Some(round) = p.advance(&mut out) {
+            let v = admit(&round);
+            p.release(round, v, &mut out);
+        }
     }
-    let (state, _) = p.end(None, &mut admit, &mut out);
-    assert_eq!(state, "ok");
+    loop {
+        match p.finish(None, &mut out) {
+            Finish::Decide(round) => {
+                let v = admit(&round);
+                p.release(round, v, &mut out);
+            }
+            Finish::Ended(state, _) => {
+                assert_eq!(state, "ok");
+                break;
+            }
+        }
+    }
     (out.concat(), p.decided.clone())
 }
 
@@ -161,6 +199,8 @@ proptest! {
 #[test]
 fn withheld_responses_calls_leave_a_valid_stream() {
     let mut checked = 0;
+    // The test bundle whose withheld calls end the turn (a host-authored message).
+    let policy = turnguard::reload::load(&support::own_fixtures().join("policy-open")).expect("policy-open");
     for (path, api) in stream_fixtures() {
         if api != Api::OpenAiResponses {
             continue;
@@ -168,18 +208,8 @@ fn withheld_responses_calls_leave_a_valid_stream() {
         let bytes = std::fs::read(&path).unwrap();
         let mut t = turn(api);
         t.tools.clear();
-        let schemas = SchemaCache::default();
-        let mut admit = |round: &[ChoiceEmissions]| {
-            round
-                .iter()
-                .map(|c| admit_choice(&t, c, &schemas))
-                .collect()
-        };
-        let mut p = Pipeline::new(&t, 1 << 20);
-        let mut out: Vec<Bytes> = Vec::new();
-        p.feed(&bytes, &mut admit, &mut out).unwrap();
-        p.end(None, &mut admit, &mut out);
-        let body = out.concat();
+        // A repair round left, so `invalid` surfaces as the bundle's `end-turn`.
+        let (body, _) = relay_with(&t, &policy, 1, &[&bytes]);
         let name = path.display().to_string();
         let had_call = String::from_utf8_lossy(&bytes).contains("\"type\":\"function_call\"");
         if !had_call {

@@ -22,11 +22,5 @@ pub fn check(completion: &Completion) -> Option<Decision> {
             ),
         ),
     };
-    Some(Decision {
-        outcome: Outcome::Invalid,
-        stage: Stage::Completion,
-        reason,
-        message,
-        args_hash: None,
-    })
+    Some(Decision::new(Outcome::Invalid, Stage::Completion, reason, message))
 }

@@ -121,6 +121,14 @@ pub struct CallRecord {
     pub stage: &'static str,
     pub reason: &'static str,
     pub args_hash: Option<String>,
+    /// Catalog `toolId`.
+    pub tool_id: String,
+    /// `false`: shadow mode released a call enforcement would have withheld.
+    pub enforced: bool,
+    /// Cedar rules that decided, comma-separated.
+    pub rules: Option<String>,
+    /// The arguments after redaction (JSON), never the raw ones.
+    pub redacted_args: Option<String>,
 }
 
 /// One model round: the request, what the upstream answered, and every decision.
@@ -164,9 +172,47 @@ pub struct ToolResultRecord {
     pub content: Recorded,
 }
 
+/// An OpenWOP run event (`agent.tool-called`, `agent.tool-returned` …) to append.
+#[derive(Debug, Clone)]
+pub struct EventRecord {
+    pub request_id: String,
+    pub run: RunKey,
+    pub at_ms: i64,
+    /// The v2 event type.
+    pub kind: &'static str,
+    /// The payload (closed shape per `run-event-payloads`), never raw write-tool arguments.
+    pub payload: serde_json::Value,
+}
+
+/// An effect claim (OpenWOP idempotency.md): insert-if-absent on the effect id.
+#[derive(Debug, Clone)]
+pub struct EffectClaim {
+    /// SHA-256 (hex) identity of the effect.
+    pub effect_id: String,
+    pub tool_id: String,
+    pub call_id: String,
+    pub run: RunKey,
+    /// `business-identity` or `activity-recipe`.
+    pub keying: &'static str,
+    pub at_ms: i64,
+}
+
+/// The result of a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// This call now owns the effect.
+    Claimed,
+    /// The effect was claimed before by `call_id`; `result` is its recorded tool result,
+    /// when one arrived.
+    Existing { call_id: String, result: Option<String> },
+}
+
 enum Op {
+    ReleaseClaim { effect_id: String, call_id: String },
     Round(Box<RoundRecord>),
     ToolResults(Vec<ToolResultRecord>),
+    Events(Vec<EventRecord>),
+    Claim(EffectClaim, oneshot::Sender<Claim>),
 }
 
 struct Job {
@@ -243,6 +289,29 @@ impl Journal {
     pub async fn record_round(&self, rec: RoundRecord) -> Result<(), JournalError> {
         self.submit(Op::Round(Box::new(rec))).await
     }
+
+    /// Appends run events; `sequence` is assigned per scope (run, else request) in commit
+    /// order, strictly increasing, never renumbered.
+    pub async fn record_events(&self, events: Vec<EventRecord>) -> Result<(), JournalError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        self.submit(Op::Events(events)).await
+    }
+
+    /// Gives back a claim this call took but did not use (the call was not released).
+    /// Only the claim of `call_id` is removed.
+    pub async fn release_claim(&self, effect_id: &str, call_id: &str) -> Result<(), JournalError> {
+        self.submit(Op::ReleaseClaim { effect_id: effect_id.to_owned(), call_id: call_id.to_owned() }).await
+    }
+
+    /// Claims an effect: an atomic insert-if-absent with a row-count check, committed before
+    /// this returns. Never `INSERT OR REPLACE`.
+    pub async fn claim_effect(&self, claim: EffectClaim) -> Result<Claim, JournalError> {
+        let (tx, rx) = oneshot::channel();
+        self.submit(Op::Claim(claim, tx)).await?;
+        rx.await.map_err(|_| JournalError::Closed)
+    }
 }
 
 /// The writer thread; join it after every [`Journal`] handle is dropped to flush the queue.
@@ -266,7 +335,7 @@ fn writer(mut conn: Connection, mut rx: mpsc::Receiver<Job>, metrics: &Metrics) 
         }
         metrics.journal_queue_depth.dec_by(batch.len() as i64);
         let started = Instant::now();
-        let result = commit(&mut conn, &batch).map_err(|e| JournalError::Write(e.to_string()));
+        let result = commit(&mut conn, &mut batch).map_err(|e| JournalError::Write(e.to_string()));
         metrics
             .journal_commit_latency
             .observe(started.elapsed().as_secs_f64());
@@ -283,19 +352,79 @@ fn writer(mut conn: Connection, mut rx: mpsc::Receiver<Job>, metrics: &Metrics) 
     }
 }
 
-fn commit(conn: &mut Connection, batch: &[Job]) -> rusqlite::Result<()> {
+fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
     let tx = conn.transaction()?;
-    for job in batch {
-        match &job.op {
+    let mut answers: Vec<(oneshot::Sender<Claim>, Claim)> = Vec::new();
+    for job in batch.iter_mut() {
+        match &mut job.op {
+            Op::ReleaseClaim { effect_id, call_id } => {
+                tx.execute(
+                    "DELETE FROM effects WHERE effect_id = ?1 AND call_id = ?2 AND state = 'claimed'",
+                    params![&*effect_id, &*call_id],
+                )?;
+            }
             Op::Round(r) => insert_round(&tx, r)?,
             Op::ToolResults(list) => {
                 for t in list {
                     insert_tool_result(&tx, t)?;
                 }
             }
+            Op::Events(list) => {
+                for e in list {
+                    insert_event(&tx, e)?;
+                }
+            }
+            Op::Claim(c, answer) => {
+                let result = claim(&tx, c)?;
+                let (dummy, _) = oneshot::channel();
+                answers.push((std::mem::replace(answer, dummy), result));
+            }
         }
     }
-    tx.commit()
+    tx.commit()?;
+    for (tx, result) in answers {
+        let _ = tx.send(result);
+    }
+    Ok(())
+}
+
+fn claim(tx: &rusqlite::Transaction<'_>, c: &EffectClaim) -> rusqlite::Result<Claim> {
+    let inserted = tx.execute(
+        "INSERT INTO effects (effect_id, tool_id, call_id, run_id, node_id, attempt, keying, state, at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'claimed', ?8)
+         ON CONFLICT (effect_id) DO NOTHING",
+        params![c.effect_id, c.tool_id, c.call_id, c.run.run_id, c.run.node_id, c.run.attempt, c.keying, c.at_ms],
+    )?;
+    if inserted == 1 {
+        return Ok(Claim::Claimed);
+    }
+    let call_id: String = tx.query_row("SELECT call_id FROM effects WHERE effect_id = ?1", params![c.effect_id], |r| r.get(0))?;
+    let result: Option<Vec<u8>> = tx
+        .query_row(
+            "SELECT content FROM tool_results WHERE tool_call_id = ?1 AND truncated = 0 ORDER BY id LIMIT 1",
+            params![call_id],
+            |r| r.get(0),
+        )
+        .ok();
+    Ok(Claim::Existing { call_id, result: result.map(|b| String::from_utf8_lossy(&b).into_owned()) })
+}
+
+fn insert_event(tx: &rusqlite::Transaction<'_>, e: &EventRecord) -> rusqlite::Result<()> {
+    let scope = match &e.run.run_id {
+        Some(run) => format!("run:{run}"),
+        None => format!("request:{}", e.request_id),
+    };
+    let next: i64 = tx.query_row(
+        "SELECT coalesce(max(sequence), -1) + 1 FROM events WHERE scope = ?1",
+        params![scope],
+        |r| r.get(0),
+    )?;
+    tx.execute(
+        "INSERT INTO events (scope, run_id, node_id, request_id, sequence, type, payload, at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        params![scope, e.run.run_id, e.run.node_id, e.request_id, next, e.kind, e.payload.to_string(), e.at_ms],
+    )?;
+    Ok(())
 }
 
 fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Result<()> {
@@ -352,8 +481,8 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
     for c in &r.calls {
         tx.execute(
             "INSERT INTO tool_calls (request_id, choice, ordinal, call_id, name, outcome, stage,
-                reason, args_hash)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+                reason, args_hash, tool_id, enforced, rules, redacted_args)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
              ON CONFLICT (request_id, choice, ordinal) DO NOTHING",
             params![
                 r.request_id,
@@ -364,7 +493,11 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
                 c.outcome,
                 c.stage,
                 c.reason,
-                c.args_hash
+                c.args_hash,
+                c.tool_id,
+                c.enforced,
+                c.rules,
+                c.redacted_args
             ],
         )?;
     }
@@ -379,7 +512,7 @@ fn insert_tool_result(
         Some(run) => format!("run:{run}"),
         None => "chat".to_owned(),
     };
-    tx.execute(
+    let inserted = tx.execute(
         "INSERT INTO tool_results (scope, run_id, node_id, attempt, tool_call_id, tool_name,
             is_error, content, content_bytes, content_digest, truncated, first_request_id, at_ms)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
@@ -400,5 +533,22 @@ fn insert_tool_result(
             t.at_ms,
         ],
     )?;
+    if inserted == 1 {
+        // The first time a result is seen, the call it answers returns (OpenWOP
+        // `agent.tool-returned`; the result body itself is never in the event).
+        let mut payload = serde_json::json!({
+            "agentId": crate::proxy::AGENT_ID,
+            "toolName": t.tool_name.as_deref().unwrap_or("unknown"),
+            "callId": t.tool_call_id,
+            "status": if t.is_error { "error" } else { "ok" },
+        });
+        if t.is_error {
+            payload["error"] = serde_json::json!({"code": "turnguard.tool_reported_error", "message": "the agent reported that the tool failed"});
+        }
+        insert_event(
+            tx,
+            &EventRecord { request_id: t.request_id.clone(), run: t.run.clone(), at_ms: t.at_ms, kind: "agent.tool-returned", payload },
+        )?;
+    }
     Ok(())
 }

@@ -63,6 +63,10 @@ fn v1(conn: &Connection) -> rusqlite::Result<()> {
             stage TEXT NOT NULL,
             reason TEXT NOT NULL,
             args_hash TEXT,
+            tool_id TEXT,
+            enforced INTEGER NOT NULL DEFAULT 1,
+            rules TEXT,
+            redacted_args TEXT,
             UNIQUE (request_id, choice, ordinal)
          );
          CREATE TABLE IF NOT EXISTS tool_results (
@@ -81,6 +85,30 @@ fn v1(conn: &Connection) -> rusqlite::Result<()> {
             first_request_id TEXT NOT NULL,
             at_ms INTEGER NOT NULL,
             UNIQUE (scope, tool_call_id, content_digest)
+         );
+         CREATE TABLE IF NOT EXISTS effects (
+            effect_id TEXT PRIMARY KEY,
+            tool_id TEXT NOT NULL,
+            call_id TEXT NOT NULL,
+            run_id TEXT,
+            node_id TEXT,
+            attempt INTEGER,
+            keying TEXT NOT NULL,
+            state TEXT NOT NULL,
+            at_ms INTEGER NOT NULL
+         );
+         CREATE INDEX IF NOT EXISTS effects_run ON effects (run_id);
+         CREATE TABLE IF NOT EXISTS events (
+            id INTEGER PRIMARY KEY,
+            scope TEXT NOT NULL,
+            run_id TEXT,
+            node_id TEXT,
+            request_id TEXT NOT NULL,
+            sequence INTEGER NOT NULL,
+            type TEXT NOT NULL,
+            payload TEXT NOT NULL,
+            at_ms INTEGER NOT NULL,
+            UNIQUE (scope, sequence)
          );
          PRAGMA user_version = 1;
          COMMIT;",

@@ -8,7 +8,7 @@ pub mod openai_responses;
 use bytes::Bytes;
 use serde_json::Value;
 
-use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Completion, ResponseLink, Turn};
+use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Completion, RepairItem, ResponseLink, Turn};
 use crate::sse::SseBlock;
 
 /// Reads a request body of `api` into a [`Turn`].
@@ -49,26 +49,38 @@ pub fn rewrite_response(api: Api, body: &mut Value, verdicts: &[ChoiceVerdict]) 
     }
 }
 
+/// Appends a repair turn to a request body: the withheld calls as the assistant's turn and
+/// one host-authored result per call (tool-turn contract §B "repair"; MCP `isError`, §G).
+pub fn append_repair(api: Api, body: &mut Value, choice: &ChoiceEmissions, items: &[RepairItem]) {
+    match api {
+        Api::OpenAiChat => openai_chat::append_repair(body, choice, items),
+        Api::AnthropicMessages => anthropic_messages::append_repair(body, choice, items),
+        Api::OpenAiResponses => openai_responses::append_repair(body, choice, items),
+    }
+}
+
 /// The per-API stream state machine: forwards what it may at once, holds tool-call events
 /// until the completion state is known, then releases or rewrites them.
 #[derive(Debug)]
 pub enum StreamAdapter {
     OpenAiChat(openai_chat::ChatStream),
     AnthropicMessages(anthropic_messages::MessagesStream),
-    OpenAiResponses(openai_responses::ResponsesStream),
+    OpenAiResponses(Box<openai_responses::ResponsesStream>),
 }
 
 impl StreamAdapter {
-    /// A fresh state machine for one streamed response to `turn`.
-    pub fn new(turn: &Turn) -> Self {
+    /// A fresh state machine for one streamed response to `turn`; `splice` when it is a
+    /// repair round continuing the agent's stream (the Responses adapter splices itself).
+    pub fn new(turn: &Turn, splice: Option<&Splice>) -> Self {
         match turn.api {
             Api::OpenAiChat => Self::OpenAiChat(openai_chat::ChatStream::new(turn)),
             Api::AnthropicMessages => {
                 Self::AnthropicMessages(anthropic_messages::MessagesStream::new(turn))
             }
-            Api::OpenAiResponses => {
-                Self::OpenAiResponses(openai_responses::ResponsesStream::new(turn))
-            }
+            Api::OpenAiResponses => Self::OpenAiResponses(Box::new(match splice {
+                Some(Splice::OpenAiResponses(s)) => openai_responses::ResponsesStream::continuing(turn, s),
+                _ => openai_responses::ResponsesStream::new(turn),
+            })),
         }
     }
 
@@ -135,6 +147,38 @@ impl StreamAdapter {
         }
     }
 
+    /// Drops everything held and appends a provider-shaped error event.
+    pub fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
+        match self {
+            Self::OpenAiChat(s) => s.cut(reason, out),
+            Self::AnthropicMessages(s) => s.cut(reason, out),
+            Self::OpenAiResponses(s) => s.cut(reason, out),
+        }
+    }
+
+    /// Drops everything held and ends the stream with a provider-shaped error carrying an
+    /// OpenWOP `code` (an outcome surfaced as `error` after the headers went out).
+    pub fn fail(&mut self, code: &str, message: &str, out: &mut Vec<Bytes>) {
+        match self {
+            Self::OpenAiChat(s) => s.fail("turnguard_refused", code, message, out),
+            Self::AnthropicMessages(s) => s.fail("invalid_request_error", &format!("{code}: {message}"), out),
+            Self::OpenAiResponses(s) => s.fail(code, message, out),
+        }
+    }
+
+    /// Drops everything held because the round is repaired; returns how the next round's
+    /// events must be spliced into the agent's stream.
+    pub fn abandon(&mut self) -> Splice {
+        match self {
+            Self::OpenAiChat(s) => {
+                s.abandon();
+                Splice::OpenAiChat
+            }
+            Self::AnthropicMessages(s) => Splice::AnthropicMessages { offset: s.abandon() },
+            Self::OpenAiResponses(s) => Splice::OpenAiResponses(Box::new(s.abandon())),
+        }
+    }
+
     /// The journal's record of the provider-stored response, once its id is known
     /// (Responses only).
     pub fn response_link(&self) -> Option<ResponseLink> {
@@ -143,13 +187,59 @@ impl StreamAdapter {
             Self::OpenAiChat(_) | Self::AnthropicMessages(_) => None,
         }
     }
+}
 
-    /// Drops everything held and appends a provider-shaped error event.
-    pub fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
-        match self {
-            Self::OpenAiChat(s) => s.cut(reason, out),
-            Self::AnthropicMessages(s) => s.cut(reason, out),
-            Self::OpenAiResponses(s) => s.cut(reason, out),
+/// How a repair round's stream continues the agent's stream, which already carries the
+/// first round's text: the SDKs must see one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Splice {
+    /// Chat: the role is not repeated (the SDK concatenates string deltas).
+    OpenAiChat,
+    /// Messages: no second `message_start`; content block indices continue after `offset`.
+    AnthropicMessages { offset: u64 },
+    /// Responses: the adapter of the next round continues the agent's response itself
+    /// (no second `response.created`, the agent's response id, `output_index` and
+    /// `sequence_number` continuing, the items already sent kept in the final `output`).
+    OpenAiResponses(Box<openai_responses::ResponsesSplice>),
+}
+
+impl Splice {
+    /// Rewrites one block of the repair round, or drops it (`None`).
+    pub fn apply(&self, block: SseBlock) -> Option<SseBlock> {
+        if matches!(self, Self::OpenAiResponses(_)) {
+            return Some(block);
         }
+        let Some(data) = block.data.as_deref() else { return Some(block) };
+        let Ok(mut v) = serde_json::from_str::<Value>(data) else { return Some(block) };
+        let changed = match *self {
+            Self::OpenAiResponses(_) => false,
+            Self::OpenAiChat => {
+                let mut changed = false;
+                for c in v.get_mut("choices").and_then(Value::as_array_mut).into_iter().flatten() {
+                    if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
+                        changed |= d.remove("role").is_some();
+                    }
+                }
+                changed
+            }
+            Self::AnthropicMessages { offset } => {
+                if v.get("type").and_then(Value::as_str) == Some("message_start") {
+                    return None;
+                }
+                match v.get("index").and_then(Value::as_u64) {
+                    Some(ix) if offset > 0 => {
+                        v["index"] = Value::from(ix + offset);
+                        true
+                    }
+                    _ => false,
+                }
+            }
+        };
+        if !changed {
+            return Some(block);
+        }
+        let data = v.to_string();
+        let raw = crate::sse::encode(block.event.as_deref(), &data);
+        Some(SseBlock { raw, event: block.event, data: Some(data) })
     }
 }

@@ -14,8 +14,8 @@ use bytes::Bytes;
 use serde_json::{json, Map, Value};
 
 use crate::model::{
-    Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, ToolCall,
-    ToolResultSeen, Turn,
+    Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
+    ToolCall, ToolResultSeen, Turn,
 };
 use crate::sse::{self, SseBlock};
 
@@ -59,6 +59,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         }
     }
     let mut names: BTreeMap<String, String> = BTreeMap::new();
+    let mut prior_calls = Vec::new();
     let mut tool_results = Vec::new();
     let mut round_index = 0u32;
     for (i, m) in messages.iter().enumerate() {
@@ -80,6 +81,9 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                         c.pointer("/function/name").and_then(Value::as_str),
                     ) {
                         names.insert(id.to_owned(), name.to_owned());
+                    }
+                    if let Some(name) = c.pointer("/function/name").and_then(Value::as_str) {
+                        prior_calls.push(name.to_owned());
                     }
                 }
             }
@@ -117,6 +121,8 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         max_output_tokens,
         include_usage,
         round_index,
+        prior_calls,
+        provider_output_seen: false,
         previous_response_id: None,
         provider_delegations: Vec::new(),
         output_format: None,
@@ -219,8 +225,8 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
     out
 }
 
-/// Applies verdicts to a non-stream response: an ended turn loses its calls, gains the
-/// host-authored text and finishes with `stop`. Returns whether anything changed.
+/// Applies verdicts to a non-stream response: withheld calls are removed; an ended turn also
+/// gains the host-authored text and finishes with `stop`. Returns whether anything changed.
 pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
     let mut changed = false;
     let Some(choices) = body.get_mut("choices").and_then(Value::as_array_mut) else {
@@ -231,26 +237,69 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
             .get("index")
             .and_then(Value::as_u64)
             .unwrap_or(pos as u64) as u32;
-        let Some(text) = verdicts
-            .iter()
-            .find(|v| v.choice == index)
-            .and_then(|v| v.end_turn.as_ref())
-        else {
+        let Some(verdict) = verdicts.iter().find(|v| v.choice == index) else {
             continue;
         };
-        if let Some(message) = choice.get_mut("message").and_then(Value::as_object_mut) {
-            message.remove("tool_calls");
-            message.remove("function_call");
-            let content = match message.get("content") {
-                Some(Value::String(s)) if !s.is_empty() => format!("{s}\n\n{text}"),
-                _ => text.clone(),
-            };
-            message.insert("content".into(), Value::String(content));
+        if !verdict.any_withheld() {
+            continue;
         }
-        choice["finish_reason"] = json!("stop");
+        if let Some(message) = choice.get_mut("message").and_then(Value::as_object_mut) {
+            // Calls are in emission order: tool_calls first, then a legacy function_call.
+            let n_calls = message.get("tool_calls").and_then(Value::as_array).map_or(0, Vec::len);
+            if let Some(list) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                let mut i = 0;
+                list.retain(|_| {
+                    i += 1;
+                    verdict.released(i - 1)
+                });
+                if list.is_empty() {
+                    message.remove("tool_calls");
+                }
+            }
+            if message.contains_key("function_call") && !verdict.released(n_calls) {
+                message.remove("function_call");
+            }
+            if let Some(text) = verdict.end_turn() {
+                let content = match message.get("content") {
+                    Some(Value::String(s)) if !s.is_empty() => format!("{s}\n\n{text}"),
+                    _ => text.to_owned(),
+                };
+                message.insert("content".into(), Value::String(content));
+            }
+        }
+        if verdict.end_turn().is_some() {
+            choice["finish_reason"] = json!("stop");
+        }
         changed = true;
     }
     changed
+}
+
+/// Appends the repair turn: an assistant message with the withheld calls (arguments that
+/// are not JSON become `{}`), then a `role: tool` message per call with the host text.
+pub fn append_repair(body: &mut Value, choice: &ChoiceEmissions, items: &[RepairItem]) {
+    let calls: Vec<Value> = items
+        .iter()
+        .filter_map(|it| choice.calls.get(it.call))
+        .map(|c| {
+            let args = if serde_json::from_str::<Value>(&c.arguments).is_ok_and(|v| v.is_object()) {
+                c.arguments.clone()
+            } else {
+                "{}".to_owned()
+            };
+            json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}})
+        })
+        .collect();
+    let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) else {
+        return;
+    };
+    messages.push(json!({"role": "assistant", "content": null, "tool_calls": calls}));
+    for it in items {
+        if let Some(c) = choice.calls.get(it.call) {
+            let text = if it.is_error { format!("Error: {}", it.text) } else { it.text.clone() };
+            messages.push(json!({"role": "tool", "tool_call_id": c.id, "content": text}));
+        }
+    }
 }
 
 /// A call being accumulated from stream deltas.
@@ -595,7 +644,7 @@ impl ChatStream {
                     }
                 })
                 .collect();
-            plan.insert(v.choice, (emitted, v.end_turn.as_deref()));
+            plan.insert(v.choice, (emitted, v.end_turn()));
         }
         for held in std::mem::take(&mut self.held) {
             let Some(mut chunk) = held.json else {
@@ -695,17 +744,26 @@ impl ChatStream {
     /// The upstream stream was cut: drop what is held and end the agent's stream with a
     /// provider-shaped error (the openai SDK raises on a `data: {"error": …}` event).
     pub fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
+        self.fail(
+            "upstream_stream_interrupted",
+            "turnguard.upstream_stream_cut",
+            &format!("turnguard: the upstream stream ended early ({reason}); withheld tool calls were not released"),
+            out,
+        );
+    }
+
+    /// Drops what is held and ends the agent's stream with an error event of `kind`/`code`.
+    pub fn fail(&mut self, kind: &str, code: &str, message: &str, out: &mut Vec<Bytes>) {
         self.held.clear();
         self.decided = true;
-        let body = json!({
-            "error": {
-                "message": format!("turnguard: the upstream stream ended early ({reason}); withheld tool calls were not released"),
-                "type": "upstream_stream_interrupted",
-                "code": "turnguard.upstream_stream_cut",
-                "param": null
-            }
-        });
+        let body = json!({ "error": { "message": message, "type": kind, "code": code, "param": null } });
         out.push(sse::encode(None, &body.to_string()));
+    }
+
+    /// Drops what is held (the round is being repaired); the next round's events follow.
+    pub fn abandon(&mut self) {
+        self.held.clear();
+        self.decided = true;
     }
 }
 

@@ -53,8 +53,8 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::model::{
-    Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, ResponseLink,
-    ToolCall, ToolResultSeen, Turn,
+    Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
+    ResponseLink, ToolCall, ToolResultSeen, Turn,
 };
 use crate::sse::{self, SseBlock};
 
@@ -154,6 +154,12 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         .cloned();
 
     let mut names: HashMap<String, String> = HashMap::new();
+    let mut prior_calls = Vec::new();
+    // The provider holds the turns before `previous_response_id`, which this request does not
+    // show. Until the trust stage reads that chain from the journal (rule in
+    // `crate::journal`, "The response chain"), they count as provider-held content the proxy
+    // has not seen: untrusted (fail closed; issue 5: an unknown chain is untrusted).
+    let mut provider_output_seen = previous_response_id.is_some();
     let mut tool_results = Vec::new();
     let mut round_index = 0u32;
     let mut in_model_turn = false;
@@ -174,10 +180,19 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         }
         in_model_turn = from_model;
         if kind_of(ty) == Kind::Call {
+            let name = str_of(item, "name").unwrap_or(ty);
+            prior_calls.push(name.to_owned());
             if let Some(call_id) = str_of(item, "call_id") {
-                let name = str_of(item, "name").unwrap_or(ty);
                 names.insert(call_id.to_owned(), name.to_owned());
             }
+        }
+        // Provider-executed items echoed back (`web_search_call`, `mcp_call` …) and references
+        // to stored items the proxy cannot read (`item_reference`): untrusted (contract §F).
+        if kind_of(ty) == Kind::Provider
+            && !ty.ends_with("_output")
+            && ty != "mcp_approval_response"
+        {
+            provider_output_seen = true;
         }
         if ty.ends_with("_call_output") {
             let call_id = str_of(item, "call_id")
@@ -203,6 +218,8 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         max_output_tokens: obj.get("max_output_tokens").and_then(Value::as_u64),
         include_usage: true,
         round_index,
+        prior_calls,
+        provider_output_seen,
         previous_response_id,
         provider_delegations,
         output_format,
@@ -425,10 +442,66 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
         .filter(|i| kind_of(item_type(i)) == Kind::Call)
         .enumerate()
         .any(|(k, _)| !released(k));
-    if !any_withheld && verdict.end_turn.is_none() {
+    if !any_withheld && verdict.end_turn().is_none() {
         return false;
     }
-    rewrite_output(body, &|k, _| !released(k), verdict.end_turn.as_deref())
+    rewrite_output(body, &|k, _| !released(k), verdict.end_turn())
+}
+
+/// Appends a repair turn to a request body (tool-turn contract §B "repair", §G): each
+/// withheld call as a `function_call` input item, then a host-authored
+/// `function_call_output` for it. A string `input` becomes a user message first. The calls go
+/// without their item `id`s, so the provider does not look for the reasoning items that
+/// produced them. `previous_response_id` is kept: the repair continues from the same stored
+/// turns as the round it repairs.
+pub fn append_repair(body: &mut Value, choice: &ChoiceEmissions, items: &[RepairItem]) {
+    let Some(obj) = body.as_object_mut() else {
+        return;
+    };
+    let mut input = match obj.remove("input") {
+        Some(Value::Array(list)) => list,
+        Some(Value::String(text)) => vec![json!({"role": "user", "content": text})],
+        _ => Vec::new(),
+    };
+    for it in items {
+        if let Some(c) = choice.calls.get(it.call) {
+            let args = if serde_json::from_str::<Value>(&c.arguments).is_ok_and(|v| v.is_object()) {
+                c.arguments.clone()
+            } else {
+                "{}".to_owned()
+            };
+            input.push(json!({"type": "function_call", "call_id": c.id, "name": c.name, "arguments": args}));
+        }
+    }
+    for it in items {
+        if let Some(c) = choice.calls.get(it.call) {
+            let text = if it.is_error {
+                format!("Error: {}", it.text)
+            } else {
+                it.text.clone()
+            };
+            input.push(json!({"type": "function_call_output", "call_id": c.id, "output": text}));
+        }
+    }
+    obj.insert("input".into(), Value::Array(input));
+}
+
+/// How a repair round's stream continues the agent's Responses stream, which already carries
+/// the first round's `response.created` and the items sent before the calls were held: the
+/// official SDK must see one response (same id, `output_index` and `sequence_number`
+/// continuing, every item it was sent present in the final `output`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponsesSplice {
+    /// The response id the agent saw.
+    response_id: Option<String>,
+    /// Items the agent already has, complete, in `output_index` order.
+    sent: Vec<Value>,
+    /// The next `output_index`.
+    next_index: u64,
+    /// The last `sequence_number` sent; `None` before any (or when the stream has none).
+    last_seq: Option<u64>,
+    /// The stream carries `sequence_number`s.
+    numbered: bool,
 }
 
 /// A client call being assembled from stream events.
@@ -513,6 +586,8 @@ struct Held {
     raw: Bytes,
     event: Option<String>,
     json: Option<Value>,
+    /// The JSON was changed before holding (a repair round's splice): never send `raw`.
+    dirty: bool,
 }
 
 /// The terminal event's facts.
@@ -581,6 +656,13 @@ pub struct ResponsesStream {
     event_lines: bool,
     seq: Sequence,
     provider_items: Vec<String>,
+    /// A repair round continuing the agent's stream (see [`ResponsesSplice`]).
+    splice: Option<ResponsesSplice>,
+    /// A repair round: the provider's id of this round's response (the agent sees the first
+    /// round's id).
+    provider_response_id: Option<String>,
+    /// Complete items sent to the agent by this round, by `output_index` (for a later splice).
+    sent: BTreeMap<u64, Value>,
 }
 
 impl ResponsesStream {
@@ -602,7 +684,51 @@ impl ResponsesStream {
             event_lines: true,
             seq: Sequence::default(),
             provider_items: Vec::new(),
+            splice: None,
+            provider_response_id: None,
+            sent: BTreeMap::new(),
         }
+    }
+
+    /// State for a repair round whose events continue the agent's stream as `splice` says.
+    pub fn continuing(turn: &Turn, splice: &ResponsesSplice) -> Self {
+        let mut s = Self::new(turn);
+        s.response_id = splice.response_id.clone();
+        s.seq = Sequence {
+            renumber: true,
+            last: splice.last_seq,
+            seen: splice.numbered,
+        };
+        s.splice = Some(splice.clone());
+        s
+    }
+
+    /// Rewrites one event of a repair round into the agent's response; `false` drops it (the
+    /// agent already had the lifecycle events).
+    fn splice_event(&self, kind: &str, j: &mut Value) -> bool {
+        let Some(sp) = &self.splice else {
+            return true;
+        };
+        if matches!(
+            kind,
+            "response.created" | "response.queued" | "response.in_progress"
+        ) {
+            return false;
+        }
+        if let Some(ix) = j.get("output_index").and_then(Value::as_u64) {
+            j["output_index"] = json!(ix + sp.next_index);
+        }
+        if let Some(response) = j.get_mut("response").filter(|r| r.is_object()) {
+            if let Some(id) = &sp.response_id {
+                response["id"] = json!(id);
+            }
+            if let Some(output) = response.get_mut("output").and_then(Value::as_array_mut) {
+                let mut all = sp.sent.clone();
+                all.append(output);
+                *output = all;
+            }
+        }
+        true
     }
 
     /// Calls are held and not yet decided.
@@ -683,7 +809,7 @@ impl ResponsesStream {
             return;
         };
         self.event_lines = block.event.is_some();
-        let json = serde_json::from_str::<Value>(data)
+        let mut json = serde_json::from_str::<Value>(data)
             .ok()
             .filter(Value::is_object);
         if json
@@ -698,6 +824,19 @@ impl ResponsesStream {
             .map(str::to_owned)
             .or_else(|| block.event.clone())
             .unwrap_or_default();
+        let dirty = self.splice.is_some();
+        if let Some(j) = json.as_mut() {
+            if self.splice.is_some() {
+                // The provider's own id of this round, for the journal.
+                if let Some(id) = j.pointer("/response/id").and_then(Value::as_str) {
+                    self.provider_response_id
+                        .get_or_insert_with(|| id.to_owned());
+                }
+            }
+            if !self.splice_event(&kind, j) {
+                return;
+            }
+        }
         if let Some(j) = &json {
             if !self.observe(&kind, j) {
                 self.seq.dropped(Some(j));
@@ -716,6 +855,7 @@ impl ResponsesStream {
             raw: block.raw,
             event: block.event,
             json,
+            dirty,
         };
         if self.pending() {
             self.held.push(held);
@@ -852,7 +992,20 @@ impl ResponsesStream {
             out.push(h.raw);
             return;
         };
-        let mut changed = changed;
+        let mut changed = changed || h.dirty;
+        if let Some(ix) = json.get("output_index").and_then(Value::as_u64) {
+            match str_of(&json, "type") {
+                Some("response.output_item.done") => {
+                    self.sent
+                        .insert(ix, json.get("item").cloned().unwrap_or(Value::Null));
+                }
+                Some("response.output_item.added") => {
+                    let item = json.get("item").cloned().unwrap_or(Value::Null);
+                    self.sent.entry(ix).or_insert(item);
+                }
+                _ => {}
+            }
+        }
         if let Some(n) = json.get("sequence_number").and_then(Value::as_u64) {
             let new = self.seq.next(n);
             if new != n {
@@ -947,7 +1100,10 @@ impl ResponsesStream {
     /// The journal's record of this response, once its id is known.
     pub fn response_link(&self) -> Option<ResponseLink> {
         Some(ResponseLink {
-            response_id: self.response_id.clone()?,
+            response_id: self
+                .provider_response_id
+                .clone()
+                .or_else(|| self.response_id.clone())?,
             previous_response_id: self.previous_response_id.clone(),
             status: self
                 .terminal
@@ -963,7 +1119,7 @@ impl ResponsesStream {
         self.decided = true;
         let held = std::mem::take(&mut self.held);
         let verdict = verdicts.first();
-        let text = verdict.and_then(|v| v.end_turn.clone());
+        let text = verdict.and_then(|v| v.end_turn().map(str::to_owned));
         let decisions = verdict.map(|v| v.decisions.as_slice()).unwrap_or_default();
 
         // Withheld calls: by output_index (streamed) and by item id / call id (any).
@@ -1003,11 +1159,13 @@ impl ResponsesStream {
             return;
         }
         let new_index = |ix: u64| ix - withheld_ix.range(..ix).count() as u64;
+        let base = self.splice.as_ref().map_or(0, |sp| sp.next_index);
         let host_index = self
             .items
             .keys()
             .next_back()
-            .map_or(0, |last| last + 1 - withheld_ix.len() as u64);
+            .map_or(base, |last| (last + 1).max(base))
+            - withheld_ix.len() as u64;
         let is_withheld = |item: &Value| {
             kind_of(item_type(item)) == Kind::Call
                 && [str_of(item, "id"), str_of(item, "call_id")]
@@ -1079,6 +1237,47 @@ impl ResponsesStream {
         ];
         for e in events {
             self.emit_new(e, out);
+        }
+    }
+
+    /// Drops everything held and ends the stream with an `error` event carrying `code` (an
+    /// outcome surfaced as an error after the headers went out). Like [`Self::cut`], it has an
+    /// `error` object, so the official SDK raises.
+    pub fn fail(&mut self, code: &str, message: &str, out: &mut Vec<Bytes>) {
+        self.held.clear();
+        self.decided = true;
+        let body = json!({
+            "type": "error",
+            "code": code,
+            "message": message,
+            "param": null,
+            "error": {"type": "turnguard_refused", "code": code, "message": message, "param": null}
+        });
+        self.emit_new(body, out);
+    }
+
+    /// Drops what is held (the round is being repaired) and says how the next round's stream
+    /// continues the agent's.
+    pub fn abandon(&mut self) -> ResponsesSplice {
+        self.held.clear();
+        self.decided = true;
+        let mut sent = self
+            .splice
+            .as_ref()
+            .map(|sp| sp.sent.clone())
+            .unwrap_or_default();
+        sent.extend(self.sent.values().cloned());
+        let base = self.splice.as_ref().map_or(0, |sp| sp.next_index);
+        ResponsesSplice {
+            response_id: self.response_id.clone(),
+            sent,
+            next_index: self
+                .sent
+                .keys()
+                .next_back()
+                .map_or(base, |l| (l + 1).max(base)),
+            last_seq: self.seq.last,
+            numbered: self.seq.seen,
         }
     }
 
@@ -1296,21 +1495,22 @@ mod tests {
         );
         let link = response_link(&body, &turn).unwrap();
         assert_eq!(link.provider_items, vec!["web_search_call"]);
-        let decision = |released: bool| crate::model::Decision {
-            outcome: if released {
-                crate::model::Outcome::Executed
-            } else {
-                crate::model::Outcome::Invalid
-            },
-            stage: crate::model::Stage::Name,
-            reason: "r",
-            message: String::new(),
-            args_hash: None,
+        let decision = |released: bool| {
+            crate::model::Decision::new(
+                if released {
+                    crate::model::Outcome::Executed
+                } else {
+                    crate::model::Outcome::Invalid
+                },
+                crate::model::Stage::Name,
+                "r",
+                String::new(),
+            )
         };
         let verdict = ChoiceVerdict {
             choice: 0,
             decisions: vec![decision(true), decision(false)],
-            end_turn: Some("[turnguard] no".into()),
+            surfacing: crate::model::Surfacing::EndTurn("[turnguard] no".into()),
         };
         assert!(rewrite_response(&mut body, &[verdict]));
         let types: Vec<&str> = body["output"]

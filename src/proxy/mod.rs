@@ -1,13 +1,15 @@
 //! The request path, as a plain function per stage that reads like DESIGN.md §3:
 //!
 //! ```text
-//! request ─▶ parse (capped) ─▶ adapter → Turn ─▶ record tool results seen ─▶ forward upstream
-//! response/stream ─▶ adapter → emissions ─▶ admission, per call, in order
-//!   ─▶ surface (release · end-turn) ─▶ record round ─▶ agent
+//! request ─▶ parse (capped) ─▶ adapter → Turn ─▶ trust of inputs ─▶ record tool results seen
+//!   ─▶ forward upstream
+//! response/stream ─▶ adapter → emissions ─▶ admission (§B), per call, in order
+//!   ─▶ dispatch: effect claims ─▶ surface (release · end-turn · repair round · error)
+//!   ─▶ record round + events ─▶ agent
 //! ```
 //!
 //! Streams are relayed by [`stream`]; everything provider-specific is behind
-//! [`crate::provider`].
+//! [`crate::provider`]. Each request takes one policy snapshot and uses it throughout.
 
 pub mod stream;
 pub mod upstream;
@@ -19,17 +21,22 @@ use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
-use http::{Method, Request};
-use serde_json::Value;
+use http::{Method, Request, StatusCode};
+use serde_json::{json, Value};
 
-use crate::admission;
+use crate::admission::{self, AdmitCtx};
 use crate::body::{read_capped, BodyError};
 use crate::error::WireError;
-use crate::journal::{CallRecord, Recorded, RoundRecord, RunKey, ToolResultRecord};
-use crate::metrics::CallLabels;
-use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Turn};
+use crate::journal::{CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RunKey, ToolResultRecord};
+use crate::metrics::{CallLabels, RepairLabels, TrustLabels};
+use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Outcome, Stage, SurfacedError, Surfacing, Turn};
+use crate::policy::bundle::ContentTrust;
+use crate::policy::CompiledPolicy;
 use crate::provider;
 use crate::server::AppState;
+
+/// The agent identity in events and rules when no verified person acts.
+pub const AGENT_ID: &str = "agent";
 
 /// Who and what one data-plane request is: its id and its run identity headers.
 #[derive(Debug, Clone)]
@@ -70,21 +77,215 @@ impl RequestCtx {
             }),
             run_id,
         };
-        Self {
-            request_id,
-            run,
-            started: Instant::now(),
-            at_ms: now_ms(),
-        }
+        Self { request_id, run, started: Instant::now(), at_ms: now_ms() }
     }
 }
 
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+/// Everything one agent request carries through its model rounds (the first and any repair
+/// rounds): the parsed turn, the policy snapshot, the request as sent upstream.
+pub struct Session {
+    pub state: Arc<AppState>,
+    pub ctx: RequestCtx,
+    pub turn: Turn,
+    pub policy: Arc<CompiledPolicy>,
+    pub trust: ContentTrust,
+    /// Path and query sent upstream.
+    pub path: String,
+    /// Headers sent upstream.
+    pub headers: HeaderMap,
+    /// The request body as sent upstream (the agent's, plus repair turns).
+    pub body: Value,
+    /// Repair rounds left.
+    pub repairs_left: u32,
+    /// Model rounds sent so far for this agent request.
+    pub rounds: u32,
+}
+
+impl Session {
+    /// The journal id of the current model round (`<request-id>`, then `#repair-N`).
+    pub fn round_id(&self) -> String {
+        if self.rounds <= 1 {
+            self.ctx.request_id.clone()
+        } else {
+            format!("{}#repair-{}", self.ctx.request_id, self.rounds - 1)
+        }
+    }
+
+    /// Sends the current body upstream.
+    pub async fn send(&mut self) -> Result<http::Response<hyper::body::Incoming>, WireError> {
+        self.rounds += 1;
+        let raw = Bytes::from(self.body.to_string());
+        upstream::send(&self.state, self.turn.api.upstream(), self.turn.api.as_str(), Method::POST, &self.path, self.headers.clone(), raw).await
+    }
+
+    /// What every round record shares.
+    pub fn base(&self, upstream_status: u16) -> RoundBase {
+        RoundBase {
+            request_digest: hex_sha256(&admission::arguments::canonical(&self.body)),
+            upstream_status,
+            round_id: self.round_id(),
+        }
+    }
+
+    /// Admits one round: stages 1–8, effect claims at dispatch, surfacing, metrics, events.
+    pub async fn admit(&self, round: &[ChoiceEmissions]) -> Vec<ChoiceVerdict> {
+        let no_approval = |_: &str| false;
+        let ctx = AdmitCtx {
+            policy: &self.policy,
+            schemas: &self.state.schemas,
+            limits: &self.state.limits,
+            person: None,
+            agent: AGENT_ID,
+            trust: self.trust,
+            run: self.ctx.run.run_id.as_deref(),
+            provider: self.turn.api.as_str(),
+            approved: &no_approval,
+            repairs_left: if n_choices(&self.body) > 1 { 0 } else { self.repairs_left },
+        };
+        let mut verdicts = Vec::with_capacity(round.len());
+        for choice in round {
+            let mut decisions = admission::decide_choice(&ctx, &self.turn, choice);
+            let claimed = self.claim_effects(choice, &mut decisions).await;
+            let surfacing = admission::surface(&ctx, &mut decisions);
+            // A claim taken for a call the surfacing then withheld is given back.
+            for (i, effect_id) in claimed {
+                if !decisions[i].released() {
+                    if let Err(e) = self.state.journal.release_claim(&effect_id, &choice.calls[i].id).await {
+                        tracing::error!(error = %e, "an effect claim could not be given back");
+                    }
+                }
+            }
+            verdicts.push(ChoiceVerdict { choice: choice.choice, decisions, surfacing });
+        }
+        self.account(round, &verdicts).await;
+        verdicts
+    }
+
+    /// Dispatch: claims the effect of every executed call whose tool declares a business key
+    /// (OpenWOP idempotency.md, `keying: business-identity`). A repeat of a claimed effect is
+    /// `suppressed-repeat`, carrying the recorded result. Returns the claims taken.
+    async fn claim_effects(&self, choice: &ChoiceEmissions, decisions: &mut [crate::model::Decision]) -> Vec<(usize, String)> {
+        let mut taken = Vec::new();
+        for (i, call) in choice.calls.iter().enumerate() {
+            if decisions[i].outcome != Outcome::Executed {
+                continue;
+            }
+            let tool = self.policy.tool(&call.name);
+            if tool.business_key.is_empty() {
+                continue;
+            }
+            let Ok(args) = admission::arguments::parse(&call.arguments) else { continue };
+            let key: Vec<Value> = tool.business_key.iter().map(|p| args.pointer(p).cloned().unwrap_or(Value::Null)).collect();
+            let effect_id = hex_sha256(&admission::arguments::canonical(&json!({"toolId": tool.descriptor.tool_id, "businessKey": key})));
+            let claim = EffectClaim {
+                effect_id: effect_id.clone(),
+                tool_id: tool.descriptor.tool_id.clone(),
+                call_id: call.id.clone(),
+                run: self.ctx.run.clone(),
+                keying: "business-identity",
+                at_ms: now_ms(),
+            };
+            let d = &mut decisions[i];
+            match self.state.journal.claim_effect(claim).await {
+                Ok(Claim::Claimed) => taken.push((i, effect_id)),
+                Ok(Claim::Existing { call_id, .. }) if call_id == call.id => {}
+                Ok(Claim::Existing { result, .. }) => {
+                    d.outcome = Outcome::SuppressedRepeat;
+                    d.stage = Stage::Dispatch;
+                    d.reason = "effect_already_claimed";
+                    d.message = match result {
+                        Some(r) => format!("turnguard: this effect already ran; its recorded result: {r}"),
+                        None => "turnguard: this effect was already dispatched and its result is not recorded yet; it is not run again".into(),
+                    };
+                }
+                Err(e) => {
+                    d.outcome = Outcome::Refused;
+                    d.stage = Stage::Dispatch;
+                    d.reason = "journal_unavailable";
+                    d.message = format!("the effect could not be claimed ({e}); fail closed");
+                }
+            }
+        }
+        taken
+    }
+
+    /// Metrics, per-run counters and the `agent.tool-called` / `agent.tool-returned` events.
+    async fn account(&self, round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) {
+        let mut events = Vec::new();
+        let principal = AGENT_ID;
+        for (choice, verdict) in round.iter().zip(verdicts) {
+            for (call, d) in choice.calls.iter().zip(&verdict.decisions) {
+                self.state
+                    .metrics
+                    .tool_calls
+                    .get_or_create(&CallLabels {
+                        outcome: d.outcome.as_str().to_owned(),
+                        stage: d.stage.as_str().to_owned(),
+                        channel: "tool".to_owned(),
+                    })
+                    .inc();
+                let tool_name = admission::sanitize_label(&call.name);
+                let call_id = if call.id.is_empty() { "unknown".to_owned() } else { call.id.clone() };
+                let mut called = json!({
+                    "agentId": AGENT_ID, "toolName": tool_name, "callId": call_id,
+                    "principal": principal, "transport": "native"
+                });
+                if let Some(h) = &d.args_hash {
+                    called["argsHash"] = json!(h);
+                }
+                events.push(self.event("agent.tool-called", called));
+                let status = match (d.outcome, d.reason) {
+                    (Outcome::Executed, _) | (Outcome::Held, _) => None,
+                    (Outcome::SuppressedRepeat, _) => Some(("ok", None)),
+                    (_, "rate_limited") => Some(("rate_limited", Some("rate_limited"))),
+                    (Outcome::Refused, _) => Some(("forbidden", Some("forbidden"))),
+                    (Outcome::Invalid, _) => Some(("error", Some("validation_error"))),
+                    (Outcome::EndedTurn, _) => Some(("error", Some("turnguard.turn_ended"))),
+                };
+                if let Some((status, code)) = status {
+                    let mut returned = json!({"agentId": AGENT_ID, "toolName": tool_name, "callId": call_id, "status": status});
+                    if let Some(code) = code {
+                        returned["error"] = json!({"code": code, "message": admission::explain(d)});
+                    }
+                    events.push(self.event("agent.tool-returned", returned));
+                }
+            }
+            if let Some(run) = &self.ctx.run.run_id {
+                let n = verdict.decisions.iter().filter(|d| d.outcome == Outcome::Executed).count() as u32;
+                self.state.limits.add_run(run, n);
+            }
+        }
+        if let Err(e) = self.state.journal.record_events(events).await {
+            tracing::error!(error = %e, request_id = %self.ctx.request_id, "events not journaled");
+        }
+    }
+
+    fn event(&self, kind: &'static str, payload: Value) -> EventRecord {
+        EventRecord { request_id: self.ctx.request_id.clone(), run: self.ctx.run.clone(), at_ms: now_ms(), kind, payload }
+    }
+
+    /// The request body for a repair round: the choice's withheld calls as an assistant turn,
+    /// then one host-authored tool result per call (tool-turn contract §B, §G).
+    pub fn repaired(&self, choice: &ChoiceEmissions, items: &[crate::model::RepairItem]) -> Value {
+        let mut body = self.body.clone();
+        provider::append_repair(self.turn.api, &mut body, choice, items);
+        body
+    }
+
+    /// Counts a repair round.
+    pub fn count_repair(&mut self) {
+        self.repairs_left = self.repairs_left.saturating_sub(1);
+        self.state.metrics.repairs.get_or_create(&RepairLabels { api: self.turn.api.as_str().to_owned() }).inc();
+    }
+}
+
+fn n_choices(body: &Value) -> u64 {
+    body.get("n").and_then(Value::as_u64).unwrap_or(1)
 }
 
 /// Serves one model request of `api` (`POST /v1/chat/completions`, `POST /v1/messages`,
@@ -101,9 +302,7 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Respo
         }
     };
     state.metrics.inflight_requests.dec();
-    state
-        .metrics
-        .request(api.as_str(), resp.status().as_u16(), stream);
+    state.metrics.request(api.as_str(), resp.status().as_u16(), stream);
     if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
         resp.headers_mut().insert("x-request-id", v);
     }
@@ -111,96 +310,98 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Respo
 }
 
 /// The life of a turn. Returns the response and whether it is a stream.
-async fn turn(
-    state: &Arc<AppState>,
-    api: Api,
-    ctx: &RequestCtx,
-    req: Request<Body>,
-) -> Result<(Response, bool), WireError> {
+async fn turn(state: &Arc<AppState>, api: Api, ctx: &RequestCtx, req: Request<Body>) -> Result<(Response, bool), WireError> {
     let (parts, body) = req.into_parts();
     let raw = read_request(state, body).await?;
     let json = parse_json(&raw)?;
-    let turn = provider::parse_request(api, &json)
-        .map_err(|reason| WireError::InvalidRequest { reason })?;
+    let turn = provider::parse_request(api, &json).map_err(|reason| WireError::InvalidRequest { reason })?;
     refuse_provider_delegation(ctx, &turn)?;
+    let policy = state.policy.snapshot();
+    let trust = admission::trust::of_turn(&turn, &policy);
+    state.metrics.turns.get_or_create(&TrustLabels { trust: trust.as_str().to_owned() }).inc();
     record_tool_results(state, ctx, &turn).await?;
 
-    let path = parts
-        .uri
-        .path_and_query()
-        .map_or(parts.uri.path(), |p| p.as_str())
-        .to_owned();
-    let headers = upstream::request_headers(&parts.headers, true);
-    let resp = upstream::send(
-        state,
-        api.upstream(),
-        api.as_str(),
-        Method::POST,
-        &path,
-        headers,
-        raw,
-    )
-    .await?;
-    let round = RoundBase {
-        request_digest: hex_sha256(&admission::arguments::canonical(&json)),
-        upstream_status: resp.status().as_u16(),
+    let mut session = Session {
+        state: Arc::clone(state),
+        ctx: ctx.clone(),
+        repairs_left: policy.settings.limits.repair_rounds,
+        policy,
+        trust,
+        path: parts.uri.path_and_query().map_or(parts.uri.path(), |p| p.as_str()).to_owned(),
+        headers: upstream::request_headers(&parts.headers, true),
+        body: json,
+        turn,
+        rounds: 0,
     };
-
-    if !resp.status().is_success() {
-        // Upstream errors pass through unchanged (status, headers, body).
-        record_upstream_error(state, ctx, &turn, &round);
+    loop {
+        let resp = session.send().await?;
+        let base = session.base(resp.status().as_u16());
+        if !resp.status().is_success() {
+            // Upstream errors pass through unchanged (status, headers, body).
+            record_upstream_error(&session, &base);
+            let (p, b) = resp.into_parts();
+            let mut out = Response::new(Body::new(b));
+            *out.status_mut() = p.status;
+            *out.headers_mut() = upstream::response_headers(&p.headers, true);
+            return Ok((out, false));
+        }
+        if is_event_stream(resp.headers()) {
+            return Ok((stream::relay(session, base, resp), true));
+        }
         let (p, b) = resp.into_parts();
-        let mut out = Response::new(Body::new(b));
-        *out.status_mut() = p.status;
-        *out.headers_mut() = upstream::response_headers(&p.headers, true);
-        return Ok((out, false));
-    }
-    if is_event_stream(resp.headers()) {
-        return Ok((
-            stream::relay(Arc::clone(state), ctx.clone(), turn, round, resp),
-            true,
-        ));
-    }
-    let (p, b) = resp.into_parts();
-    let body = read_capped(b, state.config.max_response_bytes)
-        .await
-        .map_err(|e| WireError::UpstreamUnavailable {
+        let body = read_capped(b, state.config.max_response_bytes).await.map_err(|e| WireError::UpstreamUnavailable {
             upstream: api.upstream().to_owned(),
             reason: format!("response body: {e}"),
         })?;
-    let body = surface_json(state, ctx, &turn, &round, body).await?;
-    let mut out = Response::new(Body::from(body));
-    *out.status_mut() = p.status;
-    *out.headers_mut() = upstream::response_headers(&p.headers, false);
-    Ok((out, false))
+        match surface_json(&session, &base, body).await? {
+            JsonRound::Respond(body) => {
+                let mut out = Response::new(Body::from(body));
+                *out.status_mut() = p.status;
+                *out.headers_mut() = upstream::response_headers(&p.headers, false);
+                return Ok((out, false));
+            }
+            JsonRound::Repair(next) => {
+                session.body = next;
+                session.count_repair();
+            }
+            JsonRound::Error(e) => return Ok((surfaced_error(&e), false)),
+        }
+    }
+}
+
+/// An error surfaced for a withheld call: the OpenWOP envelope, `Retry-After` for 429.
+pub fn surfaced_error(e: &SurfacedError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::FORBIDDEN);
+    let mut resp = crate::error::envelope(status, e.code, &e.message);
+    if let Some(secs) = e.retry_after_secs {
+        if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+            resp.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+    }
+    resp
 }
 
 /// What every round record shares, known once the upstream answered.
 #[derive(Debug, Clone)]
 pub struct RoundBase {
-    /// SHA-256 (hex) of the RFC 8785 form of the request body.
+    /// SHA-256 (hex) of the RFC 8785 form of the request body sent upstream.
     pub request_digest: String,
     /// The upstream's HTTP status.
     pub upstream_status: u16,
+    /// Journal id of the round.
+    pub round_id: String,
 }
 
 async fn read_request(state: &AppState, body: Body) -> Result<Bytes, WireError> {
-    read_capped(body, state.config.max_body_bytes)
-        .await
-        .map_err(|e| match e {
-            BodyError::TooLarge(limit_bytes) => WireError::PayloadTooLarge { limit_bytes },
-            BodyError::Read(reason) => WireError::InvalidRequest { reason },
-        })
+    read_capped(body, state.config.max_body_bytes).await.map_err(|e| match e {
+        BodyError::TooLarge(limit_bytes) => WireError::PayloadTooLarge { limit_bytes },
+        BodyError::Read(reason) => WireError::InvalidRequest { reason },
+    })
 }
 
 fn parse_json(raw: &[u8]) -> Result<Value, WireError> {
     serde_json::from_slice(raw).map_err(|e| WireError::InvalidRequest {
-        reason: format!(
-            "malformed JSON at line {} column {}: {}",
-            e.line(),
-            e.column(),
-            classify_json_error(&e)
-        ),
+        reason: format!("malformed JSON at line {} column {}: {}", e.line(), e.column(), classify_json_error(&e)),
     })
 }
 
@@ -222,11 +423,7 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| {
-            v.trim_start()
-                .to_ascii_lowercase()
-                .starts_with("text/event-stream")
-        })
+        .is_some_and(|v| v.trim_start().to_ascii_lowercase().starts_with("text/event-stream"))
 }
 
 /// Inside a run, a request that delegates MCP or A2A calls to the provider is refused before
@@ -240,11 +437,7 @@ fn refuse_provider_delegation(ctx: &RequestCtx, turn: &Turn) -> Result<(), WireE
 
 /// Records the tool results the request carries, durably, before it goes upstream
 /// (tool-turn contract §D). A record failure fails the request.
-async fn record_tool_results(
-    state: &AppState,
-    ctx: &RequestCtx,
-    turn: &Turn,
-) -> Result<(), WireError> {
+async fn record_tool_results(state: &AppState, ctx: &RequestCtx, turn: &Turn) -> Result<(), WireError> {
     let cap = state.config.journal_max_record_bytes;
     let recs: Vec<ToolResultRecord> = turn
         .tool_results
@@ -263,31 +456,7 @@ async fn record_tool_results(
         .journal
         .record_tool_results(recs)
         .await
-        .map_err(|e| WireError::JournalUnavailable {
-            reason: e.to_string(),
-        })
-}
-
-/// Admits every call of every choice (tool-turn contract §B) and counts the outcomes.
-pub fn admit(state: &AppState, turn: &Turn, round: &[ChoiceEmissions]) -> Vec<ChoiceVerdict> {
-    round
-        .iter()
-        .map(|choice| {
-            let verdict = admission::admit_choice(turn, choice, &state.schemas);
-            for d in &verdict.decisions {
-                state
-                    .metrics
-                    .tool_calls
-                    .get_or_create(&CallLabels {
-                        outcome: d.outcome.as_str().to_owned(),
-                        stage: d.stage.as_str().to_owned(),
-                        channel: "tool".to_owned(),
-                    })
-                    .inc();
-            }
-            verdict
-        })
-        .collect()
+        .map_err(|e| WireError::JournalUnavailable { reason: e.to_string() })
 }
 
 /// The journal rows of each call and its decision.
@@ -304,27 +473,35 @@ pub fn call_records(round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) -> Ve
                 stage: d.stage.as_str(),
                 reason: d.reason,
                 args_hash: d.args_hash.clone(),
+                tool_id: d.tool_id.clone(),
+                enforced: d.enforced,
+                rules: (!d.rules.is_empty()).then(|| d.rules.join(",")),
+                redacted_args: d.redacted_args.as_ref().map(Value::to_string),
             });
         }
     }
     out
 }
 
-/// A non-stream response: adapter → admission → surface → record. Returns the body to send
-/// (the upstream's bytes when nothing changed).
-async fn surface_json(
-    state: &AppState,
-    ctx: &RequestCtx,
-    turn: &Turn,
-    base: &RoundBase,
-    body: Bytes,
-) -> Result<Bytes, WireError> {
+/// How a non-stream round ends.
+enum JsonRound {
+    /// Send this body to the agent.
+    Respond(Bytes),
+    /// Ask the model again with this body.
+    Repair(Value),
+    /// Fail the request.
+    Error(SurfacedError),
+}
+
+/// A non-stream response: adapter → admission → surface → record.
+async fn surface_json(session: &Session, base: &RoundBase, body: Bytes) -> Result<JsonRound, WireError> {
+    let turn = &session.turn;
     let mut json: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(_) => {
-            let mut rec = round_record(state, ctx, turn, base, "failed", &body);
+            let mut rec = round_record(session, base, "failed", &body);
             rec.error = Some("upstream response is not JSON".into());
-            record_round(state, rec).await;
+            record_round(&session.state, rec).await;
             return Err(WireError::UpstreamUnavailable {
                 upstream: turn.api.upstream().to_owned(),
                 reason: "the upstream answered 2xx with a body that is not JSON".into(),
@@ -332,24 +509,33 @@ async fn surface_json(
         }
     };
     let round = provider::parse_response(turn.api, &json, turn);
-    let with_calls: Vec<ChoiceEmissions> = round
-        .iter()
-        .filter(|c| !c.calls.is_empty())
-        .cloned()
-        .collect();
-    let verdicts = admit(state, turn, &with_calls);
-    let out = if provider::rewrite_response(turn.api, &mut json, &verdicts) {
-        Bytes::from(json.to_string())
-    } else {
-        body.clone()
-    };
-    let mut rec = round_record(state, ctx, turn, base, "ok", &body);
+    let with_calls: Vec<ChoiceEmissions> = round.iter().filter(|c| !c.calls.is_empty()).cloned().collect();
+    let verdicts = session.admit(&with_calls).await;
+    let mut rec = round_record(session, base, "ok", &body);
     rec.completion = Some(join(round.iter().map(|c| c.completion.state.as_str())));
     rec.finish_reason = Some(join(round.iter().map(|c| c.completion.reason.as_str())));
     rec.calls = call_records(&with_calls, &verdicts);
     rec.response_link = provider::response_link(&json, turn);
-    record_round(state, rec).await;
-    Ok(out)
+
+    let outcome = if let Some(e) = verdicts.iter().find_map(|v| match &v.surfacing {
+        Surfacing::Error(e) => Some(e.clone()),
+        _ => None,
+    }) {
+        rec.state = "surfaced_error";
+        JsonRound::Error(e)
+    } else if let Some((choice, items)) = with_calls.iter().zip(&verdicts).find_map(|(c, v)| match &v.surfacing {
+        Surfacing::Repair(items) => Some((c, items)),
+        _ => None,
+    }) {
+        rec.state = "repaired";
+        JsonRound::Repair(session.repaired(choice, items))
+    } else if provider::rewrite_response(turn.api, &mut json, &verdicts) {
+        JsonRound::Respond(Bytes::from(json.to_string()))
+    } else {
+        JsonRound::Respond(body.clone())
+    };
+    record_round(&session.state, rec).await;
+    Ok(outcome)
 }
 
 /// Comma-joins labels for a journal column.
@@ -358,22 +544,16 @@ pub fn join<'a>(items: impl Iterator<Item = &'a str>) -> String {
 }
 
 /// A round record with the shared fields filled in.
-pub fn round_record(
-    state: &AppState,
-    ctx: &RequestCtx,
-    turn: &Turn,
-    base: &RoundBase,
-    round_state: &'static str,
-    response: &[u8],
-) -> RoundRecord {
+pub fn round_record(session: &Session, base: &RoundBase, round_state: &'static str, response: &[u8]) -> RoundRecord {
+    let ctx = &session.ctx;
     RoundRecord {
-        request_id: ctx.request_id.clone(),
+        request_id: base.round_id.clone(),
         at_ms: ctx.at_ms,
-        api: turn.api.as_str(),
-        model: turn.model.clone(),
-        stream: turn.stream,
+        api: session.turn.api.as_str(),
+        model: session.turn.model.clone(),
+        stream: session.turn.stream,
         run: ctx.run.clone(),
-        round_index: turn.round_index,
+        round_index: session.turn.round_index + session.rounds.saturating_sub(1),
         request_digest: base.request_digest.clone(),
         completion: None,
         finish_reason: None,
@@ -381,7 +561,7 @@ pub fn round_record(
         latency_ms: ctx.started.elapsed().as_millis() as u64,
         state: round_state,
         error: None,
-        response: Recorded::of(response, state.config.journal_max_record_bytes),
+        response: Recorded::of(response, session.state.config.journal_max_record_bytes),
         calls: Vec::new(),
         response_link: None,
     }
@@ -395,39 +575,22 @@ pub async fn record_round(state: &AppState, rec: RoundRecord) {
     }
 }
 
-fn record_upstream_error(state: &Arc<AppState>, ctx: &RequestCtx, turn: &Turn, base: &RoundBase) {
-    let rec = round_record(state, ctx, turn, base, "upstream_error", b"");
-    let state = Arc::clone(state);
+fn record_upstream_error(session: &Session, base: &RoundBase) {
+    let rec = round_record(session, base, "upstream_error", b"");
+    let state = Arc::clone(&session.state);
     tokio::spawn(async move { record_round(&state, rec).await });
 }
 
 /// Passes an emission-free endpoint (`GET /v1/models`, `POST /v1/embeddings`,
 /// `POST /v1/messages/count_tokens`) to `upstream` unchanged, body capped.
-pub async fn passthrough(
-    state: Arc<AppState>,
-    upstream_name: &'static str,
-    req: Request<Body>,
-) -> Response {
+pub async fn passthrough(state: Arc<AppState>, upstream_name: &'static str, req: Request<Body>) -> Response {
     let ctx = RequestCtx::new(req.headers());
     let (parts, body) = req.into_parts();
     let result = async {
         let raw = read_request(&state, body).await?;
-        let path = parts
-            .uri
-            .path_and_query()
-            .map_or(parts.uri.path(), |p| p.as_str())
-            .to_owned();
+        let path = parts.uri.path_and_query().map_or(parts.uri.path(), |p| p.as_str()).to_owned();
         let headers = upstream::request_headers(&parts.headers, false);
-        upstream::send(
-            &state,
-            upstream_name,
-            "passthrough",
-            parts.method.clone(),
-            &path,
-            headers,
-            raw,
-        )
-        .await
+        upstream::send(&state, upstream_name, "passthrough", parts.method.clone(), &path, headers, raw).await
     }
     .await;
     let mut resp = match result {
@@ -440,9 +603,7 @@ pub async fn passthrough(
         }
         Err(e) => e.into_response(),
     };
-    state
-        .metrics
-        .request("passthrough", resp.status().as_u16(), false);
+    state.metrics.request("passthrough", resp.status().as_u16(), false);
     if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
         resp.headers_mut().insert("x-request-id", v);
     }

@@ -1,13 +1,14 @@
 //! Relaying an SSE response: upstream bytes → framer → provider stream adapter → agent.
 //!
 //! Text is forwarded the moment its event is complete; tool-call events are held by the
-//! adapter until the completion state is known, then admitted and released or replaced.
-//! A stream that ends before its terminal event is a cut: nothing held is released and the
-//! agent's stream ends with a provider-shaped error event. The round is journaled when the
-//! stream ends, with the upstream bytes as received.
+//! adapter until the completion state is known, then admitted and released, replaced, or —
+//! for a repair — dropped while turnguard asks the model again and splices the new round's
+//! stream into the agent's (one message for the SDK). A stream that ends before its terminal
+//! event is a cut: nothing held is released and the agent's stream ends with a
+//! provider-shaped error event. Each round is journaled with the upstream bytes as received.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -15,167 +16,127 @@ use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::{
-    admit, call_records, join, record_round, round_record, upstream, RequestCtx, RoundBase,
-};
+use super::{call_records, join, record_round, round_record, upstream, RoundBase, Session};
 use crate::metrics::{ApiLabels, ReasonLabels};
-use crate::model::{ChoiceEmissions, ChoiceVerdict, Turn};
-use crate::provider::StreamAdapter;
-use crate::server::AppState;
-use crate::sse::SseFramer;
+use crate::model::{ChoiceEmissions, ChoiceVerdict, Surfacing, Turn};
+use crate::provider::{Splice, StreamAdapter};
+use crate::sse::{SseBlock, SseFramer};
 
 /// Chunks buffered toward a slow agent before the relay waits (back-pressure).
 const OUT_QUEUE: usize = 64;
 
 /// Starts relaying `resp` to the agent and returns the agent's response at once.
-pub fn relay(
-    state: Arc<AppState>,
-    ctx: RequestCtx,
-    turn: Turn,
-    base: RoundBase,
-    resp: http::Response<Incoming>,
-) -> Response {
+pub fn relay(session: Session, base: RoundBase, resp: http::Response<Incoming>) -> Response {
     let (parts, body) = resp.into_parts();
     let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(OUT_QUEUE);
-    tokio::spawn(run(state, ctx, turn, base, body, tx));
+    tokio::spawn(run(session, base, body, tx));
     let mut out = Response::new(Body::from_stream(ReceiverStream::new(rx)));
     *out.status_mut() = parts.status;
     *out.headers_mut() = upstream::response_headers(&parts.headers, false);
     out
 }
 
-/// How the upstream stream ended.
-enum End {
-    /// The body ended (complete or not: the adapter tells).
-    Eof,
-    /// The transport failed, went idle or sent an oversized event.
-    Cut(String),
-    /// The agent went away.
-    ClientGone,
-}
-
-/// Keeps what the journal stores of the upstream bytes (bounded by the record cap).
-struct Capture {
-    bytes: Vec<u8>,
-    total: usize,
-    cap: usize,
-    hasher: sha2::Sha256,
-}
-
-impl Capture {
-    fn new(cap: usize) -> Self {
-        use sha2::Digest;
-        Self {
-            bytes: Vec::new(),
-            total: 0,
-            cap,
-            hasher: sha2::Sha256::new(),
-        }
-    }
-
-    fn push(&mut self, data: &[u8]) {
-        use sha2::Digest;
-        self.total += data.len();
-        self.hasher.update(data);
-        if self.bytes.len() + data.len() <= self.cap {
-            self.bytes.extend_from_slice(data);
-        }
-    }
-
-    fn finish(self) -> crate::journal::Recorded {
-        use sha2::Digest;
-        let truncated = self.total > self.cap;
-        crate::journal::Recorded {
-            bytes: if truncated { Vec::new() } else { self.bytes },
-            total_bytes: self.total as u64,
-            digest: hex::encode(self.hasher.finalize()),
-            truncated,
-        }
-    }
-}
-
-/// The pure part of a relay: framing, the adapter's hold-and-release, and admission at the
-/// decision point. Fed upstream bytes, it appends what the agent receives to `out`.
+/// The pure part of a relay: framing, the adapter's hold-and-release, and the decision
+/// points. Fed upstream bytes, it appends what the agent receives to `out` and stops at each
+/// decision point so the caller can admit the held calls.
 pub struct Pipeline {
     framer: SseFramer,
     adapter: StreamAdapter,
+    queue: VecDeque<SseBlock>,
+    splice: Option<Splice>,
     /// Each decision point's emissions and verdicts, in order.
     pub decided: Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>,
 }
 
+/// What [`Pipeline::finish`] found.
+pub enum Finish {
+    /// Calls are held and the stream is complete: admit them, release, and finish again.
+    Decide(Vec<ChoiceEmissions>),
+    /// The round is over: its journal state and error.
+    Ended(&'static str, Option<String>),
+}
+
 impl Pipeline {
-    /// A pipeline for one streamed response to `turn`.
-    pub fn new(turn: &Turn, max_event_bytes: usize) -> Self {
+    /// A pipeline for one streamed response to `turn`; `splice` for a repair round.
+    pub fn new(turn: &Turn, max_event_bytes: usize, splice: Option<Splice>) -> Self {
         Self {
             framer: SseFramer::new(max_event_bytes),
-            adapter: StreamAdapter::new(turn),
+            adapter: StreamAdapter::new(turn, splice.as_ref()),
+            queue: VecDeque::new(),
+            splice,
             decided: Vec::new(),
         }
     }
 
-    /// Takes the next upstream bytes. `admit` decides a round of held calls.
-    ///
-    /// Errors: the event-size cap was passed (the caller cuts the stream).
-    pub fn feed(
-        &mut self,
-        data: &[u8],
-        admit: &mut dyn FnMut(&[ChoiceEmissions]) -> Vec<ChoiceVerdict>,
-        out: &mut Vec<Bytes>,
-    ) -> Result<(), String> {
+    /// Takes the next upstream bytes. Errors: the event-size cap was passed.
+    pub fn feed(&mut self, data: &[u8]) -> Result<(), String> {
         let blocks = self.framer.push(data).map_err(|e| e.to_string())?;
-        for block in blocks {
-            self.adapter.push(block, out);
-            if self.adapter.ready() {
-                self.decide(admit, out);
-            }
-        }
+        self.queue.extend(blocks);
         Ok(())
     }
 
-    fn decide(
-        &mut self,
-        admit: &mut dyn FnMut(&[ChoiceEmissions]) -> Vec<ChoiceVerdict>,
-        out: &mut Vec<Bytes>,
-    ) {
-        let round = self.adapter.round();
-        let verdicts = admit(&round);
+    /// Processes queued events until a decision point (`Some(round)`: admit it, then
+    /// [`Pipeline::release`]) or until the queue is empty.
+    pub fn advance(&mut self, out: &mut Vec<Bytes>) -> Option<Vec<ChoiceEmissions>> {
+        while let Some(block) = self.queue.pop_front() {
+            let block = match &self.splice {
+                Some(s) => match s.apply(block) {
+                    Some(b) => b,
+                    None => continue,
+                },
+                None => block,
+            };
+            self.adapter.push(block, out);
+            if self.adapter.ready() {
+                return Some(self.adapter.round());
+            }
+        }
+        None
+    }
+
+    /// Releases the held events with the verdicts applied.
+    pub fn release(&mut self, round: Vec<ChoiceEmissions>, verdicts: Vec<ChoiceVerdict>, out: &mut Vec<Bytes>) {
         self.adapter.release(&verdicts, out);
         self.decided.push((round, verdicts));
     }
 
-    /// The upstream body ended (`cut = None`) or failed (`cut = Some(reason)`). Returns the
-    /// round state for the journal and its error, if any.
-    pub fn end(
-        &mut self,
-        cut: Option<String>,
-        admit: &mut dyn FnMut(&[ChoiceEmissions]) -> Vec<ChoiceVerdict>,
-        out: &mut Vec<Bytes>,
-    ) -> (&'static str, Option<String>) {
+    /// Drops the held events for a repair round; returns how to splice the next round.
+    pub fn abandon(&mut self, round: Vec<ChoiceEmissions>, verdicts: Vec<ChoiceVerdict>) -> Splice {
+        self.decided.push((round, verdicts));
+        self.adapter.abandon()
+    }
+
+    /// Drops the held events and ends the stream with an error event carrying `code`.
+    pub fn fail(&mut self, round: Vec<ChoiceEmissions>, verdicts: Vec<ChoiceVerdict>, code: &str, message: &str, out: &mut Vec<Bytes>) {
+        self.adapter.fail(code, message, out);
+        self.decided.push((round, verdicts));
+    }
+
+    /// The upstream body ended (`cut = None`) or failed (`cut = Some(reason)`). Call after
+    /// [`Pipeline::advance`] returned `None`.
+    pub fn finish(&mut self, cut: Option<String>, out: &mut Vec<Bytes>) -> Finish {
         match cut {
             None if self.adapter.finished() => {
                 if self.adapter.pending() {
-                    self.decide(admit, out);
+                    return Finish::Decide(self.adapter.round());
                 }
                 let rest = self.framer.finish();
                 if !rest.is_empty() {
                     out.push(rest);
                 }
-                ("ok", None)
+                Finish::Ended("ok", None)
             }
             None => {
-                self.adapter
-                    .cut("the stream ended before its terminal event", out);
-                (
-                    "failed",
-                    Some("upstream stream ended before its terminal event".to_owned()),
-                )
+                self.adapter.cut("the stream ended before its terminal event", out);
+                Finish::Ended("failed", Some("upstream stream ended before its terminal event".to_owned()))
             }
             Some(reason) => {
                 self.adapter.cut(&reason, out);
-                ("failed", Some(reason))
+                Finish::Ended("failed", Some(reason))
             }
         }
     }
@@ -199,81 +160,211 @@ impl Pipeline {
         }
         if self.decided.is_empty() {
             let round = self.adapter.round();
-            let verdicts: Vec<ChoiceVerdict> = round
-                .iter()
-                .map(crate::admission::withheld_by_cut)
-                .collect();
+            let verdicts: Vec<ChoiceVerdict> = round.iter().map(crate::admission::withheld_by_cut).collect();
             rows.extend(call_records(&round, &verdicts));
         }
         rows
     }
 }
 
-async fn run(
-    state: Arc<AppState>,
-    ctx: RequestCtx,
-    turn: Turn,
-    base: RoundBase,
-    mut body: Incoming,
-    tx: mpsc::Sender<Result<Bytes, Infallible>>,
-) {
-    let mut pipeline = Pipeline::new(&turn, state.config.max_event_bytes);
-    let mut capture = Capture::new(state.config.journal_max_record_bytes);
-    let idle = Duration::from_millis(state.config.upstream_idle_timeout_ms);
-    let mut admit_round = |round: &[ChoiceEmissions]| {
-        let started = Instant::now();
-        let verdicts = admit(&state, &turn, round);
-        state
-            .metrics
-            .hold_latency
-            .get_or_create(&ApiLabels {
-                api: turn.api.as_str().to_owned(),
-            })
-            .observe(started.elapsed().as_secs_f64());
-        verdicts
-    };
-    let mut out: Vec<Bytes> = Vec::new();
+/// Keeps what the journal stores of the upstream bytes (bounded by the record cap).
+struct Capture {
+    bytes: Vec<u8>,
+    total: usize,
+    cap: usize,
+    hasher: sha2::Sha256,
+}
 
-    let end = 'relay: loop {
-        let frame = match tokio::time::timeout(idle, body.frame()).await {
-            Err(_) => break End::Cut(format!("no upstream data for {} ms", idle.as_millis())),
-            Ok(None) => break End::Eof,
-            Ok(Some(Err(e))) => break End::Cut(format!("upstream body failed: {e}")),
-            Ok(Some(Ok(frame))) => frame,
-        };
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        capture.push(&data);
-        if let Err(reason) = pipeline.feed(&data, &mut admit_round, &mut out) {
-            break End::Cut(reason);
+impl Capture {
+    fn new(cap: usize) -> Self {
+        use sha2::Digest;
+        Self { bytes: Vec::new(), total: 0, cap, hasher: sha2::Sha256::new() }
+    }
+
+    fn push(&mut self, data: &[u8]) {
+        use sha2::Digest;
+        self.total += data.len();
+        self.hasher.update(data);
+        if self.bytes.len() + data.len() <= self.cap {
+            self.bytes.extend_from_slice(data);
         }
-        for chunk in out.drain(..) {
-            if tx.send(Ok(chunk)).await.is_err() {
-                break 'relay End::ClientGone;
+    }
+
+    fn finish(self) -> crate::journal::Recorded {
+        use sha2::Digest;
+        let truncated = self.total > self.cap;
+        crate::journal::Recorded {
+            bytes: if truncated { Vec::new() } else { self.bytes },
+            total_bytes: self.total as u64,
+            digest: hex::encode(self.hasher.finalize()),
+            truncated,
+        }
+    }
+}
+
+/// How one model round of the relay ended.
+enum RoundEnd {
+    /// Ask the model again with this body; splice its stream like this.
+    Repair(Value, Splice),
+    /// The agent's stream is complete (or failed): journal state and error.
+    Done(&'static str, Option<String>),
+    /// The agent went away.
+    ClientGone,
+}
+
+/// What the relay does after a decision point.
+enum Next {
+    Continue,
+    Repair(Value, Splice),
+    Stop,
+}
+
+async fn run(mut session: Session, mut base: RoundBase, mut body: Incoming, tx: mpsc::Sender<Result<Bytes, Infallible>>) {
+    let mut splice = None;
+    loop {
+        let mut pipeline = Pipeline::new(&session.turn, session.state.config.max_event_bytes, splice);
+        let mut capture = Capture::new(session.state.config.journal_max_record_bytes);
+        let end = read_round(&session, &mut pipeline, &mut capture, &mut body, &tx).await;
+        let (state, error) = match &end {
+            RoundEnd::Repair(..) => ("repaired", None),
+            RoundEnd::Done(s, e) => (*s, e.clone()),
+            RoundEnd::ClientGone => ("client_gone", Some("the agent closed the stream".to_owned())),
+        };
+        record(&session, &base, &pipeline, capture, state, error).await;
+        let RoundEnd::Repair(next, how) = end else { return };
+        session.body = next;
+        session.count_repair();
+        let mut out = Vec::new();
+        match session.send().await {
+            Ok(resp) if resp.status().is_success() && super::is_event_stream(resp.headers()) => {
+                base = session.base(resp.status().as_u16());
+                body = resp.into_body();
+                splice = Some(how);
+            }
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                let mut p = Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
+                p.adapter.fail("turnguard.repair_failed", &format!("the repair round failed upstream with HTTP {status}"), &mut out);
+                send_all(&tx, &mut out).await;
+                return;
+            }
+            Err(e) => {
+                let mut p = Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
+                p.adapter.fail("turnguard.repair_failed", &e.to_string(), &mut out);
+                send_all(&tx, &mut out).await;
+                return;
             }
         }
-    };
-
-    let (round_state, error) = match end {
-        End::Eof => pipeline.end(None, &mut admit_round, &mut out),
-        End::Cut(reason) => pipeline.end(Some(reason), &mut admit_round, &mut out),
-        End::ClientGone => (
-            "client_gone",
-            Some("the agent closed the stream".to_owned()),
-        ),
-    };
-    if round_state == "failed" {
-        count_cut(&state, "stream_cut");
     }
+}
+
+async fn send_all(tx: &mpsc::Sender<Result<Bytes, Infallible>>, out: &mut Vec<Bytes>) -> bool {
     for chunk in out.drain(..) {
         if tx.send(Ok(chunk)).await.is_err() {
-            break;
+            return false;
         }
     }
-    drop(tx);
+    true
+}
 
-    let mut rec = round_record(&state, &ctx, &turn, &base, round_state, &[]);
+async fn read_round(
+    session: &Session,
+    pipeline: &mut Pipeline,
+    capture: &mut Capture,
+    body: &mut Incoming,
+    tx: &mpsc::Sender<Result<Bytes, Infallible>>,
+) -> RoundEnd {
+    let idle = Duration::from_millis(session.state.config.upstream_idle_timeout_ms);
+    let mut out: Vec<Bytes> = Vec::new();
+    let cut = loop {
+        let frame = match tokio::time::timeout(idle, body.frame()).await {
+            Err(_) => break Some(format!("no upstream data for {} ms", idle.as_millis())),
+            Ok(None) => break None,
+            Ok(Some(Err(e))) => break Some(format!("upstream body failed: {e}")),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(data) = frame.into_data() else { continue };
+        capture.push(&data);
+        if let Err(reason) = pipeline.feed(&data) {
+            break Some(reason);
+        }
+        while let Some(round) = pipeline.advance(&mut out) {
+            match decide(session, pipeline, round, &mut out).await {
+                Next::Continue => {}
+                Next::Repair(body, splice) => {
+                    send_all(tx, &mut out).await;
+                    return RoundEnd::Repair(body, splice);
+                }
+                Next::Stop => {
+                    return if send_all(tx, &mut out).await {
+                        RoundEnd::Done("surfaced_error", None)
+                    } else {
+                        RoundEnd::ClientGone
+                    };
+                }
+            }
+        }
+        if !send_all(tx, &mut out).await {
+            return RoundEnd::ClientGone;
+        }
+    };
+    if cut.is_some() {
+        count(session, "stream_cut");
+    }
+    loop {
+        match pipeline.finish(cut.clone(), &mut out) {
+            Finish::Decide(round) => match decide(session, pipeline, round, &mut out).await {
+                Next::Continue => {}
+                Next::Repair(body, splice) => {
+                    send_all(tx, &mut out).await;
+                    return RoundEnd::Repair(body, splice);
+                }
+                Next::Stop => {
+                    send_all(tx, &mut out).await;
+                    return RoundEnd::Done("surfaced_error", None);
+                }
+            },
+            Finish::Ended(state, error) => {
+                if !send_all(tx, &mut out).await {
+                    return RoundEnd::ClientGone;
+                }
+                return RoundEnd::Done(state, error);
+            }
+        }
+    }
+}
+
+/// Admits one decision point and applies how it surfaces.
+async fn decide(session: &Session, pipeline: &mut Pipeline, round: Vec<ChoiceEmissions>, out: &mut Vec<Bytes>) -> Next {
+    let started = Instant::now();
+    let verdicts = session.admit(&round).await;
+    session
+        .state
+        .metrics
+        .hold_latency
+        .get_or_create(&ApiLabels { api: session.turn.api.as_str().to_owned() })
+        .observe(started.elapsed().as_secs_f64());
+    if let Some(e) = verdicts.iter().find_map(|v| match &v.surfacing {
+        Surfacing::Error(e) => Some(e.clone()),
+        _ => None,
+    }) {
+        pipeline.fail(round, verdicts, e.code, &e.message, out);
+        return Next::Stop;
+    }
+    let repair = round.iter().zip(&verdicts).find_map(|(c, v)| match &v.surfacing {
+        Surfacing::Repair(items) => Some(session.repaired(c, items)),
+        _ => None,
+    });
+    if let Some(body) = repair {
+        let splice = pipeline.abandon(round, verdicts);
+        return Next::Repair(body, splice);
+    }
+    pipeline.release(round, verdicts, out);
+    Next::Continue
+}
+
+async fn record(session: &Session, base: &RoundBase, pipeline: &Pipeline, capture: Capture, state: &'static str, error: Option<String>) {
+    let mut rec = round_record(session, base, state, &[]);
     rec.response = capture.finish();
     rec.error = error;
     let completions = pipeline.completions();
@@ -283,15 +374,9 @@ async fn run(
     }
     rec.calls = pipeline.call_records();
     rec.response_link = pipeline.response_link();
-    record_round(&state, rec).await;
+    record_round(&session.state, rec).await;
 }
 
-fn count_cut(state: &AppState, reason: &str) {
-    state
-        .metrics
-        .upstream_errors
-        .get_or_create(&ReasonLabels {
-            reason: reason.to_owned(),
-        })
-        .inc();
+fn count(session: &Session, reason: &str) {
+    session.state.metrics.upstream_errors.get_or_create(&ReasonLabels { reason: reason.to_owned() }).inc();
 }
