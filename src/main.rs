@@ -108,9 +108,19 @@ async fn main() -> anyhow::Result<()> {
             let report = match cmd {
                 PolicyCommand::Check { dir } => p::check(&dir),
                 PolicyCommand::Test { dir } => p::test(&dir),
-                PolicyCommand::Explain { request, response, policy, api, principal } => {
-                    p::explain(&policy, api.as_deref(), &request, &response, principal.as_deref())
-                }
+                PolicyCommand::Explain {
+                    request,
+                    response,
+                    policy,
+                    api,
+                    principal,
+                } => p::explain(
+                    &policy,
+                    api.as_deref(),
+                    &request,
+                    &response,
+                    principal.as_deref(),
+                ),
                 PolicyCommand::Schema { write } => p::schema(write.as_deref()),
             };
             use std::io::Write;

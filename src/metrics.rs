@@ -74,6 +74,15 @@ pub struct RepairLabels {
     pub api: String,
 }
 
+/// Labels of `turnguard_emissions_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EmissionLabels {
+    /// `structured` or `prompted`.
+    pub channel: String,
+    /// `valid`, `refused`, or the invalid reason.
+    pub result: String,
+}
+
 /// The metrics handle shared by the data plane, the journal and the admin plane.
 pub struct Metrics {
     registry: Registry,
@@ -105,6 +114,8 @@ pub struct Metrics {
     pub turns: Family<TrustLabels, Counter>,
     /// Repair rounds turnguard sent upstream.
     pub repairs: Family<RepairLabels, Counter>,
+    /// Text answers checked in the structured and prompted channels.
+    pub emissions: Family<EmissionLabels, Counter>,
 }
 
 impl Metrics {
@@ -176,7 +187,11 @@ impl Metrics {
             inflight_requests.clone(),
         );
         let policy_reloads = Family::<ResultLabels, Counter>::default();
-        registry.register("policy_reloads", "Policy bundle reloads by result", policy_reloads.clone());
+        registry.register(
+            "policy_reloads",
+            "Policy bundle reloads by result",
+            policy_reloads.clone(),
+        );
         let policy_revision_info = Family::<RevisionLabels, Gauge<i64, AtomicI64>>::default();
         registry.register(
             "policy_revision_info",
@@ -184,10 +199,21 @@ impl Metrics {
             policy_revision_info.clone(),
         );
         let turns = Family::<TrustLabels, Counter>::default();
-        registry.register("turns", "Model turns admitted, by contentTrust", turns.clone());
+        registry.register(
+            "turns",
+            "Model turns admitted, by contentTrust",
+            turns.clone(),
+        );
         let repairs = Family::<RepairLabels, Counter>::default();
         registry.register("repairs", "Repair rounds sent upstream", repairs.clone());
+        let emissions = Family::<EmissionLabels, Counter>::default();
+        registry.register(
+            "emissions",
+            "Text answers checked in the structured and prompted channels, by result",
+            emissions.clone(),
+        );
         Self {
+            emissions,
             policy_reloads,
             policy_revision_info,
             turns,
@@ -230,15 +256,25 @@ impl Metrics {
 impl Metrics {
     /// Counts one policy reload (`ok` or `error`).
     pub fn policy_reload(&self, result: &str) {
-        self.policy_reloads.get_or_create(&ResultLabels { result: result.to_owned() }).inc();
+        self.policy_reloads
+            .get_or_create(&ResultLabels {
+                result: result.to_owned(),
+            })
+            .inc();
     }
 
     /// Marks `new` as the active revision (and `old`, if different, as gone).
     pub fn policy_revision(&self, old: &str, new: &str) {
         if old != new {
-            self.policy_revision_info.remove(&RevisionLabels { revision: old.to_owned() });
+            self.policy_revision_info.remove(&RevisionLabels {
+                revision: old.to_owned(),
+            });
         }
-        self.policy_revision_info.get_or_create(&RevisionLabels { revision: new.to_owned() }).set(1);
+        self.policy_revision_info
+            .get_or_create(&RevisionLabels {
+                revision: new.to_owned(),
+            })
+            .set(1);
     }
 }
 

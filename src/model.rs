@@ -107,10 +107,6 @@ pub struct Turn {
     /// `tools[1] (mcp, server_label deepwiki)`. Inside a run such a request is refused
     /// (tool-turn contract §F).
     pub provider_delegations: Vec<String>,
-    /// A provider-enforced output schema (channel `structured`, contract §A): Responses
-    /// `text.format` of type `json_schema`, as sent. `None` when absent or not read by the
-    /// adapter (the Chat adapter does not read `response_format` yet).
-    pub output_format: Option<Value>,
 }
 
 impl Turn {
@@ -171,6 +167,8 @@ pub struct ChoiceEmissions {
     pub completion: Completion,
     /// Its tool calls, in emission order.
     pub calls: Vec<ToolCall>,
+    /// Its assistant text (for the structured and prompted channels), when read.
+    pub text: Option<String>,
 }
 
 /// The outcome of one tool call (tool-turn contract §B).

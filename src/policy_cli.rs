@@ -19,7 +19,10 @@ pub struct Report {
 }
 
 fn load(dir: &Path) -> Result<CompiledPolicy, Report> {
-    let src = reload::read_dir(dir).map_err(|e| Report { text: format!("{e}\n"), code: 1 })?;
+    let src = reload::read_dir(dir).map_err(|e| Report {
+        text: format!("{e}\n"),
+        code: 1,
+    })?;
     crate::policy::compile(&src).map_err(|errors| {
         let mut text = String::new();
         for e in &errors {
@@ -51,7 +54,13 @@ pub fn check(dir: &Path) -> Report {
 
 /// Admits a request/response pair under `policy` the way the data plane does (no journal:
 /// effect claims are not made). Returns the turn and one verdict per choice with calls.
-pub fn admit_pair(policy: &CompiledPolicy, api: Api, request: &Value, response: &Value, person: Option<&str>) -> Result<(Turn, Vec<(crate::model::ChoiceEmissions, ChoiceVerdict)>), String> {
+pub fn admit_pair(
+    policy: &CompiledPolicy,
+    api: Api,
+    request: &Value,
+    response: &Value,
+    person: Option<&str>,
+) -> Result<(Turn, Vec<(crate::model::ChoiceEmissions, ChoiceVerdict)>), String> {
     let turn = provider::parse_request(api, request).map_err(|e| format!("request: {e}"))?;
     let trust = admission::trust::of_turn(&turn, policy);
     let schemas = SchemaCache::default();
@@ -81,7 +90,10 @@ pub fn admit_pair(policy: &CompiledPolicy, api: Api, request: &Value, response: 
 }
 
 fn json_file(policy: &CompiledPolicy, path: &str) -> Result<Value, String> {
-    let text = policy.files.get(path).ok_or_else(|| format!("`{path}` is not a file of the bundle"))?;
+    let text = policy
+        .files
+        .get(path)
+        .ok_or_else(|| format!("`{path}` is not a file of the bundle"))?;
     serde_json::from_str(text).map_err(|e| format!("`{path}` is not JSON: {e}"))
 }
 
@@ -120,10 +132,19 @@ fn run_case(policy: &CompiledPolicy, case: &bundle::TestCase) -> Result<(), Stri
     let (_, choices) = admit_pair(policy, api, &request, &response, case.principal.as_deref())?;
     let got: Vec<(String, &str, &str)> = choices
         .iter()
-        .flat_map(|(c, v)| c.calls.iter().zip(&v.decisions).map(|(call, d)| (call.name.clone(), d.outcome.as_str(), d.stage.as_str())))
+        .flat_map(|(c, v)| {
+            c.calls
+                .iter()
+                .zip(&v.decisions)
+                .map(|(call, d)| (call.name.clone(), d.outcome.as_str(), d.stage.as_str()))
+        })
         .collect();
     if got.len() != case.expect.len() {
-        return Err(format!("expected {} call(s), the response has {}", case.expect.len(), got.len()));
+        return Err(format!(
+            "expected {} call(s), the response has {}",
+            case.expect.len(),
+            got.len()
+        ));
     }
     for (i, (want, (name, outcome, stage))) in case.expect.iter().zip(&got).enumerate() {
         if &want.tool != name || want.outcome != *outcome || want.stage != *stage {
@@ -138,13 +159,27 @@ fn run_case(policy: &CompiledPolicy, case: &bundle::TestCase) -> Result<(), Stri
 
 /// `policy explain --request R --response S [--policy DIR] [--api A]`: every stage's
 /// decision for every call, and which Cedar rules decided.
-pub fn explain(policy_dir: &Path, api: Option<&str>, request: &Path, response: &Path, person: Option<&str>) -> Report {
+pub fn explain(
+    policy_dir: &Path,
+    api: Option<&str>,
+    request: &Path,
+    response: &Path,
+    person: Option<&str>,
+) -> Report {
     let policy = match reload::load(policy_dir) {
         Ok(p) => p,
         Err(LoadError::Invalid(errors)) => {
-            return Report { text: errors.iter().map(|e| format!("{e}\n")).collect(), code: 1 };
+            return Report {
+                text: errors.iter().map(|e| format!("{e}\n")).collect(),
+                code: 1,
+            };
         }
-        Err(e) => return Report { text: format!("{e}\n"), code: 1 },
+        Err(e) => {
+            return Report {
+                text: format!("{e}\n"),
+                code: 1,
+            }
+        }
     };
     let read = |p: &Path| -> Result<Value, String> {
         let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
@@ -152,12 +187,22 @@ pub fn explain(policy_dir: &Path, api: Option<&str>, request: &Path, response: &
     };
     let (req, resp) = match (read(request), read(response)) {
         (Ok(a), Ok(b)) => (a, b),
-        (Err(e), _) | (_, Err(e)) => return Report { text: format!("{e}\n"), code: 1 },
+        (Err(e), _) | (_, Err(e)) => {
+            return Report {
+                text: format!("{e}\n"),
+                code: 1,
+            }
+        }
     };
     let api = match api {
         Some(a) => match Api::from_label(a) {
             Some(a) => a,
-            None => return Report { text: format!("unknown api `{a}` (openai_chat, anthropic_messages)\n"), code: 1 },
+            None => {
+                return Report {
+                    text: format!("unknown api `{a}` (openai_chat, anthropic_messages)\n"),
+                    code: 1,
+                }
+            }
         },
         // A Messages request has `max_tokens` and content blocks; Chat has `choices` in the response.
         None if resp.get("choices").is_some() => Api::OpenAiChat,
@@ -165,7 +210,12 @@ pub fn explain(policy_dir: &Path, api: Option<&str>, request: &Path, response: &
     };
     let (turn, choices) = match admit_pair(&policy, api, &req, &resp, person) {
         Ok(x) => x,
-        Err(e) => return Report { text: format!("{e}\n"), code: 1 },
+        Err(e) => {
+            return Report {
+                text: format!("{e}\n"),
+                code: 1,
+            }
+        }
     };
     let mut text = String::new();
     let _ = writeln!(
@@ -180,7 +230,13 @@ pub fn explain(policy_dir: &Path, api: Option<&str>, request: &Path, response: &
         let _ = writeln!(text, "the response has no tool call");
     }
     for (c, v) in &choices {
-        let _ = writeln!(text, "choice {} (completion {}: {})", c.choice, c.completion.state.as_str(), c.completion.reason);
+        let _ = writeln!(
+            text,
+            "choice {} (completion {}: {})",
+            c.choice,
+            c.completion.state.as_str(),
+            c.completion.reason
+        );
         for (i, (call, d)) in c.calls.iter().zip(&v.decisions).enumerate() {
             let _ = writeln!(
                 text,
@@ -190,14 +246,22 @@ pub fn explain(policy_dir: &Path, api: Option<&str>, request: &Path, response: &
                 d.outcome.as_str(),
                 d.stage.as_str(),
                 d.reason,
-                if d.enforced { "" } else { " [shadow: released anyway]" }
+                if d.enforced {
+                    ""
+                } else {
+                    " [shadow: released anyway]"
+                }
             );
             for (stage, note) in &d.trace {
                 let _ = writeln!(text, "    {:<13} {note}", stage.as_str());
             }
             if !d.rules.is_empty() {
                 for r in &d.rules {
-                    let at = policy.rules.meta(r).map(|m| format!(" ({}:{})", m.file, m.line)).unwrap_or_default();
+                    let at = policy
+                        .rules
+                        .meta(r)
+                        .map(|m| format!(" ({}:{})", m.file, m.line))
+                        .unwrap_or_default();
                     let _ = writeln!(text, "    rule          {r}{at}");
                 }
             }
@@ -209,7 +273,9 @@ pub fn explain(policy_dir: &Path, api: Option<&str>, request: &Path, response: &
             crate::model::Surfacing::Release => "release".to_owned(),
             crate::model::Surfacing::Drop => "drop the withheld calls, release the rest".to_owned(),
             crate::model::Surfacing::EndTurn(_) => "end-turn".to_owned(),
-            crate::model::Surfacing::Repair(items) => format!("repair round with {} host-authored result(s)", items.len()),
+            crate::model::Surfacing::Repair(items) => {
+                format!("repair round with {} host-authored result(s)", items.len())
+            }
             crate::model::Surfacing::Error(e) => format!("error {} {}", e.status, e.code),
         };
         let _ = writeln!(text, "  surfaced as: {surfacing}");
@@ -226,7 +292,10 @@ pub fn schema(write: Option<&Path>) -> Report {
             Some(dir) => {
                 let path = dir.join(name);
                 if let Err(e) = std::fs::write(&path, pretty) {
-                    return Report { text: format!("{}: {e}\n", path.display()), code: 1 };
+                    return Report {
+                        text: format!("{}: {e}\n", path.display()),
+                        code: 1,
+                    };
                 }
                 let _ = writeln!(text, "wrote {}", path.display());
             }

@@ -21,18 +21,54 @@ const MAX_FILES: usize = 2048;
 /// The default bundle shipped in the binary: the repository's `policy/` directory.
 const EMBEDDED: &[(&str, &str)] = &[
     ("turnguard.toml", include_str!("../policy/turnguard.toml")),
-    ("tools/assistant.toml", include_str!("../policy/tools/assistant.toml")),
-    ("rules/default.cedar", include_str!("../policy/rules/default.cedar")),
-    ("schemas/answer.json", include_str!("../policy/schemas/answer.json")),
-    ("tests/cases.toml", include_str!("../policy/tests/cases.toml")),
-    ("tests/user-request.json", include_str!("../policy/tests/user-request.json")),
-    ("tests/after-email-request.json", include_str!("../policy/tests/after-email-request.json")),
-    ("tests/weather-response.json", include_str!("../policy/tests/weather-response.json")),
-    ("tests/transfer-large-response.json", include_str!("../policy/tests/transfer-large-response.json")),
-    ("tests/transfer-medium-response.json", include_str!("../policy/tests/transfer-medium-response.json")),
-    ("tests/shell-response.json", include_str!("../policy/tests/shell-response.json")),
-    ("tests/undeclared-response.json", include_str!("../policy/tests/undeclared-response.json")),
-    ("tests/send-email-response.json", include_str!("../policy/tests/send-email-response.json")),
+    (
+        "tools/assistant.toml",
+        include_str!("../policy/tools/assistant.toml"),
+    ),
+    (
+        "rules/default.cedar",
+        include_str!("../policy/rules/default.cedar"),
+    ),
+    (
+        "schemas/answer.json",
+        include_str!("../policy/schemas/answer.json"),
+    ),
+    (
+        "tests/cases.toml",
+        include_str!("../policy/tests/cases.toml"),
+    ),
+    (
+        "tests/user-request.json",
+        include_str!("../policy/tests/user-request.json"),
+    ),
+    (
+        "tests/after-email-request.json",
+        include_str!("../policy/tests/after-email-request.json"),
+    ),
+    (
+        "tests/weather-response.json",
+        include_str!("../policy/tests/weather-response.json"),
+    ),
+    (
+        "tests/transfer-large-response.json",
+        include_str!("../policy/tests/transfer-large-response.json"),
+    ),
+    (
+        "tests/transfer-medium-response.json",
+        include_str!("../policy/tests/transfer-medium-response.json"),
+    ),
+    (
+        "tests/shell-response.json",
+        include_str!("../policy/tests/shell-response.json"),
+    ),
+    (
+        "tests/undeclared-response.json",
+        include_str!("../policy/tests/undeclared-response.json"),
+    ),
+    (
+        "tests/send-email-response.json",
+        include_str!("../policy/tests/send-email-response.json"),
+    ),
 ];
 
 /// Why a bundle could not be loaded.
@@ -50,7 +86,10 @@ pub enum LoadError {
 pub fn embedded() -> BundleSource {
     BundleSource {
         origin: "embedded".into(),
-        files: EMBEDDED.iter().map(|(p, t)| ((*p).to_owned(), (*t).to_owned())).collect(),
+        files: EMBEDDED
+            .iter()
+            .map(|(p, t)| ((*p).to_owned(), (*t).to_owned()))
+            .collect(),
     }
 }
 
@@ -60,40 +99,70 @@ pub fn read_dir(dir: &Path) -> Result<BundleSource, LoadError> {
     let mut files = BTreeMap::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
-        let entries = std::fs::read_dir(&d).map_err(|e| LoadError::Read { path: d.clone(), reason: e.to_string() })?;
+        let entries = std::fs::read_dir(&d).map_err(|e| LoadError::Read {
+            path: d.clone(),
+            reason: e.to_string(),
+        })?;
         for entry in entries {
-            let entry = entry.map_err(|e| LoadError::Read { path: d.clone(), reason: e.to_string() })?;
+            let entry = entry.map_err(|e| LoadError::Read {
+                path: d.clone(),
+                reason: e.to_string(),
+            })?;
             let path = entry.path();
             let name = entry.file_name().to_string_lossy().into_owned();
             if name.starts_with('.') || name.ends_with('~') || name.ends_with(".swp") {
                 continue; // hidden (Kubernetes ConfigMap `..data` links included) or editor files
             }
-            let meta = std::fs::metadata(&path).map_err(|e| LoadError::Read { path: path.clone(), reason: e.to_string() })?;
+            let meta = std::fs::metadata(&path).map_err(|e| LoadError::Read {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
             if meta.is_dir() {
                 stack.push(path);
                 continue;
             }
             if meta.len() > MAX_FILE_BYTES {
-                return Err(LoadError::Read { path, reason: format!("larger than {MAX_FILE_BYTES} bytes") });
+                return Err(LoadError::Read {
+                    path,
+                    reason: format!("larger than {MAX_FILE_BYTES} bytes"),
+                });
             }
             if files.len() >= MAX_FILES {
-                return Err(LoadError::Read { path: dir.to_owned(), reason: format!("more than {MAX_FILES} files") });
+                return Err(LoadError::Read {
+                    path: dir.to_owned(),
+                    reason: format!("more than {MAX_FILES} files"),
+                });
             }
-            let text = std::fs::read_to_string(&path).map_err(|e| LoadError::Read { path: path.clone(), reason: e.to_string() })?;
+            let text = std::fs::read_to_string(&path).map_err(|e| LoadError::Read {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
             let rel = path
                 .strip_prefix(dir)
-                .map(|p| p.components().map(|c| c.as_os_str().to_string_lossy()).collect::<Vec<_>>().join("/"))
+                .map(|p| {
+                    p.components()
+                        .map(|c| c.as_os_str().to_string_lossy())
+                        .collect::<Vec<_>>()
+                        .join("/")
+                })
                 .unwrap_or(name);
             files.insert(rel, text);
         }
     }
-    Ok(BundleSource { origin: dir.display().to_string(), files })
+    Ok(BundleSource {
+        origin: dir.display().to_string(),
+        files,
+    })
 }
 
 /// Loads and compiles the bundle at `dir`; a directory that does not exist means the
 /// embedded default bundle.
 pub fn load(dir: &Path) -> Result<CompiledPolicy, LoadError> {
-    let src = if dir.exists() { read_dir(dir)? } else { embedded() };
+    let src = if dir.exists() {
+        read_dir(dir)?
+    } else {
+        embedded()
+    };
     policy::compile(&src).map_err(LoadError::Invalid)
 }
 
@@ -106,7 +175,10 @@ pub struct PolicyHandle {
 impl PolicyHandle {
     /// Wraps the first compiled bundle.
     pub fn new(policy: CompiledPolicy, dir: PathBuf) -> Self {
-        Self { current: ArcSwap::from_pointee(policy), dir }
+        Self {
+            current: ArcSwap::from_pointee(policy),
+            dir,
+        }
     }
 
     /// The snapshot a request uses from start to end.
@@ -137,7 +209,11 @@ impl PolicyHandle {
 
 /// Watches the bundle directory (debounced) and SIGHUP, reloading on either. Runs until the
 /// returned task is aborted.
-pub fn watch(handle: Arc<PolicyHandle>, metrics: Arc<Metrics>, debounce: Duration) -> tokio::task::JoinHandle<()> {
+pub fn watch(
+    handle: Arc<PolicyHandle>,
+    metrics: Arc<Metrics>,
+    debounce: Duration,
+) -> tokio::task::JoinHandle<()> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(16);
     let dir = handle.dir.clone();
     let watcher = {
@@ -167,7 +243,9 @@ pub fn watch(handle: Arc<PolicyHandle>, metrics: Arc<Metrics>, debounce: Duratio
     {
         let tx = tx.clone();
         tokio::spawn(async move {
-            if let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+            if let Ok(mut hup) =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            {
                 while hup.recv().await.is_some() {
                     if tx.send(()).await.is_err() {
                         break;
@@ -198,14 +276,27 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("policy");
         let on_disk = read_dir(&dir).unwrap();
         let emb = embedded();
-        let disk_files: Vec<&String> = on_disk.files.keys().filter(|k| !k.ends_with(".md") && !k.ends_with(".schema.json")).collect();
+        let disk_files: Vec<&String> = on_disk
+            .files
+            .keys()
+            .filter(|k| !k.ends_with(".md") && !k.ends_with(".schema.json"))
+            .collect();
         let emb_files: Vec<&String> = emb.files.keys().collect();
-        assert_eq!(disk_files, emb_files, "EMBEDDED must list every bundle file");
+        assert_eq!(
+            disk_files, emb_files,
+            "EMBEDDED must list every bundle file"
+        );
         for (k, v) in &emb.files {
             assert_eq!(&on_disk.files[k], v, "{k}");
         }
         if let Err(e) = policy::compile(&emb) {
-            panic!("{}", e.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"));
+            panic!(
+                "{}",
+                e.iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
         }
     }
 }

@@ -15,13 +15,13 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admission::{LimitState, SchemaCache};
-use crate::reload::{self, LoadError, PolicyHandle};
 use crate::config::Config;
 use crate::error::WireError;
 use crate::journal::{Journal, JournalError, WriterThread};
 use crate::metrics::Metrics;
 use crate::model::Api;
 use crate::proxy::{self, upstream};
+use crate::reload::{self, LoadError, PolicyHandle};
 
 /// State shared by every request of both planes.
 pub struct AppState {
@@ -128,7 +128,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         limits: LimitState::default(),
         ready: AtomicBool::new(false),
     });
-    let watcher = reload::watch(policy, Arc::clone(&state.metrics), std::time::Duration::from_millis(250));
+    let watcher = reload::watch(
+        policy,
+        Arc::clone(&state.metrics),
+        std::time::Duration::from_millis(250),
+    );
     let (stop, stopped) = watch::channel(false);
     let serve = |listener: TcpListener, router: Router, mut stopped: watch::Receiver<bool>| {
         tokio::spawn(async move {

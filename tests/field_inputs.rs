@@ -294,7 +294,8 @@ async fn missing_required_property_is_invalid() {
     assert!(resp["choices"][0]["message"].get("tool_calls").is_none());
     let text = resp["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(
-        text.contains("invalid at the arguments stage (schema_violation)") && text.contains("\"country\""),
+        text.contains("invalid at the arguments stage (schema_violation)")
+            && text.contains("\"country\""),
         "{text}"
     );
     let dir = h.stop().await;

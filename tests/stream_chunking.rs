@@ -49,7 +49,6 @@ fn turn(api: Api) -> Turn {
         provider_output_seen: false,
         previous_response_id: None,
         provider_delegations: Vec::new(),
-        output_format: None,
     }
 }
 
@@ -97,12 +96,15 @@ fn stream_fixtures() -> Vec<(PathBuf, Api)> {
 
 /// Feeds `chunks` through the relay pipeline; returns the forwarded bytes and the decisions.
 fn relay(api: Api, chunks: &[&[u8]]) -> (Vec<u8>, Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>) {
-    static POLICY: std::sync::OnceLock<turnguard::policy::CompiledPolicy> = std::sync::OnceLock::new();
-    let policy = POLICY.get_or_init(|| turnguard::policy::compile(&turnguard::reload::embedded()).expect("default bundle"));
+    static POLICY: std::sync::OnceLock<turnguard::policy::CompiledPolicy> =
+        std::sync::OnceLock::new();
+    let policy = POLICY.get_or_init(|| {
+        turnguard::policy::compile(&turnguard::reload::embedded()).expect("default bundle")
+    });
     relay_with(&turn(api), policy, 0, chunks)
 }
 
-/// [`relay`] for a given turn and policy.
+/// [`relay`] for a given turn, policy and repair rounds left.
 fn relay_with(
     t: &Turn,
     policy: &turnguard::policy::CompiledPolicy,
@@ -125,7 +127,9 @@ fn relay_with(
         approved: &never,
         repairs_left,
     };
-    let admit = |round: &[ChoiceEmissions]| -> Vec<ChoiceVerdict> { round.iter().map(|c| admit_choice(&ctx, t, c)).collect() };
+    let admit = |round: &[ChoiceEmissions]| -> Vec<ChoiceVerdict> {
+        round.iter().map(|c| admit_choice(&ctx, t, c)).collect()
+    };
     let mut p = Pipeline::new(t, 1 << 20, None);
     let mut out: Vec<Bytes> = Vec::new();
     for c in chunks {
@@ -200,7 +204,8 @@ proptest! {
 fn withheld_responses_calls_leave_a_valid_stream() {
     let mut checked = 0;
     // The test bundle whose withheld calls end the turn (a host-authored message).
-    let policy = turnguard::reload::load(&support::own_fixtures().join("policy-open")).expect("policy-open");
+    let policy =
+        turnguard::reload::load(&support::own_fixtures().join("policy-open")).expect("policy-open");
     for (path, api) in stream_fixtures() {
         if api != Api::OpenAiResponses {
             continue;

@@ -113,12 +113,20 @@ pub fn check(
     schemas: &SchemaCache,
 ) -> Option<Decision> {
     let invalid = |reason: &'static str, message: String| {
-        Some(Decision::new(Outcome::Invalid, Stage::Arguments, reason, message))
+        Some(Decision::new(
+            Outcome::Invalid,
+            Stage::Arguments,
+            reason,
+            message,
+        ))
     };
     let args = match args {
         Ok(v) => v,
         Err(ArgsError::NotJson) => {
-            return invalid("arguments_not_json", "the arguments are not valid JSON".into())
+            return invalid(
+                "arguments_not_json",
+                "the arguments are not valid JSON".into(),
+            )
         }
         Err(ArgsError::NotObject) => {
             return invalid(
@@ -133,7 +141,12 @@ pub fn check(
         let compiled = schemas.get(schema);
         let validator = match compiled.as_ref() {
             Ok(v) => v,
-            Err(reason) => return invalid("schema_uncompilable", format!("the {which} schema: {reason}")),
+            Err(reason) => {
+                return invalid(
+                    "schema_uncompilable",
+                    format!("the {which} schema: {reason}"),
+                )
+            }
         };
         let errors: Vec<String> = validator
             .iter_errors(args)
@@ -156,7 +169,7 @@ pub fn check(
 /// Describes one validation error from the validator's output only: the instance path (as a
 /// JSON pointer, sanitized), the failing keyword, and schema-side values. Never the instance
 /// value, which is model text.
-fn describe(e: &jsonschema::ValidationError<'_>) -> String {
+pub(crate) fn describe(e: &jsonschema::ValidationError<'_>) -> String {
     use jsonschema::error::ValidationErrorKind as K;
     let path = sanitize_pointer(e.instance_path().as_str());
     let keyword = e.kind().keyword();
@@ -200,6 +213,10 @@ fn type_name(kind: &jsonschema::error::TypeKind) -> String {
     use jsonschema::error::TypeKind;
     match kind {
         TypeKind::Single(t) => t.to_string(),
-        TypeKind::Multiple(ts) => ts.into_iter().map(|t| t.to_string()).collect::<Vec<_>>().join(" or "),
+        TypeKind::Multiple(ts) => ts
+            .into_iter()
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(" or "),
     }
 }

@@ -22,5 +22,10 @@ pub fn check(completion: &Completion) -> Option<Decision> {
             ),
         ),
     };
-    Some(Decision::new(Outcome::Invalid, Stage::Completion, reason, message))
+    Some(Decision::new(
+        Outcome::Invalid,
+        Stage::Completion,
+        reason,
+        message,
+    ))
 }

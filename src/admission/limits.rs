@@ -37,7 +37,10 @@ impl LimitState {
         let per_sec = f64::from(rate.per_minute) / 60.0;
         let b = map
             .entry((principal.to_owned(), tool.to_owned()))
-            .or_insert(Bucket { tokens: burst, at: now });
+            .or_insert(Bucket {
+                tokens: burst,
+                at: now,
+            });
         b.tokens = (b.tokens + now.duration_since(b.at).as_secs_f64() * per_sec).min(burst);
         b.at = now;
         if b.tokens >= 1.0 {
@@ -52,7 +55,10 @@ impl LimitState {
 
     /// Calls released so far in `run`.
     pub fn run_count(&self, run: &str) -> u32 {
-        self.runs.lock().map(|m| m.get(run).copied().unwrap_or(0)).unwrap_or(u32::MAX)
+        self.runs
+            .lock()
+            .map(|m| m.get(run).copied().unwrap_or(0))
+            .unwrap_or(u32::MAX)
     }
 
     /// Counts `n` more released calls in `run`.
@@ -73,7 +79,10 @@ mod tests {
     #[test]
     fn bucket_allows_a_burst_then_refuses_with_retry_after() {
         let s = LimitState::default();
-        let rate = Rate { burst: 2, per_minute: 6 };
+        let rate = Rate {
+            burst: 2,
+            per_minute: 6,
+        };
         assert!(s.take("p", "t", &rate).is_ok());
         assert!(s.take("p", "t", &rate).is_ok());
         let wait = s.take("p", "t", &rate).unwrap_err();

@@ -14,6 +14,7 @@
 //! then picks how the withheld calls reach the agent (DESIGN.md §4).
 
 pub mod arguments;
+pub mod channel;
 pub mod completion;
 pub mod limits;
 pub mod name;
@@ -22,7 +23,8 @@ pub mod trust;
 use serde_json::Value;
 
 use crate::model::{
-    ChoiceEmissions, ChoiceVerdict, Decision, Outcome, RepairItem, Stage, SurfacedError, Surfacing, Turn,
+    ChoiceEmissions, ChoiceVerdict, Decision, Outcome, RepairItem, Stage, SurfacedError, Surfacing,
+    Turn,
 };
 use crate::policy::bundle::{ContentTrust, Mode, Surface};
 use crate::policy::{Authz, AuthzRequest, CompiledPolicy};
@@ -59,7 +61,11 @@ pub struct AdmitCtx<'a> {
 pub fn admit_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) -> ChoiceVerdict {
     let mut decisions = decide_choice(ctx, turn, choice);
     let surfacing = surface(ctx, &mut decisions);
-    ChoiceVerdict { choice: choice.choice, decisions, surfacing }
+    ChoiceVerdict {
+        choice: choice.choice,
+        decisions,
+        surfacing,
+    }
 }
 
 /// Stages 1–8 for every call of one choice, in emission order.
@@ -104,19 +110,28 @@ fn decide(
 ) -> Decision {
     let tool = ctx.policy.tool(&call.name);
     let mut trace: Vec<(Stage, String)> = Vec::new();
-    let finish = |mut d: Decision, trace: Vec<(Stage, String)>, hash: Option<String>, redacted: Option<Value>| {
+    let finish = |mut d: Decision,
+                  trace: Vec<(Stage, String)>,
+                  hash: Option<String>,
+                  redacted: Option<Value>| {
         d.tool_id = tool.descriptor.tool_id.clone();
         d.tool_name = sanitize_label(&call.name);
         d.args_hash = hash;
         d.redacted_args = redacted;
         d.trace = trace;
-        d.trace.push((d.stage, format!("{}: {} — {}", d.outcome.as_str(), d.reason, d.message)));
+        d.trace.push((
+            d.stage,
+            format!("{}: {} — {}", d.outcome.as_str(), d.reason, d.message),
+        ));
         d
     };
     let args = arguments::parse(&call.arguments);
     // Redaction runs for every parsed call so that every record carries the redacted form;
     // it never decides an outcome (stage 7).
-    let redacted = args.as_ref().ok().map(|a| ctx.policy.redactor.redact(&tool.descriptor.tool_id, a));
+    let redacted = args
+        .as_ref()
+        .ok()
+        .map(|a| ctx.policy.redactor.redact(&tool.descriptor.tool_id, a));
     let hash = redacted.as_ref().map(|(r, _)| arguments::args_hash(r));
     let redacted_args = redacted.as_ref().map(|(r, _)| r.clone());
 
@@ -124,21 +139,41 @@ fn decide(
     if let Some(d) = completion::check(&choice.completion) {
         return finish(d, trace, hash, redacted_args);
     }
-    trace.push((Stage::Completion, format!("pass: {}", choice.completion.reason)));
+    trace.push((
+        Stage::Completion,
+        format!("pass: {}", choice.completion.reason),
+    ));
     // 2. name
     if let Some(d) = name::check(turn, call, ctx.policy) {
         return finish(d, trace, hash, redacted_args);
     }
-    trace.push((Stage::Name, format!("pass: {} → {}", sanitize_label(&call.name), tool.descriptor.tool_id)));
+    trace.push((
+        Stage::Name,
+        format!(
+            "pass: {} → {}",
+            sanitize_label(&call.name),
+            tool.descriptor.tool_id
+        ),
+    ));
     // 3. arguments
-    let catalog_schema = tool.input_schema().map(|s| Value::Object(s.clone().into_iter().collect()));
+    let catalog_schema = tool
+        .input_schema()
+        .map(|s| Value::Object(s.clone().into_iter().collect()));
     if let Some(d) = arguments::check(turn, call, &args, catalog_schema.as_ref(), ctx.schemas) {
         return finish(d, trace, hash, redacted_args);
     }
-    trace.push((Stage::Arguments, "pass: valid against the declared and catalog schemas".into()));
+    trace.push((
+        Stage::Arguments,
+        "pass: valid against the declared and catalog schemas".into(),
+    ));
     let Ok(args) = args else {
         // Unreachable in practice: stage 3 refuses unparsable arguments.
-        let d = Decision::new(Outcome::Invalid, Stage::Arguments, "arguments_not_json", "the arguments are not valid JSON".into());
+        let d = Decision::new(
+            Outcome::Invalid,
+            Stage::Arguments,
+            "arguments_not_json",
+            "the arguments are not valid JSON".into(),
+        );
         return finish(d, trace, hash, redacted_args);
     };
     let approved = hash.as_deref().is_some_and(|h| (ctx.approved)(h));
@@ -146,7 +181,10 @@ fn decide(
     if let Some(d) = trust::check(ctx.trust, tool, approved) {
         return finish(d, trace, hash, redacted_args);
     }
-    trace.push((Stage::Trust, format!("pass: turn is {}", ctx.trust.as_str())));
+    trace.push((
+        Stage::Trust,
+        format!("pass: turn is {}", ctx.trust.as_str()),
+    ));
     // 5. authorization
     let authz = ctx.policy.rules.authorize(&AuthzRequest {
         person: ctx.person,
@@ -160,18 +198,28 @@ fn decide(
         args: &args,
     });
     match authz {
-        Authz::Permit(rules) => trace.push((Stage::Authorization, format!("permit: {}", rules.join(", ")))),
+        Authz::Permit(rules) => trace.push((
+            Stage::Authorization,
+            format!("permit: {}", rules.join(", ")),
+        )),
         Authz::Hold(rules) => {
             let mut d = Decision::new(
                 Outcome::Held,
                 Stage::Authorization,
                 "held_by_rule",
-                format!("held for the acting person's approval by {}", rules.join(", ")),
+                format!(
+                    "held for the acting person's approval by {}",
+                    rules.join(", ")
+                ),
             );
             d.rules = rules;
             return finish(d, trace, hash, redacted_args);
         }
-        Authz::Refuse { rules, reason, detail } => {
+        Authz::Refuse {
+            rules,
+            reason,
+            detail,
+        } => {
             let mut d = Decision::new(Outcome::Refused, Stage::Authorization, reason, detail);
             d.rules = rules;
             return finish(d, trace, hash, redacted_args);
@@ -185,7 +233,10 @@ fn decide(
             Outcome::Refused,
             Stage::Limits,
             "rate_limited",
-            format!("more than {} tool calls in one turn", limits.tool_calls_per_turn),
+            format!(
+                "more than {} tool calls in one turn",
+                limits.tool_calls_per_turn
+            ),
         );
         return finish(d, trace, hash, redacted_args);
     }
@@ -193,14 +244,22 @@ fn decide(
         let asks = turn
             .prior_calls
             .iter()
-            .filter(|n| ctx.policy.catalog.by_name(n).is_some_and(|t| t.clarification))
+            .filter(|n| {
+                ctx.policy
+                    .catalog
+                    .by_name(n)
+                    .is_some_and(|t| t.clarification)
+            })
             .count() as u32;
         if asks >= limits.clarification_rounds {
             let d = Decision::new(
                 Outcome::Refused,
                 Stage::Limits,
                 "clarification_rounds_exceeded",
-                format!("this run already asked the person {asks} time(s); the limit is {}", limits.clarification_rounds),
+                format!(
+                    "this run already asked the person {asks} time(s); the limit is {}",
+                    limits.clarification_rounds
+                ),
             );
             return finish(d, trace, hash, redacted_args);
         }
@@ -211,13 +270,19 @@ fn decide(
                 Outcome::Refused,
                 Stage::Limits,
                 "rate_limited",
-                format!("the run reached its limit of {} tool calls", limits.tool_calls_per_run),
+                format!(
+                    "the run reached its limit of {} tool calls",
+                    limits.tool_calls_per_run
+                ),
             );
             return finish(d, trace, hash, redacted_args);
         }
     }
     let principal = ctx.person.unwrap_or(ctx.agent);
-    if let Err(secs) = ctx.limits.take(principal, &tool.descriptor.tool_id, &limits.rate) {
+    if let Err(secs) = ctx
+        .limits
+        .take(principal, &tool.descriptor.tool_id, &limits.rate)
+    {
         let mut d = Decision::new(
             Outcome::Refused,
             Stage::Limits,
@@ -230,9 +295,17 @@ fn decide(
     trace.push((Stage::Limits, "pass".into()));
     // 7. redaction
     let found = redacted.as_ref().map_or(0, |(_, n)| *n);
-    trace.push((Stage::Redaction, format!("{found} secret(s) redacted from every record")));
+    trace.push((
+        Stage::Redaction,
+        format!("{found} secret(s) redacted from every record"),
+    ));
     // 8. dispatch
-    let d = Decision::new(Outcome::Executed, Stage::Dispatch, "released", String::new());
+    let d = Decision::new(
+        Outcome::Executed,
+        Stage::Dispatch,
+        "released",
+        String::new(),
+    );
     finish(d, trace, hash, redacted_args)
 }
 
@@ -240,11 +313,16 @@ fn decide(
 /// `[outcomes]`. When the turn does not simply continue, calls that passed are `ended-turn`:
 /// an ended turn or a repair round does not release them (the model re-emits what it needs).
 pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
-    let withheld: Vec<usize> = (0..decisions.len()).filter(|&i| !decisions[i].released()).collect();
+    let withheld: Vec<usize> = (0..decisions.len())
+        .filter(|&i| !decisions[i].released())
+        .collect();
     if withheld.is_empty() {
         return Surfacing::Release;
     }
-    if withheld.iter().all(|&i| decisions[i].outcome == Outcome::EndedTurn) {
+    if withheld
+        .iter()
+        .all(|&i| decisions[i].outcome == Outcome::EndedTurn)
+    {
         // Only calls after a clarification: they are dropped, the ask goes out.
         return Surfacing::Drop;
     }
@@ -261,7 +339,10 @@ pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
         Outcome::SuppressedRepeat => Surface::EndTurn,
         _ => Surface::EndTurn,
     };
-    let surfaces: Vec<Surface> = withheld.iter().map(|&i| surface_of(&decisions[i])).collect();
+    let surfaces: Vec<Surface> = withheld
+        .iter()
+        .map(|&i| surface_of(&decisions[i]))
+        .collect();
     let chosen = if surfaces.contains(&Surface::Error) {
         Surface::Error
     } else if surfaces.contains(&Surface::Repair) && ctx.repairs_left > 0 {
@@ -277,7 +358,10 @@ pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
     }
     match chosen {
         Surface::Error => {
-            let i = withheld[surfaces.iter().position(|s| *s == Surface::Error).unwrap_or(0)];
+            let i = withheld[surfaces
+                .iter()
+                .position(|s| *s == Surface::Error)
+                .unwrap_or(0)];
             Surfacing::Error(error_for(&decisions[i]))
         }
         Surface::Repair => Surfacing::Repair(
@@ -286,15 +370,24 @@ pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
                 .map(|&i| {
                     let d = &decisions[i];
                     if d.outcome == Outcome::SuppressedRepeat {
-                        RepairItem { call: i, text: d.message.clone(), is_error: false }
+                        RepairItem {
+                            call: i,
+                            text: d.message.clone(),
+                            is_error: false,
+                        }
                     } else {
-                        RepairItem { call: i, text: explain(d), is_error: true }
+                        RepairItem {
+                            call: i,
+                            text: explain(d),
+                            is_error: true,
+                        }
                     }
                 })
                 .collect(),
         ),
         Surface::EndTurn => {
-            let mut text = String::from("[turnguard] The tool call(s) in this turn were not released.");
+            let mut text =
+                String::from("[turnguard] The tool call(s) in this turn were not released.");
             for &i in &withheld {
                 text.push_str(&format!("\n- {}", explain(&decisions[i])));
             }
@@ -325,7 +418,12 @@ pub fn error_for(d: &Decision) -> SurfacedError {
         (Outcome::SuppressedRepeat, _) => (409, "turnguard.effect_already_claimed"),
         _ => (403, "forbidden"),
     };
-    SurfacedError { status, code, message: explain(d), retry_after_secs: d.retry_after_secs }
+    SurfacedError {
+        status,
+        code,
+        message: explain(d),
+        retry_after_secs: d.retry_after_secs,
+    }
 }
 
 /// The verdict for calls still held when their stream was cut: every call is `invalid` at
@@ -345,7 +443,11 @@ pub fn withheld_by_cut(choice: &ChoiceEmissions) -> ChoiceVerdict {
             d
         })
         .collect();
-    ChoiceVerdict { choice: choice.choice, decisions, surfacing: Surfacing::Drop }
+    ChoiceVerdict {
+        choice: choice.choice,
+        decisions,
+        surfacing: Surfacing::Drop,
+    }
 }
 
 /// Names and ids come from model output: show at most 64 characters of a safe alphabet so

@@ -18,7 +18,9 @@ pub fn check(turn: &Turn, call: &ToolCall, policy: &CompiledPolicy) -> Option<De
             format!("the tool `{name}` is not declared in this request's tools"),
         ));
     }
-    if policy.catalog.by_name(&call.name).is_none() && policy.settings.unknown_tools == UnknownTools::Refuse {
+    if policy.catalog.by_name(&call.name).is_none()
+        && policy.settings.unknown_tools == UnknownTools::Refuse
+    {
         return Some(Decision::new(
             Outcome::Refused,
             Stage::Name,

@@ -158,6 +158,10 @@ pub struct RoundRecord {
     /// Responses API: the provider-stored response this round produced, for the response
     /// chain (see the module docs); `None` for other APIs or when no id was seen.
     pub response_link: Option<ResponseLink>,
+    /// `structured` or `prompted` when the text answer had a schema (§A).
+    pub channel: Option<&'static str>,
+    /// `valid`, `refused`, or the invalid reason.
+    pub channel_result: Option<String>,
 }
 
 /// A tool result the agent sent in a request.
@@ -204,7 +208,10 @@ pub enum Claim {
     Claimed,
     /// The effect was claimed before by `call_id`; `result` is its recorded tool result,
     /// when one arrived.
-    Existing { call_id: String, result: Option<String> },
+    Existing {
+        call_id: String,
+        result: Option<String>,
+    },
 }
 
 enum Op {
@@ -302,7 +309,11 @@ impl Journal {
     /// Gives back a claim this call took but did not use (the call was not released).
     /// Only the claim of `call_id` is removed.
     pub async fn release_claim(&self, effect_id: &str, call_id: &str) -> Result<(), JournalError> {
-        self.submit(Op::ReleaseClaim { effect_id: effect_id.to_owned(), call_id: call_id.to_owned() }).await
+        self.submit(Op::ReleaseClaim {
+            effect_id: effect_id.to_owned(),
+            call_id: call_id.to_owned(),
+        })
+        .await
     }
 
     /// Claims an effect: an atomic insert-if-absent with a row-count check, committed before
@@ -398,7 +409,11 @@ fn claim(tx: &rusqlite::Transaction<'_>, c: &EffectClaim) -> rusqlite::Result<Cl
     if inserted == 1 {
         return Ok(Claim::Claimed);
     }
-    let call_id: String = tx.query_row("SELECT call_id FROM effects WHERE effect_id = ?1", params![c.effect_id], |r| r.get(0))?;
+    let call_id: String = tx.query_row(
+        "SELECT call_id FROM effects WHERE effect_id = ?1",
+        params![c.effect_id],
+        |r| r.get(0),
+    )?;
     let result: Option<Vec<u8>> = tx
         .query_row(
             "SELECT content FROM tool_results WHERE tool_call_id = ?1 AND truncated = 0 ORDER BY id LIMIT 1",
@@ -406,7 +421,10 @@ fn claim(tx: &rusqlite::Transaction<'_>, c: &EffectClaim) -> rusqlite::Result<Cl
             |r| r.get(0),
         )
         .ok();
-    Ok(Claim::Existing { call_id, result: result.map(|b| String::from_utf8_lossy(&b).into_owned()) })
+    Ok(Claim::Existing {
+        call_id,
+        result: result.map(|b| String::from_utf8_lossy(&b).into_owned()),
+    })
 }
 
 fn insert_event(tx: &rusqlite::Transaction<'_>, e: &EventRecord) -> rusqlite::Result<()> {
@@ -422,7 +440,16 @@ fn insert_event(tx: &rusqlite::Transaction<'_>, e: &EventRecord) -> rusqlite::Re
     tx.execute(
         "INSERT INTO events (scope, run_id, node_id, request_id, sequence, type, payload, at_ms)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-        params![scope, e.run.run_id, e.run.node_id, e.request_id, next, e.kind, e.payload.to_string(), e.at_ms],
+        params![
+            scope,
+            e.run.run_id,
+            e.run.node_id,
+            e.request_id,
+            next,
+            e.kind,
+            e.payload.to_string(),
+            e.at_ms
+        ],
     )?;
     Ok(())
 }
@@ -431,8 +458,9 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
     tx.execute(
         "INSERT INTO rounds (request_id, at_ms, api, model, stream, run_id, node_id, attempt,
             round_index, request_digest, completion, finish_reason, upstream_status, latency_ms,
-            state, error, response, response_bytes, response_digest, response_truncated)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)
+            state, error, response, response_bytes, response_digest, response_truncated, channel,
+            channel_result)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22)
          ON CONFLICT (request_id) DO NOTHING",
         params![
             r.request_id,
@@ -455,6 +483,8 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
             r.response.total_bytes as i64,
             r.response.digest,
             r.response.truncated,
+            r.channel,
+            r.channel_result,
         ],
     )?;
     if let Some(link) = &r.response_link {
@@ -545,9 +575,27 @@ fn insert_tool_result(
         if t.is_error {
             payload["error"] = serde_json::json!({"code": "turnguard.tool_reported_error", "message": "the agent reported that the tool failed"});
         }
+        // durationMs: from the round that released the call to the request carrying its result.
+        let released_at: Option<i64> = tx
+            .query_row(
+                "SELECT r.at_ms FROM tool_calls c JOIN rounds r ON r.request_id = c.request_id
+                 WHERE c.call_id = ?1 AND c.outcome = 'executed' ORDER BY c.id DESC LIMIT 1",
+                params![t.tool_call_id],
+                |r| r.get(0),
+            )
+            .ok();
+        if let Some(at) = released_at {
+            payload["durationMs"] = serde_json::json!((t.at_ms - at).max(0));
+        }
         insert_event(
             tx,
-            &EventRecord { request_id: t.request_id.clone(), run: t.run.clone(), at_ms: t.at_ms, kind: "agent.tool-returned", payload },
+            &EventRecord {
+                request_id: t.request_id.clone(),
+                run: t.run.clone(),
+                at_ms: t.at_ms,
+                kind: "agent.tool-returned",
+                payload,
+            },
         )?;
     }
     Ok(())

@@ -49,7 +49,9 @@ fn v1(conn: &Connection) -> rusqlite::Result<()> {
             response BLOB,
             response_bytes INTEGER NOT NULL,
             response_digest TEXT NOT NULL,
-            response_truncated INTEGER NOT NULL
+            response_truncated INTEGER NOT NULL,
+            channel TEXT,
+            channel_result TEXT
          );
          CREATE INDEX IF NOT EXISTS rounds_run ON rounds (run_id, node_id, attempt, round_index);
          CREATE TABLE IF NOT EXISTS tool_calls (

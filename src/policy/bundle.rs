@@ -124,7 +124,10 @@ pub struct Rate {
 
 impl Default for Rate {
     fn default() -> Self {
-        Self { burst: 30, per_minute: 60 }
+        Self {
+            burst: 30,
+            per_minute: 60,
+        }
     }
 }
 
@@ -210,7 +213,12 @@ fn yes() -> bool {
 
 impl Default for Redaction {
     fn default() -> Self {
-        Self { builtin: true, strip_from_egress: false, patterns: Vec::new(), pointers: Vec::new() }
+        Self {
+            builtin: true,
+            strip_from_egress: false,
+            patterns: Vec::new(),
+            pointers: Vec::new(),
+        }
     }
 }
 
@@ -423,8 +431,17 @@ pub struct Expectation {
 /// (`tests/*.toml`).
 pub fn bundle_json_schemas() -> Vec<(&'static str, Value)> {
     vec![
-        ("turnguard.schema.json", serde_json::to_value(schemars::schema_for!(Settings)).unwrap_or_default()),
-        ("tools.schema.json", serde_json::to_value(schemars::schema_for!(ToolsFile)).unwrap_or_default()),
-        ("tests.schema.json", serde_json::to_value(schemars::schema_for!(TestsFile)).unwrap_or_default()),
+        (
+            "turnguard.schema.json",
+            serde_json::to_value(schemars::schema_for!(Settings)).unwrap_or_default(),
+        ),
+        (
+            "tools.schema.json",
+            serde_json::to_value(schemars::schema_for!(ToolsFile)).unwrap_or_default(),
+        ),
+        (
+            "tests.schema.json",
+            serde_json::to_value(schemars::schema_for!(TestsFile)).unwrap_or_default(),
+        ),
     ]
 }

@@ -5,9 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde_json::Value;
 
-use super::bundle::{
-    ContentTrust, Mode, SafetyTier, Source, ToolDescriptor, ToolEntry, ToolsFile,
-};
+use super::bundle::{ContentTrust, Mode, SafetyTier, Source, ToolDescriptor, ToolEntry, ToolsFile};
 use super::rules::UNKNOWN_TOOL_ID;
 use super::PolicyError;
 
@@ -43,8 +41,10 @@ impl CatalogTool {
     /// `approval = "always"`.
     pub fn gated(&self) -> bool {
         use super::bundle::{Approval, Egress};
-        matches!(self.descriptor.safety_tier, SafetyTier::Write | SafetyTier::Exec)
-            || self.descriptor.egress != Some(Egress::None)
+        matches!(
+            self.descriptor.safety_tier,
+            SafetyTier::Write | SafetyTier::Exec
+        ) || self.descriptor.egress != Some(Egress::None)
             || self.descriptor.approval == Some(Approval::Always)
     }
 
@@ -52,11 +52,13 @@ impl CatalogTool {
     /// deterministic/idempotent (tool-turn contract §D).
     pub fn rerunnable(&self) -> bool {
         use super::bundle::ReplayPolicy;
-        matches!(self.descriptor.safety_tier, SafetyTier::Pure | SafetyTier::Read)
-            || matches!(
-                self.descriptor.replay_policy,
-                Some(ReplayPolicy::Deterministic | ReplayPolicy::Idempotent)
-            )
+        matches!(
+            self.descriptor.safety_tier,
+            SafetyTier::Pure | SafetyTier::Read
+        ) || matches!(
+            self.descriptor.replay_policy,
+            Some(ReplayPolicy::Deterministic | ReplayPolicy::Idempotent)
+        )
     }
 }
 
@@ -80,14 +82,23 @@ impl Catalog {
         let mut by_id = BTreeMap::new();
         for (file, text, parsed) in files {
             for entry in &parsed.tool {
-                let ToolEntry { names, descriptor, content_trust, business_key, clarification, mode } = entry.clone();
+                let ToolEntry {
+                    names,
+                    descriptor,
+                    content_trust,
+                    business_key,
+                    clarification,
+                    mode,
+                } = entry.clone();
                 let id = descriptor.tool_id.clone();
                 let line = line_of_value(text, &id);
                 let err = |m: String| PolicyError::at(file, line, format!("tool `{id}`: {m}"));
                 if id.is_empty() {
                     errors.push(err("`toolId` must not be empty".into()));
                 }
-                if descriptor.safety_tier == SafetyTier::Exec && descriptor.source != Source::HostExtension {
+                if descriptor.safety_tier == SafetyTier::Exec
+                    && descriptor.source != Source::HostExtension
+                {
                     errors.push(err(
                         "`safetyTier = \"exec\"` requires `source = \"host-extension\"` (OpenWOP tool-catalog.md; RFC 0069)".into(),
                     ));
@@ -97,13 +108,18 @@ impl Catalog {
                 }
                 if let Some(schema) = &descriptor.input_schema {
                     let v = Value::Object(schema.clone().into_iter().collect());
-                    if let Err(e) = jsonschema::options().with_draft(jsonschema::Draft::Draft202012).build(&v) {
+                    if let Err(e) = jsonschema::options()
+                        .with_draft(jsonschema::Draft::Draft202012)
+                        .build(&v)
+                    {
                         errors.push(err(format!("`inputSchema` does not compile: {e}")));
                     }
                 }
                 for p in &business_key {
                     if !p.starts_with('/') {
-                        errors.push(err(format!("business key `{p}` is not a JSON pointer (RFC 6901)")));
+                        errors.push(err(format!(
+                            "business key `{p}` is not a JSON pointer (RFC 6901)"
+                        )));
                     }
                 }
                 let index = tools.len();
@@ -112,7 +128,9 @@ impl Catalog {
                 }
                 for n in &names {
                     if by_name.insert(n.clone(), index).is_some() {
-                        errors.push(err(format!("the name `{n}` already belongs to another tool")));
+                        errors.push(err(format!(
+                            "the name `{n}` already belongs to another tool"
+                        )));
                     }
                 }
                 tools.push(CatalogTool {
@@ -130,7 +148,12 @@ impl Catalog {
         if !errors.is_empty() {
             return Err(errors);
         }
-        Ok(Self { tools, by_name, by_id, unknown: unknown_tool() })
+        Ok(Self {
+            tools,
+            by_name,
+            by_id,
+            unknown: unknown_tool(),
+        })
     }
 
     /// The tool a provider-facing name refers to.
@@ -194,5 +217,6 @@ fn unknown_tool() -> CatalogTool {
 /// The 1-based line where `value` first appears quoted in `text`.
 pub(crate) fn line_of_value(text: &str, value: &str) -> Option<usize> {
     let needle = format!("\"{value}\"");
-    text.find(&needle).map(|at| text[..at].bytes().filter(|b| *b == b'\n').count() + 1)
+    text.find(&needle)
+        .map(|at| text[..at].bytes().filter(|b| *b == b'\n').count() + 1)
 }

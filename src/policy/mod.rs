@@ -48,13 +48,31 @@ pub struct PolicyError {
 
 impl PolicyError {
     pub(crate) fn at(file: &str, line: Option<usize>, message: String) -> Self {
-        Self { file: file.to_owned(), line, path: None, rule: None, message }
+        Self {
+            file: file.to_owned(),
+            line,
+            path: None,
+            rule: None,
+            message,
+        }
     }
     pub(crate) fn rule(file: &str, line: usize, rule: &str, message: String) -> Self {
-        Self { file: file.to_owned(), line: Some(line), path: None, rule: Some(rule.to_owned()), message }
+        Self {
+            file: file.to_owned(),
+            line: Some(line),
+            path: None,
+            rule: Some(rule.to_owned()),
+            message,
+        }
     }
     pub(crate) fn bundle(message: String) -> Self {
-        Self { file: "(bundle)".into(), line: None, path: None, rule: None, message }
+        Self {
+            file: "(bundle)".into(),
+            line: None,
+            path: None,
+            rule: None,
+            message,
+        }
     }
 }
 
@@ -102,7 +120,9 @@ pub struct CompiledPolicy {
 impl CompiledPolicy {
     /// The catalog tool for a provider-facing name, or the unknown-tool stand-in.
     pub fn tool(&self, name: &str) -> &CatalogTool {
-        self.catalog.by_name(name).unwrap_or_else(|| self.catalog.unknown())
+        self.catalog
+            .by_name(name)
+            .unwrap_or_else(|| self.catalog.unknown())
     }
 
     /// Effective mode for a tool (per-tool override, else the bundle's).
@@ -128,10 +148,13 @@ impl CompiledPolicy {
 fn parse_toml<T: DeserializeOwned>(file: &str, text: &str) -> Result<T, PolicyError> {
     let de = toml::Deserializer::new(text);
     serde_path_to_error::deserialize(de).map_err(|e| {
-        let line = e
-            .inner()
-            .span()
-            .map(|s| text[..s.start.min(text.len())].bytes().filter(|b| *b == b'\n').count() + 1);
+        let line = e.inner().span().map(|s| {
+            text[..s.start.min(text.len())]
+                .bytes()
+                .filter(|b| *b == b'\n')
+                .count()
+                + 1
+        });
         PolicyError {
             file: file.to_owned(),
             line,
@@ -154,7 +177,11 @@ pub fn compile(src: &BundleSource) -> Result<CompiledPolicy, Vec<PolicyError>> {
     }
     let revision = hex::encode(&hasher.finalize()[..8]);
 
-    let settings_text = src.files.get("turnguard.toml").map(String::as_str).unwrap_or("");
+    let settings_text = src
+        .files
+        .get("turnguard.toml")
+        .map(String::as_str)
+        .unwrap_or("");
     let settings: Settings = match parse_toml("turnguard.toml", settings_text) {
         Ok(s) => s,
         Err(e) => {
@@ -199,7 +226,10 @@ pub fn compile(src: &BundleSource) -> Result<CompiledPolicy, Vec<PolicyError>> {
             errors.push(PolicyError::at(
                 "turnguard.toml",
                 catalog::line_of_value(settings_text, &r.schema),
-                format!("prompted route names schema `{}`, but there is no schemas/{}.json", r.schema, r.schema),
+                format!(
+                    "prompted route names schema `{}`, but there is no schemas/{}.json",
+                    r.schema, r.schema
+                ),
             ));
         }
     }
@@ -215,7 +245,10 @@ pub fn compile(src: &BundleSource) -> Result<CompiledPolicy, Vec<PolicyError>> {
             errors.push(PolicyError::at(
                 "turnguard.toml",
                 catalog::line_of_value(settings_text, &p.tool),
-                format!("redaction pointer names tool `{}`, which is not in the catalog", p.tool),
+                format!(
+                    "redaction pointer names tool `{}`, which is not in the catalog",
+                    p.tool
+                ),
             ));
         }
     }
@@ -264,7 +297,7 @@ enum FileKind {
 
 fn classify(path: &str) -> FileKind {
     let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
-    match (dir, name.rsplit_once('.').map(|(stem, ext)| (stem, ext))) {
+    match (dir, name.rsplit_once('.')) {
         ("", Some(("turnguard", "toml"))) => FileKind::Settings,
         ("", Some((_, "json"))) if name.ends_with(".schema.json") => FileKind::Data,
         ("", Some((_, "md"))) => FileKind::Data,

@@ -11,17 +11,38 @@ use super::PolicyError;
 
 /// Built-in recognizers: (name, pattern).
 const BUILTIN: &[(&str, &str)] = &[
-    ("private-key", r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z0-9 ]*PRIVATE KEY-----"),
-    ("jwt", r"eyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}"),
+    (
+        "private-key",
+        r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z0-9 ]*PRIVATE KEY-----",
+    ),
+    (
+        "jwt",
+        r"eyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}",
+    ),
     ("bearer-token", r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{12,}"),
-    ("api-key", r"\b(?:sk|pk|rk)-(?:[A-Za-z0-9]+-)*[A-Za-z0-9_-]{20,}"),
+    (
+        "api-key",
+        r"\b(?:sk|pk|rk)-(?:[A-Za-z0-9]+-)*[A-Za-z0-9_-]{20,}",
+    ),
     ("api-key", r"\b(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,}"),
-    ("aws-access-key-id", r"\b(?:AKIA|ASIA|AIDA|AROA)[0-9A-Z]{16}\b"),
-    ("aws-secret-access-key", r#"(?i)aws_?secret_?access_?key["'\s:=]+[A-Za-z0-9/+=]{40}"#),
-    ("github-token", r"\b(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,})"),
+    (
+        "aws-access-key-id",
+        r"\b(?:AKIA|ASIA|AIDA|AROA)[0-9A-Z]{16}\b",
+    ),
+    (
+        "aws-secret-access-key",
+        r#"(?i)aws_?secret_?access_?key["'\s:=]+[A-Za-z0-9/+=]{40}"#,
+    ),
+    (
+        "github-token",
+        r"\b(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,})",
+    ),
     ("slack-token", r"\bxox[abprs]-[A-Za-z0-9-]{10,}"),
     ("google-api-key", r"\bAIza[0-9A-Za-z_-]{35}"),
-    ("gcp-service-account-key", r#""private_key_id"\s*:\s*"[a-f0-9]{40}""#),
+    (
+        "gcp-service-account-key",
+        r#""private_key_id"\s*:\s*"[a-f0-9]{40}""#,
+    ),
     ("azure-storage-key", r"(?i)AccountKey=[A-Za-z0-9+/=]{40,}"),
 ];
 
@@ -43,7 +64,11 @@ impl Redactor {
             for (name, re) in BUILTIN {
                 match Regex::new(re) {
                     Ok(r) => patterns.push(((*name).to_owned(), r)),
-                    Err(e) => errors.push(PolicyError::at(file, None, format!("built-in recognizer {name}: {e}"))),
+                    Err(e) => errors.push(PolicyError::at(
+                        file,
+                        None,
+                        format!("built-in recognizer {name}: {e}"),
+                    )),
                 }
             }
         }
@@ -59,7 +84,11 @@ impl Redactor {
         }
         for p in &cfg.pointers {
             if !p.pointer.starts_with('/') {
-                errors.push(PolicyError::at(file, None, format!("redaction pointer `{}` is not a JSON pointer", p.pointer)));
+                errors.push(PolicyError::at(
+                    file,
+                    None,
+                    format!("redaction pointer `{}` is not a JSON pointer", p.pointer),
+                ));
             }
         }
         if !errors.is_empty() {
@@ -67,7 +96,11 @@ impl Redactor {
         }
         Ok(Self {
             patterns,
-            pointers: cfg.pointers.iter().map(|p| (p.tool.clone(), p.pointer.clone())).collect(),
+            pointers: cfg
+                .pointers
+                .iter()
+                .map(|p| (p.tool.clone(), p.pointer.clone()))
+                .collect(),
             strip_from_egress: cfg.strip_from_egress,
         })
     }
@@ -93,7 +126,9 @@ impl Redactor {
         let mut s = text.to_owned();
         for (name, re) in &self.patterns {
             if re.is_match(&s) {
-                s = re.replace_all(&s, format!("[REDACTED:{name}]").as_str()).into_owned();
+                s = re
+                    .replace_all(&s, format!("[REDACTED:{name}]").as_str())
+                    .into_owned();
             }
         }
         s

@@ -83,19 +83,28 @@ pub enum Authz {
     /// Denied by `@outcome("hold")` rules only.
     Hold(Vec<String>),
     /// Refused: a forbid, no permit, an unrepresentable argument or an evaluation error.
-    Refuse { rules: Vec<String>, reason: &'static str, detail: String },
+    Refuse {
+        rules: Vec<String>,
+        reason: &'static str,
+        detail: String,
+    },
 }
 
 impl Rules {
     /// Parses and validates every `rules/*.cedar` file against the catalog.
     ///
     /// Errors: one [`PolicyError`] per problem, each naming file, line and rule.
-    pub fn compile(files: &[(String, String)], catalog: &Catalog) -> Result<Self, Vec<PolicyError>> {
+    pub fn compile(
+        files: &[(String, String)],
+        catalog: &Catalog,
+    ) -> Result<Self, Vec<PolicyError>> {
         let mut errors = Vec::new();
         let generic = match Schema::from_json_value(cedar_schema(catalog, None)) {
             Ok(s) => s,
             Err(e) => {
-                return Err(vec![PolicyError::bundle(format!("the catalog does not make a Cedar schema: {e}"))]);
+                return Err(vec![PolicyError::bundle(format!(
+                    "the catalog does not make a Cedar schema: {e}"
+                ))]);
             }
         };
         let mut per_tool: HashMap<String, Schema> = HashMap::new();
@@ -107,7 +116,10 @@ impl Rules {
                 Err(e) => errors.push(PolicyError::at(
                     &tool.file,
                     None,
-                    format!("tool `{}`: its inputSchema does not map to Cedar types: {e}", tool.descriptor.tool_id),
+                    format!(
+                        "tool `{}`: its inputSchema does not map to Cedar types: {e}",
+                        tool.descriptor.tool_id
+                    ),
                 )),
             }
         }
@@ -120,22 +132,41 @@ impl Rules {
                 let parsed = match Policy::parse(None, src) {
                     Ok(p) => p,
                     Err(e) => {
-                        let at = first_label(&e).map(|o| line_of(text, chunk.start + o)).unwrap_or(line);
-                        errors.push(PolicyError::at(file, Some(at), format!("Cedar syntax: {e}")));
+                        let at = first_label(&e)
+                            .map(|o| line_of(text, chunk.start + o))
+                            .unwrap_or(line);
+                        errors.push(PolicyError::at(
+                            file,
+                            Some(at),
+                            format!("Cedar syntax: {e}"),
+                        ));
                         continue;
                     }
                 };
-                let label = parsed.annotation("id").map(str::to_owned).unwrap_or_else(|| format!("{file}:{line}"));
+                let label = parsed
+                    .annotation("id")
+                    .map(str::to_owned)
+                    .unwrap_or_else(|| format!("{file}:{line}"));
                 let hold = match parsed.annotation("outcome") {
                     None | Some("refuse") => false,
                     Some("hold") => true,
                     Some(other) => {
-                        errors.push(PolicyError::rule(file, line, &label, format!("@outcome(\"{other}\") is not `hold` or `refuse`")));
+                        errors.push(PolicyError::rule(
+                            file,
+                            line,
+                            &label,
+                            format!("@outcome(\"{other}\") is not `hold` or `refuse`"),
+                        ));
                         continue;
                     }
                 };
                 if hold && parsed.effect() != cedar_policy::Effect::Forbid {
-                    errors.push(PolicyError::rule(file, line, &label, "@outcome(\"hold\") only means something on a forbid rule".into()));
+                    errors.push(PolicyError::rule(
+                        file,
+                        line,
+                        &label,
+                        "@outcome(\"hold\") only means something on a forbid rule".into(),
+                    ));
                     continue;
                 }
                 let policy = parsed.new_id(PolicyId::new(&label));
@@ -147,7 +178,12 @@ impl Rules {
                             Some(s) => s,
                             None if id == UNKNOWN_TOOL_ID => &generic,
                             None => {
-                                errors.push(PolicyError::rule(file, line, &label, format!("names Tool::\"{id}\", which is not in the catalog")));
+                                errors.push(PolicyError::rule(
+                                    file,
+                                    line,
+                                    &label,
+                                    format!("names Tool::\"{id}\", which is not in the catalog"),
+                                ));
                                 continue;
                             }
                         }
@@ -156,7 +192,12 @@ impl Rules {
                 };
                 let mut one = PolicySet::new();
                 if one.add(policy.clone()).is_err() {
-                    errors.push(PolicyError::rule(file, line, &label, "duplicate rule id".into()));
+                    errors.push(PolicyError::rule(
+                        file,
+                        line,
+                        &label,
+                        "duplicate rule id".into(),
+                    ));
                     continue;
                 }
                 let result = Validator::new(schema.clone()).validate(&one, ValidationMode::Strict);
@@ -171,10 +212,22 @@ impl Rules {
                     continue;
                 }
                 if policies.add(policy).is_err() {
-                    errors.push(PolicyError::rule(file, line, &label, format!("rule id `{label}` is used twice")));
+                    errors.push(PolicyError::rule(
+                        file,
+                        line,
+                        &label,
+                        format!("rule id `{label}` is used twice"),
+                    ));
                     continue;
                 }
-                meta.insert(PolicyId::new(&label), RuleMeta { file: file.clone(), line, hold });
+                meta.insert(
+                    PolicyId::new(&label),
+                    RuleMeta {
+                        file: file.clone(),
+                        line,
+                        hold,
+                    },
+                );
             }
         }
         let entities = match tool_entities(catalog) {
@@ -187,7 +240,12 @@ impl Rules {
         if !errors.is_empty() {
             return Err(errors);
         }
-        Ok(Self { policies, entities, meta, authorizer: Authorizer::new() })
+        Ok(Self {
+            policies,
+            entities,
+            meta,
+            authorizer: Authorizer::new(),
+        })
     }
 
     /// Number of rules.
@@ -207,14 +265,20 @@ impl Rules {
 
     /// Decides one call. Cannot fail: anything that cannot be evaluated refuses.
     pub fn authorize(&self, req: &AuthzRequest<'_>) -> Authz {
-        let refuse = |reason, detail: String| Authz::Refuse { rules: Vec::new(), reason, detail };
+        let refuse = |reason, detail: String| Authz::Refuse {
+            rules: Vec::new(),
+            reason,
+            detail,
+        };
         let principal = match req.person {
             Some(sub) => uid("User", sub),
             None => uid("Agent", req.agent),
         };
-        let (Some(principal), Some(action), Some(resource)) =
-            (principal, uid("Action", "call"), uid("Tool", &req.tool.descriptor.tool_id))
-        else {
+        let (Some(principal), Some(action), Some(resource)) = (
+            principal,
+            uid("Action", "call"),
+            uid("Tool", &req.tool.descriptor.tool_id),
+        ) else {
             return refuse("rule_error", "an entity id could not be formed".into());
         };
         let args = match to_cedar(req.args, req.tool.input_schema()) {
@@ -222,11 +286,26 @@ impl Rules {
             Err(why) => return refuse("args_unrepresentable", why),
         };
         let context = Context::from_pairs([
-            ("trust".to_owned(), RestrictedExpression::new_string(req.trust.to_owned())),
-            ("provider".to_owned(), RestrictedExpression::new_string(req.provider.to_owned())),
-            ("model".to_owned(), RestrictedExpression::new_string(req.model.to_owned())),
-            ("run".to_owned(), RestrictedExpression::new_string(req.run.to_owned())),
-            ("approved".to_owned(), RestrictedExpression::new_bool(req.approved)),
+            (
+                "trust".to_owned(),
+                RestrictedExpression::new_string(req.trust.to_owned()),
+            ),
+            (
+                "provider".to_owned(),
+                RestrictedExpression::new_string(req.provider.to_owned()),
+            ),
+            (
+                "model".to_owned(),
+                RestrictedExpression::new_string(req.model.to_owned()),
+            ),
+            (
+                "run".to_owned(),
+                RestrictedExpression::new_string(req.run.to_owned()),
+            ),
+            (
+                "approved".to_owned(),
+                RestrictedExpression::new_bool(req.approved),
+            ),
             ("args".to_owned(), args),
         ]);
         let Ok(context) = context else {
@@ -235,11 +314,25 @@ impl Rules {
         let Ok(request) = Request::new(principal, action, resource, context, None) else {
             return refuse("rule_error", "the request could not be built".into());
         };
-        let response = self.authorizer.is_authorized(&request, &self.policies, &self.entities);
-        let rules: Vec<String> = response.diagnostics().reason().map(|id| id.to_string()).collect();
-        let errors: Vec<String> = response.diagnostics().errors().map(|e| e.to_string()).collect();
+        let response = self
+            .authorizer
+            .is_authorized(&request, &self.policies, &self.entities);
+        let rules: Vec<String> = response
+            .diagnostics()
+            .reason()
+            .map(|id| id.to_string())
+            .collect();
+        let errors: Vec<String> = response
+            .diagnostics()
+            .errors()
+            .map(|e| e.to_string())
+            .collect();
         if !errors.is_empty() {
-            return Authz::Refuse { rules, reason: "rule_error", detail: errors.join("; ") };
+            return Authz::Refuse {
+                rules,
+                reason: "rule_error",
+                detail: errors.join("; "),
+            };
         }
         match response.decision() {
             Decision::Allow => Authz::Permit(rules),
@@ -253,8 +346,73 @@ impl Rules {
                 if all_hold {
                     Authz::Hold(rules)
                 } else {
-                    Authz::Refuse { detail: format!("forbidden by {}", rules.join(", ")), rules, reason: "forbidden" }
+                    Authz::Refuse {
+                        detail: format!("forbidden by {}", rules.join(", ")),
+                        rules,
+                        reason: "forbidden",
+                    }
                 }
+            }
+        }
+    }
+}
+
+impl Rules {
+    /// Whether the caller may invoke `tool` at all (OpenWOP tool-catalog.md: the catalog lists
+    /// only such tools). Decided by the rules with empty arguments and an approval in hand:
+    /// a tool some call could be permitted for is listed; one no call can be permitted for
+    /// (no permit, or a forbid that does not depend on the arguments) is not. Rules that read
+    /// arguments cannot be evaluated here and do not hide a tool.
+    pub fn may_invoke(&self, person: Option<&str>, agent: &str, tool: &CatalogTool) -> bool {
+        let principal = match person {
+            Some(sub) => uid("User", sub),
+            None => uid("Agent", agent),
+        };
+        let (Some(principal), Some(action), Some(resource)) = (
+            principal,
+            uid("Action", "call"),
+            uid("Tool", &tool.descriptor.tool_id),
+        ) else {
+            return false;
+        };
+        let empty = RestrictedExpression::new_record(Vec::<(String, RestrictedExpression)>::new());
+        let Ok(args) = empty else { return false };
+        let context = Context::from_pairs([
+            (
+                "trust".to_owned(),
+                RestrictedExpression::new_string("trusted".into()),
+            ),
+            (
+                "provider".to_owned(),
+                RestrictedExpression::new_string(String::new()),
+            ),
+            (
+                "model".to_owned(),
+                RestrictedExpression::new_string(String::new()),
+            ),
+            (
+                "run".to_owned(),
+                RestrictedExpression::new_string(String::new()),
+            ),
+            ("approved".to_owned(), RestrictedExpression::new_bool(true)),
+            ("args".to_owned(), args),
+        ]);
+        let Ok(context) = context else { return false };
+        let Ok(request) = Request::new(principal, action, resource, context, None) else {
+            return false;
+        };
+        let response = self
+            .authorizer
+            .is_authorized(&request, &self.policies, &self.entities);
+        match response.decision() {
+            Decision::Allow => true,
+            Decision::Deny => {
+                let rules: Vec<String> = response
+                    .diagnostics()
+                    .reason()
+                    .map(|id| id.to_string())
+                    .collect();
+                !rules.is_empty() && rules.iter().all(|r| self.meta(r).is_some_and(|m| m.hold))
             }
         }
     }
@@ -306,19 +464,29 @@ fn split_statements(text: &str) -> Vec<Chunk> {
         }
         if b == b';' {
             if let Some(s) = start.take() {
-                out.push(Chunk { start: s, end: i + 1 });
+                out.push(Chunk {
+                    start: s,
+                    end: i + 1,
+                });
             }
         }
         i += 1;
     }
     if let Some(s) = start {
-        out.push(Chunk { start: s, end: text.len() });
+        out.push(Chunk {
+            start: s,
+            end: text.len(),
+        });
     }
     out
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
-    text[..offset.min(text.len())].bytes().filter(|b| *b == b'\n').count() + 1
+    text[..offset.min(text.len())]
+        .bytes()
+        .filter(|b| *b == b'\n')
+        .count()
+        + 1
 }
 
 /// Where in `src` a name the message quotes (`` `args.amout` `` → `amout`) first appears.
@@ -391,7 +559,12 @@ fn cedar_type(schema: &Value) -> Option<Value> {
                 .filter_map(Value::as_str)
                 .collect();
             let mut attributes = Map::new();
-            for (name, prop) in schema.get("properties").and_then(Value::as_object).into_iter().flatten() {
+            for (name, prop) in schema
+                .get("properties")
+                .and_then(Value::as_object)
+                .into_iter()
+                .flatten()
+            {
                 if let Some(mut t) = cedar_type(prop) {
                     t["required"] = json!(required.contains(name.as_str()));
                     attributes.insert(name.clone(), t);
@@ -406,24 +579,36 @@ fn cedar_type(schema: &Value) -> Option<Value> {
 /// Converts arguments to a Cedar value, exactly or not at all: a `null`, a float with more
 /// than 4 decimals (Cedar `decimal`), or an array with duplicate members (a Cedar set) is
 /// refused, never rounded.
-fn to_cedar(v: &Value, schema: Option<&BTreeMap<String, Value>>) -> Result<RestrictedExpression, String> {
+fn to_cedar(
+    v: &Value,
+    schema: Option<&BTreeMap<String, Value>>,
+) -> Result<RestrictedExpression, String> {
     let schema = schema.map(|s| Value::Object(s.clone().into_iter().collect()));
     convert(v, schema.as_ref(), "")
 }
 
 fn convert(v: &Value, schema: Option<&Value>, path: &str) -> Result<RestrictedExpression, String> {
-    let wants_decimal = schema.and_then(|s| s.get("type")).and_then(Value::as_str) == Some("number");
+    let wants_decimal =
+        schema.and_then(|s| s.get("type")).and_then(Value::as_str) == Some("number");
     match v {
-        Value::Null => Err(format!("`{}` is null, which Cedar cannot represent", display_path(path))),
+        Value::Null => Err(format!(
+            "`{}` is null, which Cedar cannot represent",
+            display_path(path)
+        )),
         Value::Bool(b) => Ok(RestrictedExpression::new_bool(*b)),
         Value::String(s) => Ok(RestrictedExpression::new_string(s.clone())),
         Value::Number(n) => {
             if let (Some(i), false) = (n.as_i64(), wants_decimal) {
                 return Ok(RestrictedExpression::new_long(i));
             }
-            decimal(n).map(RestrictedExpression::new_decimal).ok_or_else(|| {
-                format!("`{}` = {n} is not exactly representable as a Cedar decimal (4 decimals)", display_path(path))
-            })
+            decimal(n)
+                .map(RestrictedExpression::new_decimal)
+                .ok_or_else(|| {
+                    format!(
+                        "`{}` = {n} is not exactly representable as a Cedar decimal (4 decimals)",
+                        display_path(path)
+                    )
+                })
         }
         Value::Array(items) => {
             let item_schema = schema.and_then(|s| s.get("items"));
@@ -431,7 +616,10 @@ fn convert(v: &Value, schema: Option<&Value>, path: &str) -> Result<RestrictedEx
             let mut out = Vec::with_capacity(items.len());
             for (i, item) in items.iter().enumerate() {
                 if !seen.insert(item.to_string()) {
-                    return Err(format!("`{}` has duplicate members, which a Cedar set cannot keep", display_path(path)));
+                    return Err(format!(
+                        "`{}` has duplicate members, which a Cedar set cannot keep",
+                        display_path(path)
+                    ));
                 }
                 out.push(convert(item, item_schema, &format!("{path}/{i}"))?);
             }
@@ -444,7 +632,8 @@ fn convert(v: &Value, schema: Option<&Value>, path: &str) -> Result<RestrictedEx
                 let p = props.and_then(|p| p.get(k));
                 fields.push((k.clone(), convert(item, p, &format!("{path}/{k}"))?));
             }
-            RestrictedExpression::new_record(fields).map_err(|e| format!("`{}`: {e}", display_path(path)))
+            RestrictedExpression::new_record(fields)
+                .map_err(|e| format!("`{}`: {e}", display_path(path)))
         }
     }
 }
@@ -487,13 +676,22 @@ fn tool_entities(catalog: &Catalog) -> Result<Entities, String> {
             ("source", s(d.source.as_str())),
             ("safetyTier", s(d.safety_tier.as_str())),
             ("egress", s(d.egress.map_or("unspecified", |e| e.as_str()))),
-            ("approval", s(d.approval.map_or("unspecified", |e| e.as_str()))),
-            ("replayPolicy", s(d.replay_policy.map_or("unspecified", |e| e.as_str()))),
+            (
+                "approval",
+                s(d.approval.map_or("unspecified", |e| e.as_str())),
+            ),
+            (
+                "replayPolicy",
+                s(d.replay_policy.map_or("unspecified", |e| e.as_str())),
+            ),
             ("contentTrust", s(tool.content_trust.as_str())),
             (
                 "scopes",
                 RestrictedExpression::new_set(
-                    d.auth.iter().flat_map(|a| a.scopes.iter()).map(|x| RestrictedExpression::new_string(x.clone())),
+                    d.auth
+                        .iter()
+                        .flat_map(|a| a.scopes.iter())
+                        .map(|x| RestrictedExpression::new_string(x.clone())),
                 ),
             ),
         ]

@@ -110,7 +110,6 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         provider_output_seen,
         previous_response_id: None,
         provider_delegations: Vec::new(),
-        output_format: None,
     })
 }
 
@@ -157,8 +156,18 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
             arguments: b.get("input").map(Value::to_string).unwrap_or_default(),
         })
         .collect();
+    let texts: Vec<&str> = body
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter(|b| b.get("type").and_then(Value::as_str) == Some("text"))
+        .filter_map(|b| b.get("text").and_then(Value::as_str))
+        .collect();
+    let text = (!texts.is_empty()).then(|| texts.concat());
     vec![ChoiceEmissions {
         choice: 0,
+        text,
         completion: classify(
             body.get("stop_reason").and_then(Value::as_str),
             body.pointer("/usage/output_tokens").and_then(Value::as_u64),
@@ -202,7 +211,10 @@ pub fn append_repair(body: &mut Value, choice: &ChoiceEmissions, items: &[Repair
         .iter()
         .filter_map(|it| choice.calls.get(it.call))
         .map(|c| {
-            let input = serde_json::from_str::<Value>(&c.arguments).ok().filter(Value::is_object).unwrap_or_else(|| json!({}));
+            let input = serde_json::from_str::<Value>(&c.arguments)
+                .ok()
+                .filter(Value::is_object)
+                .unwrap_or_else(|| json!({}));
             json!({"type": "tool_use", "id": c.id, "name": c.name, "input": input})
         })
         .collect();
@@ -416,6 +428,7 @@ impl MessagesStream {
         }
         vec![ChoiceEmissions {
             choice: 0,
+            text: None,
             completion: self.completion(),
             calls,
         }]
@@ -478,7 +491,11 @@ impl MessagesStream {
                 out.push(h.raw);
                 continue;
             }
-            let kind = h.json.as_ref().and_then(|v| v.get("type")).and_then(Value::as_str);
+            let kind = h
+                .json
+                .as_ref()
+                .and_then(|v| v.get("type"))
+                .and_then(Value::as_str);
             if let Some(text) = text {
                 if !text_sent && matches!(kind, Some("message_delta" | "message_stop")) {
                     out.extend(text_block(text_index, text));
@@ -487,7 +504,10 @@ impl MessagesStream {
                 if kind == Some("message_delta") {
                     if let Some(v) = h.json.as_mut() {
                         v["delta"]["stop_reason"] = json!("end_turn");
-                        out.push(sse::encode(h.name.as_deref().or(Some("message_delta")), &v.to_string()));
+                        out.push(sse::encode(
+                            h.name.as_deref().or(Some("message_delta")),
+                            &v.to_string(),
+                        ));
                         continue;
                     }
                 }
@@ -519,7 +539,8 @@ impl MessagesStream {
     pub fn abandon(&mut self) -> u64 {
         self.held.clear();
         self.decided = true;
-        self.first_held.unwrap_or_else(|| self.blocks.keys().next_back().map_or(0, |k| k + 1))
+        self.first_held
+            .unwrap_or_else(|| self.blocks.keys().next_back().map_or(0, |k| k + 1))
     }
 }
 

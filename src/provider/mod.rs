@@ -8,7 +8,9 @@ pub mod openai_responses;
 use bytes::Bytes;
 use serde_json::Value;
 
-use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Completion, RepairItem, ResponseLink, Turn};
+use crate::model::{
+    Api, ChoiceEmissions, ChoiceVerdict, Completion, RepairItem, ResponseLink, Turn,
+};
 use crate::sse::SseBlock;
 
 /// Reads a request body of `api` into a [`Turn`].
@@ -59,6 +61,40 @@ pub fn append_repair(api: Api, body: &mut Value, choice: &ChoiceEmissions, items
     }
 }
 
+/// The provider-enforced output schema of a request (`structured` channel, tool-turn
+/// contract §A): Chat `response_format: {type: "json_schema", json_schema: {name, schema}}`.
+pub fn structured_schema(api: Api, body: &Value) -> Option<(String, Value)> {
+    match api {
+        Api::OpenAiChat => {
+            let rf = body.get("response_format")?;
+            if rf.get("type").and_then(Value::as_str) != Some("json_schema") {
+                return None;
+            }
+            let js = rf.get("json_schema")?;
+            let name = js
+                .get("name")
+                .and_then(Value::as_str)
+                .unwrap_or("response_format")
+                .to_owned();
+            Some((name, js.get("schema")?.clone()))
+        }
+        Api::AnthropicMessages => None,
+        Api::OpenAiResponses => openai_responses::structured_schema(body),
+    }
+}
+
+/// Appends a repair turn for a text answer: the answer as the assistant's turn, then a
+/// host-authored user message with the validator's findings.
+pub fn append_text_repair(body: &mut Value, answer: &str, feedback: &str) {
+    if let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) {
+        messages.push(serde_json::json!({"role": "assistant", "content": answer}));
+        messages.push(serde_json::json!({"role": "user", "content": feedback}));
+    } else if body.get("messages").is_none() {
+        // Responses: the transcript is `input`.
+        openai_responses::append_text_repair(body, answer, feedback);
+    }
+}
+
 /// The per-API stream state machine: forwards what it may at once, holds tool-call events
 /// until the completion state is known, then releases or rewrites them.
 #[derive(Debug)]
@@ -78,7 +114,9 @@ impl StreamAdapter {
                 Self::AnthropicMessages(anthropic_messages::MessagesStream::new(turn))
             }
             Api::OpenAiResponses => Self::OpenAiResponses(Box::new(match splice {
-                Some(Splice::OpenAiResponses(s)) => openai_responses::ResponsesStream::continuing(turn, s),
+                Some(Splice::OpenAiResponses(s)) => {
+                    openai_responses::ResponsesStream::continuing(turn, s)
+                }
                 _ => openai_responses::ResponsesStream::new(turn),
             })),
         }
@@ -161,7 +199,9 @@ impl StreamAdapter {
     pub fn fail(&mut self, code: &str, message: &str, out: &mut Vec<Bytes>) {
         match self {
             Self::OpenAiChat(s) => s.fail("turnguard_refused", code, message, out),
-            Self::AnthropicMessages(s) => s.fail("invalid_request_error", &format!("{code}: {message}"), out),
+            Self::AnthropicMessages(s) => {
+                s.fail("invalid_request_error", &format!("{code}: {message}"), out)
+            }
             Self::OpenAiResponses(s) => s.fail(code, message, out),
         }
     }
@@ -174,7 +214,9 @@ impl StreamAdapter {
                 s.abandon();
                 Splice::OpenAiChat
             }
-            Self::AnthropicMessages(s) => Splice::AnthropicMessages { offset: s.abandon() },
+            Self::AnthropicMessages(s) => Splice::AnthropicMessages {
+                offset: s.abandon(),
+            },
             Self::OpenAiResponses(s) => Splice::OpenAiResponses(Box::new(s.abandon())),
         }
     }
@@ -209,13 +251,22 @@ impl Splice {
         if matches!(self, Self::OpenAiResponses(_)) {
             return Some(block);
         }
-        let Some(data) = block.data.as_deref() else { return Some(block) };
-        let Ok(mut v) = serde_json::from_str::<Value>(data) else { return Some(block) };
+        let Some(data) = block.data.as_deref() else {
+            return Some(block);
+        };
+        let Ok(mut v) = serde_json::from_str::<Value>(data) else {
+            return Some(block);
+        };
         let changed = match *self {
             Self::OpenAiResponses(_) => false,
             Self::OpenAiChat => {
                 let mut changed = false;
-                for c in v.get_mut("choices").and_then(Value::as_array_mut).into_iter().flatten() {
+                for c in v
+                    .get_mut("choices")
+                    .and_then(Value::as_array_mut)
+                    .into_iter()
+                    .flatten()
+                {
                     if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
                         changed |= d.remove("role").is_some();
                     }
@@ -240,6 +291,10 @@ impl Splice {
         }
         let data = v.to_string();
         let raw = crate::sse::encode(block.event.as_deref(), &data);
-        Some(SseBlock { raw, event: block.event, data: Some(data) })
+        Some(SseBlock {
+            raw,
+            event: block.event,
+            data: Some(data),
+        })
     }
 }

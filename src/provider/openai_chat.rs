@@ -125,7 +125,6 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         provider_output_seen: false,
         previous_response_id: None,
         provider_delegations: Vec::new(),
-        output_format: None,
     })
 }
 
@@ -213,6 +212,10 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
         let refused = matches!(message.get("refusal"), Some(Value::String(s)) if !s.is_empty());
         out.push(ChoiceEmissions {
             choice: index,
+            text: message
+                .get("content")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
             completion: classify(
                 choice.get("finish_reason").and_then(Value::as_str),
                 refused,
@@ -245,7 +248,10 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
         }
         if let Some(message) = choice.get_mut("message").and_then(Value::as_object_mut) {
             // Calls are in emission order: tool_calls first, then a legacy function_call.
-            let n_calls = message.get("tool_calls").and_then(Value::as_array).map_or(0, Vec::len);
+            let n_calls = message
+                .get("tool_calls")
+                .and_then(Value::as_array)
+                .map_or(0, Vec::len);
             if let Some(list) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
                 let mut i = 0;
                 list.retain(|_| {
@@ -296,7 +302,11 @@ pub fn append_repair(body: &mut Value, choice: &ChoiceEmissions, items: &[Repair
     messages.push(json!({"role": "assistant", "content": null, "tool_calls": calls}));
     for it in items {
         if let Some(c) = choice.calls.get(it.call) {
-            let text = if it.is_error { format!("Error: {}", it.text) } else { it.text.clone() };
+            let text = if it.is_error {
+                format!("Error: {}", it.text)
+            } else {
+                it.text.clone()
+            };
             messages.push(json!({"role": "tool", "tool_call_id": c.id, "content": text}));
         }
     }
@@ -590,6 +600,7 @@ impl ChatStream {
             .filter(|(_, c)| !c.calls.is_empty())
             .map(|(&index, c)| ChoiceEmissions {
                 choice: index,
+                text: None,
                 completion: classify(
                     c.finish_reason.as_deref(),
                     c.refused,
@@ -756,7 +767,8 @@ impl ChatStream {
     pub fn fail(&mut self, kind: &str, code: &str, message: &str, out: &mut Vec<Bytes>) {
         self.held.clear();
         self.decided = true;
-        let body = json!({ "error": { "message": message, "type": kind, "code": code, "param": null } });
+        let body =
+            json!({ "error": { "message": message, "type": kind, "code": code, "param": null } });
         out.push(sse::encode(None, &body.to_string()));
     }
 

@@ -148,11 +148,6 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         Some(Value::String(s)) => Some(s.clone()),
         Some(_) => return Err("`previous_response_id` must be a string".into()),
     };
-    let output_format = body
-        .pointer("/text/format")
-        .filter(|f| str_of(f, "type") == Some("json_schema"))
-        .cloned();
-
     let mut names: HashMap<String, String> = HashMap::new();
     let mut prior_calls = Vec::new();
     // The provider holds the turns before `previous_response_id`, which this request does not
@@ -222,7 +217,6 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         provider_output_seen,
         previous_response_id,
         provider_delegations,
-        output_format,
     })
 }
 
@@ -332,6 +326,51 @@ fn completion_of_response(response: &Value, refused: bool, max: Option<u64>) -> 
     )
 }
 
+/// The assistant text of a response: the `output_text` parts of its `message` items,
+/// concatenated; `None` when it has no message.
+fn output_text(response: &Value) -> Option<String> {
+    let mut text: Option<String> = None;
+    for item in output_items(response).filter(|i| item_type(i) == "message") {
+        let parts = item.get("content").and_then(Value::as_array);
+        for p in parts.into_iter().flatten() {
+            if str_of(p, "type") == Some("output_text") {
+                text.get_or_insert_with(String::new)
+                    .push_str(str_of(p, "text").unwrap_or_default());
+            }
+        }
+    }
+    text
+}
+
+/// The provider-enforced output schema of a request (`structured` channel, contract §A):
+/// `text.format: {type: "json_schema", name, schema, strict}` (flat, unlike Chat's
+/// `response_format.json_schema`).
+pub fn structured_schema(body: &Value) -> Option<(String, Value)> {
+    let format = body.pointer("/text/format")?;
+    if str_of(format, "type") != Some("json_schema") {
+        return None;
+    }
+    let name = str_of(format, "name").unwrap_or("text.format").to_owned();
+    Some((name, format.get("schema")?.clone()))
+}
+
+/// Appends a repair turn for a text answer: the answer as an assistant message, then a
+/// host-authored user message with the validator's findings (a string `input` becomes a user
+/// message first).
+pub fn append_text_repair(body: &mut Value, answer: &str, feedback: &str) {
+    let Some(obj) = body.as_object_mut() else {
+        return;
+    };
+    let mut input = match obj.remove("input") {
+        Some(Value::Array(list)) => list,
+        Some(Value::String(text)) => vec![json!({"role": "user", "content": text})],
+        _ => Vec::new(),
+    };
+    input.push(json!({"role": "assistant", "content": answer}));
+    input.push(json!({"role": "user", "content": feedback}));
+    obj.insert("input".into(), Value::Array(input));
+}
+
 /// Reads the emissions of a non-stream response (one choice, index 0).
 pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
     let calls = output_items(body)
@@ -340,6 +379,7 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
         .collect();
     vec![ChoiceEmissions {
         choice: 0,
+        text: output_text(body),
         completion: completion_of_response(body, false, turn.max_output_tokens),
         calls,
     }]
@@ -1083,6 +1123,7 @@ impl ResponsesStream {
         }
         vec![ChoiceEmissions {
             choice: 0,
+            text: None,
             completion: self.completion(),
             calls,
         }]
@@ -1441,8 +1482,8 @@ mod tests {
         assert_eq!(t.previous_response_id.as_deref(), Some("resp_1"));
         assert_eq!(t.max_output_tokens, Some(64));
         assert_eq!(
-            t.output_format.as_ref().and_then(|f| f.get("name")),
-            Some(&json!("A"))
+            structured_schema(&body),
+            Some(("A".to_owned(), json!({"type": "object"})))
         );
         // reasoning + call is one model turn, the assistant message after the output another.
         assert_eq!(t.round_index, 2);

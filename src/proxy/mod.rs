@@ -24,12 +24,17 @@ use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, StatusCode};
 use serde_json::{json, Value};
 
+use crate::admission::channel::{Channel, ChannelSpec, ChannelVerdict};
 use crate::admission::{self, AdmitCtx};
 use crate::body::{read_capped, BodyError};
 use crate::error::WireError;
-use crate::journal::{CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RunKey, ToolResultRecord};
-use crate::metrics::{CallLabels, RepairLabels, TrustLabels};
-use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Outcome, Stage, SurfacedError, Surfacing, Turn};
+use crate::journal::{
+    CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RunKey, ToolResultRecord,
+};
+use crate::metrics::{CallLabels, EmissionLabels, RepairLabels, TrustLabels};
+use crate::model::{
+    Api, ChoiceEmissions, ChoiceVerdict, Outcome, Stage, SurfacedError, Surfacing, Turn,
+};
 use crate::policy::bundle::ContentTrust;
 use crate::policy::CompiledPolicy;
 use crate::provider;
@@ -77,13 +82,21 @@ impl RequestCtx {
             }),
             run_id,
         };
-        Self { request_id, run, started: Instant::now(), at_ms: now_ms() }
+        Self {
+            request_id,
+            run,
+            started: Instant::now(),
+            at_ms: now_ms(),
+        }
     }
 }
 
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }
 
 /// Everything one agent request carries through its model rounds (the first and any repair
@@ -104,6 +117,8 @@ pub struct Session {
     pub repairs_left: u32,
     /// Model rounds sent so far for this agent request.
     pub rounds: u32,
+    /// The schema the text answer must meet (structured / prompted channel, §A).
+    pub channel: Option<ChannelSpec>,
 }
 
 impl Session {
@@ -120,7 +135,16 @@ impl Session {
     pub async fn send(&mut self) -> Result<http::Response<hyper::body::Incoming>, WireError> {
         self.rounds += 1;
         let raw = Bytes::from(self.body.to_string());
-        upstream::send(&self.state, self.turn.api.upstream(), self.turn.api.as_str(), Method::POST, &self.path, self.headers.clone(), raw).await
+        upstream::send(
+            &self.state,
+            self.turn.api.upstream(),
+            self.turn.api.as_str(),
+            Method::POST,
+            &self.path,
+            self.headers.clone(),
+            raw,
+        )
+        .await
     }
 
     /// What every round record shares.
@@ -145,7 +169,11 @@ impl Session {
             run: self.ctx.run.run_id.as_deref(),
             provider: self.turn.api.as_str(),
             approved: &no_approval,
-            repairs_left: if n_choices(&self.body) > 1 { 0 } else { self.repairs_left },
+            repairs_left: if n_choices(&self.body) > 1 {
+                0
+            } else {
+                self.repairs_left
+            },
         };
         let mut verdicts = Vec::with_capacity(round.len());
         for choice in round {
@@ -155,12 +183,21 @@ impl Session {
             // A claim taken for a call the surfacing then withheld is given back.
             for (i, effect_id) in claimed {
                 if !decisions[i].released() {
-                    if let Err(e) = self.state.journal.release_claim(&effect_id, &choice.calls[i].id).await {
+                    if let Err(e) = self
+                        .state
+                        .journal
+                        .release_claim(&effect_id, &choice.calls[i].id)
+                        .await
+                    {
                         tracing::error!(error = %e, "an effect claim could not be given back");
                     }
                 }
             }
-            verdicts.push(ChoiceVerdict { choice: choice.choice, decisions, surfacing });
+            verdicts.push(ChoiceVerdict {
+                choice: choice.choice,
+                decisions,
+                surfacing,
+            });
         }
         self.account(round, &verdicts).await;
         verdicts
@@ -169,7 +206,11 @@ impl Session {
     /// Dispatch: claims the effect of every executed call whose tool declares a business key
     /// (OpenWOP idempotency.md, `keying: business-identity`). A repeat of a claimed effect is
     /// `suppressed-repeat`, carrying the recorded result. Returns the claims taken.
-    async fn claim_effects(&self, choice: &ChoiceEmissions, decisions: &mut [crate::model::Decision]) -> Vec<(usize, String)> {
+    async fn claim_effects(
+        &self,
+        choice: &ChoiceEmissions,
+        decisions: &mut [crate::model::Decision],
+    ) -> Vec<(usize, String)> {
         let mut taken = Vec::new();
         for (i, call) in choice.calls.iter().enumerate() {
             if decisions[i].outcome != Outcome::Executed {
@@ -179,9 +220,17 @@ impl Session {
             if tool.business_key.is_empty() {
                 continue;
             }
-            let Ok(args) = admission::arguments::parse(&call.arguments) else { continue };
-            let key: Vec<Value> = tool.business_key.iter().map(|p| args.pointer(p).cloned().unwrap_or(Value::Null)).collect();
-            let effect_id = hex_sha256(&admission::arguments::canonical(&json!({"toolId": tool.descriptor.tool_id, "businessKey": key})));
+            let Ok(args) = admission::arguments::parse(&call.arguments) else {
+                continue;
+            };
+            let key: Vec<Value> = tool
+                .business_key
+                .iter()
+                .map(|p| args.pointer(p).cloned().unwrap_or(Value::Null))
+                .collect();
+            let effect_id = hex_sha256(&admission::arguments::canonical(
+                &json!({"toolId": tool.descriptor.tool_id, "businessKey": key}),
+            ));
             let claim = EffectClaim {
                 effect_id: effect_id.clone(),
                 tool_id: tool.descriptor.tool_id.clone(),
@@ -230,7 +279,11 @@ impl Session {
                     })
                     .inc();
                 let tool_name = admission::sanitize_label(&call.name);
-                let call_id = if call.id.is_empty() { "unknown".to_owned() } else { call.id.clone() };
+                let call_id = if call.id.is_empty() {
+                    "unknown".to_owned()
+                } else {
+                    call.id.clone()
+                };
                 let mut called = json!({
                     "agentId": AGENT_ID, "toolName": tool_name, "callId": call_id,
                     "principal": principal, "transport": "native"
@@ -256,7 +309,11 @@ impl Session {
                 }
             }
             if let Some(run) = &self.ctx.run.run_id {
-                let n = verdict.decisions.iter().filter(|d| d.outcome == Outcome::Executed).count() as u32;
+                let n = verdict
+                    .decisions
+                    .iter()
+                    .filter(|d| d.outcome == Outcome::Executed)
+                    .count() as u32;
                 self.state.limits.add_run(run, n);
             }
         }
@@ -266,7 +323,13 @@ impl Session {
     }
 
     fn event(&self, kind: &'static str, payload: Value) -> EventRecord {
-        EventRecord { request_id: self.ctx.request_id.clone(), run: self.ctx.run.clone(), at_ms: now_ms(), kind, payload }
+        EventRecord {
+            request_id: self.ctx.request_id.clone(),
+            run: self.ctx.run.clone(),
+            at_ms: now_ms(),
+            kind,
+            payload,
+        }
     }
 
     /// The request body for a repair round: the choice's withheld calls as an assistant turn,
@@ -280,7 +343,13 @@ impl Session {
     /// Counts a repair round.
     pub fn count_repair(&mut self) {
         self.repairs_left = self.repairs_left.saturating_sub(1);
-        self.state.metrics.repairs.get_or_create(&RepairLabels { api: self.turn.api.as_str().to_owned() }).inc();
+        self.state
+            .metrics
+            .repairs
+            .get_or_create(&RepairLabels {
+                api: self.turn.api.as_str().to_owned(),
+            })
+            .inc();
     }
 }
 
@@ -302,7 +371,9 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Respo
         }
     };
     state.metrics.inflight_requests.dec();
-    state.metrics.request(api.as_str(), resp.status().as_u16(), stream);
+    state
+        .metrics
+        .request(api.as_str(), resp.status().as_u16(), stream);
     if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
         resp.headers_mut().insert("x-request-id", v);
     }
@@ -310,24 +381,42 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Respo
 }
 
 /// The life of a turn. Returns the response and whether it is a stream.
-async fn turn(state: &Arc<AppState>, api: Api, ctx: &RequestCtx, req: Request<Body>) -> Result<(Response, bool), WireError> {
+async fn turn(
+    state: &Arc<AppState>,
+    api: Api,
+    ctx: &RequestCtx,
+    req: Request<Body>,
+) -> Result<(Response, bool), WireError> {
     let (parts, body) = req.into_parts();
     let raw = read_request(state, body).await?;
     let json = parse_json(&raw)?;
-    let turn = provider::parse_request(api, &json).map_err(|reason| WireError::InvalidRequest { reason })?;
+    let turn = provider::parse_request(api, &json)
+        .map_err(|reason| WireError::InvalidRequest { reason })?;
     refuse_provider_delegation(ctx, &turn)?;
     let policy = state.policy.snapshot();
     let trust = admission::trust::of_turn(&turn, &policy);
-    state.metrics.turns.get_or_create(&TrustLabels { trust: trust.as_str().to_owned() }).inc();
+    state
+        .metrics
+        .turns
+        .get_or_create(&TrustLabels {
+            trust: trust.as_str().to_owned(),
+        })
+        .inc();
+    let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
     record_tool_results(state, ctx, &turn).await?;
 
     let mut session = Session {
+        channel,
         state: Arc::clone(state),
         ctx: ctx.clone(),
         repairs_left: policy.settings.limits.repair_rounds,
         policy,
         trust,
-        path: parts.uri.path_and_query().map_or(parts.uri.path(), |p| p.as_str()).to_owned(),
+        path: parts
+            .uri
+            .path_and_query()
+            .map_or(parts.uri.path(), |p| p.as_str())
+            .to_owned(),
         headers: upstream::request_headers(&parts.headers, true),
         body: json,
         turn,
@@ -349,10 +438,12 @@ async fn turn(state: &Arc<AppState>, api: Api, ctx: &RequestCtx, req: Request<Bo
             return Ok((stream::relay(session, base, resp), true));
         }
         let (p, b) = resp.into_parts();
-        let body = read_capped(b, state.config.max_response_bytes).await.map_err(|e| WireError::UpstreamUnavailable {
-            upstream: api.upstream().to_owned(),
-            reason: format!("response body: {e}"),
-        })?;
+        let body = read_capped(b, state.config.max_response_bytes)
+            .await
+            .map_err(|e| WireError::UpstreamUnavailable {
+                upstream: api.upstream().to_owned(),
+                reason: format!("response body: {e}"),
+            })?;
         match surface_json(&session, &base, body).await? {
             JsonRound::Respond(body) => {
                 let mut out = Response::new(Body::from(body));
@@ -367,6 +458,51 @@ async fn turn(state: &Arc<AppState>, api: Api, ctx: &RequestCtx, req: Request<Bo
             JsonRound::Error(e) => return Ok((surfaced_error(&e), false)),
         }
     }
+}
+
+/// The text answer's channel (§A): `Turnguard-Prompted-Schema` names a bundle schema
+/// (`prompted`); else a provider-enforced `response_format` schema (`structured`); else a
+/// bundle route for the model (`prompted`).
+fn channel_of(
+    headers: &HeaderMap,
+    api: Api,
+    body: &Value,
+    turn: &Turn,
+    policy: &CompiledPolicy,
+) -> Result<Option<ChannelSpec>, WireError> {
+    if let Some(name) = headers
+        .get("turnguard-prompted-schema")
+        .and_then(|v| v.to_str().ok())
+    {
+        let name = name.trim();
+        let schema = policy.prompted.get(name).ok_or_else(|| WireError::InvalidRequest {
+            reason: format!(
+                "Turnguard-Prompted-Schema names `{}`, which the policy bundle does not have (it has: {})",
+                admission::sanitize_label(name),
+                policy.prompted.keys().cloned().collect::<Vec<_>>().join(", ")
+            ),
+        })?;
+        return Ok(Some(ChannelSpec {
+            channel: Channel::Prompted,
+            name: name.to_owned(),
+            schema: Arc::clone(schema),
+        }));
+    }
+    if let Some((name, schema)) = provider::structured_schema(api, body) {
+        return Ok(Some(ChannelSpec {
+            channel: Channel::Structured,
+            name,
+            schema: Arc::new(schema),
+        }));
+    }
+    let routed = turn.model.as_deref().and_then(|m| policy.prompted_route(m));
+    Ok(routed.and_then(|name| {
+        policy.prompted.get(name).map(|schema| ChannelSpec {
+            channel: Channel::Prompted,
+            name: name.to_owned(),
+            schema: Arc::clone(schema),
+        })
+    }))
 }
 
 /// An error surfaced for a withheld call: the OpenWOP envelope, `Retry-After` for 429.
@@ -393,15 +529,22 @@ pub struct RoundBase {
 }
 
 async fn read_request(state: &AppState, body: Body) -> Result<Bytes, WireError> {
-    read_capped(body, state.config.max_body_bytes).await.map_err(|e| match e {
-        BodyError::TooLarge(limit_bytes) => WireError::PayloadTooLarge { limit_bytes },
-        BodyError::Read(reason) => WireError::InvalidRequest { reason },
-    })
+    read_capped(body, state.config.max_body_bytes)
+        .await
+        .map_err(|e| match e {
+            BodyError::TooLarge(limit_bytes) => WireError::PayloadTooLarge { limit_bytes },
+            BodyError::Read(reason) => WireError::InvalidRequest { reason },
+        })
 }
 
 fn parse_json(raw: &[u8]) -> Result<Value, WireError> {
     serde_json::from_slice(raw).map_err(|e| WireError::InvalidRequest {
-        reason: format!("malformed JSON at line {} column {}: {}", e.line(), e.column(), classify_json_error(&e)),
+        reason: format!(
+            "malformed JSON at line {} column {}: {}",
+            e.line(),
+            e.column(),
+            classify_json_error(&e)
+        ),
     })
 }
 
@@ -423,7 +566,11 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().to_ascii_lowercase().starts_with("text/event-stream"))
+        .is_some_and(|v| {
+            v.trim_start()
+                .to_ascii_lowercase()
+                .starts_with("text/event-stream")
+        })
 }
 
 /// Inside a run, a request that delegates MCP or A2A calls to the provider is refused before
@@ -437,7 +584,11 @@ fn refuse_provider_delegation(ctx: &RequestCtx, turn: &Turn) -> Result<(), WireE
 
 /// Records the tool results the request carries, durably, before it goes upstream
 /// (tool-turn contract §D). A record failure fails the request.
-async fn record_tool_results(state: &AppState, ctx: &RequestCtx, turn: &Turn) -> Result<(), WireError> {
+async fn record_tool_results(
+    state: &AppState,
+    ctx: &RequestCtx,
+    turn: &Turn,
+) -> Result<(), WireError> {
     let cap = state.config.journal_max_record_bytes;
     let recs: Vec<ToolResultRecord> = turn
         .tool_results
@@ -456,7 +607,9 @@ async fn record_tool_results(state: &AppState, ctx: &RequestCtx, turn: &Turn) ->
         .journal
         .record_tool_results(recs)
         .await
-        .map_err(|e| WireError::JournalUnavailable { reason: e.to_string() })
+        .map_err(|e| WireError::JournalUnavailable {
+            reason: e.to_string(),
+        })
 }
 
 /// The journal rows of each call and its decision.
@@ -494,7 +647,11 @@ enum JsonRound {
 }
 
 /// A non-stream response: adapter → admission → surface → record.
-async fn surface_json(session: &Session, base: &RoundBase, body: Bytes) -> Result<JsonRound, WireError> {
+async fn surface_json(
+    session: &Session,
+    base: &RoundBase,
+    body: Bytes,
+) -> Result<JsonRound, WireError> {
     let turn = &session.turn;
     let mut json: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
@@ -509,7 +666,11 @@ async fn surface_json(session: &Session, base: &RoundBase, body: Bytes) -> Resul
         }
     };
     let round = provider::parse_response(turn.api, &json, turn);
-    let with_calls: Vec<ChoiceEmissions> = round.iter().filter(|c| !c.calls.is_empty()).cloned().collect();
+    let with_calls: Vec<ChoiceEmissions> = round
+        .iter()
+        .filter(|c| !c.calls.is_empty())
+        .cloned()
+        .collect();
     let verdicts = session.admit(&with_calls).await;
     let mut rec = round_record(session, base, "ok", &body);
     rec.completion = Some(join(round.iter().map(|c| c.completion.state.as_str())));
@@ -523,12 +684,19 @@ async fn surface_json(session: &Session, base: &RoundBase, body: Bytes) -> Resul
     }) {
         rec.state = "surfaced_error";
         JsonRound::Error(e)
-    } else if let Some((choice, items)) = with_calls.iter().zip(&verdicts).find_map(|(c, v)| match &v.surfacing {
-        Surfacing::Repair(items) => Some((c, items)),
-        _ => None,
-    }) {
+    } else if let Some((choice, items)) =
+        with_calls
+            .iter()
+            .zip(&verdicts)
+            .find_map(|(c, v)| match &v.surfacing {
+                Surfacing::Repair(items) => Some((c, items)),
+                _ => None,
+            })
+    {
         rec.state = "repaired";
         JsonRound::Repair(session.repaired(choice, items))
+    } else if let Some(next) = session.check_channel(&round, &mut rec) {
+        next
     } else if provider::rewrite_response(turn.api, &mut json, &verdicts) {
         JsonRound::Respond(Bytes::from(json.to_string()))
     } else {
@@ -538,13 +706,80 @@ async fn surface_json(session: &Session, base: &RoundBase, body: Bytes) -> Resul
     Ok(outcome)
 }
 
+impl Session {
+    /// Validates text answers of the structured / prompted channel (§A). `None`: nothing to
+    /// enforce (no channel, a tool turn, valid, or a refusal — which is never retried).
+    fn check_channel(&self, round: &[ChoiceEmissions], rec: &mut RoundRecord) -> Option<JsonRound> {
+        let spec = self.channel.as_ref()?;
+        let choice = round.iter().find(|c| c.calls.is_empty())?;
+        let verdict = admission::channel::check(
+            spec,
+            choice.text.as_deref(),
+            &choice.completion,
+            &self.state.schemas,
+        );
+        let result = match &verdict {
+            ChannelVerdict::Valid => "valid",
+            ChannelVerdict::Refused => "refused",
+            ChannelVerdict::Invalid { reason, .. } => reason,
+        };
+        self.state
+            .metrics
+            .emissions
+            .get_or_create(&EmissionLabels {
+                channel: spec.channel.as_str().to_owned(),
+                result: result.to_owned(),
+            })
+            .inc();
+        rec.channel = Some(spec.channel.as_str());
+        rec.channel_result = Some(result.to_owned());
+        let ChannelVerdict::Invalid { reason, message } = verdict else {
+            return None;
+        };
+        if self.repairs_left > 0 && n_choices(&self.body) == 1 {
+            rec.state = "repaired";
+            let mut next = self.body.clone();
+            let feedback = format!(
+                "turnguard: {message}. Answer again with only a JSON document valid against the schema `{}`.",
+                admission::sanitize_label(&spec.name)
+            );
+            provider::append_text_repair(
+                &mut next,
+                choice.text.as_deref().unwrap_or(""),
+                &feedback,
+            );
+            return Some(JsonRound::Repair(next));
+        }
+        rec.state = "surfaced_error";
+        let code = if reason == "truncated" {
+            "envelope_truncation_unrecoverable"
+        } else {
+            "envelope_invalid"
+        };
+        Some(JsonRound::Error(SurfacedError {
+            status: 422,
+            code,
+            message: format!(
+                "the {} answer was not accepted: {message}",
+                spec.channel.as_str()
+            ),
+            retry_after_secs: None,
+        }))
+    }
+}
+
 /// Comma-joins labels for a journal column.
 pub fn join<'a>(items: impl Iterator<Item = &'a str>) -> String {
     items.collect::<Vec<_>>().join(",")
 }
 
 /// A round record with the shared fields filled in.
-pub fn round_record(session: &Session, base: &RoundBase, round_state: &'static str, response: &[u8]) -> RoundRecord {
+pub fn round_record(
+    session: &Session,
+    base: &RoundBase,
+    round_state: &'static str,
+    response: &[u8],
+) -> RoundRecord {
     let ctx = &session.ctx;
     RoundRecord {
         request_id: base.round_id.clone(),
@@ -564,6 +799,8 @@ pub fn round_record(session: &Session, base: &RoundBase, round_state: &'static s
         response: Recorded::of(response, session.state.config.journal_max_record_bytes),
         calls: Vec::new(),
         response_link: None,
+        channel: None,
+        channel_result: None,
     }
 }
 
@@ -583,14 +820,31 @@ fn record_upstream_error(session: &Session, base: &RoundBase) {
 
 /// Passes an emission-free endpoint (`GET /v1/models`, `POST /v1/embeddings`,
 /// `POST /v1/messages/count_tokens`) to `upstream` unchanged, body capped.
-pub async fn passthrough(state: Arc<AppState>, upstream_name: &'static str, req: Request<Body>) -> Response {
+pub async fn passthrough(
+    state: Arc<AppState>,
+    upstream_name: &'static str,
+    req: Request<Body>,
+) -> Response {
     let ctx = RequestCtx::new(req.headers());
     let (parts, body) = req.into_parts();
     let result = async {
         let raw = read_request(&state, body).await?;
-        let path = parts.uri.path_and_query().map_or(parts.uri.path(), |p| p.as_str()).to_owned();
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or(parts.uri.path(), |p| p.as_str())
+            .to_owned();
         let headers = upstream::request_headers(&parts.headers, false);
-        upstream::send(&state, upstream_name, "passthrough", parts.method.clone(), &path, headers, raw).await
+        upstream::send(
+            &state,
+            upstream_name,
+            "passthrough",
+            parts.method.clone(),
+            &path,
+            headers,
+            raw,
+        )
+        .await
     }
     .await;
     let mut resp = match result {
@@ -603,7 +857,9 @@ pub async fn passthrough(state: Arc<AppState>, upstream_name: &'static str, req:
         }
         Err(e) => e.into_response(),
     };
-    state.metrics.request("passthrough", resp.status().as_u16(), false);
+    state
+        .metrics
+        .request("passthrough", resp.status().as_u16(), false);
     if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
         resp.headers_mut().insert("x-request-id", v);
     }

@@ -48,6 +48,8 @@ pub struct Pipeline {
     adapter: StreamAdapter,
     queue: VecDeque<SseBlock>,
     splice: Option<Splice>,
+    framer_drained: bool,
+    tail: Bytes,
     /// Each decision point's emissions and verdicts, in order.
     pub decided: Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>,
 }
@@ -68,6 +70,8 @@ impl Pipeline {
             adapter: StreamAdapter::new(turn, splice.as_ref()),
             queue: VecDeque::new(),
             splice,
+            framer_drained: false,
+            tail: Bytes::new(),
             decided: Vec::new(),
         }
     }
@@ -99,7 +103,12 @@ impl Pipeline {
     }
 
     /// Releases the held events with the verdicts applied.
-    pub fn release(&mut self, round: Vec<ChoiceEmissions>, verdicts: Vec<ChoiceVerdict>, out: &mut Vec<Bytes>) {
+    pub fn release(
+        &mut self,
+        round: Vec<ChoiceEmissions>,
+        verdicts: Vec<ChoiceVerdict>,
+        out: &mut Vec<Bytes>,
+    ) {
         self.adapter.release(&verdicts, out);
         self.decided.push((round, verdicts));
     }
@@ -111,7 +120,14 @@ impl Pipeline {
     }
 
     /// Drops the held events and ends the stream with an error event carrying `code`.
-    pub fn fail(&mut self, round: Vec<ChoiceEmissions>, verdicts: Vec<ChoiceVerdict>, code: &str, message: &str, out: &mut Vec<Bytes>) {
+    pub fn fail(
+        &mut self,
+        round: Vec<ChoiceEmissions>,
+        verdicts: Vec<ChoiceVerdict>,
+        code: &str,
+        message: &str,
+        out: &mut Vec<Bytes>,
+    ) {
         self.adapter.fail(code, message, out);
         self.decided.push((round, verdicts));
     }
@@ -124,15 +140,34 @@ impl Pipeline {
                 if self.adapter.pending() {
                     return Finish::Decide(self.adapter.round());
                 }
-                let rest = self.framer.finish();
-                if !rest.is_empty() {
-                    out.push(rest);
+                let (blocks, rest) = self.framer.finish();
+                // Completed only by the end of input after the terminal event: unchanged bytes.
+                out.extend(blocks.into_iter().map(|b| b.raw));
+                for r in [std::mem::take(&mut self.tail), rest] {
+                    if !r.is_empty() {
+                        out.push(r);
+                    }
                 }
                 Finish::Ended("ok", None)
             }
+            None if !self.framer_drained => {
+                // Blocks only the end of input completes go through the adapter first.
+                self.framer_drained = true;
+                let (blocks, rest) = self.framer.finish();
+                self.queue.extend(blocks);
+                self.tail = rest;
+                if let Some(round) = self.advance(out) {
+                    return Finish::Decide(round);
+                }
+                self.finish(None, out)
+            }
             None => {
-                self.adapter.cut("the stream ended before its terminal event", out);
-                Finish::Ended("failed", Some("upstream stream ended before its terminal event".to_owned()))
+                self.adapter
+                    .cut("the stream ended before its terminal event", out);
+                Finish::Ended(
+                    "failed",
+                    Some("upstream stream ended before its terminal event".to_owned()),
+                )
             }
             Some(reason) => {
                 self.adapter.cut(&reason, out);
@@ -160,7 +195,10 @@ impl Pipeline {
         }
         if self.decided.is_empty() {
             let round = self.adapter.round();
-            let verdicts: Vec<ChoiceVerdict> = round.iter().map(crate::admission::withheld_by_cut).collect();
+            let verdicts: Vec<ChoiceVerdict> = round
+                .iter()
+                .map(crate::admission::withheld_by_cut)
+                .collect();
             rows.extend(call_records(&round, &verdicts));
         }
         rows
@@ -178,7 +216,12 @@ struct Capture {
 impl Capture {
     fn new(cap: usize) -> Self {
         use sha2::Digest;
-        Self { bytes: Vec::new(), total: 0, cap, hasher: sha2::Sha256::new() }
+        Self {
+            bytes: Vec::new(),
+            total: 0,
+            cap,
+            hasher: sha2::Sha256::new(),
+        }
     }
 
     fn push(&mut self, data: &[u8]) {
@@ -219,19 +262,30 @@ enum Next {
     Stop,
 }
 
-async fn run(mut session: Session, mut base: RoundBase, mut body: Incoming, tx: mpsc::Sender<Result<Bytes, Infallible>>) {
+async fn run(
+    mut session: Session,
+    mut base: RoundBase,
+    mut body: Incoming,
+    tx: mpsc::Sender<Result<Bytes, Infallible>>,
+) {
     let mut splice = None;
     loop {
-        let mut pipeline = Pipeline::new(&session.turn, session.state.config.max_event_bytes, splice);
+        let mut pipeline =
+            Pipeline::new(&session.turn, session.state.config.max_event_bytes, splice);
         let mut capture = Capture::new(session.state.config.journal_max_record_bytes);
         let end = read_round(&session, &mut pipeline, &mut capture, &mut body, &tx).await;
         let (state, error) = match &end {
             RoundEnd::Repair(..) => ("repaired", None),
             RoundEnd::Done(s, e) => (*s, e.clone()),
-            RoundEnd::ClientGone => ("client_gone", Some("the agent closed the stream".to_owned())),
+            RoundEnd::ClientGone => (
+                "client_gone",
+                Some("the agent closed the stream".to_owned()),
+            ),
         };
         record(&session, &base, &pipeline, capture, state, error).await;
-        let RoundEnd::Repair(next, how) = end else { return };
+        let RoundEnd::Repair(next, how) = end else {
+            return;
+        };
         session.body = next;
         session.count_repair();
         let mut out = Vec::new();
@@ -243,14 +297,21 @@ async fn run(mut session: Session, mut base: RoundBase, mut body: Incoming, tx: 
             }
             Ok(resp) => {
                 let status = resp.status().as_u16();
-                let mut p = Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
-                p.adapter.fail("turnguard.repair_failed", &format!("the repair round failed upstream with HTTP {status}"), &mut out);
+                let mut p =
+                    Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
+                p.adapter.fail(
+                    "turnguard.repair_failed",
+                    &format!("the repair round failed upstream with HTTP {status}"),
+                    &mut out,
+                );
                 send_all(&tx, &mut out).await;
                 return;
             }
             Err(e) => {
-                let mut p = Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
-                p.adapter.fail("turnguard.repair_failed", &e.to_string(), &mut out);
+                let mut p =
+                    Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
+                p.adapter
+                    .fail("turnguard.repair_failed", &e.to_string(), &mut out);
                 send_all(&tx, &mut out).await;
                 return;
             }
@@ -283,7 +344,9 @@ async fn read_round(
             Ok(Some(Err(e))) => break Some(format!("upstream body failed: {e}")),
             Ok(Some(Ok(frame))) => frame,
         };
-        let Ok(data) = frame.into_data() else { continue };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
         capture.push(&data);
         if let Err(reason) = pipeline.feed(&data) {
             break Some(reason);
@@ -335,14 +398,21 @@ async fn read_round(
 }
 
 /// Admits one decision point and applies how it surfaces.
-async fn decide(session: &Session, pipeline: &mut Pipeline, round: Vec<ChoiceEmissions>, out: &mut Vec<Bytes>) -> Next {
+async fn decide(
+    session: &Session,
+    pipeline: &mut Pipeline,
+    round: Vec<ChoiceEmissions>,
+    out: &mut Vec<Bytes>,
+) -> Next {
     let started = Instant::now();
     let verdicts = session.admit(&round).await;
     session
         .state
         .metrics
         .hold_latency
-        .get_or_create(&ApiLabels { api: session.turn.api.as_str().to_owned() })
+        .get_or_create(&ApiLabels {
+            api: session.turn.api.as_str().to_owned(),
+        })
         .observe(started.elapsed().as_secs_f64());
     if let Some(e) = verdicts.iter().find_map(|v| match &v.surfacing {
         Surfacing::Error(e) => Some(e.clone()),
@@ -351,10 +421,13 @@ async fn decide(session: &Session, pipeline: &mut Pipeline, round: Vec<ChoiceEmi
         pipeline.fail(round, verdicts, e.code, &e.message, out);
         return Next::Stop;
     }
-    let repair = round.iter().zip(&verdicts).find_map(|(c, v)| match &v.surfacing {
-        Surfacing::Repair(items) => Some(session.repaired(c, items)),
-        _ => None,
-    });
+    let repair = round
+        .iter()
+        .zip(&verdicts)
+        .find_map(|(c, v)| match &v.surfacing {
+            Surfacing::Repair(items) => Some(session.repaired(c, items)),
+            _ => None,
+        });
     if let Some(body) = repair {
         let splice = pipeline.abandon(round, verdicts);
         return Next::Repair(body, splice);
@@ -363,7 +436,14 @@ async fn decide(session: &Session, pipeline: &mut Pipeline, round: Vec<ChoiceEmi
     Next::Continue
 }
 
-async fn record(session: &Session, base: &RoundBase, pipeline: &Pipeline, capture: Capture, state: &'static str, error: Option<String>) {
+async fn record(
+    session: &Session,
+    base: &RoundBase,
+    pipeline: &Pipeline,
+    capture: Capture,
+    state: &'static str,
+    error: Option<String>,
+) {
     let mut rec = round_record(session, base, state, &[]);
     rec.response = capture.finish();
     rec.error = error;
@@ -378,5 +458,12 @@ async fn record(session: &Session, base: &RoundBase, pipeline: &Pipeline, captur
 }
 
 fn count(session: &Session, reason: &str) {
-    session.state.metrics.upstream_errors.get_or_create(&ReasonLabels { reason: reason.to_owned() }).inc();
+    session
+        .state
+        .metrics
+        .upstream_errors
+        .get_or_create(&ReasonLabels {
+            reason: reason.to_owned(),
+        })
+        .inc();
 }
