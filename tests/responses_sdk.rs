@@ -301,3 +301,38 @@ async fn official_sdk_responses_get_the_same_result_through_turnguard() {
         problems.join("\n- ")
     );
 }
+
+/// A repaired stream (the first round's call fails its schema; turnguard asks again and
+/// splices the second round into the agent's stream) parses with the official SDK as one
+/// response.
+#[tokio::test(flavor = "multi_thread")]
+async fn official_sdk_parses_a_repaired_responses_stream() {
+    let python = support::python();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/responses_equivalence.py");
+    let harness = support::start_with_policy(Script::default(), "policy-repair").await;
+    let run = tokio::process::Command::new(&python)
+        .arg(&script)
+        .args(["--turnguard", &harness.url(), "--mock", &harness.mock_url()])
+        .arg("--fixtures")
+        .arg(support::fixtures())
+        .arg("--own-fixtures")
+        .arg(support::own_fixtures())
+        .arg("--repair")
+        .env("PYTHONUNBUFFERED", "1")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("responses_equivalence.py --repair finished within 120 s")
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && stdout.lines().any(|l| l.trim_end() == "ok repair:stream"),
+        "--- stdout\n{stdout}--- stderr\n{stderr}"
+    );
+    let requests = harness.mock_requests().await;
+    assert_eq!(requests.len(), 4, "two agent requests, each repaired once");
+    harness.stop().await;
+}

@@ -530,3 +530,245 @@ async fn an_upstream_error_event_mid_call_drops_the_held_call() {
     );
     assert_eq!(data[5]["code"], "turnguard.upstream_stream_cut");
 }
+
+/// The SSE invariants the official SDK's accumulator relies on: consecutive sequence numbers,
+/// items added at the next `output_index` before their events, one response id, and a
+/// terminal `output` listing exactly the items streamed.
+fn assert_one_valid_response(body: &[u8]) -> Vec<Value> {
+    assert_consecutive(body);
+    let data = sse_data(body);
+    assert_eq!(data[0]["type"], "response.created");
+    let id = data[0]["response"]["id"].clone();
+    let mut added: Vec<Value> = Vec::new();
+    for (i, e) in data.iter().enumerate() {
+        if e["type"] == "response.created" {
+            assert_eq!(i, 0, "one response.created");
+        }
+        if let Some(r) = e.get("response") {
+            assert_eq!(r["id"], id, "event {i}: one response id");
+        }
+        if e["type"] == "response.output_item.added" {
+            assert_eq!(
+                e["output_index"],
+                added.len(),
+                "event {i}: items added in order"
+            );
+            added.push(e["item"].clone());
+        } else if let Some(ix) = e["output_index"].as_u64() {
+            assert!(
+                ix < added.len() as u64,
+                "event {i}: output_index {ix} before its item"
+            );
+        }
+    }
+    let terminal = data.last().unwrap();
+    assert_eq!(terminal["type"], "response.completed");
+    let ids = |l: &[Value]| l.iter().map(|i| i["id"].clone()).collect::<Vec<_>>();
+    assert_eq!(
+        ids(terminal["response"]["output"].as_array().unwrap()),
+        ids(&added),
+        "terminal output = the items streamed"
+    );
+    added
+}
+
+fn strict_string_result() -> Value {
+    json!([{"type": "function", "name": "final_result", "strict": true, "parameters": {
+        "type": "object", "properties": {"result": {"type": "string"}},
+        "required": ["result"], "additionalProperties": false}}])
+}
+
+#[tokio::test]
+async fn an_invalid_call_is_repaired_and_the_repair_round_continues_the_agents_stream() {
+    let h = support::start_with_policy(Script::default(), "policy-repair").await;
+    h.script(&json!({"responses": [
+        { "file": fixtures().join("openai-responses/stream-function-call.sse"), "path": "/v1/responses" },
+        { "file": own_fixtures().join("responses-stream-web-search-then-text.sse"), "path": "/v1/responses" }
+    ]}))
+    .await;
+    let req = request(strict_string_result(), true);
+    let (status, _, body) = post_raw(
+        &url(&h),
+        req.to_string().into(),
+        &[("x-request-id", "repair-stream")],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        !text.contains("\"function_call"),
+        "the invalid call never reached the agent"
+    );
+    let items = assert_one_valid_response(&body);
+    let types: Vec<&str> = items.iter().map(|i| i["type"].as_str().unwrap()).collect();
+    assert_eq!(
+        types,
+        vec!["reasoning", "web_search_call", "message"],
+        "round 1's reasoning, then round 2's items"
+    );
+    let data = sse_data(&body);
+    assert_eq!(
+        data[0]["response"]["id"], "resp_0050471a34b36ae60068c97b94a480819587a9d70cf2979b33",
+        "the agent keeps round 1's response id"
+    );
+
+    // The repair round asked the model again with the call and a host-authored error result.
+    let seen = h.mock_requests().await;
+    assert_eq!(seen.len(), 2);
+    let input = seen[1]["body"]["input"].as_array().unwrap();
+    assert_eq!(input[0], json!({"role": "user", "content": "go"}));
+    assert_eq!(input[1]["type"], "function_call");
+    assert_eq!(input[1]["call_id"], "call_CWXgs68YprAjp6t0371hiPOI");
+    assert_eq!(input[1]["arguments"], "{\"result\":6666}");
+    assert!(
+        input[1].get("id").is_none(),
+        "no item id: no reasoning item is required"
+    );
+    assert_eq!(input[2]["type"], "function_call_output");
+    assert_eq!(input[2]["call_id"], "call_CWXgs68YprAjp6t0371hiPOI");
+    assert!(input[2]["output"].as_str().unwrap().starts_with("Error: "));
+    assert_eq!(seen[1]["body"]["tools"], req["tools"]);
+
+    let dir = h.stop().await;
+    let db = support::journal(&dir.path().join("journal.db"));
+    let rounds: Vec<(String, String)> = db
+        .prepare("SELECT request_id, state FROM rounds ORDER BY request_id")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        rounds,
+        vec![
+            ("repair-stream".into(), "repaired".into()),
+            ("repair-stream#repair-1".into(), "ok".into())
+        ]
+    );
+    // The repair round's own response is in the chain under the provider's id.
+    let ids: Vec<String> = db
+        .prepare("SELECT response_id FROM responses ORDER BY response_id")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        ids,
+        vec![
+            "resp_0050471a34b36ae60068c97b94a480819587a9d70cf2979b33".to_owned(),
+            "resp_68fc1c33445566778899aabbccddeeff0011223344556677".to_owned()
+        ]
+    );
+}
+
+#[tokio::test]
+async fn an_invalid_call_is_repaired_in_a_json_response() {
+    let h = support::start_with_policy(Script::default(), "policy-repair").await;
+    h.script(&script(
+        json!([
+            { "file": "openai-responses/nonstream-function-call.json" },
+            { "file": "openai-responses/nonstream-web-search-call.json" }
+        ]),
+        &fixtures(),
+    ))
+    .await;
+    let tools = json!([{"type": "function", "name": "get_capital", "parameters": {
+        "type": "object", "properties": {"country": {"type": "integer"}}, "required": ["country"]}}]);
+    let req = json!({"model": "gpt-4o", "input": [{"role": "user", "content": "capital?"}], "tools": tools});
+    let (status, body) = post_json(&url(&h), &req, &[]).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        &body[..],
+        &std::fs::read(fixtures().join("openai-responses/nonstream-web-search-call.json")).unwrap()
+            [..],
+        "the agent gets the repair round's response"
+    );
+    let seen = h.mock_requests().await;
+    let input = seen[1]["body"]["input"].as_array().unwrap();
+    assert_eq!(input.len(), 3);
+    assert_eq!(input[1]["name"], "get_capital");
+    assert_eq!(input[2]["type"], "function_call_output");
+    assert!(
+        input[2]["output"].as_str().unwrap().contains("schema"),
+        "{}",
+        input[2]
+    );
+}
+
+#[tokio::test]
+async fn a_turn_continuing_a_stored_response_is_untrusted() {
+    // Issue 5 must-show 4, fail closed: the provider holds the turns before
+    // `previous_response_id` (here one whose output had a `web_search_call`), so the next
+    // turn is untrusted and a gated call (an unknown tool is `write`) is held, not released.
+    let h = support::start(Script::default()).await;
+    h.script(&script(
+        json!([
+            { "file": "openai-responses/nonstream-web-search-call.json" },
+            { "file": "openai-responses/nonstream-function-call.json" },
+            { "file": "openai-responses/nonstream-function-call.json" }
+        ]),
+        &fixtures(),
+    ))
+    .await;
+    let first: Value = serde_json::from_slice(
+        &std::fs::read(fixtures().join("openai-responses/nonstream-web-search-call.json")).unwrap(),
+    )
+    .unwrap();
+    let tools = json!([function("get_capital"), {"type": "web_search"}]);
+    let ask = |prev: Option<&Value>| {
+        let mut r = json!({"model": "gpt-5-mini", "input": "and the capital?", "tools": tools});
+        if let Some(p) = prev {
+            r["previous_response_id"] = p.clone();
+        }
+        r
+    };
+    post_json(&url(&h), &ask(None), &[("x-request-id", "t-1")]).await;
+    let (_, next) = post_json(
+        &url(&h),
+        &ask(Some(&first["id"])),
+        &[("x-request-id", "t-2")],
+    )
+    .await;
+    let next: Value = serde_json::from_slice(&next).unwrap();
+    assert!(
+        next["output"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|o| o["type"] != "function_call"),
+        "{next}"
+    );
+    // The same call without a stored chain behind it is released.
+    let (_, fresh) = post_json(&url(&h), &ask(None), &[("x-request-id", "t-3")]).await;
+    let fresh: Value = serde_json::from_slice(&fresh).unwrap();
+    assert_eq!(fresh["output"][0]["type"], "function_call");
+
+    let dir = h.stop().await;
+    let db = support::journal(&dir.path().join("journal.db"));
+    let decision = |id: &str| -> (String, String, String) {
+        db.query_row(
+            "SELECT outcome, stage, reason FROM tool_calls WHERE request_id = ?1",
+            [id],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .unwrap()
+    };
+    assert_eq!(
+        decision("t-2"),
+        ("held".into(), "trust".into(), "untrusted_turn".into())
+    );
+    assert_eq!(decision("t-3").0, "executed");
+    let (prev, provider_executed): (String, bool) = db
+        .query_row(
+            "SELECT r2.previous_response_id, r1.provider_executed FROM responses r2 JOIN responses r1 ON r1.response_id = r2.previous_response_id WHERE r2.request_id = 't-2'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(prev, first["id"].as_str().unwrap());
+    assert!(
+        provider_executed,
+        "the chain's first response ran web_search"
+    );
+}

@@ -42,6 +42,11 @@
 //!   `call_id` is expected to be refused by the provider (an output is owed for every call);
 //!   that error passes through unchanged. Supplying a host-authored output for the withheld
 //!   call (its `call_id` is in the journal's `tool_calls`) is left to the replay/repair work.
+//! - A streamed repair round is spliced into the agent's response ([`ResponsesSplice`]): the
+//!   agent keeps the first round's response id, while the provider's state of the
+//!   conversation is the repair round's response (journaled under its own id). Continuing
+//!   from the id the agent saw would reach the first round's stored calls; mapping it to the
+//!   repair round's id is left with the item above.
 //! - `background: true` responses are fetched later with `GET /v1/responses/{id}`, which
 //!   turnguard does not serve (it would release calls unadmitted): background polling fails
 //!   closed with 404; background *streaming* goes through this adapter like any stream.

@@ -24,6 +24,11 @@ turnguard's `tests/fixtures`. Cases, one output line each (`ok NAME` or `FAIL NA
   consecutive `sequence_number`s from 0, every item is added at the next `output_index` before
   its events, and `response.completed.output` lists exactly the items streamed.
 
+- `repair:stream` (only with `--repair`, against a turnguard whose bundle repairs invalid
+  calls): the first round's call fails its schema, turnguard asks the model again and splices
+  the second round into the agent's stream; the SDK must parse one response (helper and raw),
+  with round 1's id and reasoning item, round 2's items after it, and no call.
+
 Each proxied request carries `x-request-id: sdk-eq:<case>[#raw]`, which turnguard uses as the
 journal's `request_id`. Exits 1 on any failure, 2 on bad arguments or missing fixtures.
 """
@@ -377,12 +382,32 @@ def run_withheld(args: argparse.Namespace, name: str, fixture: str, tweak: Calla
     check_raw_stream(raw)
 
 
+def run_repair(args: argparse.Namespace) -> None:
+    first = args.fixtures / API / "stream-function-call.sse"
+    second = args.own_fixtures / "responses-stream-web-search-then-text.sse"
+    steps = [{"file": str(p.resolve()), "path": PATH} for p in (first, second, first, second)]
+    http_json("POST", f"{args.mock}/_mock/script", {"responses": steps})
+    shape = fixture_shape(first)
+    _schema_invalid(shape)
+    final, events, missing = call_helper(args.turnguard, shape, "sdk-eq:repair:stream")
+    raw = call_raw(args.turnguard, shape, "sdk-eq:repair:stream#raw")
+    check(missing is None, f"get_final_response() through turnguard: {missing}")
+    first_id = sse_payloads(first)[0]["response"]["id"]
+    check(final["id"] == first_id, f"$.id = {final['id']!r}, expected round 1's {first_id!r}")
+    types = [o["type"] for o in final["output"]]
+    check(types == ["reasoning", "web_search_call", "message"], f"$.output types {types}")
+    check(not any(str(e.get("type", "")).startswith("response.function_call_arguments") for e in events),
+          "the stream helper emitted function_call_arguments events")
+    check_raw_stream(raw)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turnguard", required=True, help="turnguard data-plane base URL, http://HOST:PORT")
     ap.add_argument("--mock", required=True, help="mock provider base URL, http://HOST:PORT")
     ap.add_argument("--fixtures", required=True, type=Path, help="the providers fixture directory")
     ap.add_argument("--own-fixtures", required=True, type=Path, help="turnguard's tests/fixtures")
+    ap.add_argument("--repair", action="store_true", help="run only the repair case (turnguard repairs invalid calls)")
     args = ap.parse_args()
     args.turnguard = args.turnguard.rstrip("/")
     args.mock = args.mock.rstrip("/")
@@ -393,6 +418,8 @@ def main() -> int:
         return 2
     cases: list[tuple[str, Callable[[], None]]] = [(f"{API}/{p.name}", lambda p=p: run_fixture(args, p)) for p in fixtures]
     cases += [(f"withheld:{n}", lambda n=n, f=f, t=t: run_withheld(args, n, f, t)) for n, f, t in WITHHELD]
+    if args.repair:
+        cases = [("repair:stream", lambda: run_repair(args))]
     print(f"# openai {openai.__version__}, {len(cases)} cases", flush=True)
     failed = 0
     for name, run in cases:
