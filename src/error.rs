@@ -41,10 +41,11 @@ pub enum WireError {
     /// replay.md).
     #[error("replay has no record to serve: {reason}")]
     ReplaySourceMissing { reason: String },
-    /// Inside a run, the request asks the provider to call MCP servers itself (Anthropic
-    /// `mcp_servers`): tool-turn contract §F forbids delegating MCP or A2A to the provider.
-    #[error("inside a run, MCP calls may not be delegated to the provider (`{field}`); call MCP tools through the agent")]
-    ProviderMcpInRun { field: String },
+    /// Inside a run, the request asks the provider to make MCP (or A2A) calls on the agent's
+    /// behalf, e.g. a Responses `tools[].type = "mcp"` (tool-turn contract §F: a host MUST NOT
+    /// delegate an MCP or A2A call to provider execution inside a run).
+    #[error("inside a run, turnguard does not let the provider make MCP or A2A calls: remove {what} (or send the request without `Turnguard-Run`)")]
+    ProviderDelegationInRun { what: String },
     /// An invariant turnguard relies on did not hold.
     #[error("internal error: {reason}")]
     Internal { reason: String },
@@ -92,9 +93,16 @@ impl WireError {
                 "replay_source_missing",
                 "replay_source_missing",
             ),
-            Self::ProviderMcpInRun { .. } => {
-                (StatusCode::FORBIDDEN, "forbidden", "provider_mcp_in_run")
-            }
+            // `forbidden` (403): the body is a valid provider request, so not
+            // `validation_error`; turnguard understood it and refuses it by rule, and the same
+            // request without the delegated tool would be served. `capability_not_provided`
+            // (422) means the host lacks something a run needs, and `sandbox_capability_denied`
+            // is about sandboxes; neither is this refusal.
+            Self::ProviderDelegationInRun { .. } => (
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                "provider_delegation_in_run",
+            ),
             Self::Internal { .. } => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal_error",
@@ -114,6 +122,9 @@ impl WireError {
             Self::UpstreamUnavailable { upstream, .. }
             | Self::UpstreamNotConfigured { upstream } => {
                 details["upstream"] = json!(upstream);
+            }
+            Self::ProviderDelegationInRun { what } => {
+                details["field"] = json!(what);
             }
             _ => {}
         }

@@ -10,7 +10,7 @@
 //! | [`body`] | the capped body reader: the only place a request or response body is collected |
 //! | [`proxy`] | the request path: parse → adapter → record tool results → upstream → admit → surface |
 //! | [`sse`] | byte-faithful `text/event-stream` framing (raw bytes kept per event) |
-//! | [`provider`] | one adapter per provider API, into and out of the neutral [`model`] |
+//! | [`provider`] | one adapter per provider API (Chat Completions, Messages, Responses), into and out of the neutral [`model`] |
 //! | [`model`] | the provider-neutral `Turn`, `ToolCall`, `Completion`, `Decision` |
 //! | [`admission`] | the admission order of tool-turn contract §B (completion, name, arguments, …) |
 //! | [`recipes`] | RFC 0150 recipes: semantic request digest v2, `logicalInvocationId` |

@@ -207,6 +207,7 @@ fn data_router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
+        .route("/v1/responses", post(responses))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/models", get(models))
         .route("/v1/models/{model}", get(models))
@@ -222,6 +223,13 @@ async fn chat_completions(State(s): State<Arc<AppState>>, req: Request<Body>) ->
 
 async fn messages(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
     proxy::handle(s, Api::AnthropicMessages, req).await
+}
+
+/// `POST /v1/responses` only: retrieving a stored response (`GET /v1/responses/{id}`) or its
+/// input items would hand the agent calls that never went through admission, so those paths
+/// stay off the allowlist (404), like everything else not listed.
+async fn responses(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
+    proxy::handle(s, Api::OpenAiResponses, req).await
 }
 
 async fn count_tokens(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {

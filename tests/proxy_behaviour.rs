@@ -201,7 +201,11 @@ async fn bad_input_gets_a_clear_error_and_loses_nothing() {
     // Unknown paths and methods: 404 with the OpenWOP body, never forwarded.
     for (method, path) in [
         ("GET", "/v1/chat/completions"),
-        ("POST", "/v1/responses"),
+        // A stored response holds calls that never went through admission.
+        (
+            "GET",
+            "/v1/responses/resp_0050471a34b36ae60068c97b94a480819587a9d70cf2979b33",
+        ),
         ("GET", "/admin"),
         ("POST", "/v1/files"),
     ] {

@@ -4,6 +4,43 @@
 //! Writes are insert-if-absent (`ON CONFLICT DO NOTHING`), never `INSERT OR REPLACE`: a
 //! record, once written, is never silently overwritten. A caller that needs durability awaits
 //! the commit acknowledgement; when the journal cannot record, the caller fails the request.
+//!
+//! # The response chain (`responses` table)
+//!
+//! With the Responses API a request may carry `previous_response_id`: the provider then holds
+//! the earlier turns and the proxy sees none of them in the request. So every response the
+//! provider stores is recorded here, keyed by its id, with the `previous_response_id` of the
+//! request that produced it and whether its output holds provider-executed items
+//! (`provider_executed`, `provider_items`: `web_search_call`, `mcp_call` …, untrusted output
+//! per tool-turn contract §C, §F). `content_trust` is left `NULL` for the trust stage to fill
+//! with the `contentTrust` of the request that produced the response.
+//!
+//! The intended trust rule (the trust stage is not built here): a turn whose request names
+//! `previous_response_id = P` is `trusted` only if the journal knows every link of the chain
+//! from `P` back to a response whose own `previous_response_id` is `NULL`, and every link has
+//! `status` `completed` or `incomplete` (a `NULL` status means the stream was cut and the
+//! provider may have gone on), `provider_executed = 0`, and `content_trust = 'trusted'`.
+//! Anything else — a missing link, a chain that leaves this journal, a link with
+//! provider-executed output, a link not yet judged — makes the turn `untrusted` (fail closed).
+//! Inside a run the bit is then sticky as usual. The chain is one recursive query:
+//!
+//! ```sql
+//! WITH RECURSIVE chain(id, prev, ok) AS (
+//!   SELECT response_id, previous_response_id,
+//!          coalesce(provider_executed = 0 AND content_trust = 'trusted'
+//!                   AND status IN ('completed', 'incomplete'), 0)
+//!     FROM responses WHERE response_id = :p
+//!   UNION  -- not UNION ALL: a cyclic chain ends instead of looping (and is untrusted)
+//!   SELECT r.response_id, r.previous_response_id,
+//!          coalesce(r.provider_executed = 0 AND r.content_trust = 'trusted'
+//!                   AND r.status IN ('completed', 'incomplete'), 0)
+//!     FROM responses r JOIN chain c ON r.response_id = c.prev)
+//! SELECT count(*) > 0 AND min(ok) = 1 AND sum(prev IS NULL) = 1 FROM chain;
+//! ```
+//!
+//! Calls turnguard withheld from a stored response are in `tool_calls` (same `request_id`,
+//! `outcome` other than `executed`): the provider still holds them, so a later request that
+//! continues the chain is expected to answer them (see the Responses adapter's notes).
 
 mod reader;
 mod schema;
@@ -18,6 +55,7 @@ use rusqlite::{params, Connection};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::Metrics;
+pub use crate::model::ResponseLink;
 
 /// Records waiting in the channel before senders wait.
 const QUEUE_CAPACITY: usize = 4096;
@@ -134,6 +172,9 @@ pub struct RoundRecord {
     /// The response as received from upstream (SSE bytes for a stream).
     pub response: Recorded,
     pub calls: Vec<CallRecord>,
+    /// Responses API: the provider-stored response this round produced, for the response
+    /// chain (see the module docs); `None` for other APIs or when no id was seen.
+    pub response_link: Option<ResponseLink>,
     /// `structured` or `prompted` when the text answer had a schema (§A).
     pub channel: Option<&'static str>,
     /// `valid`, `refused`, or the invalid reason.
@@ -570,6 +611,27 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
             r.channel_result,
         ],
     )?;
+    if let Some(link) = &r.response_link {
+        tx.execute(
+            "INSERT INTO responses (response_id, request_id, previous_response_id, run_id,
+                node_id, attempt, api, status, provider_executed, provider_items, at_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+             ON CONFLICT (response_id) DO NOTHING",
+            params![
+                link.response_id,
+                r.request_id,
+                link.previous_response_id,
+                r.run.run_id,
+                r.run.node_id,
+                r.run.attempt,
+                r.api,
+                link.status,
+                !link.provider_items.is_empty(),
+                link.provider_items.join(","),
+                r.at_ms,
+            ],
+        )?;
+    }
     for c in &r.calls {
         tx.execute(
             "INSERT INTO tool_calls (request_id, choice, ordinal, call_id, name, outcome, stage,

@@ -2,8 +2,8 @@
 
 use rusqlite::Connection;
 
-/// The schema version this build writes.
-pub const VERSION: i64 = 1;
+/// The schema version this build writes. Each version's step is additive and runs once.
+pub const VERSION: i64 = 2;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -15,6 +15,17 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version >= VERSION {
         return Ok(());
     }
+    if version < 1 {
+        v1(conn)?;
+    }
+    if version < 2 {
+        v2(conn)?;
+    }
+    Ok(())
+}
+
+/// Rounds, tool calls and decisions, tool results.
+fn v1(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(
         "BEGIN;
          CREATE TABLE IF NOT EXISTS rounds (
@@ -128,6 +139,32 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
             PRIMARY KEY (run_id, node_id)
          );
          PRAGMA user_version = 1;
+         COMMIT;",
+    )
+}
+
+/// The response chain (Responses API `previous_response_id`): one row per response the
+/// provider stores, with whether its output holds provider-executed items. The trust rule that
+/// reads it is in the [`super`] module docs.
+fn v2(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         CREATE TABLE IF NOT EXISTS responses (
+            response_id TEXT PRIMARY KEY,
+            request_id TEXT NOT NULL,
+            previous_response_id TEXT,
+            run_id TEXT,
+            node_id TEXT,
+            attempt INTEGER,
+            api TEXT NOT NULL,
+            status TEXT,
+            provider_executed INTEGER NOT NULL,
+            provider_items TEXT NOT NULL,
+            content_trust TEXT,
+            at_ms INTEGER NOT NULL
+         );
+         CREATE INDEX IF NOT EXISTS responses_previous ON responses (previous_response_id);
+         PRAGMA user_version = 2;
          COMMIT;",
     )
 }

@@ -108,6 +108,14 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         round_index,
         prior_calls,
         provider_output_seen,
+        previous_response_id: None,
+        // §F: MCP servers the provider would call itself (`mcp_servers`).
+        provider_delegations: obj
+            .get("mcp_servers")
+            .and_then(Value::as_array)
+            .filter(|a| !a.is_empty())
+            .map(|_| vec!["`mcp_servers`".to_owned()])
+            .unwrap_or_default(),
     })
 }
 

@@ -123,6 +123,8 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         round_index,
         prior_calls,
         provider_output_seen: false,
+        previous_response_id: None,
+        provider_delegations: Vec::new(),
     })
 }
 

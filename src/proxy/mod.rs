@@ -457,7 +457,8 @@ fn n_choices(body: &Value) -> u64 {
     body.get("n").and_then(Value::as_u64).unwrap_or(1)
 }
 
-/// Serves one model request of `api` (`POST /v1/chat/completions`, `POST /v1/messages`).
+/// Serves one model request of `api` (`POST /v1/chat/completions`, `POST /v1/messages`,
+/// `POST /v1/responses`).
 pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Response {
     let ctx = RequestCtx::new(req.headers());
     state.metrics.inflight_requests.inc();
@@ -491,15 +492,7 @@ async fn turn(
     let json = parse_json(&raw)?;
     let turn = provider::parse_request(api, &json)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
-    let delegates_mcp = json
-        .get("mcp_servers")
-        .and_then(Value::as_array)
-        .is_some_and(|a| !a.is_empty());
-    if ctx.run.run_id.is_some() && delegates_mcp {
-        return Err(WireError::ProviderMcpInRun {
-            field: "mcp_servers".into(),
-        });
-    }
+    refuse_provider_delegation(ctx, &turn)?;
     let policy = state.policy.snapshot();
     let trust = admission::trust::of_turn(&turn, &policy);
     state
@@ -715,6 +708,15 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
         })
 }
 
+/// Inside a run, a request that delegates MCP or A2A calls to the provider is refused before
+/// it goes upstream (tool-turn contract §F). A chat turn (no `Turnguard-Run`) may.
+fn refuse_provider_delegation(ctx: &RequestCtx, turn: &Turn) -> Result<(), WireError> {
+    match (&ctx.run.run_id, turn.provider_delegations.first()) {
+        (Some(_), Some(what)) => Err(WireError::ProviderDelegationInRun { what: what.clone() }),
+        _ => Ok(()),
+    }
+}
+
 /// Records the tool results the request carries, durably, before it goes upstream
 /// (tool-turn contract §D). A record failure fails the request.
 async fn record_tool_results(
@@ -840,6 +842,7 @@ async fn surface_json(
     rec.completion = Some(join(round.iter().map(|c| c.completion.state.as_str())));
     rec.finish_reason = Some(join(round.iter().map(|c| c.completion.reason.as_str())));
     rec.calls = call_records(&with_calls, &verdicts, &session.call_ids());
+    rec.response_link = provider::response_link(&json, turn);
 
     let outcome = if let Some(e) = verdicts.iter().find_map(|v| match &v.surfacing {
         Surfacing::Error(e) => Some(e.clone()),
@@ -979,6 +982,7 @@ pub fn round_record(
         error: None,
         response: Recorded::of(response, session.state.config.journal_max_record_bytes),
         calls: Vec::new(),
+        response_link: None,
         channel: None,
         channel_result: None,
     }

@@ -67,7 +67,7 @@ impl Pipeline {
     pub fn new(turn: &Turn, max_event_bytes: usize, splice: Option<Splice>) -> Self {
         Self {
             framer: SseFramer::new(max_event_bytes),
-            adapter: StreamAdapter::new(turn),
+            adapter: StreamAdapter::new(turn, splice.as_ref()),
             queue: VecDeque::new(),
             splice,
             framer_drained: false,
@@ -87,7 +87,7 @@ impl Pipeline {
     /// [`Pipeline::release`]) or until the queue is empty.
     pub fn advance(&mut self, out: &mut Vec<Bytes>) -> Option<Vec<ChoiceEmissions>> {
         while let Some(block) = self.queue.pop_front() {
-            let block = match self.splice {
+            let block = match &self.splice {
                 Some(s) => match s.apply(block) {
                     Some(b) => b,
                     None => continue,
@@ -179,6 +179,11 @@ impl Pipeline {
     /// Completion state of each choice, for the journal.
     pub fn completions(&self) -> Vec<crate::model::Completion> {
         self.adapter.completions()
+    }
+
+    /// The provider-stored response this stream produced (Responses only), for the journal.
+    pub fn response_link(&self) -> Option<crate::model::ResponseLink> {
+        self.adapter.response_link()
     }
 
     /// Journal rows for every call: decided ones with their verdicts, calls still held when
@@ -490,6 +495,7 @@ async fn record(
         rec.finish_reason = Some(join(completions.iter().map(|c| c.reason.as_str())));
     }
     rec.calls = pipeline.call_records(&session.call_ids());
+    rec.response_link = pipeline.response_link();
     record_round(&session.state, rec).await;
 }
 
