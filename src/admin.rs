@@ -237,7 +237,7 @@ async fn events(State(s): State<Arc<AppState>>, Path(run_id): Path<String>) -> R
         Ok(Ok(rows)) => {
             let events: Vec<Value> = rows
                 .into_iter()
-                .map(|(sequence, kind, payload, at, node)| {
+                .map(|crate::journal::EventRow { sequence, kind, payload, at_ms: at, node_id: node }| {
                     let mut e = json!({
                         "runId": run_id, "sequence": sequence, "type": kind,
                         "payload": serde_json::from_str::<Value>(&payload).unwrap_or(Value::Null),

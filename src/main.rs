@@ -186,7 +186,7 @@ async fn main() -> anyhow::Result<()> {
                     let events: Vec<serde_json::Value> = r
                         .events(&run)?
                         .into_iter()
-                        .map(|(seq, kind, payload, at, _)| serde_json::json!({"sequence": seq, "type": kind, "payload": serde_json::from_str::<serde_json::Value>(&payload).unwrap_or_default(), "atMs": at}))
+                        .map(|e| serde_json::json!({"sequence": e.sequence, "type": e.kind, "payload": serde_json::from_str::<serde_json::Value>(&e.payload).unwrap_or_default(), "atMs": e.at_ms}))
                         .collect();
                     let doc = serde_json::json!({"runId": run, "rounds": r.show(&run)?, "effects": effects, "events": events});
                     serde_json::to_string_pretty(&doc)? + "\n"

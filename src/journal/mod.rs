@@ -45,7 +45,7 @@
 mod reader;
 mod schema;
 
-pub use reader::{EffectRow, JournalReader, RunSummary};
+pub use reader::{EffectRow, EventRow, JournalReader, RunSummary};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

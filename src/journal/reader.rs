@@ -20,6 +20,19 @@ pub struct EffectRow {
     pub at_ms: i64,
 }
 
+/// One journaled run event.
+#[derive(Debug, Clone)]
+pub struct EventRow {
+    /// Strictly increasing per run.
+    pub sequence: i64,
+    /// The v2 event type.
+    pub kind: String,
+    /// Payload JSON text.
+    pub payload: String,
+    pub at_ms: i64,
+    pub node_id: Option<String>,
+}
+
 /// A run in `turnguard journal runs`.
 #[derive(Debug, Clone)]
 pub struct RunSummary {
@@ -176,14 +189,13 @@ impl JournalReader {
         })
     }
 
-    /// Events of a run, in sequence order: (sequence, type, payload JSON, at_ms, node).
-    pub fn events(
-        &self,
-        run: &str,
-    ) -> Result<Vec<(i64, String, String, i64, Option<String>)>, JournalError> {
+    /// Events of a run, in sequence order.
+    pub fn events(&self, run: &str) -> Result<Vec<EventRow>, JournalError> {
         self.with(|c| {
             let mut st = c.prepare("SELECT sequence, type, payload, at_ms, node_id FROM events WHERE scope = ?1 ORDER BY sequence")?;
-            let rows = st.query_map(params![format!("run:{run}")], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))?;
+            let rows = st.query_map(params![format!("run:{run}")], |r| {
+                Ok(EventRow { sequence: r.get(0)?, kind: r.get(1)?, payload: r.get(2)?, at_ms: r.get(3)?, node_id: r.get(4)? })
+            })?;
             rows.collect()
         })
     }
