@@ -169,6 +169,9 @@ pub struct ChoiceEmissions {
     pub calls: Vec<ToolCall>,
     /// Its assistant text (for the structured and prompted channels), when read.
     pub text: Option<String>,
+    /// The same response carries provider-executed tool output (a web search, a fetch …):
+    /// its calls are decided as in an untrusted turn (tool-turn contract §C, §F).
+    pub provider_output: bool,
 }
 
 /// The outcome of one tool call (tool-turn contract §B).

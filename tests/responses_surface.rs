@@ -520,15 +520,20 @@ async fn an_upstream_error_event_mid_call_drops_the_held_call() {
             "response.in_progress",
             "response.output_item.added",
             "response.output_item.done",
-            "error",
             "error"
-        ]
+        ],
+        "the provider's error ends the stream; turnguard adds no second error event"
     );
     assert_eq!(
         data[4]["code"], "server_error",
         "the provider's error, as sent"
     );
-    assert_eq!(data[5]["code"], "turnguard.upstream_stream_cut");
+    let dir = h.stop().await;
+    let conn = support::journal(&dir.path().join("journal.db"));
+    let state: String = conn
+        .query_row("SELECT state FROM rounds", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(state, "upstream_error");
 }
 
 /// The SSE invariants the official SDK's accumulator relies on: consecutive sequence numbers,

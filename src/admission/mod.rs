@@ -180,8 +180,14 @@ fn decide(
         return finish(d, trace, hash, redacted_args);
     };
     let approved = hash.as_deref().is_some_and(|h| (ctx.approved)(h));
+    // Provider-executed output in this very response is untrusted input to its calls.
+    let turn_trust = if choice.provider_output {
+        ContentTrust::Untrusted
+    } else {
+        ctx.trust
+    };
     // 4. trust
-    if let Some(d) = trust::check(ctx.trust, tool, approved) {
+    if let Some(d) = trust::check(turn_trust, tool, approved) {
         return finish(d, trace, hash, redacted_args);
     }
     trace.push((
@@ -193,7 +199,7 @@ fn decide(
         person: ctx.person,
         agent: ctx.agent,
         tool,
-        trust: ctx.trust.as_str(),
+        trust: turn_trust.as_str(),
         provider: ctx.provider,
         model: turn.model.as_deref().unwrap_or(""),
         run: ctx.run.unwrap_or(""),

@@ -171,9 +171,17 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
         .filter_map(|b| b.get("text").and_then(Value::as_str))
         .collect();
     let text = (!texts.is_empty()).then(|| texts.concat());
+    let provider_output = body
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|b| b.get("type").and_then(Value::as_str))
+        .any(is_provider_block);
     vec![ChoiceEmissions {
         choice: 0,
         text,
+        provider_output,
         completion: classify(
             body.get("stop_reason").and_then(Value::as_str),
             body.pointer("/usage/output_tokens").and_then(Value::as_u64),
@@ -239,6 +247,12 @@ pub fn append_repair(body: &mut Value, choice: &ChoiceEmissions, items: &[Repair
     messages.push(json!({"role": "user", "content": results}));
 }
 
+/// A content block the provider's own tools produced (`server_tool_use`,
+/// `web_search_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result` …).
+fn is_provider_block(ty: &str) -> bool {
+    ty == "server_tool_use" || (ty.ends_with("_tool_result") && ty != "tool_result")
+}
+
 #[derive(Debug)]
 struct Block {
     /// A client `tool_use` block (server tools are the provider's and are not admitted here).
@@ -267,6 +281,8 @@ pub struct MessagesStream {
     stop_seen: bool,
     decided: bool,
     failed: bool,
+    /// A provider-executed block was seen in this message.
+    provider_output: bool,
 }
 
 impl MessagesStream {
@@ -283,6 +299,7 @@ impl MessagesStream {
             stop_seen: false,
             decided: false,
             failed: false,
+            provider_output: false,
         }
     }
 
@@ -411,7 +428,12 @@ impl MessagesStream {
 
     /// `message_stop` was seen: a stream that ends now is complete.
     pub fn finished(&self) -> bool {
-        self.stop_seen
+        self.stop_seen || self.failed
+    }
+
+    /// The provider reported an error in the stream.
+    pub fn failed(&self) -> bool {
+        self.failed
     }
 
     fn completion(&self) -> Completion {
@@ -435,6 +457,7 @@ impl MessagesStream {
         vec![ChoiceEmissions {
             choice: 0,
             text: None,
+            provider_output: self.provider_output,
             completion: self.completion(),
             calls,
         }]

@@ -149,6 +149,15 @@ impl StreamAdapter {
         }
     }
 
+    /// The provider reported an error in the stream (its error event was forwarded).
+    pub fn failed(&self) -> bool {
+        match self {
+            Self::OpenAiChat(s) => s.failed(),
+            Self::AnthropicMessages(s) => s.failed(),
+            Self::OpenAiResponses(s) => s.failed(),
+        }
+    }
+
     /// Calls are held and not yet decided.
     pub fn pending(&self) -> bool {
         match self {

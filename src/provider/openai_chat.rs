@@ -216,6 +216,7 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
                 .get("content")
                 .and_then(Value::as_str)
                 .map(str::to_owned),
+            provider_output: false,
             completion: classify(
                 choice.get("finish_reason").and_then(Value::as_str),
                 refused,
@@ -373,6 +374,11 @@ impl ChatStream {
 
     fn holding(&self) -> bool {
         !self.decided && self.choices.values().any(|c| !c.calls.is_empty())
+    }
+
+    /// The provider reported an error in the stream.
+    pub fn failed(&self) -> bool {
+        self.failed
     }
 
     /// Calls are held and not yet decided.
@@ -583,7 +589,8 @@ impl ChatStream {
 
     /// Every choice's finish reason is known (a stream that ends now is not cut).
     pub fn finished(&self) -> bool {
-        self.done_seen
+        self.failed
+            || self.done_seen
             || (!self.choices.is_empty()
                 && self.choices.values().all(|c| c.finish_reason.is_some()))
     }
@@ -601,6 +608,7 @@ impl ChatStream {
             .map(|(&index, c)| ChoiceEmissions {
                 choice: index,
                 text: None,
+                provider_output: false,
                 completion: classify(
                     c.finish_reason.as_deref(),
                     c.refused,

@@ -385,6 +385,7 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
     vec![ChoiceEmissions {
         choice: 0,
         text: output_text(body),
+        provider_output: output_items(body).any(|i| kind_of(item_type(i)) == Kind::Provider),
         completion: completion_of_response(body, false, turn.max_output_tokens),
         calls,
     }]
@@ -788,7 +789,12 @@ impl ResponsesStream {
 
     /// The terminal event was seen: a stream that ends now is complete.
     pub fn finished(&self) -> bool {
-        self.terminal.is_some()
+        self.terminal.is_some() || self.failed
+    }
+
+    /// The provider reported an error in the stream.
+    pub fn failed(&self) -> bool {
+        self.failed
     }
 
     fn item_of(&self, json: &Value) -> Option<u64> {
@@ -1129,6 +1135,7 @@ impl ResponsesStream {
         vec![ChoiceEmissions {
             choice: 0,
             text: None,
+            provider_output: !self.provider_items.is_empty(),
             completion: self.completion(),
             calls,
         }]

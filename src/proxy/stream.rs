@@ -50,6 +50,9 @@ pub struct Pipeline {
     splice: Option<Splice>,
     framer_drained: bool,
     tail: Bytes,
+    /// Bytes received while calls were held, and the most that may be (bounded memory).
+    held_bytes: usize,
+    hold_cap: usize,
     /// Each decision point's emissions and verdicts, in order.
     pub decided: Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>,
 }
@@ -72,12 +75,31 @@ impl Pipeline {
             splice,
             framer_drained: false,
             tail: Bytes::new(),
+            held_bytes: 0,
+            hold_cap: usize::MAX,
             decided: Vec::new(),
         }
     }
 
-    /// Takes the next upstream bytes. Errors: the event-size cap was passed.
+    /// Caps what may arrive while tool-call events are held (bytes).
+    pub fn with_hold_cap(mut self, cap: usize) -> Self {
+        self.hold_cap = cap;
+        self
+    }
+
+    /// Takes the next upstream bytes. Errors: the event-size cap or the hold cap was passed.
     pub fn feed(&mut self, data: &[u8]) -> Result<(), String> {
+        if self.adapter.pending() {
+            self.held_bytes += data.len();
+            if self.held_bytes > self.hold_cap {
+                return Err(format!(
+                    "more than {} bytes arrived while tool calls were held",
+                    self.hold_cap
+                ));
+            }
+        } else {
+            self.held_bytes = 0;
+        }
         let blocks = self.framer.push(data).map_err(|e| e.to_string())?;
         self.queue.extend(blocks);
         Ok(())
@@ -148,7 +170,14 @@ impl Pipeline {
                         out.push(r);
                     }
                 }
-                Finish::Ended("ok", None)
+                if self.adapter.failed() {
+                    Finish::Ended(
+                        "upstream_error",
+                        Some("the provider sent an error event".to_owned()),
+                    )
+                } else {
+                    Finish::Ended("ok", None)
+                }
             }
             None if !self.framer_drained => {
                 // Blocks only the end of input completes go through the adapter first.
@@ -278,7 +307,8 @@ async fn run(
     };
     loop {
         let mut pipeline =
-            Pipeline::new(&session.turn, session.state.config.max_event_bytes, splice);
+            Pipeline::new(&session.turn, session.state.config.max_event_bytes, splice)
+                .with_hold_cap(session.state.config.max_response_bytes);
         let mut capture = Capture::new(cap);
         let end = read_round(&session, &mut pipeline, &mut capture, &mut body, &mut agent).await;
         let (state, error) = match &end {
