@@ -91,6 +91,12 @@ pub struct ServeArgs {
     /// are cut, milliseconds [default: 30000].
     #[arg(long, value_name = "MS")]
     pub shutdown_grace_ms: Option<u64>,
+    /// Tenant id in effect identities (RFC 0150) [default: default].
+    #[arg(long, value_name = "ID")]
+    pub tenant: Option<String>,
+    /// Days run records and effects are kept before pruning; at least 14 [default: 30].
+    #[arg(long, value_name = "DAYS")]
+    pub journal_retention_days: Option<u64>,
 }
 
 /// The TOML file: the same keys as the flags, all optional, nothing else.
@@ -114,6 +120,8 @@ struct FileConfig {
     shed_retry_after_s: Option<u64>,
     shutdown_delay_ms: Option<u64>,
     shutdown_grace_ms: Option<u64>,
+    tenant: Option<String>,
+    journal_retention_days: Option<u64>,
 }
 
 /// Log output format.
@@ -194,6 +202,8 @@ pub struct Config {
     pub shutdown_delay_ms: u64,
     /// Deadline for in-flight requests and streams on SIGTERM, milliseconds.
     pub shutdown_grace_ms: u64,
+    pub tenant: String,
+    pub journal_retention_days: u64,
 }
 
 impl Default for Config {
@@ -225,6 +235,8 @@ impl Default for Config {
             shed_retry_after_s: 1,
             shutdown_delay_ms: 0,
             shutdown_grace_ms: 30_000,
+            tenant: "default".to_owned(),
+            journal_retention_days: 30,
         }
     }
 }
@@ -319,6 +331,23 @@ impl Config {
             "TURNGUARD_LOG_FORMAT",
             |v: String, s: &str| log(v, s)
         );
+        let tenant = |v: String, src: &str| -> Result<String, ConfigError> {
+            let ok = !v.is_empty()
+                && v.len() <= 64
+                && v.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '~' | '-'));
+            if ok {
+                Ok(v)
+            } else {
+                Err(value_err(
+                    src,
+                    format!("`{v}` is not a tenant id (1-64 of A-Z a-z 0-9 . _ ~ -)"),
+                ))
+            }
+        };
+        layer!(tenant, "TURNGUARD_TENANT", |v: String, s: &str| tenant(
+            v, s
+        ));
         // Paths.
         resolve_path(
             &mut c.policy,
@@ -379,6 +408,28 @@ impl Config {
             "TURNGUARD_UPSTREAM_IDLE_TIMEOUT_MS",
             ms,
             ms_env
+        );
+        let days = |v: u64, src: &str| -> Result<u64, ConfigError> {
+            if v < 14 {
+                Err(value_err(
+                    src,
+                    "records are kept at least 14 days (OpenWOP idempotency.md)".into(),
+                ))
+            } else {
+                Ok(v)
+            }
+        };
+        let days_env = |v: String, src: &str| -> Result<u64, ConfigError> {
+            let n: u64 = v
+                .parse()
+                .map_err(|_| value_err(src, format!("`{v}` is not a number of days")))?;
+            days(n, src)
+        };
+        number!(
+            journal_retention_days,
+            "TURNGUARD_JOURNAL_RETENTION_DAYS",
+            days,
+            days_env
         );
 
         // Protection and shutdown (issue 6).

@@ -42,6 +42,19 @@ pub enum WireError {
     /// turnguard is draining after SIGTERM and takes no new requests.
     #[error("turnguard is shutting down; retry after {retry_after_s} s")]
     ShuttingDown { retry_after_s: u64 },
+    /// Same-attempt recovery found a released, non-re-runnable call with no recorded result
+    /// (tool-turn contract §D).
+    #[error("the outcome of released call(s) is unknown and they are not re-runnable: {calls}")]
+    ToolOutcomeUnknown { calls: String },
+    /// Replay reached a position with no usable record (tool-turn contract §D; OpenWOP
+    /// replay.md).
+    #[error("replay has no record to serve: {reason}")]
+    ReplaySourceMissing { reason: String },
+    /// Inside a run, the request asks the provider to make MCP (or A2A) calls on the agent's
+    /// behalf, e.g. a Responses `tools[].type = "mcp"` (tool-turn contract §F: a host MUST NOT
+    /// delegate an MCP or A2A call to provider execution inside a run).
+    #[error("inside a run, turnguard does not let the provider make MCP or A2A calls: remove {what} (or send the request without `Turnguard-Run`)")]
+    ProviderDelegationInRun { what: String },
     /// An invariant turnguard relies on did not hold.
     #[error("internal error: {reason}")]
     Internal { reason: String },
@@ -91,6 +104,26 @@ impl WireError {
                 "runner_unavailable",
                 "shutting_down",
             ),
+            Self::ToolOutcomeUnknown { .. } => (
+                StatusCode::CONFLICT,
+                "turnguard.tool_outcome_unknown",
+                "tool_outcome_unknown",
+            ),
+            Self::ReplaySourceMissing { .. } => (
+                StatusCode::NOT_FOUND,
+                "replay_source_missing",
+                "replay_source_missing",
+            ),
+            // `forbidden` (403): the body is a valid provider request, so not
+            // `validation_error`; turnguard understood it and refuses it by rule, and the same
+            // request without the delegated tool would be served. `capability_not_provided`
+            // (422) means the host lacks something a run needs, and `sandbox_capability_denied`
+            // is about sandboxes; neither is this refusal.
+            Self::ProviderDelegationInRun { .. } => (
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                "provider_delegation_in_run",
+            ),
             Self::Internal { .. } => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal_error",
@@ -120,6 +153,9 @@ impl WireError {
             }
             Self::ShuttingDown { retry_after_s } => {
                 details["retryAfterSeconds"] = json!(retry_after_s);
+            }
+            Self::ProviderDelegationInRun { what } => {
+                details["field"] = json!(what);
             }
             _ => {}
         }

@@ -11,14 +11,18 @@
 //! | [`body`] | the capped body reader: the only place a request or response body is collected |
 //! | [`proxy`] | the request path: parse → adapter → record tool results → upstream → admit → surface |
 //! | [`sse`] | byte-faithful `text/event-stream` framing (raw bytes kept per event) |
-//! | [`provider`] | one adapter per provider API, into and out of the neutral [`model`] |
+//! | [`provider`] | one adapter per provider API (Chat Completions, Messages, Responses), into and out of the neutral [`model`] |
 //! | [`model`] | the provider-neutral `Turn`, `ToolCall`, `Completion`, `Decision` |
 //! | [`admission`] | the admission order of tool-turn contract §B (completion, name, arguments, …) |
+//! | [`recipes`] | RFC 0150 recipes: semantic request digest v2, `logicalInvocationId` |
 //! | [`journal`] | the SQLite journal: one writer thread, group commit, insert-if-absent |
 //! | [`metrics`] | every Prometheus metric, in one registry handle |
 //! | [`admin`] | the admin plane: `/metrics`, `/healthz`, `/readyz`, `/config` |
 //! | [`shutdown`] | graceful shutdown: readiness false, drain within a deadline, flush |
 //! | [`error`] | the one boundary enum for errors turnguard authors on the wire |
+//! | [`policy`] | the pure policy engine: bundle formats, catalog, Cedar rules, redaction |
+//! | [`policy_cli`] | `turnguard policy check / test / explain / schema` |
+//! | [`reload`] | bundle IO: reading, the embedded default, watch + SIGHUP hot reload |
 //! | [`mock_provider`] | the scripted model used by tests and the offline demo |
 
 pub mod admin;
@@ -31,8 +35,12 @@ pub mod journal;
 pub mod metrics;
 pub mod mock_provider;
 pub mod model;
+pub mod policy;
+pub mod policy_cli;
 pub mod provider;
 pub mod proxy;
+pub mod recipes;
+pub mod reload;
 pub mod server;
 pub mod shutdown;
 pub mod sse;

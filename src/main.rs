@@ -24,6 +24,13 @@ struct Cli {
 enum Command {
     /// Run the proxy: data plane (provider APIs) and admin plane (metrics, health).
     Serve(Box<ServeArgs>),
+    /// Policy author tools: check, test, explain, schema.
+    #[command(subcommand)]
+    Policy(PolicyCommand),
+    /// Read the journal (safe while `serve` runs): runs, and one run's rounds, calls,
+    /// effects and events (arguments only in redacted form).
+    #[command(subcommand)]
+    Journal(JournalCommand),
     /// Run a scripted OpenAI/Anthropic-compatible model (tests, offline demo).
     MockProvider {
         /// Address to listen on.
@@ -32,6 +39,62 @@ enum Command {
         /// Script file (JSON; see README "Mock provider").
         #[arg(long)]
         script: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum JournalCommand {
+    /// List runs with their round and call counts, most recent first.
+    Runs {
+        /// Journal file.
+        #[arg(long, default_value = "./turnguard.db")]
+        journal: PathBuf,
+    },
+    /// Print one run as JSON: rounds with their calls and decisions, effects, events.
+    Show {
+        /// Run id (`Turnguard-Run`).
+        run: String,
+        /// Journal file.
+        #[arg(long, default_value = "./turnguard.db")]
+        journal: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum PolicyCommand {
+    /// Validate a bundle exactly as `serve` does at start; exit 1 with file:line errors.
+    Check {
+        /// Bundle directory.
+        dir: PathBuf,
+    },
+    /// Run the bundle's test cases (`tests/*.toml`); exit 1 on any failure.
+    Test {
+        /// Bundle directory.
+        dir: PathBuf,
+    },
+    /// Print each admission stage's decision for each tool call of a response.
+    Explain {
+        /// Request body (JSON).
+        #[arg(long)]
+        request: PathBuf,
+        /// Non-stream response body (JSON).
+        #[arg(long)]
+        response: PathBuf,
+        /// Bundle directory [default: ./policy, else the embedded bundle].
+        #[arg(long, default_value = "./policy")]
+        policy: PathBuf,
+        /// `openai_chat` or `anthropic_messages` [default: from the response shape].
+        #[arg(long)]
+        api: Option<String>,
+        /// Acting person (`sub`) to authorize as.
+        #[arg(long)]
+        principal: Option<String>,
+    },
+    /// Print (or write into DIR) the JSON Schemas of the bundle file formats.
+    Schema {
+        /// Write `turnguard.schema.json`, `tools.schema.json`, `tests.schema.json` here.
+        #[arg(long)]
+        write: Option<PathBuf>,
     },
 }
 
@@ -63,6 +126,77 @@ async fn main() -> anyhow::Result<()> {
             if !report.journal_flushed {
                 anyhow::bail!("the journal was not flushed before exit");
             }
+            Ok(())
+        }
+        Command::Policy(cmd) => {
+            use turnguard::policy_cli as p;
+            let report = match cmd {
+                PolicyCommand::Check { dir } => p::check(&dir),
+                PolicyCommand::Test { dir } => p::test(&dir),
+                PolicyCommand::Explain {
+                    request,
+                    response,
+                    policy,
+                    api,
+                    principal,
+                } => p::explain(
+                    &policy,
+                    api.as_deref(),
+                    &request,
+                    &response,
+                    principal.as_deref(),
+                ),
+                PolicyCommand::Schema { write } => p::schema(write.as_deref()),
+            };
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(report.text.as_bytes());
+            let _ = out.flush();
+            std::process::exit(report.code);
+        }
+        Command::Journal(cmd) => {
+            use std::io::Write;
+            let text = match cmd {
+                JournalCommand::Runs { journal } => {
+                    let r = turnguard::journal::JournalReader::open(&journal)?;
+                    let mut t = String::from("run\trounds\tcalls\tfirst\tlast\n");
+                    for run in r.runs()? {
+                        let at = |ms: i64| {
+                            humantime::format_rfc3339_seconds(
+                                std::time::UNIX_EPOCH
+                                    + std::time::Duration::from_millis(ms.max(0) as u64),
+                            )
+                            .to_string()
+                        };
+                        t.push_str(&format!(
+                            "{}\t{}\t{}\t{}\t{}\n",
+                            run.run_id,
+                            run.rounds,
+                            run.calls,
+                            at(run.first_ms),
+                            at(run.last_ms)
+                        ));
+                    }
+                    t
+                }
+                JournalCommand::Show { run, journal } => {
+                    let r = turnguard::journal::JournalReader::open(&journal)?;
+                    let effects: Vec<serde_json::Value> = r
+                        .effects(&run)?
+                        .into_iter()
+                        .map(|e| serde_json::json!({"effectId": e.effect_id, "toolId": e.tool_id, "nodeId": e.node_id, "attempt": e.attempt, "keying": e.keying, "state": e.state, "atMs": e.at_ms}))
+                        .collect();
+                    let events: Vec<serde_json::Value> = r
+                        .events(&run)?
+                        .into_iter()
+                        .map(|e| serde_json::json!({"sequence": e.sequence, "type": e.kind, "payload": serde_json::from_str::<serde_json::Value>(&e.payload).unwrap_or_default(), "atMs": e.at_ms}))
+                        .collect();
+                    let doc = serde_json::json!({"runId": run, "rounds": r.show(&run)?, "effects": effects, "events": events});
+                    serde_json::to_string_pretty(&doc)? + "\n"
+                }
+            };
+            let mut out = std::io::stdout().lock();
+            out.write_all(text.as_bytes())?;
             Ok(())
         }
         Command::MockProvider { listen, script } => {

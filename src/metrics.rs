@@ -45,7 +45,8 @@ pub struct CallLabels {
 /// `turnguard_proxy_added_seconds`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EdgeLabels {
-    /// Provider API (`openai_chat`, `anthropic_messages`, `passthrough`, `none`).
+    /// Provider API (`openai_chat`, `anthropic_messages`, `openai_responses`, `passthrough`,
+    /// `none`).
     pub api: String,
     /// `true` for an SSE response.
     pub stream: String,
@@ -90,6 +91,52 @@ pub struct ReasonLabels {
     pub reason: String,
 }
 
+/// Labels of `turnguard_policy_reloads_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `ok` or `error`.
+    pub result: String,
+}
+
+/// Labels of `turnguard_policy_revision_info`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RevisionLabels {
+    /// The active bundle's revision.
+    pub revision: String,
+}
+
+/// Labels of `turnguard_turns_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TrustLabels {
+    /// The turn's `contentTrust`.
+    pub trust: String,
+}
+
+/// Labels of `turnguard_repairs_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RepairLabels {
+    /// Provider API.
+    pub api: String,
+}
+
+/// Labels of `turnguard_emissions_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EmissionLabels {
+    /// `structured` or `prompted`.
+    pub channel: String,
+    /// `valid`, `refused`, or the invalid reason.
+    pub result: String,
+}
+
+/// Labels of `turnguard_replay_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplayLabels {
+    /// `recovery` or `replay`.
+    pub mode: String,
+    /// `hit`, `miss`, `outcome_unknown`.
+    pub result: String,
+}
+
 /// The metrics handle shared by the data plane, the journal and the admin plane.
 pub struct Metrics {
     registry: Registry,
@@ -114,6 +161,18 @@ pub struct Metrics {
     pub journal_queue_depth: Gauge<i64, AtomicI64>,
     /// Data-plane requests in flight.
     pub inflight_requests: Gauge<i64, AtomicI64>,
+    /// Policy reloads by result.
+    pub policy_reloads: Family<ResultLabels, Counter>,
+    /// 1 for the active policy revision.
+    pub policy_revision_info: Family<RevisionLabels, Gauge<i64, AtomicI64>>,
+    /// Model turns admitted, by `contentTrust`.
+    pub turns: Family<TrustLabels, Counter>,
+    /// Repair rounds turnguard sent upstream.
+    pub repairs: Family<RepairLabels, Counter>,
+    /// Text answers checked in the structured and prompted channels.
+    pub emissions: Family<EmissionLabels, Counter>,
+    /// Recovery and replay lookups by result.
+    pub replay: Family<ReplayLabels, Counter>,
     /// Whole time of a data-plane request at the edge (arrival to the last body byte sent),
     /// seconds.
     pub request_duration: Family<EdgeLabels, Histogram>,
@@ -218,6 +277,54 @@ impl Metrics {
             "Data-plane requests in flight",
             inflight_requests.clone(),
         );
+        let policy_reloads = Family::<ResultLabels, Counter>::default();
+        reg(
+            &mut registry,
+            &mut names,
+            "policy_reloads",
+            "Policy bundle reloads by result",
+            policy_reloads.clone(),
+        );
+        let policy_revision_info = Family::<RevisionLabels, Gauge<i64, AtomicI64>>::default();
+        reg(
+            &mut registry,
+            &mut names,
+            "policy_revision_info",
+            "1 for the revision of the active policy bundle",
+            policy_revision_info.clone(),
+        );
+        let turns = Family::<TrustLabels, Counter>::default();
+        reg(
+            &mut registry,
+            &mut names,
+            "turns",
+            "Model turns admitted, by contentTrust",
+            turns.clone(),
+        );
+        let repairs = Family::<RepairLabels, Counter>::default();
+        reg(
+            &mut registry,
+            &mut names,
+            "repairs",
+            "Repair rounds sent upstream",
+            repairs.clone(),
+        );
+        let emissions = Family::<EmissionLabels, Counter>::default();
+        reg(
+            &mut registry,
+            &mut names,
+            "emissions",
+            "Text answers checked in the structured and prompted channels, by result",
+            emissions.clone(),
+        );
+        let replay = Family::<ReplayLabels, Counter>::default();
+        reg(
+            &mut registry,
+            &mut names,
+            "replay",
+            "Recovery and replay lookups by result",
+            replay.clone(),
+        );
         // Edge and protection metrics (issue 6).
         let request_duration = Family::<EdgeLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.000_5, 2.0, 18))
@@ -294,9 +401,28 @@ impl Metrics {
                 })
                 .inc_by(0);
         }
+        for result in ["ok", "error"] {
+            policy_reloads
+                .get_or_create(&ResultLabels {
+                    result: result.to_owned(),
+                })
+                .inc_by(0);
+        }
         Self {
-            registry,
             names,
+            request_duration,
+            proxy_added,
+            upstream_ttfb,
+            inflight_streams,
+            shed_requests,
+            build_info,
+            replay,
+            emissions,
+            policy_reloads,
+            policy_revision_info,
+            turns,
+            repairs,
+            registry,
             requests,
             upstream_latency,
             hold_latency,
@@ -307,20 +433,7 @@ impl Metrics {
             journal_batch_size,
             journal_queue_depth,
             inflight_requests,
-            request_duration,
-            proxy_added,
-            upstream_ttfb,
-            inflight_streams,
-            shed_requests,
-            build_info,
         }
-    }
-
-    /// The names of every registered metric family as exposed (`turnguard_…`, with `_total`
-    /// for counters), in registration order. The catalogue in `deploy/README.md` is checked
-    /// against this list.
-    pub fn family_names(&self) -> Vec<String> {
-        self.names.clone()
     }
 
     /// The exposition text (OpenMetrics text format).
@@ -330,6 +443,13 @@ impl Metrics {
             out.clear();
         }
         out
+    }
+
+    /// The names of every registered metric family as exposed (`turnguard_…`, with `_total`
+    /// for counters), in registration order. The catalogue in `deploy/README.md` is checked
+    /// against this list.
+    pub fn family_names(&self) -> Vec<String> {
+        self.names.clone()
     }
 
     /// Counts one answered request.
@@ -344,8 +464,33 @@ impl Metrics {
     }
 }
 
-/// The `reason` values of `turnguard_upstream_errors_total` (the upstream leg and the relay
-/// use these and no others).
+impl Metrics {
+    /// Counts one policy reload (`ok` or `error`).
+    pub fn policy_reload(&self, result: &str) {
+        self.policy_reloads
+            .get_or_create(&ResultLabels {
+                result: result.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Marks `new` as the active revision (and `old`, if different, as gone).
+    pub fn policy_revision(&self, old: &str, new: &str) {
+        if old != new {
+            self.policy_revision_info.remove(&RevisionLabels {
+                revision: old.to_owned(),
+            });
+        }
+        self.policy_revision_info
+            .get_or_create(&RevisionLabels {
+                revision: new.to_owned(),
+            })
+            .set(1);
+    }
+}
+
+/// The `reason` values of `turnguard_upstream_errors_total` the upstream leg and the relay
+/// count (started at 0).
 pub const UPSTREAM_ERROR_REASONS: &[&str] = &["connect", "response_timeout", "stream_cut"];
 
 /// Registers `metric` as `turnguard_<name>` and remembers its exposed name.

@@ -333,7 +333,8 @@ fn split_events(bytes: &[u8]) -> Vec<Bytes> {
         .push(bytes)
         .map(|b| b.into_iter().map(|e| e.raw).collect())
         .unwrap_or_default();
-    let rest = framer.finish();
+    let (blocks, rest) = framer.finish();
+    out.extend(blocks.into_iter().map(|b| b.raw));
     if !rest.is_empty() {
         out.push(rest);
     }

@@ -13,6 +13,8 @@ pub enum Api {
     OpenAiChat,
     /// Anthropic Messages, `POST /v1/messages`.
     AnthropicMessages,
+    /// OpenAI Responses, `POST /v1/responses`.
+    OpenAiResponses,
 }
 
 impl Api {
@@ -21,6 +23,17 @@ impl Api {
         match self {
             Self::OpenAiChat => "openai_chat",
             Self::AnthropicMessages => "anthropic_messages",
+            Self::OpenAiResponses => "openai_responses",
+        }
+    }
+
+    /// The API for a label (`openai_chat`, `anthropic_messages`).
+    pub fn from_label(label: &str) -> Option<Self> {
+        match label {
+            "openai_chat" => Some(Self::OpenAiChat),
+            "anthropic_messages" => Some(Self::AnthropicMessages),
+            "openai_responses" => Some(Self::OpenAiResponses),
+            _ => None,
         }
     }
 
@@ -29,6 +42,7 @@ impl Api {
         match self {
             Self::OpenAiChat => "openai",
             Self::AnthropicMessages => "anthropic",
+            Self::OpenAiResponses => "openai",
         }
     }
 }
@@ -73,8 +87,26 @@ pub struct Turn {
     /// Chat only: `stream_options.include_usage` is set, so a usage chunk will follow.
     pub include_usage: bool,
     /// Index of the model round this request asks for: assistant turns already in the
-    /// transcript (DESIGN.md §2: derived from the transcript, not a counter).
+    /// transcript (DESIGN.md §2: derived from the transcript, not a counter). With a
+    /// `previous_response_id` the earlier turns are held by the provider, so this counts only
+    /// the turns the request itself carries.
     pub round_index: u32,
+    /// Names of the tool calls already in the transcript, in order.
+    pub prior_calls: Vec<String>,
+    /// The transcript carries provider-executed tool output (Anthropic
+    /// `web_search_tool_result` …): always untrusted (tool-turn contract §F).
+    pub provider_output_seen: bool,
+    /// Responses only: `previous_response_id`. The provider holds the earlier turns of the
+    /// conversation, which the proxy cannot see in this request; their trust can only come
+    /// from turnguard's own journal of that response chain (the trust rule is in
+    /// [`crate::journal`], "The response chain"), and an unknown chain is untrusted (fail
+    /// closed).
+    pub previous_response_id: Option<String>,
+    /// Tools the request asks the *provider* to call on the agent's behalf through MCP or A2A
+    /// (Responses `tools[].type = "mcp"`), named by their request path, e.g.
+    /// `tools[1] (mcp, server_label deepwiki)`. Inside a run such a request is refused
+    /// (tool-turn contract §F).
+    pub provider_delegations: Vec<String>,
 }
 
 impl Turn {
@@ -135,6 +167,11 @@ pub struct ChoiceEmissions {
     pub completion: Completion,
     /// Its tool calls, in emission order.
     pub calls: Vec<ToolCall>,
+    /// Its assistant text (for the structured and prompted channels), when read.
+    pub text: Option<String>,
+    /// The same response carries provider-executed tool output (a web search, a fetch …):
+    /// its calls are decided as in an untrusted turn (tool-turn contract §C, §F).
+    pub provider_output: bool,
 }
 
 /// The outcome of one tool call (tool-turn contract §B).
@@ -202,26 +239,141 @@ pub struct Decision {
     pub reason: &'static str,
     /// Host-authored explanation, built from validator or decision output, never model text.
     pub message: String,
-    /// SHA-256 (hex) of the RFC 8785 form of the arguments, when they parsed.
+    /// `argsHash`: SHA-256 (hex) of the RFC 8785 form of the *redacted* arguments, when they
+    /// parsed.
     pub args_hash: Option<String>,
+    /// The catalog `toolId` (or `turnguard:unknown`).
+    pub tool_id: String,
+    /// The provider-facing tool name, sanitized for host-authored text.
+    pub tool_name: String,
+    /// `false` when shadow mode released a call enforcement would have withheld.
+    pub enforced: bool,
+    /// Cedar rules that determined an authorization decision.
+    pub rules: Vec<String>,
+    /// For `rate_limited`: seconds until the bucket has a token.
+    pub retry_after_secs: Option<u64>,
+    /// The arguments after redaction (safe to journal and log), when they parsed.
+    pub redacted_args: Option<serde_json::Value>,
+    /// How many secrets redaction found in the arguments.
+    pub secrets: usize,
+    /// Stage by stage, what admission found (for `policy explain`).
+    pub trace: Vec<(Stage, String)>,
 }
 
 impl Decision {
-    /// The call goes to the agent.
+    /// A decision with only the outcome fields set.
+    pub fn new(outcome: Outcome, stage: Stage, reason: &'static str, message: String) -> Self {
+        Self {
+            outcome,
+            stage,
+            reason,
+            message,
+            args_hash: None,
+            tool_id: String::new(),
+            tool_name: String::new(),
+            enforced: true,
+            rules: Vec::new(),
+            retry_after_secs: None,
+            redacted_args: None,
+            secrets: 0,
+            trace: Vec::new(),
+        }
+    }
+
+    /// The call goes to the agent (executed, or withheld only in shadow mode).
     pub fn released(&self) -> bool {
-        self.outcome == Outcome::Executed
+        self.outcome == Outcome::Executed || !self.enforced
     }
 }
 
-/// Admission's verdict on one choice: a decision per call, and, when the turn is ended,
-/// the host-authored text that replaces the withheld calls.
+/// A response the provider stores and a later request can continue from
+/// (`previous_response_id`, Responses only), as the journal records it (table `responses`;
+/// the trust rule that reads it is in [`crate::journal`], "The response chain").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseLink {
+    /// The provider's response id (`resp_…`).
+    pub response_id: String,
+    /// The `previous_response_id` of the request that produced it.
+    pub previous_response_id: Option<String>,
+    /// The response's final `status` (`completed`, `incomplete`, `failed` …); `None` when the
+    /// stream ended before its terminal event.
+    pub status: Option<String>,
+    /// Types of the output items the provider executed itself (`web_search_call`,
+    /// `mcp_call` …, and any item type turnguard does not know), in order, deduplicated.
+    /// Their output is untrusted (tool-turn contract §C, §F).
+    pub provider_items: Vec<String>,
+}
+
+/// A host-authored tool result for a repair round (MCP result shape, tool-turn contract §G).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RepairItem {
+    /// Index of the call in [`ChoiceEmissions::calls`].
+    pub call: usize,
+    /// The result text, built from validator or decision output (or a recorded result for a
+    /// suppressed repeat), never from model text.
+    pub text: String,
+    /// `isError`: a model-correctable failure.
+    pub is_error: bool,
+}
+
+/// An HTTP error surfaced for a withheld call (DESIGN.md §7).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SurfacedError {
+    /// HTTP status.
+    pub status: u16,
+    /// OpenWOP error code.
+    pub code: &'static str,
+    /// Host-authored message.
+    pub message: String,
+    /// `Retry-After` seconds, for `rate_limited`.
+    pub retry_after_secs: Option<u64>,
+}
+
+/// How a choice's withheld calls reach the agent (DESIGN.md §4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Surfacing {
+    /// Every call is released as emitted.
+    Release,
+    /// The withheld calls are removed; the released ones go out and the finish reason is
+    /// kept (calls after a clarification ask, tool-turn contract §E).
+    Drop,
+    /// The withheld calls are removed, the text is added as assistant text, the finish
+    /// reason becomes a normal stop.
+    EndTurn(String),
+    /// The model is asked again with these host-authored results.
+    Repair(Vec<RepairItem>),
+    /// The request fails with this error.
+    Error(SurfacedError),
+}
+
+/// Admission's verdict on one choice: a decision per call and how it surfaces.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChoiceVerdict {
     /// Choice index.
     pub choice: u32,
     /// One decision per call, aligned with [`ChoiceEmissions::calls`].
     pub decisions: Vec<Decision>,
-    /// `Some(text)` when calls were withheld: the calls are removed, `text` is added as
-    /// assistant text and the finish reason becomes a normal stop (DESIGN.md §4 `end-turn`).
-    pub end_turn: Option<String>,
+    /// How the withheld calls surface.
+    pub surfacing: Surfacing,
+}
+
+impl ChoiceVerdict {
+    /// Whether call `i` goes to the agent.
+    pub fn released(&self, i: usize) -> bool {
+        self.decisions.get(i).is_some_and(Decision::released)
+    }
+
+    /// Some call is withheld.
+    pub fn any_withheld(&self) -> bool {
+        self.decisions.iter().any(|d| !d.released())
+    }
+
+    /// The host-authored text when the turn is ended with calls removed.
+    pub fn end_turn(&self) -> Option<&str> {
+        match &self.surfacing {
+            Surfacing::Release | Surfacing::Drop => None,
+            Surfacing::EndTurn(t) => Some(t),
+            Surfacing::Repair(_) | Surfacing::Error(_) => None,
+        }
+    }
 }

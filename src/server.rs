@@ -14,13 +14,14 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::admission::SchemaCache;
+use crate::admission::{LimitState, SchemaCache};
 use crate::config::Config;
 use crate::error::WireError;
-use crate::journal::{Journal, JournalError, WriterThread};
+use crate::journal::{Journal, JournalError, JournalReader, WriterThread};
 use crate::metrics::Metrics;
 use crate::model::Api;
 use crate::proxy::{self, upstream};
+use crate::reload::{self, LoadError, PolicyHandle};
 
 /// State shared by every request of both planes.
 pub struct AppState {
@@ -30,10 +31,16 @@ pub struct AppState {
     pub client: upstream::HttpClient,
     /// The journal writer handle.
     pub journal: Journal,
+    /// A read-only journal connection (recovery, replay, admin plane).
+    pub reader: Arc<JournalReader>,
     /// The metrics registry handle.
     pub metrics: Arc<Metrics>,
     /// Compiled argument schemas, by schema hash.
     pub schemas: SchemaCache,
+    /// The active policy bundle; each request takes one snapshot.
+    pub policy: Arc<PolicyHandle>,
+    /// Limits-stage state (token buckets, per-run counters).
+    pub limits: LimitState,
     /// Readiness: true once both planes listen, false again when shutdown starts.
     pub ready: AtomicBool,
     /// Shutdown state: draining (shed new requests) and the stream cut signal.
@@ -49,6 +56,9 @@ pub enum StartError {
     /// The journal could not be opened.
     #[error(transparent)]
     Journal(#[from] JournalError),
+    /// The policy bundle does not load.
+    #[error("policy bundle {dir}:\n{source}")]
+    Policy { dir: String, source: LoadError },
 }
 
 /// A running turnguard: its bound addresses and the handle to stop it.
@@ -61,6 +71,8 @@ pub struct Running {
     pub state: Arc<AppState>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    watcher: JoinHandle<()>,
+    pruner: JoinHandle<()>,
     writer: WriterThread,
 }
 
@@ -69,6 +81,8 @@ impl Running {
     /// and streams finish within `shutdown_grace_ms` (then are cut), then the journal queue
     /// is flushed and closed. See [`crate::shutdown`].
     pub async fn shutdown(self) -> crate::shutdown::ShutdownReport {
+        self.watcher.abort();
+        self.pruner.abort();
         crate::shutdown::sequence(self.state, self.stop, self.tasks, self.writer).await
     }
 }
@@ -78,7 +92,15 @@ impl Running {
 /// Errors: [`StartError`] naming the address or journal path that failed.
 pub async fn start(config: Config) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
+    let policy = reload::load(&config.policy).map_err(|source| StartError::Policy {
+        dir: config.policy.display().to_string(),
+        source,
+    })?;
+    tracing::info!(revision = %policy.revision, origin = %policy.origin, tools = policy.catalog.len(), rules = policy.rules.len(), "policy bundle loaded");
+    metrics.policy_revision("", &policy.revision);
+    let policy = Arc::new(PolicyHandle::new(policy, config.policy.clone()));
     let (journal, writer) = Journal::open(&config.journal, Arc::clone(&metrics))?;
+    let reader = Arc::new(JournalReader::open(&config.journal)?);
     let bind = |addr: SocketAddr| async move {
         TcpListener::bind(addr).await.map_err(|e| StartError::Bind {
             addr,
@@ -99,11 +121,20 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         client: upstream::client(&config),
         config,
         journal,
+        reader,
         metrics,
         schemas: SchemaCache::default(),
+        policy: Arc::clone(&policy),
+        limits: LimitState::default(),
         ready: AtomicBool::new(false),
         lifecycle: crate::shutdown::Lifecycle::default(),
     });
+    let watcher = reload::watch(
+        policy,
+        Arc::clone(&state.metrics),
+        std::time::Duration::from_millis(250),
+    );
+    let pruner = prune_task(Arc::clone(&state));
     let (stop, stopped) = watch::channel(false);
     let serve = |listener: TcpListener, router: Router, mut stopped: watch::Receiver<bool>| {
         tokio::spawn(async move {
@@ -144,7 +175,30 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         state,
         stop,
         tasks,
+        watcher,
+        pruner,
         writer,
+    })
+}
+
+/// Deletes journal records past `journal_retention_days`, hourly (and once at start).
+fn prune_task(state: Arc<AppState>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(3600));
+        loop {
+            tick.tick().await;
+            let keep_ms = i64::try_from(
+                state
+                    .config
+                    .journal_retention_days
+                    .saturating_mul(86_400_000),
+            )
+            .unwrap_or(i64::MAX);
+            let before = crate::proxy::now_ms().saturating_sub(keep_ms);
+            if let Err(e) = state.journal.prune(before).await {
+                tracing::error!(error = %e, "journal pruning failed");
+            }
+        }
     })
 }
 
@@ -154,6 +208,7 @@ fn data_router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
+        .route("/v1/responses", post(responses))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/models", get(models))
         .route("/v1/models/{model}", get(models))
@@ -173,6 +228,13 @@ async fn chat_completions(State(s): State<Arc<AppState>>, req: Request<Body>) ->
 
 async fn messages(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
     proxy::handle(s, Api::AnthropicMessages, req).await
+}
+
+/// `POST /v1/responses` only: retrieving a stored response (`GET /v1/responses/{id}`) or its
+/// input items would hand the agent calls that never went through admission, so those paths
+/// stay off the allowlist (404), like everything else not listed.
+async fn responses(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
+    proxy::handle(s, Api::OpenAiResponses, req).await
 }
 
 async fn count_tokens(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {

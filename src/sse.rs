@@ -69,11 +69,23 @@ impl SseFramer {
         Ok(out)
     }
 
-    /// Bytes left over at end of stream that never formed a complete block.
-    pub fn finish(&mut self) -> Bytes {
+    /// End of input: blocks that only the end completes (a trailing `\r` is then a line
+    /// ending, not half of `\r\n`), and the bytes that never formed a complete block.
+    pub fn finish(&mut self) -> (Vec<SseBlock>, Bytes) {
+        let mut out = Vec::new();
+        if self.buf.last() == Some(&b'\r') {
+            self.buf.extend_from_slice(b"\n");
+            if let Some(end) = self.next_block_end() {
+                // The added `\n` is not part of the stream: keep only the real bytes.
+                let real = end.min(self.buf.len() - 1);
+                let raw = self.buf.split_to(real).freeze();
+                out.push(parse_block(raw));
+            }
+            self.buf.truncate(self.buf.len().saturating_sub(1));
+        }
         self.line_start = 0;
         self.scanned = 0;
-        self.buf.split().freeze()
+        (out, self.buf.split().freeze())
     }
 
     /// Scans for the blank line ending the current block; returns the block's length.
@@ -166,7 +178,8 @@ mod tests {
         for c in chunks {
             out.extend(f.push(c).unwrap());
         }
-        let rest = f.finish();
+        let (blocks, rest) = f.finish();
+        out.extend(blocks);
         (out, rest)
     }
 

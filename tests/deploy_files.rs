@@ -5,7 +5,7 @@
 //! `turnguard serve` starts with exactly the manifest's arguments and environment (addresses
 //! moved to free ports, absolute paths moved under a temporary root) and answers the probes;
 //! the systemd unit's `ExecStart` does the same, and its `ExecStartPre` passes on the
-//! manifest's policy bundle.
+//! manifest's policy bundle (and fails on a broken one).
 
 #![allow(
     clippy::unwrap_used,
@@ -285,6 +285,9 @@ fn the_dockerfile_is_multi_stage_non_root_with_the_journal_on_a_volume() {
     assert!(text.contains("TURNGUARD_JOURNAL=/var/lib/turnguard/"));
     assert!(text.contains("SQLITE_TMPDIR=/var/lib/turnguard"));
     assert!(text.contains("--locked"));
+    // src/reload.rs embeds the default bundle: the build context must carry policy/.
+    assert!(text.contains("COPY policy ./policy"));
+    assert!(read("Dockerfile.dockerignore").contains("!policy/**"));
 }
 
 /// Rewrites absolute paths under `root` and addresses to free ports (same host).
@@ -515,10 +518,8 @@ fn the_systemd_unit_is_hardened_and_its_exec_start_serves() {
 }
 
 /// The unit's `ExecStartPre` (`turnguard policy check DIR`) on the bundle the Kubernetes
-/// manifest ships. `turnguard policy check` is built in issue 7: remove the `ignore` when it
-/// lands (this test then runs in CI).
+/// manifest ships, and on a broken copy of it.
 #[test]
-#[ignore = "needs `turnguard policy check` from issue 7"]
 fn the_systemd_units_exec_start_pre_passes_on_the_shipped_bundle() {
     let pre: Vec<String> = unit_value("ExecStartPre")
         .split_whitespace()

@@ -83,6 +83,7 @@ fn finish_reasons(body: &[u8]) -> Vec<String> {
         .collect()
 }
 
+/// The foundation behaviour: a withheld call ends the turn (`invalid = "end-turn"`).
 async fn serve_one(file: &str) -> support::Harness {
     let h = support::start(Script::default()).await;
     h.script(&script(json!([{ "file": file }]), &own_fixtures()))
@@ -159,7 +160,7 @@ async fn empty_arguments_cut_by_length_are_not_released() {
     .await;
     assert_eq!(status, 200);
     assert!(accumulate_chat_calls(&body).is_empty());
-    assert!(chat_text(&body).contains("completion stage, truncated"));
+    assert!(chat_text(&body).contains("invalid at the completion stage (truncated)"));
     assert_eq!(finish_reasons(&body), vec!["stop"]);
     assert_eq!(sse_data(&body).last().unwrap(), "[DONE]");
 }
@@ -293,7 +294,8 @@ async fn missing_required_property_is_invalid() {
     assert!(resp["choices"][0]["message"].get("tool_calls").is_none());
     let text = resp["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(
-        text.contains("arguments stage, schema_violation") && text.contains("\"country\""),
+        text.contains("invalid at the arguments stage (schema_violation)")
+            && text.contains("\"country\""),
         "{text}"
     );
     let dir = h.stop().await;

@@ -353,15 +353,45 @@ async fn upstream_timeouts_and_the_event_cap_fail_cleanly_and_are_counted() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_scrape_after_traffic_shows_every_catalogued_metric_with_plausible_values() {
-    let h = support::start_with(Script::default(), |c| {
+    // A bundle that repairs invalid arguments, so a repair round happens too.
+    let bundle = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(bundle.path().join("rules")).unwrap();
+    std::fs::copy(
+        support::own_fixtures().join("policy-open/rules/permit.cedar"),
+        bundle.path().join("rules/permit.cedar"),
+    )
+    .unwrap();
+    std::fs::write(
+        bundle.path().join("turnguard.toml"),
+        "[outcomes]\ninvalid = \"repair\"\n",
+    )
+    .unwrap();
+    let policy = bundle.path().to_owned();
+    let h = support::start_with(Script::default(), move |c| {
         c.upstream_idle_timeout_ms = 500;
+        c.policy = policy;
     })
     .await;
+    let bad_call = json!({
+        "id": "chatcmpl-bad", "object": "chat.completion", "created": 1, "model": "gpt-4o",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant",
+            "content": null, "tool_calls": [{"id": "call_bad", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": 5}"}}]}}]
+    });
+    let structured = json!({
+        "id": "chatcmpl-s", "object": "chat.completion", "created": 1, "model": "gpt-4o",
+        "choices": [{"index": 0, "finish_reason": "stop",
+            "message": {"role": "assistant", "content": "{\"answer\":\"London\"}"}}]
+    });
     h.script(&script(
         json!([
             { "file": JSON_FIXTURE },
             { "file": STREAM_FIXTURE, "event_delay_ms": 5 },
-            { "file": STREAM_FIXTURE, "cut_after_events": 3 }
+            { "file": STREAM_FIXTURE, "cut_after_events": 3 },
+            { "json": bad_call },
+            { "file": JSON_FIXTURE },
+            { "json": structured },
+            { "json": structured }
         ]),
         &fixtures(),
     ))
@@ -374,6 +404,34 @@ async fn a_scrape_after_traffic_shows_every_catalogued_metric_with_plausible_val
     let _ = read_all(support::post_stream(&url, &chat(true)).await).await;
     let (status, _) = get(&format!("{}/not/a/provider/path", h.url())).await;
     assert_eq!(status, 404);
+    // Invalid arguments (`city` must be a string): one repair round, then the good answer.
+    let mut strict = chat(false);
+    strict["tools"][1]["function"]["parameters"] =
+        json!({"type": "object", "properties": {"city": {"type": "string"}}});
+    let (status, body) = post_json(&url, &strict, &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    // A provider-enforced schema: the structured channel checks the answer.
+    let schema_request = json!({
+        "model": "gpt-4o",
+        "messages": [{"role": "user", "content": "capital of the UK, as JSON"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "strict": true,
+            "schema": {"type": "object", "properties": {"answer": {"type": "string"}},
+                "required": ["answer"], "additionalProperties": false}}}
+    });
+    let (status, body) = post_json(&url, &schema_request, &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    // A run node answered with text, sent twice: the re-sent request is served from the
+    // record (recovery hit; a released call without a result would be in doubt instead).
+    for _ in 0..2 {
+        let (status, _) =
+            post_json(&url, &chat(false), &[("turnguard-run", "run-metrics-1")]).await;
+        assert_eq!(status, 200);
+    }
+    assert_eq!(
+        h.mock_requests().await.len(),
+        7,
+        "the recovered round is not sent upstream"
+    );
 
     // The access log line and histograms are written when the body ends; the scrape waits
     // for the relays to journal their rounds.
@@ -387,7 +445,7 @@ async fn a_scrape_after_traffic_shows_every_catalogued_metric_with_plausible_val
             .filter(|(n, _)| n.starts_with("turnguard_request_duration_seconds_count"))
             .map(|(_, v)| v)
             .sum();
-        if streams_done && durations == 4.0 {
+        if streams_done && durations == 8.0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -411,9 +469,23 @@ async fn a_scrape_after_traffic_shows_every_catalogued_metric_with_plausible_val
     );
     assert_eq!(
         v(r#"turnguard_tool_calls_total{outcome="executed",stage="dispatch",channel="tool"}"#),
-        2.0,
-        "one released call per complete response"
+        3.0,
+        "one released call per admitted tool-call response"
     );
+    assert_eq!(v(r#"turnguard_repairs_total{api="openai_chat"}"#), 1.0);
+    let turns: f64 = s["turnguard_turns_total"].iter().map(|(_, v)| v).sum();
+    assert!(
+        turns >= 6.0,
+        "every admitted turn is counted by trust: {turns}"
+    );
+    let emissions: f64 = s["turnguard_emissions_total"].iter().map(|(_, v)| v).sum();
+    assert_eq!(emissions, 1.0);
+    assert_eq!(
+        v(r#"turnguard_replay_total{mode="recovery",result="hit"}"#),
+        1.0
+    );
+    assert_eq!(s["turnguard_policy_revision_info"].len(), 1);
+    assert_eq!(v(r#"turnguard_policy_reloads_total{result="error"}"#), 0.0);
     assert_eq!(
         v(r#"turnguard_upstream_errors_total{reason="stream_cut"}"#),
         1.0

@@ -103,21 +103,22 @@ impl SchemaCache {
     }
 }
 
-/// `Some(invalid)` when the arguments are not an object valid against the declared schema.
+/// `Some(invalid)` when the arguments are not an object valid against the request's declared
+/// schema and the catalog's `inputSchema`.
 pub fn check(
     turn: &Turn,
     call: &ToolCall,
     args: &Result<Value, ArgsError>,
+    catalog_schema: Option<&Value>,
     schemas: &SchemaCache,
 ) -> Option<Decision> {
     let invalid = |reason: &'static str, message: String| {
-        Some(Decision {
-            outcome: Outcome::Invalid,
-            stage: Stage::Arguments,
+        Some(Decision::new(
+            Outcome::Invalid,
+            Stage::Arguments,
             reason,
             message,
-            args_hash: None,
-        })
+        ))
     };
     let args = match args {
         Ok(v) => v,
@@ -134,38 +135,47 @@ pub fn check(
             )
         }
     };
-    let schema = turn.declared(&call.name).and_then(|t| t.schema.as_ref())?;
-    let compiled = schemas.get(schema);
-    let validator = match compiled.as_ref() {
-        Ok(v) => v,
-        Err(reason) => return invalid("schema_uncompilable", reason.clone()),
-    };
-    let errors: Vec<String> = validator
-        .iter_errors(args)
-        .take(MAX_LISTED_ERRORS + 1)
-        .map(|e| describe(&e))
-        .collect();
-    if errors.is_empty() {
-        return None;
+    let declared = turn.declared(&call.name).and_then(|t| t.schema.as_ref());
+    for (which, schema) in [("declared", declared), ("catalog", catalog_schema)] {
+        let Some(schema) = schema else { continue };
+        let compiled = schemas.get(schema);
+        let validator = match compiled.as_ref() {
+            Ok(v) => v,
+            Err(reason) => {
+                return invalid(
+                    "schema_uncompilable",
+                    format!("the {which} schema: {reason}"),
+                )
+            }
+        };
+        let errors: Vec<String> = validator
+            .iter_errors(args)
+            .take(MAX_LISTED_ERRORS + 1)
+            .map(|e| describe(&e))
+            .collect();
+        if errors.is_empty() {
+            continue;
+        }
+        let mut message = format!("the arguments do not match the {which} schema: ");
+        message.push_str(&errors[..errors.len().min(MAX_LISTED_ERRORS)].join("; "));
+        if errors.len() > MAX_LISTED_ERRORS {
+            message.push_str("; …");
+        }
+        return invalid("schema_violation", message);
     }
-    let mut message = String::from("the arguments do not match the declared schema: ");
-    message.push_str(&errors[..errors.len().min(MAX_LISTED_ERRORS)].join("; "));
-    if errors.len() > MAX_LISTED_ERRORS {
-        message.push_str("; …");
-    }
-    invalid("schema_violation", message)
+    None
 }
 
 /// Describes one validation error from the validator's output only: the instance path (as a
 /// JSON pointer, sanitized), the failing keyword, and schema-side values. Never the instance
 /// value, which is model text.
-fn describe(e: &jsonschema::ValidationError<'_>) -> String {
+pub(crate) fn describe(e: &jsonschema::ValidationError<'_>) -> String {
     use jsonschema::error::ValidationErrorKind as K;
     let path = sanitize_pointer(e.instance_path().as_str());
     let keyword = e.kind().keyword();
     let detail = match e.kind() {
         K::Required { property } => format!("missing required property {property}"),
-        K::Type { kind } => format!("expected type {kind:?}").to_lowercase(),
+        K::Type { kind } => format!("expected {}", type_name(kind)),
         K::AdditionalProperties { unexpected } => {
             format!(
                 "{} property(ies) not allowed by the schema",
@@ -196,5 +206,17 @@ fn sanitize_pointer(p: &str) -> String {
         "/".into()
     } else {
         s
+    }
+}
+
+fn type_name(kind: &jsonschema::error::TypeKind) -> String {
+    use jsonschema::error::TypeKind;
+    match kind {
+        TypeKind::Single(t) => t.to_string(),
+        TypeKind::Multiple(ts) => ts
+            .into_iter()
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(" or "),
     }
 }

@@ -22,11 +22,10 @@ pub fn check(completion: &Completion) -> Option<Decision> {
             ),
         ),
     };
-    Some(Decision {
-        outcome: Outcome::Invalid,
-        stage: Stage::Completion,
+    Some(Decision::new(
+        Outcome::Invalid,
+        Stage::Completion,
         reason,
         message,
-        args_hash: None,
-    })
+    ))
 }

@@ -1,79 +1,461 @@
-//! The admission order of tool-turn contract §B: every tool call goes through the stages in
-//! order and stops at the first that decides it.
+//! The admission order of tool-turn contract §B. Every tool call goes through, strictly in
+//! order, and stops at the first stage that decides it:
 //!
-//! Built so far: **completion** ([`completion`]), **name** ([`name`]), **arguments**
-//! ([`arguments`]), then dispatch. A call that is not released ends the turn for its choice
-//! (DESIGN.md §4 `end-turn`): the calls after the stage that withheld it are `ended-turn`.
-//! Admission is pure and cannot fail: anything it cannot evaluate is withheld.
+//! 1. **completion** ([`completion`]) — truncated or refused output is never released;
+//! 2. **name** ([`name`]) — declared in the request, known to (or allowed unknown by) the catalog;
+//! 3. **arguments** ([`arguments`]) — a JSON object valid against both schemas;
+//! 4. **trust** ([`trust`]) — an untrusted turn may not run a gated tool without approval;
+//! 5. **authorization** — the bundle's Cedar rules ([`crate::policy::Rules`]);
+//! 6. **limits** ([`limits`]) — per turn, per run, per (principal, tool) bucket, clarifications;
+//! 7. **redaction** — secrets removed; `argsHash` taken over the redacted form;
+//! 8. **dispatch and record** — released (the proxy claims effects and journals).
+//!
+//! Admission is pure and cannot fail: anything it cannot evaluate is withheld. [`surface`]
+//! then picks how the withheld calls reach the agent (DESIGN.md §4).
 
 pub mod arguments;
+pub mod channel;
 pub mod completion;
+pub mod limits;
 pub mod name;
+pub mod trust;
 
-use crate::model::{ChoiceEmissions, ChoiceVerdict, Decision, Outcome, Stage, Turn};
+use serde_json::Value;
+
+use crate::model::{
+    ChoiceEmissions, ChoiceVerdict, Decision, Outcome, RepairItem, Stage, SurfacedError, Surfacing,
+    Turn,
+};
+use crate::policy::bundle::{ContentTrust, Mode, Surface};
+use crate::policy::{Authz, AuthzRequest, CompiledPolicy};
 pub use arguments::SchemaCache;
+pub use limits::LimitState;
 
-/// Decides every call of one choice, in emission order (tool-turn contract §B).
-pub fn admit_choice(turn: &Turn, choice: &ChoiceEmissions, schemas: &SchemaCache) -> ChoiceVerdict {
-    let mut decisions: Vec<Decision> = choice
-        .calls
-        .iter()
-        .map(|call| {
-            let args = arguments::parse(&call.arguments);
-            let args_hash = args.as_ref().ok().map(arguments::args_hash);
-            let decided = completion::check(&choice.completion)
-                .or_else(|| name::check(turn, call))
-                .or_else(|| arguments::check(turn, call, &args, schemas));
-            match decided {
-                Some(mut d) => {
-                    d.args_hash = args_hash;
-                    d
-                }
-                None => Decision {
-                    outcome: Outcome::Executed,
-                    stage: Stage::Dispatch,
-                    reason: "released",
-                    message: String::new(),
-                    args_hash,
-                },
-            }
-        })
-        .collect();
+/// What admission needs besides the call: the policy snapshot, shared caches and state, and
+/// the facts of the turn.
+pub struct AdmitCtx<'a> {
+    /// The request's policy snapshot.
+    pub policy: &'a CompiledPolicy,
+    /// Compiled argument schemas.
+    pub schemas: &'a SchemaCache,
+    /// Limits state.
+    pub limits: &'a LimitState,
+    /// The verified acting person (`sub`), if any.
+    pub person: Option<&'a str>,
+    /// The agent's own identity.
+    pub agent: &'a str,
+    /// The turn's `contentTrust` ([`trust::of_turn`]).
+    pub trust: ContentTrust,
+    /// Run id, for a run node.
+    pub run: Option<&'a str>,
+    /// Provider API label.
+    pub provider: &'a str,
+    /// An approval covers this `argsHash`.
+    pub approved: &'a (dyn Fn(&str) -> bool + Sync),
+    /// Repair rounds left for this agent request.
+    pub repairs_left: u32,
+}
 
+/// Decides every call of one choice, in emission order, and how the withheld ones surface.
+/// (The proxy runs [`decide_choice`], claims effects, then [`surface`].)
+pub fn admit_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) -> ChoiceVerdict {
+    let mut decisions = decide_choice(ctx, turn, choice);
+    let surfacing = surface(ctx, &mut decisions);
+    ChoiceVerdict {
+        choice: choice.choice,
+        decisions,
+        surfacing,
+    }
+}
+
+/// Stages 1–8 for every call of one choice, in emission order.
+pub fn decide_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) -> Vec<Decision> {
+    let mut decisions = Vec::with_capacity(choice.calls.len());
+    let mut reached_limits = 0u32;
+    let mut released = 0u32;
+    let mut asked = false;
+    for call in &choice.calls {
+        let mut d = decide(ctx, turn, choice, call, &mut reached_limits, released);
+        if d.outcome == Outcome::Executed && asked {
+            // §E: a clarification ends the turn; calls after it are dropped.
+            d.outcome = Outcome::EndedTurn;
+            d.reason = "after_clarification";
+            d.message = "a question to the person ended the turn before this call".into();
+        }
+        if d.outcome == Outcome::Executed {
+            released += 1;
+            asked |= ctx.policy.tool(&call.name).clarification;
+        }
+        // Shadow mode: decide, journal, count — but release, unless the contract makes the
+        // refusal absolute (a truncated or refused completion).
+        let tool = ctx.policy.tool(&call.name);
+        if d.outcome != Outcome::Executed
+            && d.stage != Stage::Completion
+            && ctx.policy.mode_for(tool) == Mode::Shadow
+        {
+            d.enforced = false;
+        }
+        decisions.push(d);
+    }
+    decisions
+}
+
+fn decide(
+    ctx: &AdmitCtx<'_>,
+    turn: &Turn,
+    choice: &ChoiceEmissions,
+    call: &crate::model::ToolCall,
+    reached_limits: &mut u32,
+    released_before: u32,
+) -> Decision {
+    let tool = ctx.policy.tool(&call.name);
+    let mut trace: Vec<(Stage, String)> = Vec::new();
+    let secrets = std::cell::Cell::new(0usize);
+    let finish = |mut d: Decision,
+                  trace: Vec<(Stage, String)>,
+                  hash: Option<String>,
+                  redacted: Option<Value>| {
+        d.secrets = secrets.get();
+        d.tool_id = tool.descriptor.tool_id.clone();
+        d.tool_name = sanitize_label(&call.name);
+        d.args_hash = hash;
+        d.redacted_args = redacted;
+        d.trace = trace;
+        d.trace.push((
+            d.stage,
+            format!("{}: {} — {}", d.outcome.as_str(), d.reason, d.message),
+        ));
+        d
+    };
+    let args = arguments::parse(&call.arguments);
+    // Redaction runs for every parsed call so that every record carries the redacted form;
+    // it never decides an outcome (stage 7).
+    let redacted = args
+        .as_ref()
+        .ok()
+        .map(|a| ctx.policy.redactor.redact(&tool.descriptor.tool_id, a));
+    let hash = redacted.as_ref().map(|(r, _)| arguments::args_hash(r));
+    secrets.set(redacted.as_ref().map_or(0, |(_, n)| *n));
+    let redacted_args = redacted.as_ref().map(|(r, _)| r.clone());
+
+    // 1. completion
+    if let Some(d) = completion::check(&choice.completion) {
+        return finish(d, trace, hash, redacted_args);
+    }
+    trace.push((
+        Stage::Completion,
+        format!("pass: {}", choice.completion.reason),
+    ));
+    // 2. name
+    if let Some(d) = name::check(turn, call, ctx.policy) {
+        return finish(d, trace, hash, redacted_args);
+    }
+    trace.push((
+        Stage::Name,
+        format!(
+            "pass: {} → {}",
+            sanitize_label(&call.name),
+            tool.descriptor.tool_id
+        ),
+    ));
+    // 3. arguments
+    let catalog_schema = tool
+        .input_schema()
+        .map(|s| Value::Object(s.clone().into_iter().collect()));
+    if let Some(d) = arguments::check(turn, call, &args, catalog_schema.as_ref(), ctx.schemas) {
+        return finish(d, trace, hash, redacted_args);
+    }
+    trace.push((
+        Stage::Arguments,
+        "pass: valid against the declared and catalog schemas".into(),
+    ));
+    let Ok(args) = args else {
+        // Unreachable in practice: stage 3 refuses unparsable arguments.
+        let d = Decision::new(
+            Outcome::Invalid,
+            Stage::Arguments,
+            "arguments_not_json",
+            "the arguments are not valid JSON".into(),
+        );
+        return finish(d, trace, hash, redacted_args);
+    };
+    let approved = hash.as_deref().is_some_and(|h| (ctx.approved)(h));
+    // Provider-executed output in this very response is untrusted input to its calls.
+    let turn_trust = if choice.provider_output {
+        ContentTrust::Untrusted
+    } else {
+        ctx.trust
+    };
+    // 4. trust
+    if let Some(d) = trust::check(turn_trust, tool, approved) {
+        return finish(d, trace, hash, redacted_args);
+    }
+    trace.push((
+        Stage::Trust,
+        format!("pass: turn is {}", ctx.trust.as_str()),
+    ));
+    // 5. authorization
+    let authz = ctx.policy.rules.authorize(&AuthzRequest {
+        person: ctx.person,
+        agent: ctx.agent,
+        tool,
+        trust: turn_trust.as_str(),
+        provider: ctx.provider,
+        model: turn.model.as_deref().unwrap_or(""),
+        run: ctx.run.unwrap_or(""),
+        approved,
+        args: &args,
+    });
+    match authz {
+        Authz::Permit(rules) => trace.push((
+            Stage::Authorization,
+            format!("permit: {}", rules.join(", ")),
+        )),
+        Authz::Hold(rules) => {
+            let mut d = Decision::new(
+                Outcome::Held,
+                Stage::Authorization,
+                "held_by_rule",
+                format!(
+                    "held for the acting person's approval by {}",
+                    rules.join(", ")
+                ),
+            );
+            d.rules = rules;
+            return finish(d, trace, hash, redacted_args);
+        }
+        Authz::Refuse {
+            rules,
+            reason,
+            detail,
+        } => {
+            let mut d = Decision::new(Outcome::Refused, Stage::Authorization, reason, detail);
+            d.rules = rules;
+            return finish(d, trace, hash, redacted_args);
+        }
+    }
+    // 6. limits
+    *reached_limits += 1;
+    let limits = &ctx.policy.settings.limits;
+    if *reached_limits > limits.tool_calls_per_turn {
+        let d = Decision::new(
+            Outcome::Refused,
+            Stage::Limits,
+            "rate_limited",
+            format!(
+                "more than {} tool calls in one turn",
+                limits.tool_calls_per_turn
+            ),
+        );
+        return finish(d, trace, hash, redacted_args);
+    }
+    if tool.clarification {
+        let asks = turn
+            .prior_calls
+            .iter()
+            .filter(|n| {
+                ctx.policy
+                    .catalog
+                    .by_name(n)
+                    .is_some_and(|t| t.clarification)
+            })
+            .count() as u32;
+        if asks >= limits.clarification_rounds {
+            let d = Decision::new(
+                Outcome::Refused,
+                Stage::Limits,
+                "clarification_rounds_exceeded",
+                format!(
+                    "this run already asked the person {asks} time(s); the limit is {}",
+                    limits.clarification_rounds
+                ),
+            );
+            return finish(d, trace, hash, redacted_args);
+        }
+    }
+    if let Some(run) = ctx.run {
+        if ctx.limits.run_count(run).saturating_add(released_before) >= limits.tool_calls_per_run {
+            let d = Decision::new(
+                Outcome::Refused,
+                Stage::Limits,
+                "rate_limited",
+                format!(
+                    "the run reached its limit of {} tool calls",
+                    limits.tool_calls_per_run
+                ),
+            );
+            return finish(d, trace, hash, redacted_args);
+        }
+    }
+    let principal = ctx.person.unwrap_or(ctx.agent);
+    if let Err(secs) = ctx
+        .limits
+        .take(principal, &tool.descriptor.tool_id, &limits.rate)
+    {
+        let mut d = Decision::new(
+            Outcome::Refused,
+            Stage::Limits,
+            "rate_limited",
+            format!("the rate limit for this tool is spent; retry in {secs} s"),
+        );
+        d.retry_after_secs = Some(secs);
+        return finish(d, trace, hash, redacted_args);
+    }
+    trace.push((Stage::Limits, "pass".into()));
+    // 7. redaction
+    let found = redacted.as_ref().map_or(0, |(_, n)| *n);
+    trace.push((
+        Stage::Redaction,
+        format!("{found} secret(s) redacted from every record"),
+    ));
+    // 8. dispatch
+    let d = Decision::new(
+        Outcome::Executed,
+        Stage::Dispatch,
+        "released",
+        String::new(),
+    );
+    finish(d, trace, hash, redacted_args)
+}
+
+/// How the withheld calls of a choice reach the agent (DESIGN.md §4), by the bundle's
+/// `[outcomes]`. When the turn does not simply continue, calls that passed are `ended-turn`:
+/// an ended turn or a repair round does not release them (the model re-emits what it needs).
+pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
     let withheld: Vec<usize> = (0..decisions.len())
         .filter(|&i| !decisions[i].released())
         .collect();
     if withheld.is_empty() {
-        return ChoiceVerdict {
-            choice: choice.choice,
-            decisions,
-            end_turn: None,
-        };
+        return Surfacing::Release;
     }
-    // End-turn surfacing: the turn ends, so calls that passed are not released either.
-    let mut text = String::from("[turnguard] The tool call(s) in this turn were not released.");
-    for &i in &withheld {
-        let call = &choice.calls[i];
-        let d = &decisions[i];
-        text.push_str(&format!(
-            "\n- `{}` (id {}): {} stage, {}: {}",
-            sanitize_label(&call.name),
-            sanitize_label(&call.id),
-            d.stage.as_str(),
-            d.reason,
-            d.message
-        ));
+    if withheld
+        .iter()
+        .all(|&i| decisions[i].outcome == Outcome::EndedTurn)
+    {
+        // Only calls after a clarification: they are dropped, the ask goes out.
+        return Surfacing::Drop;
     }
-    for d in decisions.iter_mut().filter(|d| d.released()) {
+    let o = &ctx.policy.settings.outcomes;
+    let surface_of = |d: &Decision| match d.outcome {
+        Outcome::Invalid if ctx.repairs_left > 0 => o.invalid,
+        Outcome::Invalid => match o.invalid_after_repairs {
+            Surface::Repair => Surface::Error,
+            s => s,
+        },
+        Outcome::Refused => o.refused,
+        Outcome::Held => o.held,
+        Outcome::SuppressedRepeat if ctx.repairs_left > 0 => o.suppressed_repeat,
+        Outcome::SuppressedRepeat => Surface::EndTurn,
+        _ => Surface::EndTurn,
+    };
+    let surfaces: Vec<Surface> = withheld
+        .iter()
+        .map(|&i| surface_of(&decisions[i]))
+        .collect();
+    let chosen = if surfaces.contains(&Surface::Error) {
+        Surface::Error
+    } else if surfaces.contains(&Surface::Repair) && ctx.repairs_left > 0 {
+        Surface::Repair
+    } else {
+        Surface::EndTurn
+    };
+    for d in decisions.iter_mut().filter(|d| d.released() && d.enforced) {
         d.outcome = Outcome::EndedTurn;
         d.stage = Stage::Dispatch;
         d.reason = "turn_ended";
         d.message = "another call of the same turn was withheld, which ended the turn".into();
     }
+    match chosen {
+        Surface::Error => {
+            let i = withheld[surfaces
+                .iter()
+                .position(|s| *s == Surface::Error)
+                .unwrap_or(0)];
+            Surfacing::Error(error_for(&decisions[i]))
+        }
+        Surface::Repair => Surfacing::Repair(
+            withheld
+                .iter()
+                .map(|&i| {
+                    let d = &decisions[i];
+                    if d.outcome == Outcome::SuppressedRepeat {
+                        RepairItem {
+                            call: i,
+                            text: d.message.clone(),
+                            is_error: false,
+                        }
+                    } else {
+                        RepairItem {
+                            call: i,
+                            text: explain(d),
+                            is_error: true,
+                        }
+                    }
+                })
+                .collect(),
+        ),
+        Surface::EndTurn => {
+            let mut text =
+                String::from("[turnguard] The tool call(s) in this turn were not released.");
+            for &i in &withheld {
+                text.push_str(&format!("\n- {}", explain(&decisions[i])));
+            }
+            Surfacing::EndTurn(text)
+        }
+    }
+}
+
+/// Host-authored explanation of one decision (never model text).
+pub fn explain(d: &Decision) -> String {
+    format!(
+        "`{}` ({}): {} at the {} stage ({}): {}",
+        d.tool_name,
+        d.tool_id,
+        d.outcome.as_str(),
+        d.stage.as_str(),
+        d.reason,
+        d.message
+    )
+}
+
+/// The OpenWOP error a withheld call surfaces as, when its outcome is set to `error`.
+pub fn error_for(d: &Decision) -> SurfacedError {
+    let (status, code) = match (d.outcome, d.reason) {
+        (_, "rate_limited") => (429, "rate_limited"),
+        (_, "clarification_rounds_exceeded") => (422, "loop_limit_exceeded"),
+        (Outcome::Invalid, _) => (422, "envelope_invalid"),
+        (Outcome::SuppressedRepeat, _) => (409, "turnguard.effect_already_claimed"),
+        _ => (403, "forbidden"),
+    };
+    SurfacedError {
+        status,
+        code,
+        message: explain(d),
+        retry_after_secs: d.retry_after_secs,
+    }
+}
+
+/// The verdict for calls still held when their stream was cut: every call is `invalid` at
+/// the completion stage, none is released.
+pub fn withheld_by_cut(choice: &ChoiceEmissions) -> ChoiceVerdict {
+    let decisions = choice
+        .calls
+        .iter()
+        .map(|call| {
+            let mut d = Decision::new(
+                Outcome::Invalid,
+                Stage::Completion,
+                "stream_cut",
+                "the upstream stream ended before the call was complete".into(),
+            );
+            d.tool_name = sanitize_label(&call.name);
+            d
+        })
+        .collect();
     ChoiceVerdict {
         choice: choice.choice,
         decisions,
-        end_turn: Some(text),
+        surfacing: Surfacing::Drop,
     }
 }
 
@@ -89,28 +471,5 @@ pub(crate) fn sanitize_label(s: &str) -> String {
         "(unnamed)".into()
     } else {
         cleaned
-    }
-}
-
-/// The verdict for calls that were still held when their stream was cut: every call is
-/// `invalid` at the completion stage, none is released.
-pub fn withheld_by_cut(choice: &ChoiceEmissions) -> ChoiceVerdict {
-    let decisions = choice
-        .calls
-        .iter()
-        .map(|call| Decision {
-            outcome: Outcome::Invalid,
-            stage: Stage::Completion,
-            reason: "stream_cut",
-            message: "the upstream stream ended before the call was complete".into(),
-            args_hash: arguments::parse(&call.arguments)
-                .ok()
-                .map(|a| arguments::args_hash(&a)),
-        })
-        .collect();
-    ChoiceVerdict {
-        choice: choice.choice,
-        decisions,
-        end_turn: None,
     }
 }

@@ -1,21 +1,32 @@
 //! Stage 2, **name** (tool-turn contract §B): the called tool must be declared in the
-//! request's `tools`.
+//! request's `tools`, and known to the catalog or allowed unknown by the bundle
+//! (`unknown_tools`).
 
 use crate::model::{Decision, Outcome, Stage, ToolCall, Turn};
+use crate::policy::bundle::UnknownTools;
+use crate::policy::CompiledPolicy;
 
-/// `Some(invalid)` when the tool is not declared in the request.
-pub fn check(turn: &Turn, call: &ToolCall) -> Option<Decision> {
-    if turn.declared(&call.name).is_some() {
-        return None;
+/// `Some(invalid)` when the tool is not declared in the request; `Some(refused)` when the
+/// catalog does not know it and the bundle refuses unknown tools.
+pub fn check(turn: &Turn, call: &ToolCall, policy: &CompiledPolicy) -> Option<Decision> {
+    let name = super::sanitize_label(&call.name);
+    if turn.declared(&call.name).is_none() {
+        return Some(Decision::new(
+            Outcome::Invalid,
+            Stage::Name,
+            "undeclared_tool",
+            format!("the tool `{name}` is not declared in this request's tools"),
+        ));
     }
-    Some(Decision {
-        outcome: Outcome::Invalid,
-        stage: Stage::Name,
-        reason: "undeclared_tool",
-        message: format!(
-            "the tool `{}` is not declared in this request's tools",
-            super::sanitize_label(&call.name)
-        ),
-        args_hash: None,
-    })
+    if policy.catalog.by_name(&call.name).is_none()
+        && policy.settings.unknown_tools == UnknownTools::Refuse
+    {
+        return Some(Decision::new(
+            Outcome::Refused,
+            Stage::Name,
+            "unknown_tool",
+            format!("the tool `{name}` is not in the tool catalog, and this bundle refuses unknown tools"),
+        ));
+    }
+    None
 }

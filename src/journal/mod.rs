@@ -4,8 +4,48 @@
 //! Writes are insert-if-absent (`ON CONFLICT DO NOTHING`), never `INSERT OR REPLACE`: a
 //! record, once written, is never silently overwritten. A caller that needs durability awaits
 //! the commit acknowledgement; when the journal cannot record, the caller fails the request.
+//!
+//! # The response chain (`responses` table)
+//!
+//! With the Responses API a request may carry `previous_response_id`: the provider then holds
+//! the earlier turns and the proxy sees none of them in the request. So every response the
+//! provider stores is recorded here, keyed by its id, with the `previous_response_id` of the
+//! request that produced it and whether its output holds provider-executed items
+//! (`provider_executed`, `provider_items`: `web_search_call`, `mcp_call` …, untrusted output
+//! per tool-turn contract §C, §F). `content_trust` is left `NULL` for the trust stage to fill
+//! with the `contentTrust` of the request that produced the response.
+//!
+//! The intended trust rule (the trust stage is not built here): a turn whose request names
+//! `previous_response_id = P` is `trusted` only if the journal knows every link of the chain
+//! from `P` back to a response whose own `previous_response_id` is `NULL`, and every link has
+//! `status` `completed` or `incomplete` (a `NULL` status means the stream was cut and the
+//! provider may have gone on), `provider_executed = 0`, and `content_trust = 'trusted'`.
+//! Anything else — a missing link, a chain that leaves this journal, a link with
+//! provider-executed output, a link not yet judged — makes the turn `untrusted` (fail closed).
+//! Inside a run the bit is then sticky as usual. The chain is one recursive query:
+//!
+//! ```sql
+//! WITH RECURSIVE chain(id, prev, ok) AS (
+//!   SELECT response_id, previous_response_id,
+//!          coalesce(provider_executed = 0 AND content_trust = 'trusted'
+//!                   AND status IN ('completed', 'incomplete'), 0)
+//!     FROM responses WHERE response_id = :p
+//!   UNION  -- not UNION ALL: a cyclic chain ends instead of looping (and is untrusted)
+//!   SELECT r.response_id, r.previous_response_id,
+//!          coalesce(r.provider_executed = 0 AND r.content_trust = 'trusted'
+//!                   AND r.status IN ('completed', 'incomplete'), 0)
+//!     FROM responses r JOIN chain c ON r.response_id = c.prev)
+//! SELECT count(*) > 0 AND min(ok) = 1 AND sum(prev IS NULL) = 1 FROM chain;
+//! ```
+//!
+//! Calls turnguard withheld from a stored response are in `tool_calls` (same `request_id`,
+//! `outcome` other than `executed`): the provider still holds them, so a later request that
+//! continues the chain is expected to answer them (see the Responses adapter's notes).
 
+mod reader;
 mod schema;
+
+pub use reader::{EffectRow, EventRow, JournalReader, RunSummary};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,6 +55,7 @@ use rusqlite::{params, Connection};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::Metrics;
+pub use crate::model::ResponseLink;
 
 /// Records waiting in the channel before senders wait.
 const QUEUE_CAPACITY: usize = 4096;
@@ -50,6 +91,16 @@ pub struct Recorded {
 }
 
 impl Recorded {
+    /// Keeps only the digest and size: the body carried a secret turnguard redacted from
+    /// the call records, so the raw body is not kept (a miss for replay and recovery).
+    pub fn withheld(self) -> Self {
+        Self {
+            bytes: Vec::new(),
+            truncated: true,
+            ..self
+        }
+    }
+
     /// Keeps `body` whole if it fits in `cap` bytes, else its digest with a truncation marker.
     pub fn of(body: &[u8], cap: usize) -> Self {
         use sha2::{Digest, Sha256};
@@ -83,6 +134,18 @@ pub struct CallRecord {
     pub stage: &'static str,
     pub reason: &'static str,
     pub args_hash: Option<String>,
+    /// Catalog `toolId`.
+    pub tool_id: String,
+    /// `false`: shadow mode released a call enforcement would have withheld.
+    pub enforced: bool,
+    /// Cedar rules that decided, comma-separated.
+    pub rules: Option<String>,
+    /// The arguments after redaction (JSON), never the raw ones.
+    pub redacted_args: Option<String>,
+    /// RFC 0150 activity-recipe id (run nodes only).
+    pub logical_invocation_id: Option<String>,
+    /// Per-node ordinal, derived from the transcript.
+    pub node_ordinal: u64,
 }
 
 /// One model round: the request, what the upstream answered, and every decision.
@@ -109,6 +172,13 @@ pub struct RoundRecord {
     /// The response as received from upstream (SSE bytes for a stream).
     pub response: Recorded,
     pub calls: Vec<CallRecord>,
+    /// Responses API: the provider-stored response this round produced, for the response
+    /// chain (see the module docs); `None` for other APIs or when no id was seen.
+    pub response_link: Option<ResponseLink>,
+    /// `structured` or `prompted` when the text answer had a schema (§A).
+    pub channel: Option<&'static str>,
+    /// `valid`, `refused`, or the invalid reason.
+    pub channel_result: Option<String>,
 }
 
 /// A tool result the agent sent in a request.
@@ -123,9 +193,88 @@ pub struct ToolResultRecord {
     pub content: Recorded,
 }
 
+/// An OpenWOP run event (`agent.tool-called`, `agent.tool-returned` …) to append.
+#[derive(Debug, Clone)]
+pub struct EventRecord {
+    pub request_id: String,
+    pub run: RunKey,
+    pub at_ms: i64,
+    /// The v2 event type.
+    pub kind: &'static str,
+    /// The payload (closed shape per `run-event-payloads`), never raw write-tool arguments.
+    pub payload: serde_json::Value,
+}
+
+/// An effect claim (OpenWOP idempotency.md): insert-if-absent on the effect id.
+#[derive(Debug, Clone)]
+pub struct EffectClaim {
+    /// SHA-256 (hex) identity of the effect.
+    pub effect_id: String,
+    pub tool_id: String,
+    pub call_id: String,
+    pub run: RunKey,
+    /// `business-identity` or `activity-recipe`.
+    pub keying: &'static str,
+    pub at_ms: i64,
+}
+
+/// The result of a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// This call now owns the effect.
+    Claimed,
+    /// The effect was claimed before by `call_id`; `result` is its recorded tool result,
+    /// when one arrived.
+    Existing {
+        call_id: String,
+        result: Option<String>,
+    },
+}
+
+/// A call released to the agent in a served response.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ServedCall {
+    pub call_id: String,
+    pub tool_name: String,
+    /// `safetyTier` pure/read or `replayPolicy` deterministic/idempotent (tool-turn contract §D).
+    pub rerunnable: bool,
+}
+
+/// The response the agent received for one round of a run node (what recovery and replay
+/// serve again).
+#[derive(Debug, Clone)]
+pub struct ServedRecord {
+    pub run_id: String,
+    pub node_id: String,
+    pub attempt: u32,
+    pub round_index: u32,
+    pub request_digest: String,
+    pub request_id: String,
+    pub status: u16,
+    pub content_type: String,
+    pub body: Recorded,
+    pub calls: Vec<ServedCall>,
+    pub at_ms: i64,
+}
+
 enum Op {
+    Prune {
+        before_ms: i64,
+    },
+    Served(Box<ServedRecord>),
+    Cursor {
+        run_id: String,
+        node_id: String,
+        skipped: u32,
+    },
+    ReleaseClaim {
+        effect_id: String,
+        call_id: String,
+    },
     Round(Box<RoundRecord>),
     ToolResults(Vec<ToolResultRecord>),
+    Events(Vec<EventRecord>),
+    Claim(EffectClaim, oneshot::Sender<Claim>),
 }
 
 struct Job {
@@ -202,6 +351,60 @@ impl Journal {
     pub async fn record_round(&self, rec: RoundRecord) -> Result<(), JournalError> {
         self.submit(Op::Round(Box::new(rec))).await
     }
+
+    /// Appends run events; `sequence` is assigned per scope (run, else request) in commit
+    /// order, strictly increasing, never renumbered.
+    pub async fn record_events(&self, events: Vec<EventRecord>) -> Result<(), JournalError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        self.submit(Op::Events(events)).await
+    }
+
+    /// Records the response a run node's round was answered with (insert-if-absent on
+    /// (run, node, attempt, round): the first answer is the record).
+    pub async fn record_served(&self, rec: ServedRecord) -> Result<(), JournalError> {
+        self.submit(Op::Served(Box::new(rec))).await
+    }
+
+    /// Deletes records older than `before_ms` (retention; effects are kept ≥ 14 days by
+    /// configuration). Returns once committed.
+    pub async fn prune(&self, before_ms: i64) -> Result<(), JournalError> {
+        self.submit(Op::Prune { before_ms }).await
+    }
+
+    /// Sets how many recorded rounds a replay of (run, node) has served without the agent.
+    pub async fn set_replay_cursor(
+        &self,
+        run_id: &str,
+        node_id: &str,
+        skipped: u32,
+    ) -> Result<(), JournalError> {
+        self.submit(Op::Cursor {
+            run_id: run_id.to_owned(),
+            node_id: node_id.to_owned(),
+            skipped,
+        })
+        .await
+    }
+
+    /// Gives back a claim this call took but did not use (the call was not released).
+    /// Only the claim of `call_id` is removed.
+    pub async fn release_claim(&self, effect_id: &str, call_id: &str) -> Result<(), JournalError> {
+        self.submit(Op::ReleaseClaim {
+            effect_id: effect_id.to_owned(),
+            call_id: call_id.to_owned(),
+        })
+        .await
+    }
+
+    /// Claims an effect: an atomic insert-if-absent with a row-count check, committed before
+    /// this returns. Never `INSERT OR REPLACE`.
+    pub async fn claim_effect(&self, claim: EffectClaim) -> Result<Claim, JournalError> {
+        let (tx, rx) = oneshot::channel();
+        self.submit(Op::Claim(claim, tx)).await?;
+        rx.await.map_err(|_| JournalError::Closed)
+    }
 }
 
 /// The writer thread; join it after every [`Journal`] handle is dropped to flush the queue.
@@ -225,7 +428,7 @@ fn writer(mut conn: Connection, mut rx: mpsc::Receiver<Job>, metrics: &Metrics) 
         }
         metrics.journal_queue_depth.dec_by(batch.len() as i64);
         let started = Instant::now();
-        let result = commit(&mut conn, &batch).map_err(|e| JournalError::Write(e.to_string()));
+        let result = commit(&mut conn, &mut batch).map_err(|e| JournalError::Write(e.to_string()));
         metrics
             .journal_commit_latency
             .observe(started.elapsed().as_secs_f64());
@@ -242,27 +445,146 @@ fn writer(mut conn: Connection, mut rx: mpsc::Receiver<Job>, metrics: &Metrics) 
     }
 }
 
-fn commit(conn: &mut Connection, batch: &[Job]) -> rusqlite::Result<()> {
+fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
     let tx = conn.transaction()?;
-    for job in batch {
-        match &job.op {
+    let mut answers: Vec<(oneshot::Sender<Claim>, Claim)> = Vec::new();
+    for job in batch.iter_mut() {
+        match &mut job.op {
+            Op::Prune { before_ms } => {
+                let t = *before_ms;
+                tx.execute("DELETE FROM tool_calls WHERE request_id IN (SELECT request_id FROM rounds WHERE at_ms < ?1)", params![t])?;
+                for table in ["rounds", "tool_results", "effects", "events", "served"] {
+                    tx.execute(&format!("DELETE FROM {table} WHERE at_ms < ?1"), params![t])?;
+                }
+            }
+            Op::Served(r) => {
+                tx.execute(
+                    "INSERT INTO served (run_id, node_id, attempt, round_index, request_digest, request_id, status,
+                        content_type, body, body_bytes, body_digest, truncated, calls, at_ms)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
+                     ON CONFLICT (run_id, node_id, attempt, round_index) DO NOTHING",
+                    params![
+                        r.run_id,
+                        r.node_id,
+                        r.attempt,
+                        r.round_index,
+                        r.request_digest,
+                        r.request_id,
+                        r.status,
+                        r.content_type,
+                        r.body.bytes,
+                        r.body.total_bytes as i64,
+                        r.body.digest,
+                        r.body.truncated,
+                        serde_json::to_string(&r.calls).unwrap_or_else(|_| "[]".into()),
+                        r.at_ms
+                    ],
+                )?;
+            }
+            Op::Cursor {
+                run_id,
+                node_id,
+                skipped,
+            } => {
+                tx.execute(
+                    "INSERT INTO replay_cursor (run_id, node_id, skipped) VALUES (?1, ?2, ?3)
+                     ON CONFLICT (run_id, node_id) DO UPDATE SET skipped = excluded.skipped",
+                    params![&*run_id, &*node_id, *skipped],
+                )?;
+            }
+            Op::ReleaseClaim { effect_id, call_id } => {
+                tx.execute(
+                    "DELETE FROM effects WHERE effect_id = ?1 AND call_id = ?2 AND state = 'claimed'",
+                    params![&*effect_id, &*call_id],
+                )?;
+            }
             Op::Round(r) => insert_round(&tx, r)?,
             Op::ToolResults(list) => {
                 for t in list {
                     insert_tool_result(&tx, t)?;
                 }
             }
+            Op::Events(list) => {
+                for e in list {
+                    insert_event(&tx, e)?;
+                }
+            }
+            Op::Claim(c, answer) => {
+                let result = claim(&tx, c)?;
+                let (dummy, _) = oneshot::channel();
+                answers.push((std::mem::replace(answer, dummy), result));
+            }
         }
     }
-    tx.commit()
+    tx.commit()?;
+    for (tx, result) in answers {
+        let _ = tx.send(result);
+    }
+    Ok(())
+}
+
+fn claim(tx: &rusqlite::Transaction<'_>, c: &EffectClaim) -> rusqlite::Result<Claim> {
+    let inserted = tx.execute(
+        "INSERT INTO effects (effect_id, tool_id, call_id, run_id, node_id, attempt, keying, state, at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'claimed', ?8)
+         ON CONFLICT (effect_id) DO NOTHING",
+        params![c.effect_id, c.tool_id, c.call_id, c.run.run_id, c.run.node_id, c.run.attempt, c.keying, c.at_ms],
+    )?;
+    if inserted == 1 {
+        return Ok(Claim::Claimed);
+    }
+    let call_id: String = tx.query_row(
+        "SELECT call_id FROM effects WHERE effect_id = ?1",
+        params![c.effect_id],
+        |r| r.get(0),
+    )?;
+    let result: Option<Vec<u8>> = tx
+        .query_row(
+            "SELECT content FROM tool_results WHERE tool_call_id = ?1 AND truncated = 0 ORDER BY id LIMIT 1",
+            params![call_id],
+            |r| r.get(0),
+        )
+        .ok();
+    Ok(Claim::Existing {
+        call_id,
+        result: result.map(|b| String::from_utf8_lossy(&b).into_owned()),
+    })
+}
+
+fn insert_event(tx: &rusqlite::Transaction<'_>, e: &EventRecord) -> rusqlite::Result<()> {
+    let scope = match &e.run.run_id {
+        Some(run) => format!("run:{run}"),
+        None => format!("request:{}", e.request_id),
+    };
+    let next: i64 = tx.query_row(
+        "SELECT coalesce(max(sequence), -1) + 1 FROM events WHERE scope = ?1",
+        params![scope],
+        |r| r.get(0),
+    )?;
+    tx.execute(
+        "INSERT INTO events (scope, run_id, node_id, request_id, sequence, type, payload, at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        params![
+            scope,
+            e.run.run_id,
+            e.run.node_id,
+            e.request_id,
+            next,
+            e.kind,
+            e.payload.to_string(),
+            e.at_ms
+        ],
+    )?;
+    Ok(())
 }
 
 fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Result<()> {
     tx.execute(
         "INSERT INTO rounds (request_id, at_ms, api, model, stream, run_id, node_id, attempt,
             round_index, request_digest, completion, finish_reason, upstream_status, latency_ms,
-            state, error, response, response_bytes, response_digest, response_truncated)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)
+            state, error, response, response_bytes, response_digest, response_truncated, channel,
+            channel_result)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22)
          ON CONFLICT (request_id) DO NOTHING",
         params![
             r.request_id,
@@ -285,13 +607,37 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
             r.response.total_bytes as i64,
             r.response.digest,
             r.response.truncated,
+            r.channel,
+            r.channel_result,
         ],
     )?;
+    if let Some(link) = &r.response_link {
+        tx.execute(
+            "INSERT INTO responses (response_id, request_id, previous_response_id, run_id,
+                node_id, attempt, api, status, provider_executed, provider_items, at_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+             ON CONFLICT (response_id) DO NOTHING",
+            params![
+                link.response_id,
+                r.request_id,
+                link.previous_response_id,
+                r.run.run_id,
+                r.run.node_id,
+                r.run.attempt,
+                r.api,
+                link.status,
+                !link.provider_items.is_empty(),
+                link.provider_items.join(","),
+                r.at_ms,
+            ],
+        )?;
+    }
     for c in &r.calls {
         tx.execute(
             "INSERT INTO tool_calls (request_id, choice, ordinal, call_id, name, outcome, stage,
-                reason, args_hash)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+                reason, args_hash, tool_id, enforced, rules, redacted_args, logical_invocation_id,
+                node_ordinal)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
              ON CONFLICT (request_id, choice, ordinal) DO NOTHING",
             params![
                 r.request_id,
@@ -302,7 +648,13 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
                 c.outcome,
                 c.stage,
                 c.reason,
-                c.args_hash
+                c.args_hash,
+                c.tool_id,
+                c.enforced,
+                c.rules,
+                c.redacted_args,
+                c.logical_invocation_id,
+                c.node_ordinal as i64
             ],
         )?;
     }
@@ -317,7 +669,7 @@ fn insert_tool_result(
         Some(run) => format!("run:{run}"),
         None => "chat".to_owned(),
     };
-    tx.execute(
+    let inserted = tx.execute(
         "INSERT INTO tool_results (scope, run_id, node_id, attempt, tool_call_id, tool_name,
             is_error, content, content_bytes, content_digest, truncated, first_request_id, at_ms)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
@@ -338,5 +690,45 @@ fn insert_tool_result(
             t.at_ms,
         ],
     )?;
+    if inserted == 1 {
+        // The effect this call claimed (if any) is now completed.
+        tx.execute(
+            "UPDATE effects SET state = 'completed' WHERE call_id = ?1 AND state = 'claimed'",
+            params![t.tool_call_id],
+        )?;
+        // The first time a result is seen, the call it answers returns (OpenWOP
+        // `agent.tool-returned`; the result body itself is never in the event).
+        let mut payload = serde_json::json!({
+            "agentId": crate::proxy::AGENT_ID,
+            "toolName": t.tool_name.as_deref().unwrap_or("unknown"),
+            "callId": t.tool_call_id,
+            "status": if t.is_error { "error" } else { "ok" },
+        });
+        if t.is_error {
+            payload["error"] = serde_json::json!({"code": "turnguard.tool_reported_error", "message": "the agent reported that the tool failed"});
+        }
+        // durationMs: from the round that released the call to the request carrying its result.
+        let released_at: Option<i64> = tx
+            .query_row(
+                "SELECT r.at_ms FROM tool_calls c JOIN rounds r ON r.request_id = c.request_id
+                 WHERE c.call_id = ?1 AND c.outcome = 'executed' ORDER BY c.id DESC LIMIT 1",
+                params![t.tool_call_id],
+                |r| r.get(0),
+            )
+            .ok();
+        if let Some(at) = released_at {
+            payload["durationMs"] = serde_json::json!((t.at_ms - at).max(0));
+        }
+        insert_event(
+            tx,
+            &EventRecord {
+                request_id: t.request_id.clone(),
+                run: t.run.clone(),
+                at_ms: t.at_ms,
+                kind: "agent.tool-returned",
+                payload,
+            },
+        )?;
+    }
     Ok(())
 }

@@ -2,8 +2,8 @@
 
 use rusqlite::Connection;
 
-/// The schema version this build writes.
-pub const VERSION: i64 = 1;
+/// The schema version this build writes. Each version's step is additive and runs once.
+pub const VERSION: i64 = 2;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -15,6 +15,17 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version >= VERSION {
         return Ok(());
     }
+    if version < 1 {
+        v1(conn)?;
+    }
+    if version < 2 {
+        v2(conn)?;
+    }
+    Ok(())
+}
+
+/// Rounds, tool calls and decisions, tool results.
+fn v1(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(
         "BEGIN;
          CREATE TABLE IF NOT EXISTS rounds (
@@ -38,7 +49,9 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
             response BLOB,
             response_bytes INTEGER NOT NULL,
             response_digest TEXT NOT NULL,
-            response_truncated INTEGER NOT NULL
+            response_truncated INTEGER NOT NULL,
+            channel TEXT,
+            channel_result TEXT
          );
          CREATE INDEX IF NOT EXISTS rounds_run ON rounds (run_id, node_id, attempt, round_index);
          CREATE TABLE IF NOT EXISTS tool_calls (
@@ -52,6 +65,12 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
             stage TEXT NOT NULL,
             reason TEXT NOT NULL,
             args_hash TEXT,
+            tool_id TEXT,
+            logical_invocation_id TEXT,
+            node_ordinal INTEGER,
+            enforced INTEGER NOT NULL DEFAULT 1,
+            rules TEXT,
+            redacted_args TEXT,
             UNIQUE (request_id, choice, ordinal)
          );
          CREATE TABLE IF NOT EXISTS tool_results (
@@ -71,7 +90,81 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
             at_ms INTEGER NOT NULL,
             UNIQUE (scope, tool_call_id, content_digest)
          );
+         CREATE TABLE IF NOT EXISTS effects (
+            effect_id TEXT PRIMARY KEY,
+            tool_id TEXT NOT NULL,
+            call_id TEXT NOT NULL,
+            run_id TEXT,
+            node_id TEXT,
+            attempt INTEGER,
+            keying TEXT NOT NULL,
+            state TEXT NOT NULL,
+            at_ms INTEGER NOT NULL
+         );
+         CREATE INDEX IF NOT EXISTS effects_run ON effects (run_id);
+         CREATE TABLE IF NOT EXISTS events (
+            id INTEGER PRIMARY KEY,
+            scope TEXT NOT NULL,
+            run_id TEXT,
+            node_id TEXT,
+            request_id TEXT NOT NULL,
+            sequence INTEGER NOT NULL,
+            type TEXT NOT NULL,
+            payload TEXT NOT NULL,
+            at_ms INTEGER NOT NULL,
+            UNIQUE (scope, sequence)
+         );
+         CREATE TABLE IF NOT EXISTS served (
+            id INTEGER PRIMARY KEY,
+            run_id TEXT NOT NULL,
+            node_id TEXT NOT NULL,
+            attempt INTEGER NOT NULL,
+            round_index INTEGER NOT NULL,
+            request_digest TEXT NOT NULL,
+            request_id TEXT NOT NULL,
+            status INTEGER NOT NULL,
+            content_type TEXT NOT NULL,
+            body BLOB,
+            body_bytes INTEGER NOT NULL,
+            body_digest TEXT NOT NULL,
+            truncated INTEGER NOT NULL,
+            calls TEXT NOT NULL,
+            at_ms INTEGER NOT NULL,
+            UNIQUE (run_id, node_id, attempt, round_index)
+         );
+         CREATE TABLE IF NOT EXISTS replay_cursor (
+            run_id TEXT NOT NULL,
+            node_id TEXT NOT NULL,
+            skipped INTEGER NOT NULL,
+            PRIMARY KEY (run_id, node_id)
+         );
          PRAGMA user_version = 1;
+         COMMIT;",
+    )
+}
+
+/// The response chain (Responses API `previous_response_id`): one row per response the
+/// provider stores, with whether its output holds provider-executed items. The trust rule that
+/// reads it is in the [`super`] module docs.
+fn v2(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         CREATE TABLE IF NOT EXISTS responses (
+            response_id TEXT PRIMARY KEY,
+            request_id TEXT NOT NULL,
+            previous_response_id TEXT,
+            run_id TEXT,
+            node_id TEXT,
+            attempt INTEGER,
+            api TEXT NOT NULL,
+            status TEXT,
+            provider_executed INTEGER NOT NULL,
+            provider_items TEXT NOT NULL,
+            content_trust TEXT,
+            at_ms INTEGER NOT NULL
+         );
+         CREATE INDEX IF NOT EXISTS responses_previous ON responses (previous_response_id);
+         PRAGMA user_version = 2;
          COMMIT;",
     )
 }

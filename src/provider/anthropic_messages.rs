@@ -14,8 +14,8 @@ use bytes::Bytes;
 use serde_json::{json, Value};
 
 use crate::model::{
-    Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, ToolCall,
-    ToolResultSeen, Turn,
+    Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
+    ToolCall, ToolResultSeen, Turn,
 };
 use crate::sse::{self, SseBlock};
 
@@ -48,6 +48,8 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         }
     }
     let mut names: BTreeMap<String, String> = BTreeMap::new();
+    let mut prior_calls = Vec::new();
+    let mut provider_output_seen = false;
     let mut tool_results = Vec::new();
     let mut round_index = 0u32;
     for (i, m) in messages.iter().enumerate() {
@@ -68,6 +70,9 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                     ) {
                         names.insert(id.to_owned(), name.to_owned());
                     }
+                    if let Some(name) = b.get("name").and_then(Value::as_str) {
+                        prior_calls.push(name.to_owned());
+                    }
                 }
                 Some("tool_result") => {
                     let id = b
@@ -85,6 +90,9 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                         is_error: b.get("is_error").and_then(Value::as_bool) == Some(true),
                     });
                 }
+                // Provider-executed tool output (`web_search_tool_result`, `web_fetch_tool_result`,
+                // `code_execution_tool_result` …): always untrusted (tool-turn contract §F).
+                Some(t) if t.ends_with("_tool_result") => provider_output_seen = true,
                 _ => {}
             }
         }
@@ -98,6 +106,16 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         max_output_tokens: obj.get("max_tokens").and_then(Value::as_u64),
         include_usage: true,
         round_index,
+        prior_calls,
+        provider_output_seen,
+        previous_response_id: None,
+        // §F: MCP servers the provider would call itself (`mcp_servers`).
+        provider_delegations: obj
+            .get("mcp_servers")
+            .and_then(Value::as_array)
+            .filter(|a| !a.is_empty())
+            .map(|_| vec!["`mcp_servers`".to_owned()])
+            .unwrap_or_default(),
     })
 }
 
@@ -144,8 +162,26 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
             arguments: b.get("input").map(Value::to_string).unwrap_or_default(),
         })
         .collect();
+    let texts: Vec<&str> = body
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter(|b| b.get("type").and_then(Value::as_str) == Some("text"))
+        .filter_map(|b| b.get("text").and_then(Value::as_str))
+        .collect();
+    let text = (!texts.is_empty()).then(|| texts.concat());
+    let provider_output = body
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|b| b.get("type").and_then(Value::as_str))
+        .any(is_provider_block);
     vec![ChoiceEmissions {
         choice: 0,
+        text,
+        provider_output,
         completion: classify(
             body.get("stop_reason").and_then(Value::as_str),
             body.pointer("/usage/output_tokens").and_then(Value::as_u64),
@@ -155,18 +191,66 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
     }]
 }
 
-/// Applies verdicts to a non-stream response: an ended turn loses its `tool_use` blocks,
-/// gains a host-authored text block and stops with `end_turn`. Returns whether it changed.
+/// Applies verdicts to a non-stream response: withheld `tool_use` blocks are removed; an
+/// ended turn also gains a host-authored text block and stops with `end_turn`. Returns
+/// whether the body changed.
 pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
-    let Some(text) = verdicts.first().and_then(|v| v.end_turn.as_ref()) else {
+    let Some(verdict) = verdicts.first().filter(|v| v.any_withheld()) else {
         return false;
     };
     if let Some(content) = body.get_mut("content").and_then(Value::as_array_mut) {
-        content.retain(|b| b.get("type").and_then(Value::as_str) != Some("tool_use"));
-        content.push(json!({ "type": "text", "text": text }));
+        let mut call = 0;
+        content.retain(|b| {
+            if b.get("type").and_then(Value::as_str) != Some("tool_use") {
+                return true;
+            }
+            call += 1;
+            verdict.released(call - 1)
+        });
+        if let Some(text) = verdict.end_turn() {
+            content.push(json!({ "type": "text", "text": text }));
+        }
     }
-    body["stop_reason"] = json!("end_turn");
+    if verdict.end_turn().is_some() {
+        body["stop_reason"] = json!("end_turn");
+    }
     true
+}
+
+/// Appends the repair turn: an assistant message with the withheld `tool_use` blocks
+/// (input that is not a JSON object becomes `{}`), then a user message with one
+/// `tool_result` per call (`is_error` as decided) carrying the host text.
+pub fn append_repair(body: &mut Value, choice: &ChoiceEmissions, items: &[RepairItem]) {
+    let uses: Vec<Value> = items
+        .iter()
+        .filter_map(|it| choice.calls.get(it.call))
+        .map(|c| {
+            let input = serde_json::from_str::<Value>(&c.arguments)
+                .ok()
+                .filter(Value::is_object)
+                .unwrap_or_else(|| json!({}));
+            json!({"type": "tool_use", "id": c.id, "name": c.name, "input": input})
+        })
+        .collect();
+    let results: Vec<Value> = items
+        .iter()
+        .filter_map(|it| {
+            choice.calls.get(it.call).map(|c| {
+                json!({"type": "tool_result", "tool_use_id": c.id, "content": it.text, "is_error": it.is_error})
+            })
+        })
+        .collect();
+    let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) else {
+        return;
+    };
+    messages.push(json!({"role": "assistant", "content": uses}));
+    messages.push(json!({"role": "user", "content": results}));
+}
+
+/// A content block the provider's own tools produced (`server_tool_use`,
+/// `web_search_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result` …).
+fn is_provider_block(ty: &str) -> bool {
+    ty == "server_tool_use" || (ty.ends_with("_tool_result") && ty != "tool_result")
 }
 
 #[derive(Debug)]
@@ -197,6 +281,8 @@ pub struct MessagesStream {
     stop_seen: bool,
     decided: bool,
     failed: bool,
+    /// A provider-executed block was seen in this message.
+    provider_output: bool,
 }
 
 impl MessagesStream {
@@ -213,6 +299,7 @@ impl MessagesStream {
             stop_seen: false,
             decided: false,
             failed: false,
+            provider_output: false,
         }
     }
 
@@ -341,7 +428,12 @@ impl MessagesStream {
 
     /// `message_stop` was seen: a stream that ends now is complete.
     pub fn finished(&self) -> bool {
-        self.stop_seen
+        self.stop_seen || self.failed
+    }
+
+    /// The provider reported an error in the stream.
+    pub fn failed(&self) -> bool {
+        self.failed
     }
 
     fn completion(&self) -> Completion {
@@ -364,6 +456,8 @@ impl MessagesStream {
         }
         vec![ChoiceEmissions {
             choice: 0,
+            text: None,
+            provider_output: self.provider_output,
             completion: self.completion(),
             calls,
         }]
@@ -382,12 +476,11 @@ impl MessagesStream {
     pub fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
         self.decided = true;
         let held = std::mem::take(&mut self.held);
-        let verdict = verdicts.first();
-        let Some(text) = verdict.and_then(|v| v.end_turn.as_deref()) else {
+        let Some(verdict) = verdicts.first().filter(|v| v.any_withheld()) else {
             out.extend(held.into_iter().map(|h| h.raw));
             return;
         };
-        let decisions = verdict.map(|v| v.decisions.as_slice()).unwrap_or_default();
+        let text = verdict.end_turn();
         // Released flag per block, in call order; new indices stay contiguous.
         let mut call_no = 0usize;
         let mut renumber: BTreeMap<u64, Option<u64>> = BTreeMap::new();
@@ -396,7 +489,7 @@ impl MessagesStream {
         for (&ix, b) in self.blocks.range(first..) {
             let keep = match &b.call {
                 Some(_) => {
-                    let k = decisions.get(call_no).is_some_and(|d| d.released());
+                    let k = verdict.released(call_no);
                     call_no += 1;
                     k
                 }
@@ -432,18 +525,20 @@ impl MessagesStream {
                 .as_ref()
                 .and_then(|v| v.get("type"))
                 .and_then(Value::as_str);
-            if !text_sent && matches!(kind, Some("message_delta" | "message_stop")) {
-                out.extend(text_block(text_index, text));
-                text_sent = true;
-            }
-            if kind == Some("message_delta") {
-                if let Some(v) = h.json.as_mut() {
-                    v["delta"]["stop_reason"] = json!("end_turn");
-                    out.push(sse::encode(
-                        h.name.as_deref().or(Some("message_delta")),
-                        &v.to_string(),
-                    ));
-                    continue;
+            if let Some(text) = text {
+                if !text_sent && matches!(kind, Some("message_delta" | "message_stop")) {
+                    out.extend(text_block(text_index, text));
+                    text_sent = true;
+                }
+                if kind == Some("message_delta") {
+                    if let Some(v) = h.json.as_mut() {
+                        v["delta"]["stop_reason"] = json!("end_turn");
+                        out.push(sse::encode(
+                            h.name.as_deref().or(Some("message_delta")),
+                            &v.to_string(),
+                        ));
+                        continue;
+                    }
                 }
             }
             out.push(h.raw);
@@ -453,16 +548,28 @@ impl MessagesStream {
     /// The upstream stream was cut: drop what is held and end the agent's stream with an
     /// Anthropic `error` event (the SDK raises on it).
     pub fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
+        self.fail(
+            "api_error",
+            &format!("turnguard: the upstream stream ended early ({reason}); withheld tool calls were not released"),
+            out,
+        );
+    }
+
+    /// Drops what is held and ends the agent's stream with an `error` event of `kind`.
+    pub fn fail(&mut self, kind: &str, message: &str, out: &mut Vec<Bytes>) {
         self.held.clear();
         self.decided = true;
-        let body = json!({
-            "type": "error",
-            "error": {
-                "type": "api_error",
-                "message": format!("turnguard: the upstream stream ended early ({reason}); withheld tool calls were not released")
-            }
-        });
+        let body = json!({ "type": "error", "error": { "type": kind, "message": message } });
         out.push(sse::encode(Some("error"), &body.to_string()));
+    }
+
+    /// Drops what is held (the round is being repaired). Returns how many content blocks the
+    /// agent has already received: the next round's blocks are numbered after them.
+    pub fn abandon(&mut self) -> u64 {
+        self.held.clear();
+        self.decided = true;
+        self.first_held
+            .unwrap_or_else(|| self.blocks.keys().next_back().map_or(0, |k| k + 1))
     }
 }
 

@@ -14,8 +14,8 @@ use bytes::Bytes;
 use serde_json::{json, Map, Value};
 
 use crate::model::{
-    Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, ToolCall,
-    ToolResultSeen, Turn,
+    Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
+    ToolCall, ToolResultSeen, Turn,
 };
 use crate::sse::{self, SseBlock};
 
@@ -59,6 +59,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         }
     }
     let mut names: BTreeMap<String, String> = BTreeMap::new();
+    let mut prior_calls = Vec::new();
     let mut tool_results = Vec::new();
     let mut round_index = 0u32;
     for (i, m) in messages.iter().enumerate() {
@@ -80,6 +81,9 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                         c.pointer("/function/name").and_then(Value::as_str),
                     ) {
                         names.insert(id.to_owned(), name.to_owned());
+                    }
+                    if let Some(name) = c.pointer("/function/name").and_then(Value::as_str) {
+                        prior_calls.push(name.to_owned());
                     }
                 }
             }
@@ -117,6 +121,10 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         max_output_tokens,
         include_usage,
         round_index,
+        prior_calls,
+        provider_output_seen: false,
+        previous_response_id: None,
+        provider_delegations: Vec::new(),
     })
 }
 
@@ -204,6 +212,11 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
         let refused = matches!(message.get("refusal"), Some(Value::String(s)) if !s.is_empty());
         out.push(ChoiceEmissions {
             choice: index,
+            text: message
+                .get("content")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            provider_output: false,
             completion: classify(
                 choice.get("finish_reason").and_then(Value::as_str),
                 refused,
@@ -216,8 +229,8 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
     out
 }
 
-/// Applies verdicts to a non-stream response: an ended turn loses its calls, gains the
-/// host-authored text and finishes with `stop`. Returns whether anything changed.
+/// Applies verdicts to a non-stream response: withheld calls are removed; an ended turn also
+/// gains the host-authored text and finishes with `stop`. Returns whether anything changed.
 pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
     let mut changed = false;
     let Some(choices) = body.get_mut("choices").and_then(Value::as_array_mut) else {
@@ -228,26 +241,76 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
             .get("index")
             .and_then(Value::as_u64)
             .unwrap_or(pos as u64) as u32;
-        let Some(text) = verdicts
-            .iter()
-            .find(|v| v.choice == index)
-            .and_then(|v| v.end_turn.as_ref())
-        else {
+        let Some(verdict) = verdicts.iter().find(|v| v.choice == index) else {
             continue;
         };
-        if let Some(message) = choice.get_mut("message").and_then(Value::as_object_mut) {
-            message.remove("tool_calls");
-            message.remove("function_call");
-            let content = match message.get("content") {
-                Some(Value::String(s)) if !s.is_empty() => format!("{s}\n\n{text}"),
-                _ => text.clone(),
-            };
-            message.insert("content".into(), Value::String(content));
+        if !verdict.any_withheld() {
+            continue;
         }
-        choice["finish_reason"] = json!("stop");
+        if let Some(message) = choice.get_mut("message").and_then(Value::as_object_mut) {
+            // Calls are in emission order: tool_calls first, then a legacy function_call.
+            let n_calls = message
+                .get("tool_calls")
+                .and_then(Value::as_array)
+                .map_or(0, Vec::len);
+            if let Some(list) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                let mut i = 0;
+                list.retain(|_| {
+                    i += 1;
+                    verdict.released(i - 1)
+                });
+                if list.is_empty() {
+                    message.remove("tool_calls");
+                }
+            }
+            if message.contains_key("function_call") && !verdict.released(n_calls) {
+                message.remove("function_call");
+            }
+            if let Some(text) = verdict.end_turn() {
+                let content = match message.get("content") {
+                    Some(Value::String(s)) if !s.is_empty() => format!("{s}\n\n{text}"),
+                    _ => text.to_owned(),
+                };
+                message.insert("content".into(), Value::String(content));
+            }
+        }
+        if verdict.end_turn().is_some() {
+            choice["finish_reason"] = json!("stop");
+        }
         changed = true;
     }
     changed
+}
+
+/// Appends the repair turn: an assistant message with the withheld calls (arguments that
+/// are not JSON become `{}`), then a `role: tool` message per call with the host text.
+pub fn append_repair(body: &mut Value, choice: &ChoiceEmissions, items: &[RepairItem]) {
+    let calls: Vec<Value> = items
+        .iter()
+        .filter_map(|it| choice.calls.get(it.call))
+        .map(|c| {
+            let args = if serde_json::from_str::<Value>(&c.arguments).is_ok_and(|v| v.is_object()) {
+                c.arguments.clone()
+            } else {
+                "{}".to_owned()
+            };
+            json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}})
+        })
+        .collect();
+    let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) else {
+        return;
+    };
+    messages.push(json!({"role": "assistant", "content": null, "tool_calls": calls}));
+    for it in items {
+        if let Some(c) = choice.calls.get(it.call) {
+            let text = if it.is_error {
+                format!("Error: {}", it.text)
+            } else {
+                it.text.clone()
+            };
+            messages.push(json!({"role": "tool", "tool_call_id": c.id, "content": text}));
+        }
+    }
 }
 
 /// A call being accumulated from stream deltas.
@@ -265,6 +328,9 @@ struct ChoiceAcc {
     refused: bool,
     /// A held finish chunk exists for this choice.
     finish_held: bool,
+    /// Some chunk of this choice carried `delta.role`; it is always sent (held chunks keep
+    /// it), so an added chunk must not repeat it (the SDK concatenates string deltas).
+    role_seen: bool,
 }
 
 /// A held chunk: its raw bytes, its JSON, and for each `tool_calls` entry (choice position,
@@ -308,6 +374,11 @@ impl ChatStream {
 
     fn holding(&self) -> bool {
         !self.decided && self.choices.values().any(|c| !c.calls.is_empty())
+    }
+
+    /// The provider reported an error in the stream.
+    pub fn failed(&self) -> bool {
+        self.failed
     }
 
     /// Calls are held and not yet decided.
@@ -373,6 +444,9 @@ impl ChatStream {
         for (cpos, c) in choices.iter().enumerate() {
             let index = c.get("index").and_then(Value::as_u64).unwrap_or(0) as u32;
             let acc = self.choices.entry(index).or_default();
+            if c.pointer("/delta/role").is_some_and(|r| !r.is_null()) {
+                acc.role_seen = true;
+            }
             if let Some(Value::String(r)) = c.pointer("/delta/refusal") {
                 if !r.is_empty() {
                     acc.refused = true;
@@ -515,7 +589,8 @@ impl ChatStream {
 
     /// Every choice's finish reason is known (a stream that ends now is not cut).
     pub fn finished(&self) -> bool {
-        self.done_seen
+        self.failed
+            || self.done_seen
             || (!self.choices.is_empty()
                 && self.choices.values().all(|c| c.finish_reason.is_some()))
     }
@@ -532,6 +607,8 @@ impl ChatStream {
             .filter(|(_, c)| !c.calls.is_empty())
             .map(|(&index, c)| ChoiceEmissions {
                 choice: index,
+                text: None,
+                provider_output: false,
                 completion: classify(
                     c.finish_reason.as_deref(),
                     c.refused,
@@ -586,7 +663,7 @@ impl ChatStream {
                     }
                 })
                 .collect();
-            plan.insert(v.choice, (emitted, v.end_turn.as_deref()));
+            plan.insert(v.choice, (emitted, v.end_turn()));
         }
         for held in std::mem::take(&mut self.held) {
             let Some(mut chunk) = held.json else {
@@ -648,7 +725,12 @@ impl ChatStream {
                     let has_finish = c.get("finish_reason").is_some_and(|f| !f.is_null());
                     if has_finish {
                         if let Some(text) = end_turn {
-                            insert_before.push(text_chunk(&chunk_template(&held.raw), index, text));
+                            insert_before.push(text_chunk(
+                                &chunk_template(&held.raw),
+                                index,
+                                text,
+                                !acc.role_seen,
+                            ));
                             c["finish_reason"] = json!("stop");
                             changed = true;
                         }
@@ -681,17 +763,27 @@ impl ChatStream {
     /// The upstream stream was cut: drop what is held and end the agent's stream with a
     /// provider-shaped error (the openai SDK raises on a `data: {"error": …}` event).
     pub fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
+        self.fail(
+            "upstream_stream_interrupted",
+            "turnguard.upstream_stream_cut",
+            &format!("turnguard: the upstream stream ended early ({reason}); withheld tool calls were not released"),
+            out,
+        );
+    }
+
+    /// Drops what is held and ends the agent's stream with an error event of `kind`/`code`.
+    pub fn fail(&mut self, kind: &str, code: &str, message: &str, out: &mut Vec<Bytes>) {
         self.held.clear();
         self.decided = true;
-        let body = json!({
-            "error": {
-                "message": format!("turnguard: the upstream stream ended early ({reason}); withheld tool calls were not released"),
-                "type": "upstream_stream_interrupted",
-                "code": "turnguard.upstream_stream_cut",
-                "param": null
-            }
-        });
+        let body =
+            json!({ "error": { "message": message, "type": kind, "code": code, "param": null } });
         out.push(sse::encode(None, &body.to_string()));
+    }
+
+    /// Drops what is held (the round is being repaired); the next round's events follow.
+    pub fn abandon(&mut self) {
+        self.held.clear();
+        self.decided = true;
     }
 }
 
@@ -763,8 +855,9 @@ fn chunk_template(raw: &Bytes) -> Value {
     serde_json::from_str(&data).unwrap_or_else(|_| json!({}))
 }
 
-/// A chunk carrying host-authored `text` as content for choice `index`.
-fn text_chunk(template: &Value, index: u32, text: &str) -> Bytes {
+/// A chunk carrying host-authored `text` as content for choice `index`; `with_role` when no
+/// earlier chunk of the choice carried the role.
+fn text_chunk(template: &Value, index: u32, text: &str, with_role: bool) -> Bytes {
     let mut chunk = Map::new();
     if let Some(obj) = template.as_object() {
         for (k, v) in obj {
@@ -779,9 +872,14 @@ fn text_chunk(template: &Value, index: u32, text: &str) -> Bytes {
             }
         }
     }
+    let delta = if with_role {
+        json!({ "role": "assistant", "content": text })
+    } else {
+        json!({ "content": text })
+    };
     chunk.insert(
         "choices".into(),
-        json!([{ "index": index, "delta": { "role": "assistant", "content": text }, "finish_reason": null }]),
+        json!([{ "index": index, "delta": delta, "finish_reason": null }]),
     );
     encode(&Value::Object(chunk))
 }

@@ -1,14 +1,17 @@
 //! The request path, as a plain function per stage that reads like DESIGN.md §3:
 //!
 //! ```text
-//! request ─▶ parse (capped) ─▶ adapter → Turn ─▶ record tool results seen ─▶ forward upstream
-//! response/stream ─▶ adapter → emissions ─▶ admission, per call, in order
-//!   ─▶ surface (release · end-turn) ─▶ record round ─▶ agent
+//! request ─▶ parse (capped) ─▶ adapter → Turn ─▶ trust of inputs ─▶ record tool results seen
+//!   ─▶ forward upstream
+//! response/stream ─▶ adapter → emissions ─▶ admission (§B), per call, in order
+//!   ─▶ dispatch: effect claims ─▶ surface (release · end-turn · repair round · error)
+//!   ─▶ record round + events ─▶ agent
 //! ```
 //!
 //! Streams are relayed by [`stream`]; everything provider-specific is behind
-//! [`crate::provider`].
+//! [`crate::provider`]. Each request takes one policy snapshot and uses it throughout.
 
+pub mod recovery;
 pub mod stream;
 pub mod upstream;
 
@@ -19,17 +22,28 @@ use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
-use http::{Method, Request};
-use serde_json::Value;
+use http::{Method, Request, StatusCode};
+use serde_json::{json, Value};
 
-use crate::admission;
+use crate::admission::channel::{Channel, ChannelSpec, ChannelVerdict};
+use crate::admission::{self, AdmitCtx};
 use crate::body::{read_capped, BodyError};
 use crate::error::WireError;
-use crate::journal::{CallRecord, Recorded, RoundRecord, RunKey, ToolResultRecord};
-use crate::metrics::CallLabels;
-use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Turn};
+use crate::journal::{
+    CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RunKey, ServedCall,
+    ServedRecord, ToolResultRecord,
+};
+use crate::metrics::{CallLabels, EmissionLabels, RepairLabels, TrustLabels};
+use crate::model::{
+    Api, ChoiceEmissions, ChoiceVerdict, Outcome, Stage, SurfacedError, Surfacing, Turn,
+};
+use crate::policy::bundle::ContentTrust;
+use crate::policy::CompiledPolicy;
 use crate::provider;
 use crate::server::AppState;
+
+/// The agent identity in events and rules when no verified person acts.
+pub const AGENT_ID: &str = "agent";
 
 /// Who and what one data-plane request is: its id and its run identity headers.
 #[derive(Debug, Clone)]
@@ -87,7 +101,364 @@ pub fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
-/// Serves one model request of `api` (`POST /v1/chat/completions`, `POST /v1/messages`).
+/// Everything one agent request carries through its model rounds (the first and any repair
+/// rounds): the parsed turn, the policy snapshot, the request as sent upstream.
+pub struct Session {
+    pub state: Arc<AppState>,
+    pub ctx: RequestCtx,
+    pub turn: Turn,
+    pub policy: Arc<CompiledPolicy>,
+    pub trust: ContentTrust,
+    /// Path and query sent upstream.
+    pub path: String,
+    /// Headers sent upstream.
+    pub headers: HeaderMap,
+    /// The request body as sent upstream (the agent's, plus repair turns).
+    pub body: Value,
+    /// Repair rounds left.
+    pub repairs_left: u32,
+    /// Model rounds sent so far for this agent request.
+    pub rounds: u32,
+    /// The schema the text answer must meet (structured / prompted channel, §A).
+    pub channel: Option<ChannelSpec>,
+    /// Semantic request digest v2 of the agent's own request (the recovery key).
+    pub agent_digest: String,
+}
+
+impl Session {
+    /// The journal id of the current model round (`<request-id>`, then `#repair-N`).
+    pub fn round_id(&self) -> String {
+        if self.rounds <= 1 {
+            self.ctx.request_id.clone()
+        } else {
+            format!("{}#repair-{}", self.ctx.request_id, self.rounds - 1)
+        }
+    }
+
+    /// Sends the current body upstream.
+    pub async fn send(&mut self) -> Result<http::Response<hyper::body::Incoming>, WireError> {
+        self.rounds += 1;
+        let raw = Bytes::from(self.body.to_string());
+        upstream::send(
+            &self.state,
+            self.turn.api.upstream(),
+            self.turn.api.as_str(),
+            Method::POST,
+            &self.path,
+            self.headers.clone(),
+            raw,
+        )
+        .await
+    }
+
+    /// What every round record shares.
+    pub fn base(&self, upstream_status: u16) -> RoundBase {
+        RoundBase {
+            request_digest: crate::recipes::semantic_request_digest(self.turn.api, &self.body),
+            upstream_status,
+            round_id: self.round_id(),
+        }
+    }
+
+    /// Identity inputs of this turn's calls.
+    pub fn call_ids(&self) -> CallIds {
+        CallIds {
+            tenant: self.state.config.tenant.clone(),
+            run: self
+                .ctx
+                .run
+                .run_id
+                .clone()
+                .zip(self.ctx.run.node_id.clone()),
+            base_ordinal: self.turn.prior_calls.len() as u64,
+        }
+    }
+
+    /// The calls of `verdicts` that went to the agent, for the served record.
+    pub fn served_calls(
+        &self,
+        round: &[ChoiceEmissions],
+        verdicts: &[ChoiceVerdict],
+    ) -> Vec<ServedCall> {
+        let mut out = Vec::new();
+        for (choice, v) in round.iter().zip(verdicts) {
+            for (i, call) in choice.calls.iter().enumerate() {
+                if v.released(i) {
+                    out.push(ServedCall {
+                        call_id: call.id.clone(),
+                        tool_name: call.name.clone(),
+                        rerunnable: self.policy.tool(&call.name).rerunnable(),
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Records what the agent received for this round of a run node (the record recovery and
+    /// replay serve again). Chat turns are not recorded for replay (tool-turn contract §D).
+    pub async fn record_served(
+        &self,
+        status: u16,
+        content_type: &str,
+        body: &[u8],
+        calls: Vec<ServedCall>,
+        secrets: bool,
+    ) {
+        let (Some(run), Some(node), Some(attempt)) = (
+            &self.ctx.run.run_id,
+            &self.ctx.run.node_id,
+            self.ctx.run.attempt,
+        ) else {
+            return;
+        };
+        let rec = ServedRecord {
+            run_id: run.clone(),
+            node_id: node.clone(),
+            attempt,
+            round_index: self.turn.round_index,
+            request_digest: self.agent_digest.clone(),
+            request_id: self.ctx.request_id.clone(),
+            status,
+            content_type: content_type.to_owned(),
+            body: {
+                let r = Recorded::of(body, self.state.config.journal_max_record_bytes);
+                if secrets {
+                    r.withheld()
+                } else {
+                    r
+                }
+            },
+            calls,
+            at_ms: now_ms(),
+        };
+        if let Err(e) = self.state.journal.record_served(rec).await {
+            tracing::error!(error = %e, request_id = %self.ctx.request_id, "served response not journaled");
+        }
+    }
+
+    /// Admits one round: stages 1–8, effect claims at dispatch, surfacing, metrics, events.
+    pub async fn admit(&self, round: &[ChoiceEmissions]) -> Vec<ChoiceVerdict> {
+        let no_approval = |_: &str| false;
+        let ctx = AdmitCtx {
+            policy: &self.policy,
+            schemas: &self.state.schemas,
+            limits: &self.state.limits,
+            person: None,
+            agent: AGENT_ID,
+            trust: self.trust,
+            run: self.ctx.run.run_id.as_deref(),
+            provider: self.turn.api.as_str(),
+            approved: &no_approval,
+            repairs_left: if n_choices(&self.body) > 1 {
+                0
+            } else {
+                self.repairs_left
+            },
+        };
+        let mut verdicts = Vec::with_capacity(round.len());
+        for choice in round {
+            let mut decisions = admission::decide_choice(&ctx, &self.turn, choice);
+            let claimed = self.claim_effects(choice, &mut decisions).await;
+            let surfacing = admission::surface(&ctx, &mut decisions);
+            // A claim taken for a call the surfacing then withheld is given back.
+            for (i, effect_id) in claimed {
+                if !decisions[i].released() {
+                    if let Err(e) = self
+                        .state
+                        .journal
+                        .release_claim(&effect_id, &choice.calls[i].id)
+                        .await
+                    {
+                        tracing::error!(error = %e, "an effect claim could not be given back");
+                    }
+                }
+            }
+            verdicts.push(ChoiceVerdict {
+                choice: choice.choice,
+                decisions,
+                surfacing,
+            });
+        }
+        self.account(round, &verdicts).await;
+        verdicts
+    }
+
+    /// Dispatch: claims the effect of every executed call (OpenWOP idempotency.md Layer 2):
+    /// by business identity when the tool declares a business key, else — inside a run, for a
+    /// tool that is not re-runnable — by the activity recipe (`logicalInvocationId`). A repeat
+    /// of a claimed effect is `suppressed-repeat`, carrying the recorded result. Returns the
+    /// claims taken.
+    async fn claim_effects(
+        &self,
+        choice: &ChoiceEmissions,
+        decisions: &mut [crate::model::Decision],
+    ) -> Vec<(usize, String)> {
+        let mut taken = Vec::new();
+        let ids = self.call_ids();
+        let tenant = &self.state.config.tenant;
+        for (i, call) in choice.calls.iter().enumerate() {
+            if decisions[i].outcome != Outcome::Executed {
+                continue;
+            }
+            let tool = self.policy.tool(&call.name);
+            let (effect_id, keying) = if !tool.business_key.is_empty() {
+                let Ok(args) = admission::arguments::parse(&call.arguments) else {
+                    continue;
+                };
+                let key: Vec<Value> = tool
+                    .business_key
+                    .iter()
+                    .map(|p| args.pointer(p).cloned().unwrap_or(Value::Null))
+                    .collect();
+                let digest = hex_sha256(&admission::arguments::canonical(
+                    &json!({"toolId": tool.descriptor.tool_id, "businessKey": key}),
+                ));
+                (format!("{tenant}/{digest}"), "business-identity")
+            } else if !tool.rerunnable() {
+                match ids.logical(ids.base_ordinal + i as u64, &call.name) {
+                    Some(id) => (format!("{tenant}/{id}"), "activity-recipe"),
+                    None => continue, // a chat turn: no run, no activity identity
+                }
+            } else {
+                continue;
+            };
+            let claim = EffectClaim {
+                effect_id: effect_id.clone(),
+                tool_id: tool.descriptor.tool_id.clone(),
+                call_id: call.id.clone(),
+                run: self.ctx.run.clone(),
+                keying,
+                at_ms: now_ms(),
+            };
+            let d = &mut decisions[i];
+            match self.state.journal.claim_effect(claim).await {
+                Ok(Claim::Claimed) => taken.push((i, effect_id)),
+                Ok(Claim::Existing { call_id, .. }) if call_id == call.id => {}
+                Ok(Claim::Existing { result, .. }) => {
+                    d.outcome = Outcome::SuppressedRepeat;
+                    d.stage = Stage::Dispatch;
+                    d.reason = "effect_already_claimed";
+                    d.message = match result {
+                        Some(r) => format!("turnguard: this effect already ran; its recorded result: {r}"),
+                        None => "turnguard: this effect was already dispatched and its result is not recorded yet; it is not run again".into(),
+                    };
+                }
+                Err(e) => {
+                    d.outcome = Outcome::Refused;
+                    d.stage = Stage::Dispatch;
+                    d.reason = "journal_unavailable";
+                    d.message = format!("the effect could not be claimed ({e}); fail closed");
+                }
+            }
+        }
+        taken
+    }
+
+    /// Metrics, per-run counters and the `agent.tool-called` / `agent.tool-returned` events.
+    async fn account(&self, round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) {
+        let mut events = Vec::new();
+        let principal = AGENT_ID;
+        for (choice, verdict) in round.iter().zip(verdicts) {
+            for (call, d) in choice.calls.iter().zip(&verdict.decisions) {
+                self.state
+                    .metrics
+                    .tool_calls
+                    .get_or_create(&CallLabels {
+                        outcome: d.outcome.as_str().to_owned(),
+                        stage: d.stage.as_str().to_owned(),
+                        channel: "tool".to_owned(),
+                    })
+                    .inc();
+                let tool_name = admission::sanitize_label(&call.name);
+                let call_id = if call.id.is_empty() {
+                    "unknown".to_owned()
+                } else {
+                    call.id.clone()
+                };
+                let mut called = json!({
+                    "agentId": AGENT_ID, "toolName": tool_name, "callId": call_id,
+                    "principal": principal, "transport": "native"
+                });
+                if let Some(h) = &d.args_hash {
+                    called["argsHash"] = json!(h);
+                }
+                events.push(self.event("agent.tool-called", called));
+                let status = match (d.outcome, d.reason) {
+                    (Outcome::Executed, _) | (Outcome::Held, _) => None,
+                    (Outcome::SuppressedRepeat, _) if d.message.contains("its recorded result") => {
+                        Some(("ok", None))
+                    }
+                    (Outcome::SuppressedRepeat, _) => {
+                        Some(("error", Some("turnguard.effect_already_claimed")))
+                    }
+                    (_, "rate_limited") => Some(("rate_limited", Some("rate_limited"))),
+                    (Outcome::Refused, _) => Some(("forbidden", Some("forbidden"))),
+                    (Outcome::Invalid, _) => Some(("error", Some("validation_error"))),
+                    (Outcome::EndedTurn, _) => Some(("error", Some("turnguard.turn_ended"))),
+                };
+                if let Some((status, code)) = status {
+                    let mut returned = json!({"agentId": AGENT_ID, "toolName": tool_name, "callId": call_id, "status": status});
+                    if let Some(code) = code {
+                        returned["error"] = json!({"code": code, "message": admission::explain(d)});
+                    } else if d.outcome == Outcome::SuppressedRepeat {
+                        // Not run again: the recorded result was supplied (content-free here).
+                        returned["outcome"] = json!({"suppressedRepeat": true, "recordedResultDigest": hex_sha256(d.message.as_bytes())});
+                    }
+                    events.push(self.event("agent.tool-returned", returned));
+                }
+            }
+            if let Some(run) = &self.ctx.run.run_id {
+                let n = verdict
+                    .decisions
+                    .iter()
+                    .filter(|d| d.outcome == Outcome::Executed)
+                    .count() as u32;
+                self.state.limits.add_run(run, n);
+            }
+        }
+        if let Err(e) = self.state.journal.record_events(events).await {
+            tracing::error!(error = %e, request_id = %self.ctx.request_id, "events not journaled");
+        }
+    }
+
+    fn event(&self, kind: &'static str, payload: Value) -> EventRecord {
+        EventRecord {
+            request_id: self.ctx.request_id.clone(),
+            run: self.ctx.run.clone(),
+            at_ms: now_ms(),
+            kind,
+            payload,
+        }
+    }
+
+    /// The request body for a repair round: the choice's withheld calls as an assistant turn,
+    /// then one host-authored tool result per call (tool-turn contract §B, §G).
+    pub fn repaired(&self, choice: &ChoiceEmissions, items: &[crate::model::RepairItem]) -> Value {
+        let mut body = self.body.clone();
+        provider::append_repair(self.turn.api, &mut body, choice, items);
+        body
+    }
+
+    /// Counts a repair round.
+    pub fn count_repair(&mut self) {
+        self.repairs_left = self.repairs_left.saturating_sub(1);
+        self.state
+            .metrics
+            .repairs
+            .get_or_create(&RepairLabels {
+                api: self.turn.api.as_str().to_owned(),
+            })
+            .inc();
+    }
+}
+
+fn n_choices(body: &Value) -> u64 {
+    body.get("n").and_then(Value::as_u64).unwrap_or(1)
+}
+
+/// Serves one model request of `api` (`POST /v1/chat/completions`, `POST /v1/messages`,
+/// `POST /v1/responses`).
 pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Response {
     let ctx = RequestCtx::new(req.headers());
     state.metrics.inflight_requests.inc();
@@ -121,66 +492,176 @@ async fn turn(
     let json = parse_json(&raw)?;
     let turn = provider::parse_request(api, &json)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
-    record_tool_results(state, ctx, &turn).await?;
+    refuse_provider_delegation(ctx, &turn)?;
+    let policy = state.policy.snapshot();
+    let trust = admission::trust::of_turn(&turn, &policy);
+    state
+        .metrics
+        .turns
+        .get_or_create(&TrustLabels {
+            trust: trust.as_str().to_owned(),
+        })
+        .inc();
+    let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
+    record_tool_results(state, ctx, &turn, &policy.redactor).await?;
 
-    let path = parts
-        .uri
-        .path_and_query()
-        .map_or(parts.uri.path(), |p| p.as_str())
-        .to_owned();
-    let headers = upstream::request_headers(&parts.headers, true);
-    let resp = upstream::send(
-        state,
-        api.upstream(),
-        api.as_str(),
-        Method::POST,
-        &path,
-        headers,
-        raw,
-    )
-    .await?;
-    let round = RoundBase {
-        request_digest: hex_sha256(&admission::arguments::canonical(&json)),
-        upstream_status: resp.status().as_u16(),
+    let agent_digest = crate::recipes::semantic_request_digest(api, &json);
+    let mode = run_mode(&parts.headers)?;
+    let mut session = Session {
+        agent_digest,
+        channel,
+        state: Arc::clone(state),
+        ctx: ctx.clone(),
+        repairs_left: policy.settings.limits.repair_rounds,
+        policy,
+        trust,
+        path: parts
+            .uri
+            .path_and_query()
+            .map_or(parts.uri.path(), |p| p.as_str())
+            .to_owned(),
+        headers: upstream::request_headers(&parts.headers, true),
+        body: json,
+        turn,
+        rounds: 0,
     };
-
-    if !resp.status().is_success() {
-        // Upstream errors pass through unchanged (status, headers, body).
-        record_upstream_error(state, ctx, &turn, &round);
+    if let Some(answer) = crate::proxy::recovery::serve_recorded(&session, mode).await? {
+        return Ok((answer, false));
+    }
+    loop {
+        let resp = session.send().await?;
+        let base = session.base(resp.status().as_u16());
+        if !resp.status().is_success() {
+            // Upstream errors pass through unchanged (status, headers, body).
+            record_upstream_error(&session, &base);
+            let (p, b) = resp.into_parts();
+            let mut out = Response::new(Body::new(b));
+            *out.status_mut() = p.status;
+            *out.headers_mut() = upstream::response_headers(&p.headers, true);
+            return Ok((out, false));
+        }
+        if is_event_stream(resp.headers()) {
+            return Ok((stream::relay(session, base, resp), true));
+        }
         let (p, b) = resp.into_parts();
-        let mut out = Response::new(Body::new(b));
-        *out.status_mut() = p.status;
-        *out.headers_mut() = upstream::response_headers(&p.headers, true);
-        return Ok((out, false));
+        let body_started = Instant::now();
+        let body = read_capped(b, state.config.max_response_bytes).await;
+        crate::edge::upstream_waited(body_started, body_started.elapsed());
+        let body = body.map_err(|e| WireError::UpstreamUnavailable {
+            upstream: api.upstream().to_owned(),
+            reason: format!("response body: {e}"),
+        })?;
+        match surface_json(&session, &base, body).await? {
+            JsonRound::Respond(body, calls, secrets) => {
+                let content_type = p
+                    .headers
+                    .get(header::CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("application/json");
+                session
+                    .record_served(p.status.as_u16(), content_type, &body, calls, secrets)
+                    .await;
+                let mut out = Response::new(Body::from(body));
+                *out.status_mut() = p.status;
+                *out.headers_mut() = upstream::response_headers(&p.headers, false);
+                return Ok((out, false));
+            }
+            JsonRound::Repair(next) => {
+                session.body = next;
+                session.count_repair();
+            }
+            JsonRound::Error(e) => return Ok((surfaced_error(&e), false)),
+        }
     }
-    if is_event_stream(resp.headers()) {
-        return Ok((
-            stream::relay(Arc::clone(state), ctx.clone(), turn, round, resp),
-            true,
-        ));
+}
+
+/// `Turnguard-Mode` (DESIGN.md §2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunMode {
+    Live,
+    Replay,
+}
+
+fn run_mode(headers: &HeaderMap) -> Result<RunMode, WireError> {
+    match headers
+        .get("turnguard-mode")
+        .map(|v| v.to_str().map(str::trim))
+    {
+        None => Ok(RunMode::Live),
+        Some(Ok("live")) => Ok(RunMode::Live),
+        Some(Ok("replay")) => Ok(RunMode::Replay),
+        Some(_) => Err(WireError::InvalidRequest {
+            reason: "Turnguard-Mode must be `live` or `replay`".into(),
+        }),
     }
-    let (p, b) = resp.into_parts();
-    let body_started = Instant::now();
-    let body = read_capped(b, state.config.max_response_bytes).await;
-    crate::edge::upstream_waited(body_started, body_started.elapsed());
-    let body = body.map_err(|e| WireError::UpstreamUnavailable {
-        upstream: api.upstream().to_owned(),
-        reason: format!("response body: {e}"),
-    })?;
-    let body = surface_json(state, ctx, &turn, &round, body).await?;
-    let mut out = Response::new(Body::from(body));
-    *out.status_mut() = p.status;
-    *out.headers_mut() = upstream::response_headers(&p.headers, false);
-    Ok((out, false))
+}
+
+/// The text answer's channel (§A): `Turnguard-Prompted-Schema` names a bundle schema
+/// (`prompted`); else a provider-enforced `response_format` schema (`structured`); else a
+/// bundle route for the model (`prompted`).
+fn channel_of(
+    headers: &HeaderMap,
+    api: Api,
+    body: &Value,
+    turn: &Turn,
+    policy: &CompiledPolicy,
+) -> Result<Option<ChannelSpec>, WireError> {
+    if let Some(name) = headers
+        .get("turnguard-prompted-schema")
+        .and_then(|v| v.to_str().ok())
+    {
+        let name = name.trim();
+        let schema = policy.prompted.get(name).ok_or_else(|| WireError::InvalidRequest {
+            reason: format!(
+                "Turnguard-Prompted-Schema names `{}`, which the policy bundle does not have (it has: {})",
+                admission::sanitize_label(name),
+                policy.prompted.keys().cloned().collect::<Vec<_>>().join(", ")
+            ),
+        })?;
+        return Ok(Some(ChannelSpec {
+            channel: Channel::Prompted,
+            name: name.to_owned(),
+            schema: Arc::clone(schema),
+        }));
+    }
+    if let Some((name, schema)) = provider::structured_schema(api, body) {
+        return Ok(Some(ChannelSpec {
+            channel: Channel::Structured,
+            name,
+            schema: Arc::new(schema),
+        }));
+    }
+    let routed = turn.model.as_deref().and_then(|m| policy.prompted_route(m));
+    Ok(routed.and_then(|name| {
+        policy.prompted.get(name).map(|schema| ChannelSpec {
+            channel: Channel::Prompted,
+            name: name.to_owned(),
+            schema: Arc::clone(schema),
+        })
+    }))
+}
+
+/// An error surfaced for a withheld call: the OpenWOP envelope, `Retry-After` for 429.
+pub fn surfaced_error(e: &SurfacedError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::FORBIDDEN);
+    let mut resp = crate::error::envelope(status, e.code, &e.message);
+    if let Some(secs) = e.retry_after_secs {
+        if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+            resp.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+    }
+    resp
 }
 
 /// What every round record shares, known once the upstream answered.
 #[derive(Debug, Clone)]
 pub struct RoundBase {
-    /// SHA-256 (hex) of the RFC 8785 form of the request body.
+    /// SHA-256 (hex) of the RFC 8785 form of the request body sent upstream.
     pub request_digest: String,
     /// The upstream's HTTP status.
     pub upstream_status: u16,
+    /// Journal id of the round.
+    pub round_id: String,
 }
 
 async fn read_request(state: &AppState, body: Body) -> Result<Bytes, WireError> {
@@ -228,12 +709,22 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
         })
 }
 
+/// Inside a run, a request that delegates MCP or A2A calls to the provider is refused before
+/// it goes upstream (tool-turn contract §F). A chat turn (no `Turnguard-Run`) may.
+fn refuse_provider_delegation(ctx: &RequestCtx, turn: &Turn) -> Result<(), WireError> {
+    match (&ctx.run.run_id, turn.provider_delegations.first()) {
+        (Some(_), Some(what)) => Err(WireError::ProviderDelegationInRun { what: what.clone() }),
+        _ => Ok(()),
+    }
+}
+
 /// Records the tool results the request carries, durably, before it goes upstream
 /// (tool-turn contract §D). A record failure fails the request.
 async fn record_tool_results(
     state: &AppState,
     ctx: &RequestCtx,
     turn: &Turn,
+    redactor: &crate::policy::Redactor,
 ) -> Result<(), WireError> {
     let cap = state.config.journal_max_record_bytes;
     let recs: Vec<ToolResultRecord> = turn
@@ -246,7 +737,7 @@ async fn record_tool_results(
             tool_call_id: t.tool_call_id.clone(),
             tool_name: t.tool_name.clone(),
             is_error: t.is_error,
-            content: Recorded::of(t.content.as_bytes(), cap),
+            content: Recorded::of(redactor.redact_text(&t.content).as_bytes(), cap),
         })
         .collect();
     state
@@ -258,34 +749,39 @@ async fn record_tool_results(
         })
 }
 
-/// Admits every call of every choice (tool-turn contract §B) and counts the outcomes.
-pub fn admit(state: &AppState, turn: &Turn, round: &[ChoiceEmissions]) -> Vec<ChoiceVerdict> {
-    round
-        .iter()
-        .map(|choice| {
-            let verdict = admission::admit_choice(turn, choice, &state.schemas);
-            for d in &verdict.decisions {
-                state
-                    .metrics
-                    .tool_calls
-                    .get_or_create(&CallLabels {
-                        outcome: d.outcome.as_str().to_owned(),
-                        stage: d.stage.as_str().to_owned(),
-                        channel: "tool".to_owned(),
-                    })
-                    .inc();
-            }
-            verdict
+/// What a call's identity derives from (DESIGN.md §2): the per-node ordinal continues the
+/// calls already in the transcript, so a re-sent request lands on the same keys.
+#[derive(Debug, Clone, Default)]
+pub struct CallIds {
+    pub tenant: String,
+    /// (run, node) for a run node.
+    pub run: Option<(String, String)>,
+    /// Calls already in the transcript.
+    pub base_ordinal: u64,
+}
+
+impl CallIds {
+    /// `logicalInvocationId` of the call at `ordinal` (run nodes only).
+    pub fn logical(&self, ordinal: u64, tool: &str) -> Option<String> {
+        self.run.as_ref().map(|(run, node)| {
+            crate::recipes::logical_invocation_id(&self.tenant, run, node, ordinal, tool)
         })
-        .collect()
+    }
 }
 
 /// The journal rows of each call and its decision.
-pub fn call_records(round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) -> Vec<CallRecord> {
+pub fn call_records(
+    round: &[ChoiceEmissions],
+    verdicts: &[ChoiceVerdict],
+    ids: &CallIds,
+) -> Vec<CallRecord> {
     let mut out = Vec::new();
     for (choice, verdict) in round.iter().zip(verdicts) {
         for (ordinal, (call, d)) in choice.calls.iter().zip(&verdict.decisions).enumerate() {
+            let node_ordinal = ids.base_ordinal + ordinal as u64;
             out.push(CallRecord {
+                logical_invocation_id: ids.logical(node_ordinal, &call.name),
+                node_ordinal,
                 choice: choice.choice,
                 ordinal: ordinal as u32,
                 call_id: call.id.clone(),
@@ -294,27 +790,39 @@ pub fn call_records(round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) -> Ve
                 stage: d.stage.as_str(),
                 reason: d.reason,
                 args_hash: d.args_hash.clone(),
+                tool_id: d.tool_id.clone(),
+                enforced: d.enforced,
+                rules: (!d.rules.is_empty()).then(|| d.rules.join(",")),
+                redacted_args: d.redacted_args.as_ref().map(Value::to_string),
             });
         }
     }
     out
 }
 
-/// A non-stream response: adapter → admission → surface → record. Returns the body to send
-/// (the upstream's bytes when nothing changed).
+/// How a non-stream round ends.
+enum JsonRound {
+    /// Send this body to the agent; these calls go with it; whether a call carried a secret.
+    Respond(Bytes, Vec<ServedCall>, bool),
+    /// Ask the model again with this body.
+    Repair(Value),
+    /// Fail the request.
+    Error(SurfacedError),
+}
+
+/// A non-stream response: adapter → admission → surface → record.
 async fn surface_json(
-    state: &AppState,
-    ctx: &RequestCtx,
-    turn: &Turn,
+    session: &Session,
     base: &RoundBase,
     body: Bytes,
-) -> Result<Bytes, WireError> {
+) -> Result<JsonRound, WireError> {
+    let turn = &session.turn;
     let mut json: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(_) => {
-            let mut rec = round_record(state, ctx, turn, base, "failed", &body);
+            let mut rec = round_record(session, base, "failed", &body);
             rec.error = Some("upstream response is not JSON".into());
-            record_round(state, rec).await;
+            record_round(&session.state, rec).await;
             return Err(WireError::UpstreamUnavailable {
                 upstream: turn.api.upstream().to_owned(),
                 reason: "the upstream answered 2xx with a body that is not JSON".into(),
@@ -327,18 +835,122 @@ async fn surface_json(
         .filter(|c| !c.calls.is_empty())
         .cloned()
         .collect();
-    let verdicts = admit(state, turn, &with_calls);
-    let out = if provider::rewrite_response(turn.api, &mut json, &verdicts) {
-        Bytes::from(json.to_string())
-    } else {
-        body.clone()
-    };
-    let mut rec = round_record(state, ctx, turn, base, "ok", &body);
+    let verdicts = session.admit(&with_calls).await;
+    let mut rec = round_record(session, base, "ok", &body);
+    if has_secrets(&verdicts) {
+        rec.response = rec.response.withheld();
+    }
     rec.completion = Some(join(round.iter().map(|c| c.completion.state.as_str())));
     rec.finish_reason = Some(join(round.iter().map(|c| c.completion.reason.as_str())));
-    rec.calls = call_records(&with_calls, &verdicts);
-    record_round(state, rec).await;
-    Ok(out)
+    rec.calls = call_records(&with_calls, &verdicts, &session.call_ids());
+    rec.response_link = provider::response_link(&json, turn);
+
+    let outcome = if let Some(e) = verdicts.iter().find_map(|v| match &v.surfacing {
+        Surfacing::Error(e) => Some(e.clone()),
+        _ => None,
+    }) {
+        rec.state = "surfaced_error";
+        JsonRound::Error(e)
+    } else if let Some((choice, items)) =
+        with_calls
+            .iter()
+            .zip(&verdicts)
+            .find_map(|(c, v)| match &v.surfacing {
+                Surfacing::Repair(items) => Some((c, items)),
+                _ => None,
+            })
+    {
+        rec.state = "repaired";
+        JsonRound::Repair(session.repaired(choice, items))
+    } else if let Some(next) = session.check_channel(&round, &mut rec) {
+        next
+    } else if provider::rewrite_response(turn.api, &mut json, &verdicts) {
+        JsonRound::Respond(
+            Bytes::from(json.to_string()),
+            session.served_calls(&with_calls, &verdicts),
+            has_secrets(&verdicts),
+        )
+    } else {
+        JsonRound::Respond(
+            body.clone(),
+            session.served_calls(&with_calls, &verdicts),
+            has_secrets(&verdicts),
+        )
+    };
+    record_round(&session.state, rec).await;
+    Ok(outcome)
+}
+
+impl Session {
+    /// Validates text answers of the structured / prompted channel (§A). `None`: nothing to
+    /// enforce (no channel, a tool turn, valid, or a refusal — which is never retried).
+    fn check_channel(&self, round: &[ChoiceEmissions], rec: &mut RoundRecord) -> Option<JsonRound> {
+        let spec = self.channel.as_ref()?;
+        let choice = round.iter().find(|c| c.calls.is_empty())?;
+        let verdict = admission::channel::check(
+            spec,
+            choice.text.as_deref(),
+            &choice.completion,
+            &self.state.schemas,
+        );
+        let result = match &verdict {
+            ChannelVerdict::Valid => "valid",
+            ChannelVerdict::Refused => "refused",
+            ChannelVerdict::Invalid { reason, .. } => reason,
+        };
+        self.state
+            .metrics
+            .emissions
+            .get_or_create(&EmissionLabels {
+                channel: spec.channel.as_str().to_owned(),
+                result: result.to_owned(),
+            })
+            .inc();
+        rec.channel = Some(spec.channel.as_str());
+        rec.channel_result = Some(result.to_owned());
+        let ChannelVerdict::Invalid { reason, message } = verdict else {
+            return None;
+        };
+        if self.repairs_left > 0 && n_choices(&self.body) == 1 {
+            rec.state = "repaired";
+            let mut next = self.body.clone();
+            let feedback = format!(
+                "turnguard: {message}. Answer again with only a JSON document valid against the schema `{}`.",
+                admission::sanitize_label(&spec.name)
+            );
+            provider::append_text_repair(
+                &mut next,
+                choice.text.as_deref().unwrap_or(""),
+                &feedback,
+            );
+            return Some(JsonRound::Repair(next));
+        }
+        rec.state = "surfaced_error";
+        let code = if reason == "truncated" {
+            "envelope_truncation_unrecoverable"
+        } else {
+            "envelope_invalid"
+        };
+        Some(JsonRound::Error(SurfacedError {
+            status: 422,
+            code,
+            message: format!(
+                "the {} answer was not accepted: {message}",
+                spec.channel.as_str()
+            ),
+            retry_after_secs: None,
+        }))
+    }
+}
+
+/// A call of these verdicts carried a secret in its arguments: the raw response bodies of
+/// the round are not kept (redaction applies to every record, and the stream of a call's
+/// arguments cannot be redacted piecewise).
+pub fn has_secrets(verdicts: &[ChoiceVerdict]) -> bool {
+    verdicts
+        .iter()
+        .flat_map(|v| &v.decisions)
+        .any(|d| d.secrets > 0)
 }
 
 /// Comma-joins labels for a journal column.
@@ -348,21 +960,20 @@ pub fn join<'a>(items: impl Iterator<Item = &'a str>) -> String {
 
 /// A round record with the shared fields filled in.
 pub fn round_record(
-    state: &AppState,
-    ctx: &RequestCtx,
-    turn: &Turn,
+    session: &Session,
     base: &RoundBase,
     round_state: &'static str,
     response: &[u8],
 ) -> RoundRecord {
+    let ctx = &session.ctx;
     RoundRecord {
-        request_id: ctx.request_id.clone(),
+        request_id: base.round_id.clone(),
         at_ms: ctx.at_ms,
-        api: turn.api.as_str(),
-        model: turn.model.clone(),
-        stream: turn.stream,
+        api: session.turn.api.as_str(),
+        model: session.turn.model.clone(),
+        stream: session.turn.stream,
         run: ctx.run.clone(),
-        round_index: turn.round_index,
+        round_index: session.turn.round_index + session.rounds.saturating_sub(1),
         request_digest: base.request_digest.clone(),
         completion: None,
         finish_reason: None,
@@ -370,8 +981,11 @@ pub fn round_record(
         latency_ms: ctx.started.elapsed().as_millis() as u64,
         state: round_state,
         error: None,
-        response: Recorded::of(response, state.config.journal_max_record_bytes),
+        response: Recorded::of(response, session.state.config.journal_max_record_bytes),
         calls: Vec::new(),
+        response_link: None,
+        channel: None,
+        channel_result: None,
     }
 }
 
@@ -383,9 +997,9 @@ pub async fn record_round(state: &AppState, rec: RoundRecord) {
     }
 }
 
-fn record_upstream_error(state: &Arc<AppState>, ctx: &RequestCtx, turn: &Turn, base: &RoundBase) {
-    let rec = round_record(state, ctx, turn, base, "upstream_error", b"");
-    let state = Arc::clone(state);
+fn record_upstream_error(session: &Session, base: &RoundBase) {
+    let rec = round_record(session, base, "upstream_error", b"");
+    let state = Arc::clone(&session.state);
     tokio::spawn(async move { record_round(&state, rec).await });
 }
 

@@ -1,11 +1,13 @@
 //! Relaying an SSE response: upstream bytes → framer → provider stream adapter → agent.
 //!
 //! Text is forwarded the moment its event is complete; tool-call events are held by the
-//! adapter until the completion state is known, then admitted and released or replaced.
-//! A stream that ends before its terminal event is a cut: nothing held is released and the
-//! agent's stream ends with a provider-shaped error event. The round is journaled when the
-//! stream ends, with the upstream bytes as received.
+//! adapter until the completion state is known, then admitted and released, replaced, or —
+//! for a repair — dropped while turnguard asks the model again and splices the new round's
+//! stream into the agent's (one message for the SDK). A stream that ends before its terminal
+//! event is a cut: nothing held is released and the agent's stream ends with a
+//! provider-shaped error event. Each round is journaled with the upstream bytes as received.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,48 +17,225 @@ use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::{
-    admit, call_records, join, record_round, round_record, upstream, RequestCtx, RoundBase,
-};
+use super::{call_records, join, record_round, round_record, upstream, RoundBase, Session};
 use crate::metrics::{ApiLabels, ReasonLabels};
-use crate::model::{ChoiceEmissions, ChoiceVerdict, Turn};
-use crate::provider::StreamAdapter;
+use crate::model::{ChoiceEmissions, ChoiceVerdict, Surfacing, Turn};
+use crate::provider::{Splice, StreamAdapter};
 use crate::server::AppState;
-use crate::sse::SseFramer;
+use crate::sse::{SseBlock, SseFramer};
 
 /// Chunks buffered toward a slow agent before the relay waits (back-pressure).
 const OUT_QUEUE: usize = 64;
 
 /// Starts relaying `resp` to the agent and returns the agent's response at once.
-pub fn relay(
-    state: Arc<AppState>,
-    ctx: RequestCtx,
-    turn: Turn,
-    base: RoundBase,
-    resp: http::Response<Incoming>,
-) -> Response {
+pub fn relay(session: Session, base: RoundBase, resp: http::Response<Incoming>) -> Response {
     let (parts, body) = resp.into_parts();
     let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(OUT_QUEUE);
     // The edge's timing lives in this (the handler's) task; the relay runs in its own.
     let timing = crate::edge::current();
-    tokio::spawn(run(state, ctx, turn, base, body, tx, timing));
+    tokio::spawn(run(session, base, body, tx, timing));
     let mut out = Response::new(Body::from_stream(ReceiverStream::new(rx)));
     *out.status_mut() = parts.status;
     *out.headers_mut() = upstream::response_headers(&parts.headers, false);
     out
 }
 
-/// How the upstream stream ended.
-enum End {
-    /// The body ended (complete or not: the adapter tells).
-    Eof,
-    /// The transport failed, went idle or sent an oversized event.
-    Cut(String),
-    /// The agent went away.
-    ClientGone,
+/// The pure part of a relay: framing, the adapter's hold-and-release, and the decision
+/// points. Fed upstream bytes, it appends what the agent receives to `out` and stops at each
+/// decision point so the caller can admit the held calls.
+pub struct Pipeline {
+    framer: SseFramer,
+    adapter: StreamAdapter,
+    queue: VecDeque<SseBlock>,
+    splice: Option<Splice>,
+    framer_drained: bool,
+    tail: Bytes,
+    /// Bytes received while calls were held, and the most that may be (bounded memory).
+    held_bytes: usize,
+    hold_cap: usize,
+    /// Each decision point's emissions and verdicts, in order.
+    pub decided: Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>,
+}
+
+/// What [`Pipeline::finish`] found.
+pub enum Finish {
+    /// Calls are held and the stream is complete: admit them, release, and finish again.
+    Decide(Vec<ChoiceEmissions>),
+    /// The round is over: its journal state and error.
+    Ended(&'static str, Option<String>),
+}
+
+impl Pipeline {
+    /// A pipeline for one streamed response to `turn`; `splice` for a repair round.
+    pub fn new(turn: &Turn, max_event_bytes: usize, splice: Option<Splice>) -> Self {
+        Self {
+            framer: SseFramer::new(max_event_bytes),
+            adapter: StreamAdapter::new(turn, splice.as_ref()),
+            queue: VecDeque::new(),
+            splice,
+            framer_drained: false,
+            tail: Bytes::new(),
+            held_bytes: 0,
+            hold_cap: usize::MAX,
+            decided: Vec::new(),
+        }
+    }
+
+    /// Caps what may arrive while tool-call events are held (bytes).
+    pub fn with_hold_cap(mut self, cap: usize) -> Self {
+        self.hold_cap = cap;
+        self
+    }
+
+    /// Takes the next upstream bytes. Errors: the event-size cap or the hold cap was passed.
+    pub fn feed(&mut self, data: &[u8]) -> Result<(), String> {
+        if self.adapter.pending() {
+            self.held_bytes += data.len();
+            if self.held_bytes > self.hold_cap {
+                return Err(format!(
+                    "more than {} bytes arrived while tool calls were held",
+                    self.hold_cap
+                ));
+            }
+        } else {
+            self.held_bytes = 0;
+        }
+        let blocks = self.framer.push(data).map_err(|e| e.to_string())?;
+        self.queue.extend(blocks);
+        Ok(())
+    }
+
+    /// Processes queued events until a decision point (`Some(round)`: admit it, then
+    /// [`Pipeline::release`]) or until the queue is empty.
+    pub fn advance(&mut self, out: &mut Vec<Bytes>) -> Option<Vec<ChoiceEmissions>> {
+        while let Some(block) = self.queue.pop_front() {
+            let block = match &self.splice {
+                Some(s) => match s.apply(block) {
+                    Some(b) => b,
+                    None => continue,
+                },
+                None => block,
+            };
+            self.adapter.push(block, out);
+            if self.adapter.ready() {
+                return Some(self.adapter.round());
+            }
+        }
+        None
+    }
+
+    /// Releases the held events with the verdicts applied.
+    pub fn release(
+        &mut self,
+        round: Vec<ChoiceEmissions>,
+        verdicts: Vec<ChoiceVerdict>,
+        out: &mut Vec<Bytes>,
+    ) {
+        self.adapter.release(&verdicts, out);
+        self.decided.push((round, verdicts));
+    }
+
+    /// Drops the held events for a repair round; returns how to splice the next round.
+    pub fn abandon(&mut self, round: Vec<ChoiceEmissions>, verdicts: Vec<ChoiceVerdict>) -> Splice {
+        self.decided.push((round, verdicts));
+        self.adapter.abandon()
+    }
+
+    /// Drops the held events and ends the stream with an error event carrying `code`.
+    pub fn fail(
+        &mut self,
+        round: Vec<ChoiceEmissions>,
+        verdicts: Vec<ChoiceVerdict>,
+        code: &str,
+        message: &str,
+        out: &mut Vec<Bytes>,
+    ) {
+        self.adapter.fail(code, message, out);
+        self.decided.push((round, verdicts));
+    }
+
+    /// The upstream body ended (`cut = None`) or failed (`cut = Some(reason)`). Call after
+    /// [`Pipeline::advance`] returned `None`.
+    pub fn finish(&mut self, cut: Option<String>, out: &mut Vec<Bytes>) -> Finish {
+        match cut {
+            None if self.adapter.finished() => {
+                if self.adapter.pending() {
+                    return Finish::Decide(self.adapter.round());
+                }
+                let (blocks, rest) = self.framer.finish();
+                // Completed only by the end of input after the terminal event: unchanged bytes.
+                out.extend(blocks.into_iter().map(|b| b.raw));
+                for r in [std::mem::take(&mut self.tail), rest] {
+                    if !r.is_empty() {
+                        out.push(r);
+                    }
+                }
+                if self.adapter.failed() {
+                    Finish::Ended(
+                        "upstream_error",
+                        Some("the provider sent an error event".to_owned()),
+                    )
+                } else {
+                    Finish::Ended("ok", None)
+                }
+            }
+            None if !self.framer_drained => {
+                // Blocks only the end of input completes go through the adapter first.
+                self.framer_drained = true;
+                let (blocks, rest) = self.framer.finish();
+                self.queue.extend(blocks);
+                self.tail = rest;
+                if let Some(round) = self.advance(out) {
+                    return Finish::Decide(round);
+                }
+                self.finish(None, out)
+            }
+            None => {
+                self.adapter
+                    .cut("the stream ended before its terminal event", out);
+                Finish::Ended(
+                    "failed",
+                    Some("upstream stream ended before its terminal event".to_owned()),
+                )
+            }
+            Some(reason) => {
+                self.adapter.cut(&reason, out);
+                Finish::Ended("failed", Some(reason))
+            }
+        }
+    }
+
+    /// Completion state of each choice, for the journal.
+    pub fn completions(&self) -> Vec<crate::model::Completion> {
+        self.adapter.completions()
+    }
+
+    /// The provider-stored response this stream produced (Responses only), for the journal.
+    pub fn response_link(&self) -> Option<crate::model::ResponseLink> {
+        self.adapter.response_link()
+    }
+
+    /// Journal rows for every call: decided ones with their verdicts, calls still held when
+    /// the stream failed as withheld at the completion stage.
+    pub fn call_records(&self, ids: &super::CallIds) -> Vec<crate::journal::CallRecord> {
+        let mut rows = Vec::new();
+        for (round, verdicts) in &self.decided {
+            rows.extend(call_records(round, verdicts, ids));
+        }
+        if self.decided.is_empty() {
+            let round = self.adapter.round();
+            let verdicts: Vec<ChoiceVerdict> = round
+                .iter()
+                .map(crate::admission::withheld_by_cut)
+                .collect();
+            rows.extend(call_records(&round, &verdicts, ids));
+        }
+        rows
+    }
 }
 
 /// Keeps what the journal stores of the upstream bytes (bounded by the record cap).
@@ -99,219 +278,150 @@ impl Capture {
     }
 }
 
-/// The pure part of a relay: framing, the adapter's hold-and-release, and admission at the
-/// decision point. Fed upstream bytes, it appends what the agent receives to `out`.
-pub struct Pipeline {
-    framer: SseFramer,
-    adapter: StreamAdapter,
-    /// Each decision point's emissions and verdicts, in order.
-    pub decided: Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>,
+/// How one model round of the relay ended.
+enum RoundEnd {
+    /// Ask the model again with this body; splice its stream like this.
+    Repair(Value, Splice),
+    /// The agent's stream is complete (or failed): journal state and error.
+    Done(&'static str, Option<String>),
+    /// The agent went away.
+    ClientGone,
 }
 
-impl Pipeline {
-    /// A pipeline for one streamed response to `turn`.
-    pub fn new(turn: &Turn, max_event_bytes: usize) -> Self {
-        Self {
-            framer: SseFramer::new(max_event_bytes),
-            adapter: StreamAdapter::new(turn),
-            decided: Vec::new(),
-        }
-    }
-
-    /// Takes the next upstream bytes. `admit` decides a round of held calls.
-    ///
-    /// Errors: the event-size cap was passed (the caller cuts the stream).
-    pub fn feed(
-        &mut self,
-        data: &[u8],
-        admit: &mut dyn FnMut(&[ChoiceEmissions]) -> Vec<ChoiceVerdict>,
-        out: &mut Vec<Bytes>,
-    ) -> Result<(), String> {
-        let blocks = self.framer.push(data).map_err(|e| e.to_string())?;
-        for block in blocks {
-            self.adapter.push(block, out);
-            if self.adapter.ready() {
-                self.decide(admit, out);
-            }
-        }
-        Ok(())
-    }
-
-    fn decide(
-        &mut self,
-        admit: &mut dyn FnMut(&[ChoiceEmissions]) -> Vec<ChoiceVerdict>,
-        out: &mut Vec<Bytes>,
-    ) {
-        let round = self.adapter.round();
-        let verdicts = admit(&round);
-        self.adapter.release(&verdicts, out);
-        self.decided.push((round, verdicts));
-    }
-
-    /// The upstream body ended (`cut = None`) or failed (`cut = Some(reason)`). Returns the
-    /// round state for the journal and its error, if any.
-    pub fn end(
-        &mut self,
-        cut: Option<String>,
-        admit: &mut dyn FnMut(&[ChoiceEmissions]) -> Vec<ChoiceVerdict>,
-        out: &mut Vec<Bytes>,
-    ) -> (&'static str, Option<String>) {
-        match cut {
-            None if self.adapter.finished() => {
-                if self.adapter.pending() {
-                    self.decide(admit, out);
-                }
-                let rest = self.framer.finish();
-                if !rest.is_empty() {
-                    out.push(rest);
-                }
-                ("ok", None)
-            }
-            None => {
-                self.adapter
-                    .cut("the stream ended before its terminal event", out);
-                (
-                    "failed",
-                    Some("upstream stream ended before its terminal event".to_owned()),
-                )
-            }
-            Some(reason) => {
-                self.adapter.cut(&reason, out);
-                ("failed", Some(reason))
-            }
-        }
-    }
-
-    /// Completion state of each choice, for the journal.
-    pub fn completions(&self) -> Vec<crate::model::Completion> {
-        self.adapter.completions()
-    }
-
-    /// Journal rows for every call: decided ones with their verdicts, calls still held when
-    /// the stream failed as withheld at the completion stage.
-    pub fn call_records(&self) -> Vec<crate::journal::CallRecord> {
-        let mut rows = Vec::new();
-        for (round, verdicts) in &self.decided {
-            rows.extend(call_records(round, verdicts));
-        }
-        if self.decided.is_empty() {
-            let round = self.adapter.round();
-            let verdicts: Vec<ChoiceVerdict> = round
-                .iter()
-                .map(crate::admission::withheld_by_cut)
-                .collect();
-            rows.extend(call_records(&round, &verdicts));
-        }
-        rows
-    }
+/// What the relay does after a decision point.
+enum Next {
+    Continue,
+    Repair(Value, Splice),
+    Stop,
 }
 
 async fn run(
-    state: Arc<AppState>,
-    ctx: RequestCtx,
-    turn: Turn,
-    base: RoundBase,
+    mut session: Session,
+    mut base: RoundBase,
     mut body: Incoming,
     tx: mpsc::Sender<Result<Bytes, Infallible>>,
     timing: Option<Arc<crate::edge::Timing>>,
 ) {
-    let _inflight = InflightStream::new(&state);
-    let mut cut = state.lifecycle.cut_signal();
-    let mut first_byte = true;
-    let mut pipeline = Pipeline::new(&turn, state.config.max_event_bytes);
-    let mut capture = Capture::new(state.config.journal_max_record_bytes);
-    let idle = Duration::from_millis(state.config.upstream_idle_timeout_ms);
-    let mut admit_round = |round: &[ChoiceEmissions]| {
-        let started = Instant::now();
-        let verdicts = admit(&state, &turn, round);
-        state
-            .metrics
-            .hold_latency
-            .get_or_create(&ApiLabels {
-                api: turn.api.as_str().to_owned(),
-            })
-            .observe(started.elapsed().as_secs_f64());
-        verdicts
+    let _inflight = InflightStream::new(&session.state);
+    let mut relay = RelayCtx {
+        timing,
+        cut: session.state.lifecycle.cut_signal(),
+        first_byte: true,
     };
-    let mut out: Vec<Bytes> = Vec::new();
+    let mut splice = None;
+    let cap = session.state.config.journal_max_record_bytes;
+    let mut agent = ToAgent {
+        tx,
+        sent: Vec::new(),
+        total: 0,
+        cap,
+    };
+    loop {
+        let mut pipeline =
+            Pipeline::new(&session.turn, session.state.config.max_event_bytes, splice)
+                .with_hold_cap(session.state.config.max_response_bytes);
+        let mut capture = Capture::new(cap);
+        let end = read_round(
+            &session,
+            &mut pipeline,
+            &mut capture,
+            &mut body,
+            &mut agent,
+            &mut relay,
+        )
+        .await;
+        let (state, error) = match &end {
+            RoundEnd::Repair(..) => ("repaired", None),
+            RoundEnd::Done(s, e) => (*s, e.clone()),
+            RoundEnd::ClientGone => (
+                "client_gone",
+                Some("the agent closed the stream".to_owned()),
+            ),
+        };
+        let secrets = pipeline.decided.iter().any(|(_, v)| super::has_secrets(v));
+        record(&session, &base, &pipeline, capture, state, error, secrets).await;
+        if state == "ok" {
+            let calls: Vec<_> = pipeline
+                .decided
+                .iter()
+                .flat_map(|(r, v)| session.served_calls(r, v))
+                .collect();
+            if agent.total <= cap {
+                session
+                    .record_served(200, "text/event-stream", &agent.sent, calls, secrets)
+                    .await;
+            } else {
+                tracing::warn!(request_id = %session.ctx.request_id, "stream larger than the record cap: not kept for recovery");
+            }
+        }
+        let RoundEnd::Repair(next, how) = end else {
+            return;
+        };
+        session.body = next;
+        session.count_repair();
+        let mut out = Vec::new();
+        match session.send().await {
+            Ok(resp) if resp.status().is_success() && super::is_event_stream(resp.headers()) => {
+                base = session.base(resp.status().as_u16());
+                body = resp.into_body();
+                splice = Some(how);
+            }
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                let mut p =
+                    Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
+                p.adapter.fail(
+                    "turnguard.repair_failed",
+                    &format!("the repair round failed upstream with HTTP {status}"),
+                    &mut out,
+                );
+                agent.send_all(&mut out).await;
+                return;
+            }
+            Err(e) => {
+                let mut p =
+                    Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
+                p.adapter
+                    .fail("turnguard.repair_failed", &e.to_string(), &mut out);
+                agent.send_all(&mut out).await;
+                return;
+            }
+        }
+    }
+}
 
-    let end = 'relay: loop {
-        let next = tokio::select! {
-            biased;
-            next = tokio::time::timeout(idle, body.frame()) => next,
-            _ = cut.wait_for(|c| *c) => {
-                break End::Cut("turnguard is shutting down: the drain deadline passed".to_owned())
-            }
-        };
-        let frame = match next {
-            Err(_) => break End::Cut(format!("no upstream data for {} ms", idle.as_millis())),
-            Ok(None) => break End::Eof,
-            Ok(Some(Err(e))) => break End::Cut(format!("upstream body failed: {e}")),
-            Ok(Some(Ok(frame))) => frame,
-        };
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        let work = Instant::now();
-        if first_byte {
-            first_byte = false;
-            if let Some(sent) = timing.as_ref().and_then(|t| t.upstream_sent()) {
-                state
-                    .metrics
-                    .upstream_ttfb
-                    .get_or_create(&ApiLabels {
-                        api: turn.api.as_str().to_owned(),
-                    })
-                    .observe(sent.elapsed().as_secs_f64());
-            }
-        }
-        capture.push(&data);
-        let fed = pipeline.feed(&data, &mut admit_round, &mut out);
-        if let Some(t) = &timing {
-            t.add_work(work.elapsed());
-        }
-        if let Err(reason) = fed {
-            break End::Cut(reason);
-        }
+/// The agent's side of the relay: the channel and a copy of what was sent (for the served
+/// record of a run node), bounded by the record cap.
+struct ToAgent {
+    tx: mpsc::Sender<Result<Bytes, Infallible>>,
+    sent: Vec<u8>,
+    total: usize,
+    cap: usize,
+}
+
+impl ToAgent {
+    async fn send_all(&mut self, out: &mut Vec<Bytes>) -> bool {
         for chunk in out.drain(..) {
-            if tx.send(Ok(chunk)).await.is_err() {
-                break 'relay End::ClientGone;
+            self.total += chunk.len();
+            if self.sent.len() + chunk.len() <= self.cap {
+                self.sent.extend_from_slice(&chunk);
+            }
+            if self.tx.send(Ok(chunk)).await.is_err() {
+                return false;
             }
         }
-    };
+        true
+    }
+}
 
-    let work = Instant::now();
-    let (round_state, error) = match end {
-        End::Eof => pipeline.end(None, &mut admit_round, &mut out),
-        End::Cut(reason) => pipeline.end(Some(reason), &mut admit_round, &mut out),
-        End::ClientGone => (
-            "client_gone",
-            Some("the agent closed the stream".to_owned()),
-        ),
-    };
-    if let Some(t) = &timing {
-        t.add_work(work.elapsed());
-    }
-    if round_state == "failed" {
-        count_cut(&state, "stream_cut");
-    }
-    for chunk in out.drain(..) {
-        if tx.send(Ok(chunk)).await.is_err() {
-            break;
-        }
-    }
-    drop(tx);
-
-    let mut rec = round_record(&state, &ctx, &turn, &base, round_state, &[]);
-    rec.response = capture.finish();
-    rec.error = error;
-    let completions = pipeline.completions();
-    if !completions.is_empty() {
-        rec.completion = Some(join(completions.iter().map(|c| c.state.as_str())));
-        rec.finish_reason = Some(join(completions.iter().map(|c| c.reason.as_str())));
-    }
-    rec.calls = pipeline.call_records();
-    record_round(&state, rec).await;
+/// What the relay carries across rounds for the edge and for shutdown (issue 6).
+struct RelayCtx {
+    /// The edge's timing of this request (the relay adds its framing time per chunk).
+    timing: Option<Arc<crate::edge::Timing>>,
+    /// Turns true when the drain deadline passed: the stream is cut.
+    cut: tokio::sync::watch::Receiver<bool>,
+    /// No upstream body byte seen yet (`turnguard_upstream_ttfb_seconds`).
+    first_byte: bool,
 }
 
 /// Counts a relay in `turnguard_inflight_streams` for as long as it lives.
@@ -330,8 +440,169 @@ impl Drop for InflightStream {
     }
 }
 
-fn count_cut(state: &AppState, reason: &str) {
-    state
+async fn read_round(
+    session: &Session,
+    pipeline: &mut Pipeline,
+    capture: &mut Capture,
+    body: &mut Incoming,
+    agent: &mut ToAgent,
+    relay: &mut RelayCtx,
+) -> RoundEnd {
+    let idle = Duration::from_millis(session.state.config.upstream_idle_timeout_ms);
+    let mut out: Vec<Bytes> = Vec::new();
+    let cut = loop {
+        let next = tokio::select! {
+            biased;
+            next = tokio::time::timeout(idle, body.frame()) => next,
+            _ = relay.cut.wait_for(|c| *c) => {
+                break Some("turnguard is shutting down: the drain deadline passed".to_owned())
+            }
+        };
+        let frame = match next {
+            Err(_) => break Some(format!("no upstream data for {} ms", idle.as_millis())),
+            Ok(None) => break None,
+            Ok(Some(Err(e))) => break Some(format!("upstream body failed: {e}")),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let work = Instant::now();
+        if relay.first_byte {
+            relay.first_byte = false;
+            if let Some(sent) = relay.timing.as_ref().and_then(|t| t.upstream_sent()) {
+                session
+                    .state
+                    .metrics
+                    .upstream_ttfb
+                    .get_or_create(&ApiLabels {
+                        api: session.turn.api.as_str().to_owned(),
+                    })
+                    .observe(sent.elapsed().as_secs_f64());
+            }
+        }
+        capture.push(&data);
+        let fed = pipeline.feed(&data);
+        if let Some(t) = &relay.timing {
+            t.add_work(work.elapsed());
+        }
+        if let Err(reason) = fed {
+            break Some(reason);
+        }
+        while let Some(round) = pipeline.advance(&mut out) {
+            match decide(session, pipeline, round, &mut out).await {
+                Next::Continue => {}
+                Next::Repair(body, splice) => {
+                    agent.send_all(&mut out).await;
+                    return RoundEnd::Repair(body, splice);
+                }
+                Next::Stop => {
+                    return if agent.send_all(&mut out).await {
+                        RoundEnd::Done("surfaced_error", None)
+                    } else {
+                        RoundEnd::ClientGone
+                    };
+                }
+            }
+        }
+        if !agent.send_all(&mut out).await {
+            return RoundEnd::ClientGone;
+        }
+    };
+    if cut.is_some() {
+        count(session, "stream_cut");
+    }
+    loop {
+        match pipeline.finish(cut.clone(), &mut out) {
+            Finish::Decide(round) => match decide(session, pipeline, round, &mut out).await {
+                Next::Continue => {}
+                Next::Repair(body, splice) => {
+                    agent.send_all(&mut out).await;
+                    return RoundEnd::Repair(body, splice);
+                }
+                Next::Stop => {
+                    agent.send_all(&mut out).await;
+                    return RoundEnd::Done("surfaced_error", None);
+                }
+            },
+            Finish::Ended(state, error) => {
+                if !agent.send_all(&mut out).await {
+                    return RoundEnd::ClientGone;
+                }
+                return RoundEnd::Done(state, error);
+            }
+        }
+    }
+}
+
+/// Admits one decision point and applies how it surfaces.
+async fn decide(
+    session: &Session,
+    pipeline: &mut Pipeline,
+    round: Vec<ChoiceEmissions>,
+    out: &mut Vec<Bytes>,
+) -> Next {
+    let started = Instant::now();
+    let verdicts = session.admit(&round).await;
+    session
+        .state
+        .metrics
+        .hold_latency
+        .get_or_create(&ApiLabels {
+            api: session.turn.api.as_str().to_owned(),
+        })
+        .observe(started.elapsed().as_secs_f64());
+    if let Some(e) = verdicts.iter().find_map(|v| match &v.surfacing {
+        Surfacing::Error(e) => Some(e.clone()),
+        _ => None,
+    }) {
+        pipeline.fail(round, verdicts, e.code, &e.message, out);
+        return Next::Stop;
+    }
+    let repair = round
+        .iter()
+        .zip(&verdicts)
+        .find_map(|(c, v)| match &v.surfacing {
+            Surfacing::Repair(items) => Some(session.repaired(c, items)),
+            _ => None,
+        });
+    if let Some(body) = repair {
+        let splice = pipeline.abandon(round, verdicts);
+        return Next::Repair(body, splice);
+    }
+    pipeline.release(round, verdicts, out);
+    Next::Continue
+}
+
+async fn record(
+    session: &Session,
+    base: &RoundBase,
+    pipeline: &Pipeline,
+    capture: Capture,
+    state: &'static str,
+    error: Option<String>,
+    secrets: bool,
+) {
+    let mut rec = round_record(session, base, state, &[]);
+    rec.response = if secrets {
+        capture.finish().withheld()
+    } else {
+        capture.finish()
+    };
+    rec.error = error;
+    let completions = pipeline.completions();
+    if !completions.is_empty() {
+        rec.completion = Some(join(completions.iter().map(|c| c.state.as_str())));
+        rec.finish_reason = Some(join(completions.iter().map(|c| c.reason.as_str())));
+    }
+    rec.calls = pipeline.call_records(&session.call_ids());
+    rec.response_link = pipeline.response_link();
+    record_round(&session.state, rec).await;
+}
+
+fn count(session: &Session, reason: &str) {
+    session
+        .state
         .metrics
         .upstream_errors
         .get_or_create(&ReasonLabels {

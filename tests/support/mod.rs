@@ -67,9 +67,16 @@ impl Harness {
     }
 }
 
-/// Starts the mock with `script` and turnguard with both upstreams pointing at it.
+/// Starts the mock with `script` and turnguard with both upstreams pointing at it, with the
+/// `tests/fixtures/policy-open` bundle (no catalog, every call permitted, end-turn).
 pub async fn start(script: Script) -> Harness {
-    start_with(script, |_| {}).await
+    start_with_policy(script, "policy-open").await
+}
+
+/// Starts with a policy bundle from `tests/fixtures/<bundle>`.
+pub async fn start_with_policy(script: Script, bundle: &str) -> Harness {
+    let dir = own_fixtures().join(bundle);
+    start_with(script, move |c| c.policy = dir).await
 }
 
 /// Like [`start`], with a chance to adjust the config.
@@ -84,7 +91,7 @@ pub async fn start_with(script: Script, tweak: impl FnOnce(&mut Config)) -> Harn
         listen: Some("127.0.0.1:0".into()),
         admin_listen: Some("127.0.0.1:0".into()),
         journal: Some(dir.path().join("journal.db")),
-        policy: Some(dir.path().join("policy")),
+        policy: Some(own_fixtures().join("policy-open")),
         upstream: vec![
             format!("openai={mock_url}"),
             format!("anthropic={mock_url}"),

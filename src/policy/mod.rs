@@ -1,0 +1,312 @@
+//! The policy engine, pure: [`compile`] turns a bundle's files into a [`CompiledPolicy`] (all
+//! validation, schema compilation and rule parsing happen here) or a list of
+//! [`PolicyError`]s naming file, line and path. Evaluation never fails. This module does no
+//! IO: the files arrive as text ([`BundleSource`]); reading and watching the directory is
+//! `crate::reload`'s job.
+
+pub mod bundle;
+pub mod catalog;
+pub mod redact;
+pub mod rules;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+pub use bundle::{Mode, Settings, Surface};
+pub use catalog::{Catalog, CatalogTool};
+pub use redact::Redactor;
+pub use rules::{Authz, AuthzRequest, Rules};
+
+/// A bundle's files: bundle-relative path (with `/`) → text.
+#[derive(Debug, Clone, Default)]
+pub struct BundleSource {
+    /// Where the files came from (a directory, or `embedded`).
+    pub origin: String,
+    /// The files, by bundle-relative path.
+    pub files: BTreeMap<String, String>,
+}
+
+/// One problem in a bundle, with where it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyError {
+    /// Bundle-relative file.
+    pub file: String,
+    /// 1-based line, when known.
+    pub line: Option<usize>,
+    /// Key path inside the file (`tool[0].descriptor.safetyTier`), when known.
+    pub path: Option<String>,
+    /// The Cedar rule (`@id` or `file:line`), when the problem is in a rule.
+    pub rule: Option<String>,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl PolicyError {
+    pub(crate) fn at(file: &str, line: Option<usize>, message: String) -> Self {
+        Self {
+            file: file.to_owned(),
+            line,
+            path: None,
+            rule: None,
+            message,
+        }
+    }
+    pub(crate) fn rule(file: &str, line: usize, rule: &str, message: String) -> Self {
+        Self {
+            file: file.to_owned(),
+            line: Some(line),
+            path: None,
+            rule: Some(rule.to_owned()),
+            message,
+        }
+    }
+    pub(crate) fn bundle(message: String) -> Self {
+        Self {
+            file: "(bundle)".into(),
+            line: None,
+            path: None,
+            rule: None,
+            message,
+        }
+    }
+}
+
+impl fmt::Display for PolicyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.file)?;
+        if let Some(l) = self.line {
+            write!(f, ":{l}")?;
+        }
+        write!(f, ":")?;
+        if let Some(p) = &self.path {
+            write!(f, " at `{p}`:")?;
+        }
+        if let Some(r) = &self.rule {
+            write!(f, " rule `{r}`:")?;
+        }
+        write!(f, " {}", self.message)
+    }
+}
+
+impl std::error::Error for PolicyError {}
+
+/// A compiled, immutable policy snapshot. Each request takes one and uses it throughout.
+pub struct CompiledPolicy {
+    /// Content hash of the bundle (first 16 hex digits of SHA-256 over paths and texts).
+    pub revision: String,
+    /// Where the bundle came from.
+    pub origin: String,
+    /// `turnguard.toml`.
+    pub settings: Settings,
+    /// The tool catalog.
+    pub catalog: Catalog,
+    /// Cedar rules.
+    pub rules: Rules,
+    /// Redaction.
+    pub redactor: Redactor,
+    /// Prompted-output schemas by name (`schemas/<name>.json`).
+    pub prompted: BTreeMap<String, Arc<Value>>,
+    /// Test cases (file, case).
+    pub tests: Vec<(String, bundle::TestCase)>,
+    /// The bundle's files, for test cases that name request/response files.
+    pub files: BTreeMap<String, String>,
+}
+
+impl CompiledPolicy {
+    /// The catalog tool for a provider-facing name, or the unknown-tool stand-in.
+    pub fn tool(&self, name: &str) -> &CatalogTool {
+        self.catalog
+            .by_name(name)
+            .unwrap_or_else(|| self.catalog.unknown())
+    }
+
+    /// Effective mode for a tool (per-tool override, else the bundle's).
+    pub fn mode_for(&self, tool: &CatalogTool) -> Mode {
+        tool.mode.unwrap_or(self.settings.mode)
+    }
+
+    /// The prompted-output schema routed to `model`, if any.
+    pub fn prompted_route(&self, model: &str) -> Option<&str> {
+        self.settings.prompted.iter().find_map(|r| {
+            r.models
+                .iter()
+                .any(|m| match m.strip_suffix('*') {
+                    Some(prefix) => model.starts_with(prefix),
+                    None => m == model,
+                })
+                .then_some(r.schema.as_str())
+        })
+    }
+}
+
+/// Parses a TOML file strictly; errors name the file, line and key path.
+fn parse_toml<T: DeserializeOwned>(file: &str, text: &str) -> Result<T, PolicyError> {
+    let de = toml::Deserializer::new(text);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let line = e.inner().span().map(|s| {
+            text[..s.start.min(text.len())]
+                .bytes()
+                .filter(|b| *b == b'\n')
+                .count()
+                + 1
+        });
+        PolicyError {
+            file: file.to_owned(),
+            line,
+            path: Some(e.path().to_string()).filter(|p| p != "."),
+            rule: None,
+            message: e.inner().message().to_owned(),
+        }
+    })
+}
+
+/// Compiles a bundle. Every problem is reported, not only the first.
+pub fn compile(src: &BundleSource) -> Result<CompiledPolicy, Vec<PolicyError>> {
+    let mut errors = Vec::new();
+    let mut hasher = Sha256::new();
+    for (path, text) in &src.files {
+        hasher.update(path.as_bytes());
+        hasher.update([0]);
+        hasher.update(text.as_bytes());
+        hasher.update([0]);
+    }
+    let revision = hex::encode(&hasher.finalize()[..8]);
+
+    let settings_text = src
+        .files
+        .get("turnguard.toml")
+        .map(String::as_str)
+        .unwrap_or("");
+    let settings: Settings = match parse_toml("turnguard.toml", settings_text) {
+        Ok(s) => s,
+        Err(e) => {
+            errors.push(e);
+            Settings::default()
+        }
+    };
+    let mut tool_files = Vec::new();
+    let mut rule_files = Vec::new();
+    let mut prompted = BTreeMap::new();
+    let mut tests = Vec::new();
+    for (path, text) in &src.files {
+        match classify(path) {
+            FileKind::Settings | FileKind::Data => {}
+            FileKind::Tools => match parse_toml::<bundle::ToolsFile>(path, text) {
+                Ok(t) => tool_files.push((path.clone(), text.clone(), t)),
+                Err(e) => errors.push(e),
+            },
+            FileKind::Rules => rule_files.push((path.clone(), text.clone())),
+            FileKind::Schema(name) => match serde_json::from_str::<Value>(text) {
+                Ok(v) => match jsonschema::options().with_draft(jsonschema::Draft::Draft202012).build(&v) {
+                    Ok(_) => {
+                        prompted.insert(name, Arc::new(v));
+                    }
+                    Err(e) => errors.push(PolicyError::at(path, None, format!("not a valid JSON Schema: {e}"))),
+                },
+                Err(e) => errors.push(PolicyError::at(path, Some(e.line()), format!("not JSON: {e}"))),
+            },
+            FileKind::Tests => match parse_toml::<bundle::TestsFile>(path, text) {
+                Ok(t) => tests.extend(t.case.into_iter().map(|c| (path.clone(), c))),
+                Err(e) => errors.push(e),
+            },
+            FileKind::Unknown => errors.push(PolicyError::at(
+                path,
+                None,
+                "unexpected file: a bundle holds turnguard.toml, tools/*.toml, rules/*.cedar, schemas/*.json, tests/*.toml and data files under tests/".into(),
+            )),
+        }
+    }
+    for r in &settings.prompted {
+        if !prompted.contains_key(&r.schema) {
+            errors.push(PolicyError::at(
+                "turnguard.toml",
+                catalog::line_of_value(settings_text, &r.schema),
+                format!(
+                    "prompted route names schema `{}`, but there is no schemas/{}.json",
+                    r.schema, r.schema
+                ),
+            ));
+        }
+    }
+    let catalog = match Catalog::compile(&tool_files) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            errors.extend(e);
+            None
+        }
+    };
+    for p in &settings.redaction.pointers {
+        if catalog.as_ref().is_some_and(|c| c.by_id(&p.tool).is_none()) {
+            errors.push(PolicyError::at(
+                "turnguard.toml",
+                catalog::line_of_value(settings_text, &p.tool),
+                format!(
+                    "redaction pointer names tool `{}`, which is not in the catalog",
+                    p.tool
+                ),
+            ));
+        }
+    }
+    let redactor = match Redactor::compile(&settings.redaction, "turnguard.toml", settings_text) {
+        Ok(r) => Some(r),
+        Err(e) => {
+            errors.extend(e);
+            None
+        }
+    };
+    let rules = match &catalog {
+        Some(c) => match Rules::compile(&rule_files, c) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                errors.extend(e);
+                None
+            }
+        },
+        None => None,
+    };
+    match (catalog, rules, redactor) {
+        (Some(catalog), Some(rules), Some(redactor)) if errors.is_empty() => Ok(CompiledPolicy {
+            revision,
+            origin: src.origin.clone(),
+            settings,
+            catalog,
+            rules,
+            redactor,
+            prompted,
+            tests,
+            files: src.files.clone(),
+        }),
+        _ => Err(errors),
+    }
+}
+
+enum FileKind {
+    Settings,
+    Tools,
+    Rules,
+    Schema(String),
+    Tests,
+    Data,
+    Unknown,
+}
+
+fn classify(path: &str) -> FileKind {
+    let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
+    match (dir, name.rsplit_once('.')) {
+        ("", Some(("turnguard", "toml"))) => FileKind::Settings,
+        ("", Some((_, "json"))) if name.ends_with(".schema.json") => FileKind::Data,
+        ("", Some((_, "md"))) => FileKind::Data,
+        ("tools", Some((_, "toml"))) => FileKind::Tools,
+        ("rules", Some((_, "cedar"))) => FileKind::Rules,
+        ("schemas", Some((stem, "json"))) => FileKind::Schema(stem.to_owned()),
+        ("tests", Some((_, "toml"))) => FileKind::Tests,
+        (d, _) if d == "tests" || d.starts_with("tests/") => FileKind::Data,
+        (d, Some((_, "md"))) if !d.is_empty() => FileKind::Data,
+        _ => FileKind::Unknown,
+    }
+}

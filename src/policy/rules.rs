@@ -1,0 +1,728 @@
+//! Authorization rules in Cedar (tool-turn contract §B stage 5).
+//!
+//! Entities: the principal is `User::"<sub>"` (the verified acting person) or
+//! `Agent::"<id>"`; the action is `Action::"call"`; the resource is `Tool::"<toolId>"` with
+//! the descriptor's attributes (unknown tools are `Tool::"turnguard:unknown"`, a `write`
+//! tool). Context: `trust`, `provider`, `model`, `run`, `approved` and `args` — the call's
+//! arguments, typed from the catalog's `inputSchema`.
+//!
+//! Validation at load: every rule is validated (Cedar strict mode) against a schema
+//! generated from the catalog. A rule whose scope is `resource == Tool::"<id>"` is validated
+//! against that tool's argument types, so `context.args.amout` for a tool without `amout` is a
+//! load error naming file, line and rule. A rule not scoped to one tool sees `args` as an
+//! empty record (it cannot read arguments).
+//!
+//! Decisions: forbid overrides permit, and no permit is a deny (Cedar's semantics). A deny
+//! whose determining policies are all annotated `@outcome("hold")` is `held`; any other deny
+//! (a forbid, no permit, or any evaluation error) is `refused` — a rule that cannot be
+//! evaluated refuses (fail closed).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::str::FromStr;
+
+use cedar_policy::{
+    Authorizer, Context, Decision, Entities, Entity, EntityId, EntityTypeName, EntityUid, Policy,
+    PolicyId, PolicySet, Request, ResourceConstraint, RestrictedExpression, Schema, ValidationMode,
+    Validator,
+};
+use serde_json::{json, Map, Value};
+
+use super::catalog::{Catalog, CatalogTool};
+use super::PolicyError;
+
+/// The resource id of tools the catalog does not know.
+pub const UNKNOWN_TOOL_ID: &str = "turnguard:unknown";
+
+/// Where a rule came from.
+#[derive(Debug, Clone)]
+pub struct RuleMeta {
+    /// Bundle-relative file.
+    pub file: String,
+    /// 1-based line of the rule's first token.
+    pub line: usize,
+    /// `@outcome("hold")`: a deny by this rule holds instead of refusing.
+    pub hold: bool,
+}
+
+/// Compiled rules: the policy set, the tool entities, and where each rule came from.
+pub struct Rules {
+    policies: PolicySet,
+    entities: Entities,
+    meta: HashMap<PolicyId, RuleMeta>,
+    authorizer: Authorizer,
+}
+
+/// The facts one authorization needs.
+#[derive(Debug, Clone)]
+pub struct AuthzRequest<'a> {
+    /// `Some(sub)` for a verified acting person, `None` for the agent itself.
+    pub person: Option<&'a str>,
+    /// The agent identity used when no person acts.
+    pub agent: &'a str,
+    /// The catalog tool (or the unknown-tool stand-in).
+    pub tool: &'a CatalogTool,
+    /// `trusted` / `untrusted`.
+    pub trust: &'a str,
+    /// Provider API label.
+    pub provider: &'a str,
+    /// Model name, empty when unknown.
+    pub model: &'a str,
+    /// Run id, empty for a chat turn.
+    pub run: &'a str,
+    /// An approval covers this call (its `argsHash`).
+    pub approved: bool,
+    /// The call's arguments.
+    pub args: &'a Value,
+}
+
+/// The authorization decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Authz {
+    /// Permitted; the permitting rules.
+    Permit(Vec<String>),
+    /// Denied by `@outcome("hold")` rules only.
+    Hold(Vec<String>),
+    /// Refused: a forbid, no permit, an unrepresentable argument or an evaluation error.
+    Refuse {
+        rules: Vec<String>,
+        reason: &'static str,
+        detail: String,
+    },
+}
+
+impl Rules {
+    /// Parses and validates every `rules/*.cedar` file against the catalog.
+    ///
+    /// Errors: one [`PolicyError`] per problem, each naming file, line and rule.
+    pub fn compile(
+        files: &[(String, String)],
+        catalog: &Catalog,
+    ) -> Result<Self, Vec<PolicyError>> {
+        let mut errors = Vec::new();
+        let generic = match Schema::from_json_value(cedar_schema(catalog, None)) {
+            Ok(s) => s,
+            Err(e) => {
+                return Err(vec![PolicyError::bundle(format!(
+                    "the catalog does not make a Cedar schema: {e}"
+                ))]);
+            }
+        };
+        let mut per_tool: HashMap<String, Schema> = HashMap::new();
+        for tool in catalog.tools() {
+            match Schema::from_json_value(cedar_schema(catalog, Some(tool))) {
+                Ok(s) => {
+                    per_tool.insert(tool.descriptor.tool_id.clone(), s);
+                }
+                Err(e) => errors.push(PolicyError::at(
+                    &tool.file,
+                    None,
+                    format!(
+                        "tool `{}`: its inputSchema does not map to Cedar types: {e}",
+                        tool.descriptor.tool_id
+                    ),
+                )),
+            }
+        }
+        let mut policies = PolicySet::new();
+        let mut meta = HashMap::new();
+        for (file, text) in files {
+            for chunk in split_statements(text) {
+                let line = line_of(text, chunk.start);
+                let src = &text[chunk.start..chunk.end];
+                let parsed = match Policy::parse(None, src) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        let at = first_label(&e)
+                            .map(|o| line_of(text, chunk.start + o))
+                            .unwrap_or(line);
+                        errors.push(PolicyError::at(
+                            file,
+                            Some(at),
+                            format!("Cedar syntax: {e}"),
+                        ));
+                        continue;
+                    }
+                };
+                let label = parsed
+                    .annotation("id")
+                    .map(str::to_owned)
+                    .unwrap_or_else(|| format!("{file}:{line}"));
+                let hold = match parsed.annotation("outcome") {
+                    None | Some("refuse") => false,
+                    Some("hold") => true,
+                    Some(other) => {
+                        errors.push(PolicyError::rule(
+                            file,
+                            line,
+                            &label,
+                            format!("@outcome(\"{other}\") is not `hold` or `refuse`"),
+                        ));
+                        continue;
+                    }
+                };
+                if hold && parsed.effect() != cedar_policy::Effect::Forbid {
+                    errors.push(PolicyError::rule(
+                        file,
+                        line,
+                        &label,
+                        "@outcome(\"hold\") only means something on a forbid rule".into(),
+                    ));
+                    continue;
+                }
+                let policy = parsed.new_id(PolicyId::new(&label));
+                // Validate against the schema of the one tool it is scoped to, or the generic one.
+                let schema = match policy.resource_constraint() {
+                    ResourceConstraint::Eq(uid) => {
+                        let id = uid.id().unescaped().to_owned();
+                        match per_tool.get(&id) {
+                            Some(s) => s,
+                            None if id == UNKNOWN_TOOL_ID => &generic,
+                            None => {
+                                errors.push(PolicyError::rule(
+                                    file,
+                                    line,
+                                    &label,
+                                    format!("names Tool::\"{id}\", which is not in the catalog"),
+                                ));
+                                continue;
+                            }
+                        }
+                    }
+                    _ => &generic,
+                };
+                let mut one = PolicySet::new();
+                if one.add(policy.clone()).is_err() {
+                    errors.push(PolicyError::rule(
+                        file,
+                        line,
+                        &label,
+                        "duplicate rule id".into(),
+                    ));
+                    continue;
+                }
+                let result = Validator::new(schema.clone()).validate(&one, ValidationMode::Strict);
+                for e in result.validation_errors() {
+                    let at = first_label(e)
+                        .or_else(|| mentioned_offset(src, &e.to_string()))
+                        .map(|o| line_of(text, chunk.start + o))
+                        .unwrap_or(line);
+                    errors.push(PolicyError::rule(file, at, &label, e.to_string()));
+                }
+                if !result.validation_passed() {
+                    continue;
+                }
+                if policies.add(policy).is_err() {
+                    errors.push(PolicyError::rule(
+                        file,
+                        line,
+                        &label,
+                        format!("rule id `{label}` is used twice"),
+                    ));
+                    continue;
+                }
+                meta.insert(
+                    PolicyId::new(&label),
+                    RuleMeta {
+                        file: file.clone(),
+                        line,
+                        hold,
+                    },
+                );
+            }
+        }
+        let entities = match tool_entities(catalog) {
+            Ok(e) => e,
+            Err(e) => {
+                errors.push(PolicyError::bundle(e));
+                Entities::empty()
+            }
+        };
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        Ok(Self {
+            policies,
+            entities,
+            meta,
+            authorizer: Authorizer::new(),
+        })
+    }
+
+    /// Number of rules.
+    pub fn len(&self) -> usize {
+        self.meta.len()
+    }
+
+    /// No rules at all (every call is refused: default deny).
+    pub fn is_empty(&self) -> bool {
+        self.meta.is_empty()
+    }
+
+    /// Where a rule came from.
+    pub fn meta(&self, id: &str) -> Option<&RuleMeta> {
+        self.meta.get(&PolicyId::new(id))
+    }
+
+    /// Decides one call. Cannot fail: anything that cannot be evaluated refuses.
+    pub fn authorize(&self, req: &AuthzRequest<'_>) -> Authz {
+        let refuse = |reason, detail: String| Authz::Refuse {
+            rules: Vec::new(),
+            reason,
+            detail,
+        };
+        let principal = match req.person {
+            Some(sub) => uid("User", sub),
+            None => uid("Agent", req.agent),
+        };
+        let (Some(principal), Some(action), Some(resource)) = (
+            principal,
+            uid("Action", "call"),
+            uid("Tool", &req.tool.descriptor.tool_id),
+        ) else {
+            return refuse("rule_error", "an entity id could not be formed".into());
+        };
+        let args = match to_cedar(req.args, req.tool.input_schema()) {
+            Ok(a) => a,
+            Err(why) => return refuse("args_unrepresentable", why),
+        };
+        let context = Context::from_pairs([
+            (
+                "trust".to_owned(),
+                RestrictedExpression::new_string(req.trust.to_owned()),
+            ),
+            (
+                "provider".to_owned(),
+                RestrictedExpression::new_string(req.provider.to_owned()),
+            ),
+            (
+                "model".to_owned(),
+                RestrictedExpression::new_string(req.model.to_owned()),
+            ),
+            (
+                "run".to_owned(),
+                RestrictedExpression::new_string(req.run.to_owned()),
+            ),
+            (
+                "approved".to_owned(),
+                RestrictedExpression::new_bool(req.approved),
+            ),
+            ("args".to_owned(), args),
+        ]);
+        let Ok(context) = context else {
+            return refuse("rule_error", "the context could not be built".into());
+        };
+        let Ok(request) = Request::new(principal, action, resource, context, None) else {
+            return refuse("rule_error", "the request could not be built".into());
+        };
+        let response = self
+            .authorizer
+            .is_authorized(&request, &self.policies, &self.entities);
+        let rules: Vec<String> = response
+            .diagnostics()
+            .reason()
+            .map(|id| id.to_string())
+            .collect();
+        let errors: Vec<String> = response
+            .diagnostics()
+            .errors()
+            .map(|e| e.to_string())
+            .collect();
+        if !errors.is_empty() {
+            return Authz::Refuse {
+                rules,
+                reason: "rule_error",
+                detail: errors.join("; "),
+            };
+        }
+        match response.decision() {
+            Decision::Allow => Authz::Permit(rules),
+            Decision::Deny if rules.is_empty() => Authz::Refuse {
+                rules,
+                reason: "no_permit",
+                detail: "no rule permits this call (default deny)".into(),
+            },
+            Decision::Deny => {
+                let all_hold = rules.iter().all(|r| self.meta(r).is_some_and(|m| m.hold));
+                if all_hold {
+                    Authz::Hold(rules)
+                } else {
+                    Authz::Refuse {
+                        detail: format!("forbidden by {}", rules.join(", ")),
+                        rules,
+                        reason: "forbidden",
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Rules {
+    /// Whether the caller may invoke `tool` at all (OpenWOP tool-catalog.md: the catalog lists
+    /// only such tools). Decided by the rules with empty arguments and an approval in hand:
+    /// a tool some call could be permitted for is listed; one no call can be permitted for
+    /// (no permit, or a forbid that does not depend on the arguments) is not. Rules that read
+    /// arguments cannot be evaluated here and do not hide a tool.
+    pub fn may_invoke(&self, person: Option<&str>, agent: &str, tool: &CatalogTool) -> bool {
+        let principal = match person {
+            Some(sub) => uid("User", sub),
+            None => uid("Agent", agent),
+        };
+        let (Some(principal), Some(action), Some(resource)) = (
+            principal,
+            uid("Action", "call"),
+            uid("Tool", &tool.descriptor.tool_id),
+        ) else {
+            return false;
+        };
+        let empty = RestrictedExpression::new_record(Vec::<(String, RestrictedExpression)>::new());
+        let Ok(args) = empty else { return false };
+        let context = Context::from_pairs([
+            (
+                "trust".to_owned(),
+                RestrictedExpression::new_string("trusted".into()),
+            ),
+            (
+                "provider".to_owned(),
+                RestrictedExpression::new_string(String::new()),
+            ),
+            (
+                "model".to_owned(),
+                RestrictedExpression::new_string(String::new()),
+            ),
+            (
+                "run".to_owned(),
+                RestrictedExpression::new_string(String::new()),
+            ),
+            ("approved".to_owned(), RestrictedExpression::new_bool(true)),
+            ("args".to_owned(), args),
+        ]);
+        let Ok(context) = context else { return false };
+        let Ok(request) = Request::new(principal, action, resource, context, None) else {
+            return false;
+        };
+        let response = self
+            .authorizer
+            .is_authorized(&request, &self.policies, &self.entities);
+        match response.decision() {
+            Decision::Allow => true,
+            Decision::Deny => {
+                let rules: Vec<String> = response
+                    .diagnostics()
+                    .reason()
+                    .map(|id| id.to_string())
+                    .collect();
+                !rules.is_empty() && rules.iter().all(|r| self.meta(r).is_some_and(|m| m.hold))
+            }
+        }
+    }
+}
+
+fn uid(ty: &str, id: &str) -> Option<EntityUid> {
+    let ty = EntityTypeName::from_str(ty).ok()?;
+    Some(EntityUid::from_type_name_and_id(ty, EntityId::new(id)))
+}
+
+/// The byte range of one statement (up to and including its `;`).
+struct Chunk {
+    start: usize,
+    end: usize,
+}
+
+/// Splits Cedar source into statements at top-level `;`, skipping strings and `//` comments.
+/// Leading whitespace and comments are not part of a statement.
+fn split_statements(text: &str) -> Vec<Chunk> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    let mut start: Option<usize> = None;
+    while i < bytes.len() {
+        let b = bytes[i];
+        if b == b'/' && bytes.get(i + 1) == Some(&b'/') {
+            while i < bytes.len() && bytes[i] != b'\n' {
+                i += 1;
+            }
+            continue;
+        }
+        if b.is_ascii_whitespace() {
+            i += 1;
+            continue;
+        }
+        if start.is_none() {
+            start = Some(i);
+        }
+        if b == b'"' {
+            i += 1;
+            while i < bytes.len() && bytes[i] != b'"' {
+                if bytes[i] == b'\\' {
+                    i += 1;
+                }
+                i += 1;
+            }
+            i += 1;
+            continue;
+        }
+        if b == b';' {
+            if let Some(s) = start.take() {
+                out.push(Chunk {
+                    start: s,
+                    end: i + 1,
+                });
+            }
+        }
+        i += 1;
+    }
+    if let Some(s) = start {
+        out.push(Chunk {
+            start: s,
+            end: text.len(),
+        });
+    }
+    out
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())]
+        .bytes()
+        .filter(|b| *b == b'\n')
+        .count()
+        + 1
+}
+
+/// Where in `src` a name the message quotes (`` `args.amout` `` → `amout`) first appears.
+fn mentioned_offset(src: &str, message: &str) -> Option<usize> {
+    message
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter_map(|quoted| quoted.rsplit(['.', ':']).next())
+        .filter(|name| !name.is_empty() && name.chars().all(|c| c.is_alphanumeric() || c == '_'))
+        .find_map(|name| src.find(name))
+}
+
+fn first_label(d: &dyn miette::Diagnostic) -> Option<usize> {
+    d.labels().and_then(|mut l| l.next()).map(|l| l.offset())
+}
+
+/// The Cedar schema (JSON form) for the catalog; `tool` types `context.args` for that tool.
+fn cedar_schema(catalog: &Catalog, tool: Option<&CatalogTool>) -> Value {
+    let args = tool
+        .and_then(|t| t.input_schema())
+        .and_then(|s| cedar_type(&Value::Object(s.clone().into_iter().collect())))
+        .filter(|t| t["type"] == "Record")
+        .unwrap_or_else(|| json!({"type": "Record", "attributes": {}}));
+    let _ = catalog;
+    let string = json!({"type": "String"});
+    json!({
+        "": {
+            "entityTypes": {
+                "User": {},
+                "Agent": {},
+                "Tool": {"shape": {"type": "Record", "attributes": {
+                    "toolId": string, "source": string, "safetyTier": string, "egress": string,
+                    "approval": string, "replayPolicy": string, "contentTrust": string,
+                    "scopes": {"type": "Set", "element": string}
+                }}}
+            },
+            "actions": {
+                "call": {"appliesTo": {
+                    "principalTypes": ["User", "Agent"],
+                    "resourceTypes": ["Tool"],
+                    "context": {"type": "Record", "attributes": {
+                        "trust": string, "provider": string, "model": string, "run": string,
+                        "approved": {"type": "Boolean"},
+                        "args": args
+                    }}
+                }}
+            }
+        }
+    })
+}
+
+/// Maps a JSON Schema to a Cedar type; `None` for what Cedar cannot type (unions, null, …).
+fn cedar_type(schema: &Value) -> Option<Value> {
+    match schema.get("type").and_then(Value::as_str)? {
+        "string" => Some(json!({"type": "String"})),
+        "integer" => Some(json!({"type": "Long"})),
+        "number" => Some(json!({"type": "Extension", "name": "decimal"})),
+        "boolean" => Some(json!({"type": "Boolean"})),
+        "array" => {
+            let element = cedar_type(schema.get("items")?)?;
+            Some(json!({"type": "Set", "element": element}))
+        }
+        "object" => {
+            let required: HashSet<&str> = schema
+                .get("required")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect();
+            let mut attributes = Map::new();
+            for (name, prop) in schema
+                .get("properties")
+                .and_then(Value::as_object)
+                .into_iter()
+                .flatten()
+            {
+                if let Some(mut t) = cedar_type(prop) {
+                    t["required"] = json!(required.contains(name.as_str()));
+                    attributes.insert(name.clone(), t);
+                }
+            }
+            Some(json!({"type": "Record", "attributes": attributes}))
+        }
+        _ => None,
+    }
+}
+
+/// Converts arguments to a Cedar value, exactly or not at all: a `null`, a float with more
+/// than 4 decimals (Cedar `decimal`), or an array with duplicate members (a Cedar set) is
+/// refused, never rounded.
+fn to_cedar(
+    v: &Value,
+    schema: Option<&BTreeMap<String, Value>>,
+) -> Result<RestrictedExpression, String> {
+    let schema = schema.map(|s| Value::Object(s.clone().into_iter().collect()));
+    convert(v, schema.as_ref(), "")
+}
+
+fn convert(v: &Value, schema: Option<&Value>, path: &str) -> Result<RestrictedExpression, String> {
+    let wants_decimal =
+        schema.and_then(|s| s.get("type")).and_then(Value::as_str) == Some("number");
+    match v {
+        Value::Null => Err(format!(
+            "`{}` is null, which Cedar cannot represent",
+            display_path(path)
+        )),
+        Value::Bool(b) => Ok(RestrictedExpression::new_bool(*b)),
+        Value::String(s) => Ok(RestrictedExpression::new_string(s.clone())),
+        Value::Number(n) => {
+            if let (Some(i), false) = (n.as_i64(), wants_decimal) {
+                return Ok(RestrictedExpression::new_long(i));
+            }
+            decimal(n)
+                .map(RestrictedExpression::new_decimal)
+                .ok_or_else(|| {
+                    format!(
+                        "`{}` = {n} is not exactly representable as a Cedar decimal (4 decimals)",
+                        display_path(path)
+                    )
+                })
+        }
+        Value::Array(items) => {
+            let item_schema = schema.and_then(|s| s.get("items"));
+            let mut seen = HashSet::new();
+            let mut out = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                if !seen.insert(item.to_string()) {
+                    return Err(format!(
+                        "`{}` has duplicate members, which a Cedar set cannot keep",
+                        display_path(path)
+                    ));
+                }
+                out.push(convert(item, item_schema, &format!("{path}/{i}"))?);
+            }
+            Ok(RestrictedExpression::new_set(out))
+        }
+        Value::Object(map) => {
+            let props = schema.and_then(|s| s.get("properties"));
+            let mut fields = Vec::with_capacity(map.len());
+            for (k, item) in map {
+                let p = props.and_then(|p| p.get(k));
+                fields.push((k.clone(), convert(item, p, &format!("{path}/{k}"))?));
+            }
+            RestrictedExpression::new_record(fields)
+                .map_err(|e| format!("`{}`: {e}", display_path(path)))
+        }
+    }
+}
+
+fn display_path(p: &str) -> &str {
+    if p.is_empty() {
+        "/"
+    } else {
+        p
+    }
+}
+
+/// The decimal text of `n` when it has at most 4 decimals and fits Cedar's range.
+fn decimal(n: &serde_json::Number) -> Option<String> {
+    let text = n.to_string();
+    if text.contains(['e', 'E']) {
+        return None;
+    }
+    let (int, frac) = match text.split_once('.') {
+        Some((i, f)) => (i.to_owned(), f.to_owned()),
+        None => (text.clone(), "0".to_owned()),
+    };
+    if frac.len() > 4 {
+        return None;
+    }
+    let digits = int.trim_start_matches('-');
+    if digits.len() > 14 {
+        return None; // Cedar decimal: i64 scaled by 10^4
+    }
+    Some(format!("{int}.{frac}"))
+}
+
+fn tool_entities(catalog: &Catalog) -> Result<Entities, String> {
+    let mut list = Vec::new();
+    for tool in catalog.tools().chain(std::iter::once(catalog.unknown())) {
+        let d = &tool.descriptor;
+        let s = |v: &str| RestrictedExpression::new_string(v.to_owned());
+        let attrs: HashMap<String, RestrictedExpression> = [
+            ("toolId", s(&d.tool_id)),
+            ("source", s(d.source.as_str())),
+            ("safetyTier", s(d.safety_tier.as_str())),
+            ("egress", s(d.egress.map_or("unspecified", |e| e.as_str()))),
+            (
+                "approval",
+                s(d.approval.map_or("unspecified", |e| e.as_str())),
+            ),
+            (
+                "replayPolicy",
+                s(d.replay_policy.map_or("unspecified", |e| e.as_str())),
+            ),
+            ("contentTrust", s(tool.content_trust.as_str())),
+            (
+                "scopes",
+                RestrictedExpression::new_set(
+                    d.auth
+                        .iter()
+                        .flat_map(|a| a.scopes.iter())
+                        .map(|x| RestrictedExpression::new_string(x.clone())),
+                ),
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        let uid = uid("Tool", &d.tool_id).ok_or("a tool id cannot be a Cedar entity id")?;
+        list.push(Entity::new(uid, attrs, HashSet::new()).map_err(|e| e.to_string())?);
+    }
+    Entities::from_entities(list, None).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statements_split_outside_strings_and_comments() {
+        let src = "// a; b\npermit(principal, action, resource) when { context.model == \"x;y\" };\n\nforbid(principal, action, resource);";
+        let chunks = split_statements(src);
+        assert_eq!(chunks.len(), 2);
+        assert!(src[chunks[0].start..chunks[0].end].starts_with("permit"));
+        assert_eq!(line_of(src, chunks[1].start), 4);
+    }
+
+    #[test]
+    fn decimals_are_exact_or_refused() {
+        let n = |s: &str| serde_json::from_str::<serde_json::Number>(s).unwrap();
+        assert_eq!(decimal(&n("12.5")).as_deref(), Some("12.5"));
+        assert_eq!(decimal(&n("-3")).as_deref(), Some("-3.0"));
+        assert_eq!(decimal(&n("0.12345")), None);
+        assert_eq!(decimal(&n("1e30")), None);
+    }
+}
