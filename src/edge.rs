@@ -19,8 +19,11 @@
 //!   The request path reports its upstream waits through [`upstream_waited`] (a task-local set
 //!   here), so "added" is the time spent in turnguard excluding waits on the upstream: for a
 //!   JSON response, arrival to response headers minus upstream waits (headers and body); for a
-//!   stream, the same up to the response headers plus the relay's processing time per upstream
-//!   chunk ([`Timing::add_work`]).
+//!   stream, the same up to the response headers plus the relay's framing and adapter time per
+//!   upstream chunk ([`Timing::add_work`]; admission at a decision point is measured apart, in
+//!   `turnguard_stream_hold_seconds`, because it may wait on policy state). Repair rounds of a
+//!   stream are sent from the relay task, outside this scope: their upstream waits are not
+//!   subtracted, and their chunks count as relay work.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
