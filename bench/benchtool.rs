@@ -2,6 +2,8 @@
 //! example so it compiles with the crate):
 //!
 //! - `benchtool mock --listen ADDR [--event-delay-us N]`: a fast OpenAI-compatible upstream.
+//!   Its `get_weather` arguments match the default policy bundle's catalog (`policy/`), so
+//!   the whole admission order runs and releases the call.
 //!   `POST /v1/chat/completions` answers a ~1 KB tool-call completion, or with `"stream":true`
 //!   a tool-call stream: a role chunk with text, the call's header, 8 argument deltas,
 //!   the finish chunk, a usage chunk and `[DONE]`, `--event-delay-us` apart (the finish chunk
@@ -74,7 +76,7 @@ const ID: &str = "chatcmpl-bench0000000000000000000000";
 /// The non-stream completion: one `get_weather` call, about 1 KB.
 fn completion() -> Bytes {
     let args = json!({
-        "city": "San Francisco", "state": "CA", "unit": "celsius",
+        "location": "San Francisco, CA", "units": "c",
         "days": 3, "include": ["hourly", "alerts", "wind", "humidity"],
         "note": "x".repeat(300)
     })
@@ -106,13 +108,13 @@ fn chunk(kind: &str, choices: serde_json::Value, usage: serde_json::Value) -> By
 /// The events of the stream, built at send time (each stamps its own send time).
 fn stream_event(i: usize) -> Option<Bytes> {
     const PARTS: [&str; 8] = [
-        "{\"city\":",
+        "{\"location\":",
         "\"San Fran",
-        "cisco\",",
-        "\"state\":",
-        "\"CA\",",
-        "\"unit\":",
-        "\"celsius\"",
+        "cisco, ",
+        "CA\",",
+        "\"units\"",
+        ":",
+        "\"c\"",
         "}",
     ];
     let delta = |d: serde_json::Value, finish: serde_json::Value| json!([{"index": 0, "delta": d, "logprobs": null, "finish_reason": finish}]);
@@ -227,7 +229,7 @@ fn request_body() -> Bytes {
             "stream_options": {"include_usage": true},
             "messages": [{"role": "user", "content": "What is the weather in San Francisco?"}],
             "tools": [{"type": "function", "function": {"name": "get_weather",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                "parameters": {"type": "object", "properties": {"location": {"type": "string"}}}}}]
         })
         .to_string(),
     )

@@ -46,7 +46,13 @@ sed -e "s/@NGINX_PORT@/$NGINX_PORT/g" -e "s/@MOCK_PORT@/$MOCK_PORT/g" -e "s#@WOR
   bench/nginx.conf > "$WORK/nginx.conf"
 taskset -c "$PROXY_CPU" nginx -p "$WORK/nginx" -c "$WORK/nginx.conf"
 
-# Full pipeline: default policy, journal on (a file on disk, synchronous=FULL), JSON logs.
+# Full pipeline: the default policy bundle (policy/: catalog, Cedar rules, limits, redaction)
+# with its per-(principal, tool) token bucket raised so the bench's one agent is not
+# rate-limited (the bucket still runs), journal on (a file on disk, synchronous=FULL), JSON logs.
+cp -r policy "$WORK/policy"
+sed -i -e 's/^burst = .*/burst = 100000000/' -e 's/^per_minute = .*/per_minute = 100000000/' \
+  "$WORK/policy/turnguard.toml"
+"$TG" policy check "$WORK/policy" >/dev/null
 taskset -c "$PROXY_CPU" "$TG" serve --listen "127.0.0.1:$TG_PORT" --admin-listen "127.0.0.1:$TG_ADMIN" \
   --journal "$WORK/journal.db" --policy "$WORK/policy" --upstream "openai=http://127.0.0.1:$MOCK_PORT" \
   --log-format json 2> "$OUT/turnguard.log" &
@@ -99,6 +105,11 @@ for p in $(pgrep -P "$(cat "$WORK/nginx.pid")") "$(cat "$WORK/nginx.pid")"; do
   grep VmHWM "/proc/$p/status" | awk -v p="$p" '{print "{\"nginx_pid\":"p",\"peak_rss_kib\":"$2"}"}' >> "$OUT/rss.jsonl"
 done
 curl -s "http://127.0.0.1:$TG_ADMIN/metrics" > "$OUT/turnguard-metrics.txt"
+# Every call must have been released: a bench of refused calls would measure something else.
+if grep -E '^turnguard_tool_calls_total\{outcome="(invalid|refused|held)' "$OUT/turnguard-metrics.txt"; then
+  echo "turnguard did not release every call: the bench request does not fit the policy" >&2
+  exit 1
+fi
 sqlite3 "$WORK/journal.db" "select count(*) from rounds" > "$OUT/journal-rounds.txt" 2>/dev/null || true
 
 echo "== environment"
