@@ -38,6 +38,8 @@ pub struct CallLabels {
     pub stage: String,
     /// Emission channel (§A); `tool` for provider-native calls.
     pub channel: String,
+    /// `enforce`, or `shadow` when the call was released although the outcome withholds it.
+    pub mode: String,
 }
 
 /// Labels of `turnguard_upstream_errors_total`.

@@ -256,6 +256,9 @@ pub struct Decision {
     pub redacted_args: Option<serde_json::Value>,
     /// How many secrets redaction found in the arguments.
     pub secrets: usize,
+    /// Arguments to release instead of the model's (JSON text): the redacted form, when the
+    /// bundle strips secrets from calls to egress tools (`redaction.strip_from_egress`).
+    pub release_args: Option<String>,
     /// Stage by stage, what admission found (for `policy explain`).
     pub trace: Vec<(Stage, String)>,
 }
@@ -276,6 +279,7 @@ impl Decision {
             retry_after_secs: None,
             redacted_args: None,
             secrets: 0,
+            release_args: None,
             trace: Vec::new(),
         }
     }
@@ -366,6 +370,19 @@ impl ChoiceVerdict {
     /// Some call is withheld.
     pub fn any_withheld(&self) -> bool {
         self.decisions.iter().any(|d| !d.released())
+    }
+
+    /// The arguments to release for call `i` instead of the model's, if any.
+    pub fn release_args(&self, i: usize) -> Option<&str> {
+        self.decisions
+            .get(i)
+            .filter(|d| d.released())
+            .and_then(|d| d.release_args.as_deref())
+    }
+
+    /// Some released call's arguments are replaced.
+    pub fn any_replaced(&self) -> bool {
+        (0..self.decisions.len()).any(|i| self.release_args(i).is_some())
     }
 
     /// The host-authored text when the turn is ended with calls removed.

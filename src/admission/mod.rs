@@ -308,13 +308,30 @@ fn decide(
         Stage::Redaction,
         format!("{found} secret(s) redacted from every record"),
     ));
+    let strip = found > 0
+        && ctx.policy.redactor.strip_from_egress
+        && tool.descriptor.egress != Some(crate::policy::bundle::Egress::None);
+    if strip && turn.api == crate::model::Api::OpenAiResponses && turn.stream {
+        // Rewriting streamed Responses arguments is not supported: fail closed rather than
+        // release a secret to an egress tool.
+        let d = Decision::new(
+            Outcome::Refused,
+            Stage::Redaction,
+            "strip_unsupported",
+            "the arguments carry a secret that must be stripped before an egress tool, which this stream cannot rewrite".into(),
+        );
+        return finish(d, trace, hash, redacted_args);
+    }
     // 8. dispatch
-    let d = Decision::new(
+    let mut d = Decision::new(
         Outcome::Executed,
         Stage::Dispatch,
         "released",
         String::new(),
     );
+    if strip {
+        d.release_args = redacted_args.as_ref().map(Value::to_string);
+    }
     finish(d, trace, hash, redacted_args)
 }
 

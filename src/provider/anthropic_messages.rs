@@ -195,10 +195,26 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
 /// ended turn also gains a host-authored text block and stops with `end_turn`. Returns
 /// whether the body changed.
 pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
-    let Some(verdict) = verdicts.first().filter(|v| v.any_withheld()) else {
+    let Some(verdict) = verdicts
+        .first()
+        .filter(|v| v.any_withheld() || v.any_replaced())
+    else {
         return false;
     };
     if let Some(content) = body.get_mut("content").and_then(Value::as_array_mut) {
+        let mut call = 0;
+        for b in content
+            .iter_mut()
+            .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
+        {
+            if let Some(input) = verdict
+                .release_args(call)
+                .and_then(|a| serde_json::from_str::<Value>(a).ok())
+            {
+                b["input"] = input;
+            }
+            call += 1;
+        }
         let mut call = 0;
         content.retain(|b| {
             if b.get("type").and_then(Value::as_str) != Some("tool_use") {
@@ -476,7 +492,10 @@ impl MessagesStream {
     pub fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
         self.decided = true;
         let held = std::mem::take(&mut self.held);
-        let Some(verdict) = verdicts.first().filter(|v| v.any_withheld()) else {
+        let Some(verdict) = verdicts
+            .first()
+            .filter(|v| v.any_withheld() || v.any_replaced())
+        else {
             out.extend(held.into_iter().map(|h| h.raw));
             return;
         };
@@ -484,12 +503,18 @@ impl MessagesStream {
         // Released flag per block, in call order; new indices stay contiguous.
         let mut call_no = 0usize;
         let mut renumber: BTreeMap<u64, Option<u64>> = BTreeMap::new();
+        // Blocks whose input is replaced: their deltas go, one delta with the new input is sent
+        // before the block's stop.
+        let mut replace: BTreeMap<u64, String> = BTreeMap::new();
         let first = self.first_held.unwrap_or(0);
         let mut next = first;
         for (&ix, b) in self.blocks.range(first..) {
             let keep = match &b.call {
                 Some(_) => {
                     let k = verdict.released(call_no);
+                    if let Some(args) = verdict.release_args(call_no) {
+                        replace.insert(ix, args.to_owned());
+                    }
                     call_no += 1;
                     k
                 }
@@ -506,6 +531,23 @@ impl MessagesStream {
         let mut text_sent = false;
         for mut h in held {
             if let Some(ix) = h.index {
+                if let Some(args) = replace.get(&ix) {
+                    let kind = h
+                        .json
+                        .as_ref()
+                        .and_then(|v| v.get("type"))
+                        .and_then(Value::as_str);
+                    match kind {
+                        Some("content_block_delta") => continue,
+                        Some("content_block_stop") => {
+                            let new_ix = renumber.get(&ix).copied().flatten().unwrap_or(ix);
+                            let delta = json!({"type": "content_block_delta", "index": new_ix,
+                                "delta": {"type": "input_json_delta", "partial_json": args}});
+                            out.push(sse::encode(Some("content_block_delta"), &delta.to_string()));
+                        }
+                        _ => {}
+                    }
+                }
                 match renumber.get(&ix) {
                     Some(None) => continue,
                     Some(Some(new)) if *new != ix => {

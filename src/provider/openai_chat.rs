@@ -244,7 +244,7 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
         let Some(verdict) = verdicts.iter().find(|v| v.choice == index) else {
             continue;
         };
-        if !verdict.any_withheld() {
+        if !verdict.any_withheld() && !verdict.any_replaced() {
             continue;
         }
         if let Some(message) = choice.get_mut("message").and_then(Value::as_object_mut) {
@@ -254,6 +254,11 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
                 .and_then(Value::as_array)
                 .map_or(0, Vec::len);
             if let Some(list) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                for (n, call) in list.iter_mut().enumerate() {
+                    if let Some(args) = verdict.release_args(n) {
+                        call["function"]["arguments"] = json!(args);
+                    }
+                }
                 let mut i = 0;
                 list.retain(|_| {
                     i += 1;
@@ -645,6 +650,16 @@ impl ChatStream {
         self.decided = true;
         // Per choice: released flag per call, and the index each released call is emitted at.
         let mut plan: BTreeMap<u32, (Vec<Option<u64>>, Option<&str>)> = BTreeMap::new();
+        // Calls whose arguments are replaced: the first delta carries them all, the rest go.
+        let mut replace: BTreeMap<(u32, usize), &str> = BTreeMap::new();
+        let mut replaced_once: std::collections::BTreeSet<(u32, usize)> = Default::default();
+        for v in verdicts {
+            for i in 0..v.decisions.len() {
+                if let Some(args) = v.release_args(i) {
+                    replace.insert((v.choice, i), args);
+                }
+            }
+        }
         for v in verdicts {
             let Some(acc) = self.choices.get(&v.choice) else {
                 continue;
@@ -695,6 +710,13 @@ impl ChatStream {
                                 .and_then(|s| emitted.get(s).copied().flatten().map(|ix| (s, ix)))
                             {
                                 Some((s, ix)) => {
+                                    if let Some(args) = replace.get(&(index, s)) {
+                                        changed = true;
+                                        if !replaced_once.insert((index, s)) {
+                                            continue; // later fragments of a replaced call
+                                        }
+                                        e["function"]["arguments"] = json!(args);
+                                    }
                                     if acc.calls[s].wire_index != ix {
                                         e["index"] = json!(ix);
                                         changed = true;

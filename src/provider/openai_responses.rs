@@ -484,14 +484,29 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
         return false;
     };
     let released = |k: usize| verdict.decisions.get(k).is_some_and(|d| d.released());
+    // Redacted arguments for egress tools (`redaction.strip_from_egress`).
+    let mut replaced = false;
+    if let Some(items) = body.get_mut("output").and_then(Value::as_array_mut) {
+        let mut k = 0;
+        for item in items.iter_mut() {
+            if kind_of(item.get("type").and_then(Value::as_str).unwrap_or_default()) != Kind::Call {
+                continue;
+            }
+            if let Some(args) = verdict.release_args(k) {
+                item["arguments"] = json!(args);
+                replaced = true;
+            }
+            k += 1;
+        }
+    }
     let any_withheld = output_items(body)
         .filter(|i| kind_of(item_type(i)) == Kind::Call)
         .enumerate()
         .any(|(k, _)| !released(k));
     if !any_withheld && verdict.end_turn().is_none() {
-        return false;
+        return replaced;
     }
-    rewrite_output(body, &|k, _| !released(k), verdict.end_turn())
+    rewrite_output(body, &|k, _| !released(k), verdict.end_turn()) || replaced
 }
 
 /// Appends a repair turn to a request body (tool-turn contract §B "repair", §G): each

@@ -368,6 +368,7 @@ impl Session {
                         outcome: d.outcome.as_str().to_owned(),
                         stage: d.stage.as_str().to_owned(),
                         channel: "tool".to_owned(),
+                        mode: if d.enforced { "enforce" } else { "shadow" }.to_owned(),
                     })
                     .inc();
                 let tool_name = admission::sanitize_label(&call.name);
