@@ -202,10 +202,10 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
         return false;
     };
     if let Some(content) = body.get_mut("content").and_then(Value::as_array_mut) {
-        let mut call = 0;
-        for b in content
+        for (call, b) in content
             .iter_mut()
             .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
+            .enumerate()
         {
             if let Some(input) = verdict
                 .release_args(call)
@@ -213,7 +213,6 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
             {
                 b["input"] = input;
             }
-            call += 1;
         }
         let mut call = 0;
         content.retain(|b| {
