@@ -36,7 +36,7 @@ pub struct AppState {
     /// The metrics registry handle.
     pub metrics: Arc<Metrics>,
     /// Compiled argument schemas, by schema hash.
-    pub schemas: SchemaCache,
+    pub schemas: Arc<SchemaCache>,
     /// The active policy bundle; each request takes one snapshot.
     pub policy: Arc<PolicyHandle>,
     /// Limits-stage state (token buckets, per-run counters).
@@ -129,7 +129,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         journal,
         reader,
         metrics,
-        schemas: SchemaCache::default(),
+        schemas: Arc::new(SchemaCache::default()),
         policy: Arc::clone(&policy),
         limits: LimitState::default(),
         ready: AtomicBool::new(false),

@@ -21,6 +21,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::{call_records, join, record_round, round_record, upstream, RoundBase, Session};
+use crate::admission::channel::{ChannelSpec, ChannelVerdict};
+use crate::admission::SchemaCache;
 use crate::metrics::{ApiLabels, ReasonLabels};
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Surfacing, Turn};
 use crate::provider::{Splice, StreamAdapter};
@@ -53,6 +55,8 @@ pub struct Pipeline {
     /// Bytes received while calls were held, and the most that may be (bounded memory).
     held_bytes: usize,
     hold_cap: usize,
+    /// The structured / prompted channel check of a text answer (§A), if the request has one.
+    channel: Option<ChannelCheck>,
     /// Each decision point's emissions and verdicts, in order.
     pub decided: Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>,
 }
@@ -77,8 +81,35 @@ impl Pipeline {
             tail: Bytes::new(),
             held_bytes: 0,
             hold_cap: usize::MAX,
+            channel: None,
             decided: Vec::new(),
         }
+    }
+
+    /// Validates the text answer against `spec` before the stream's terminal event is
+    /// released (tool-turn contract §A): the text streams as it arrives, the terminal event
+    /// waits, and an answer that does not meet the schema ends the stream with a
+    /// provider-shaped `envelope_invalid` error instead.
+    pub fn with_channel(
+        mut self,
+        spec: Option<ChannelSpec>,
+        schemas: std::sync::Arc<SchemaCache>,
+    ) -> Self {
+        self.channel = spec.map(|spec| ChannelCheck {
+            spec,
+            schemas,
+            text: String::new(),
+            terminal: None,
+            result: None,
+        });
+        self
+    }
+
+    /// The channel verdict of this stream's text answer, once checked.
+    pub fn channel_result(&self) -> Option<(&'static str, String)> {
+        self.channel
+            .as_ref()
+            .and_then(|c| c.result.clone().map(|r| (c.spec.channel.as_str(), r)))
     }
 
     /// Caps what may arrive while tool-call events are held (bytes).
@@ -116,12 +147,71 @@ impl Pipeline {
                 },
                 None => block,
             };
+            if let Some(check) = self.channel.as_mut() {
+                check.observe(&block);
+                if check.is_terminal(&block) {
+                    check.terminal = Some(block);
+                    continue;
+                }
+            }
             self.adapter.push(block, out);
             if self.adapter.ready() {
                 return Some(self.adapter.round());
             }
         }
         None
+    }
+
+    /// Checks the held-back terminal event's text answer: releases the terminal event, or
+    /// ends the stream with an error. `false` when the answer was refused.
+    fn settle_channel(&mut self, out: &mut Vec<Bytes>) -> bool {
+        let Some(mut check) = self.channel.take() else {
+            return true;
+        };
+        let Some(terminal) = check.terminal.take() else {
+            self.channel = Some(check);
+            return true;
+        };
+        let had_calls = !self.decided.is_empty();
+        let completion = self.adapter.completions().into_iter().next();
+        let verdict = match (&completion, had_calls) {
+            (_, true) | (None, _) => ChannelVerdict::Valid,
+            (Some(c), false) => {
+                crate::admission::channel::check(&check.spec, Some(&check.text), c, &check.schemas)
+            }
+        };
+        let accepted = match verdict {
+            ChannelVerdict::Valid => {
+                check.result = Some("valid".into());
+                true
+            }
+            ChannelVerdict::Refused => {
+                check.result = Some("refused".into());
+                true
+            }
+            ChannelVerdict::Invalid { reason, message } => {
+                check.result = Some(reason.to_owned());
+                let code = if reason == "truncated" {
+                    "envelope_truncation_unrecoverable"
+                } else {
+                    "envelope_invalid"
+                };
+                self.adapter.fail(
+                    code,
+                    &format!(
+                        "the {} answer was not accepted: {message}",
+                        check.spec.channel.as_str()
+                    ),
+                    out,
+                );
+                false
+            }
+        };
+        if accepted {
+            self.adapter.push(terminal, out);
+        }
+        self.channel = Some(check);
+        accepted
     }
 
     /// Releases the held events with the verdicts applied.
@@ -157,6 +247,17 @@ impl Pipeline {
     /// The upstream body ended (`cut = None`) or failed (`cut = Some(reason)`). Call after
     /// [`Pipeline::advance`] returned `None`.
     pub fn finish(&mut self, cut: Option<String>, out: &mut Vec<Bytes>) -> Finish {
+        if cut.is_none()
+            && self.channel.as_ref().is_some_and(|c| c.terminal.is_some())
+            && !self.adapter.pending()
+        {
+            if !self.settle_channel(out) {
+                return Finish::Ended(
+                    "surfaced_error",
+                    Some("the text answer did not meet its channel's schema".to_owned()),
+                );
+            }
+        }
         match cut {
             None if self.adapter.finished() => {
                 if self.adapter.pending() {
@@ -234,6 +335,71 @@ impl Pipeline {
     }
 }
 
+/// The channel check of a stream's text answer: the text seen so far (bounded) and the
+/// terminal event held back until the text is validated.
+struct ChannelCheck {
+    spec: ChannelSpec,
+    schemas: std::sync::Arc<SchemaCache>,
+    text: String,
+    terminal: Option<SseBlock>,
+    result: Option<String>,
+}
+
+/// Text kept for a channel check, bytes.
+const MAX_CHANNEL_TEXT: usize = 1 << 20;
+
+impl ChannelCheck {
+    /// Accumulates answer text from Chat `delta.content`, Messages `text_delta` and
+    /// Responses `response.output_text.delta` events.
+    fn observe(&mut self, block: &SseBlock) {
+        let Some(v) = block
+            .data
+            .as_deref()
+            .and_then(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        else {
+            return;
+        };
+        let piece = v
+            .pointer("/choices/0/delta/content")
+            .and_then(serde_json::Value::as_str)
+            .or_else(|| {
+                (v.pointer("/delta/type").and_then(serde_json::Value::as_str) == Some("text_delta"))
+                    .then(|| v.pointer("/delta/text").and_then(serde_json::Value::as_str))
+                    .flatten()
+            })
+            .or_else(|| {
+                (v.get("type").and_then(serde_json::Value::as_str)
+                    == Some("response.output_text.delta"))
+                .then(|| v.get("delta").and_then(serde_json::Value::as_str))
+                .flatten()
+            });
+        if let Some(p) = piece {
+            if self.text.len() + p.len() <= MAX_CHANNEL_TEXT {
+                self.text.push_str(p);
+            }
+        }
+    }
+
+    /// The event that ends a response: Chat `[DONE]`, Messages `message_stop`, Responses
+    /// `response.completed` / `response.incomplete`.
+    fn is_terminal(&self, block: &SseBlock) -> bool {
+        let data = block.data.as_deref().unwrap_or_default().trim();
+        data == "[DONE]"
+            || matches!(
+                block.event.as_deref(),
+                Some("message_stop" | "response.completed" | "response.incomplete")
+            )
+            || serde_json::from_str::<serde_json::Value>(data)
+                .ok()
+                .is_some_and(|v| {
+                    matches!(
+                        v.get("type").and_then(serde_json::Value::as_str),
+                        Some("message_stop" | "response.completed" | "response.incomplete")
+                    )
+                })
+    }
+}
+
 /// Keeps what the journal stores of the upstream bytes (bounded by the record cap).
 struct Capture {
     bytes: Vec<u8>,
@@ -308,7 +474,11 @@ async fn run(
     loop {
         let mut pipeline =
             Pipeline::new(&session.turn, session.state.config.max_event_bytes, splice)
-                .with_hold_cap(session.state.config.max_response_bytes);
+                .with_hold_cap(session.state.config.max_response_bytes)
+                .with_channel(
+                    session.channel.clone(),
+                    std::sync::Arc::clone(&session.state.schemas),
+                );
         let mut capture = Capture::new(cap);
         let end = read_round(&session, &mut pipeline, &mut capture, &mut body, &mut agent).await;
         let (state, error) = match &end {
