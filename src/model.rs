@@ -147,6 +147,16 @@ pub struct Completion {
     pub reason: String,
 }
 
+impl Completion {
+    /// A completion with the provider's reason.
+    pub fn new(state: CompletionState, reason: &str) -> Self {
+        Self {
+            state,
+            reason: reason.to_owned(),
+        }
+    }
+}
+
 /// A provider-native tool call emitted by the model (channel `tool`, contract §A).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ToolCall {

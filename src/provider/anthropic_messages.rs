@@ -121,10 +121,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
 
 /// Classifies how the message ended. `used` is the final `usage.output_tokens`.
 pub fn classify(stop_reason: Option<&str>, used: Option<u64>, max: Option<u64>) -> Completion {
-    let completion = |state, reason: &str| Completion {
-        state,
-        reason: reason.to_owned(),
-    };
+    let completion = Completion::new;
     match stop_reason {
         None => completion(CompletionState::Truncated, "missing_stop_reason"),
         Some("refusal") => completion(CompletionState::Refused, "refusal"),

@@ -237,10 +237,7 @@ pub fn classify(
     used: Option<u64>,
     max: Option<u64>,
 ) -> Completion {
-    let completion = |state, reason: &str| Completion {
-        state,
-        reason: reason.to_owned(),
-    };
+    let completion = Completion::new;
     if refused {
         return completion(CompletionState::Refused, "refusal");
     }
