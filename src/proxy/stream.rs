@@ -250,13 +250,12 @@ impl Pipeline {
         if cut.is_none()
             && self.channel.as_ref().is_some_and(|c| c.terminal.is_some())
             && !self.adapter.pending()
+            && !self.settle_channel(out)
         {
-            if !self.settle_channel(out) {
-                return Finish::Ended(
-                    "surfaced_error",
-                    Some("the text answer did not meet its channel's schema".to_owned()),
-                );
-            }
+            return Finish::Ended(
+                "surfaced_error",
+                Some("the text answer did not meet its channel's schema".to_owned()),
+            );
         }
         match cut {
             None if self.adapter.finished() => {
