@@ -302,6 +302,9 @@ pub enum Surfacing {
     Repair(Vec<RepairItem>),
     /// The request fails with this error.
     Error(SurfacedError),
+    /// Held calls wait for the acting person's approval (an OpenWOP `approval` interrupt);
+    /// the proxy resolves this before anything reaches the agent, so no adapter sees it.
+    Wait,
 }
 
 /// Admission's verdict on one choice: a decision per call and how it surfaces.
@@ -321,6 +324,11 @@ impl ChoiceVerdict {
         self.decisions.get(i).is_some_and(Decision::released)
     }
 
+    /// Held calls wait for an approval.
+    pub fn waiting(&self) -> bool {
+        self.surfacing == Surfacing::Wait
+    }
+
     /// Some call is withheld.
     pub fn any_withheld(&self) -> bool {
         self.decisions.iter().any(|d| !d.released())
@@ -331,7 +339,7 @@ impl ChoiceVerdict {
         match &self.surfacing {
             Surfacing::Release | Surfacing::Drop => None,
             Surfacing::EndTurn(t) => Some(t),
-            Surfacing::Repair(_) | Surfacing::Error(_) => None,
+            Surfacing::Repair(_) | Surfacing::Error(_) | Surfacing::Wait => None,
         }
     }
 }

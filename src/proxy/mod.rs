@@ -12,8 +12,10 @@
 //! [`crate::provider`]. Each request takes one policy snapshot and uses it throughout.
 
 pub mod stream;
+pub mod trust;
 pub mod upstream;
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -119,6 +121,19 @@ pub struct Session {
     pub rounds: u32,
     /// The schema the text answer must meet (structured / prompted channel, §A).
     pub channel: Option<ChannelSpec>,
+    /// The verified acting person (`sub`); `None`: the agent acts (tool-turn contract §C).
+    pub person: Option<String>,
+}
+
+/// How held calls stand when a round is decided (tool-turn contract §C).
+#[derive(Debug, Clone, Copy)]
+pub enum Approval<'a> {
+    /// No approval in hand: held calls are held.
+    Pending,
+    /// The acting person approved exactly these `argsHash`es (once).
+    Accepted(&'a BTreeSet<String>),
+    /// No approval was given: held calls are refused with this reason and explanation.
+    Refused(&'static str, &'a str),
 }
 
 impl Session {
@@ -156,19 +171,37 @@ impl Session {
         }
     }
 
-    /// Admits one round: stages 1–8, effect claims at dispatch, surfacing, metrics, events.
+    /// Admits one round: stages 1–8, effect claims at dispatch, surfacing — waiting for the
+    /// acting person's approval when held calls surface as `wait` ([`crate::approvals`]) —
+    /// then metrics and events.
     pub async fn admit(&self, round: &[ChoiceEmissions]) -> Vec<ChoiceVerdict> {
-        let no_approval = |_: &str| false;
+        let mut verdicts = self.decide_round(round, Approval::Pending).await;
+        if verdicts.iter().any(ChoiceVerdict::waiting) {
+            verdicts = crate::approvals::settle(self, round, &verdicts).await;
+        }
+        self.account(round, &verdicts).await;
+        verdicts
+    }
+
+    /// Stages 1–8, effect claims and surfacing for every choice of a round, with held calls
+    /// as `approval` says. Claims of a round that waits are given back: nothing is dispatched
+    /// while it waits.
+    pub async fn decide_round(
+        &self,
+        round: &[ChoiceEmissions],
+        approval: Approval<'_>,
+    ) -> Vec<ChoiceVerdict> {
+        let approved = |h: &str| matches!(approval, Approval::Accepted(set) if set.contains(h));
         let ctx = AdmitCtx {
             policy: &self.policy,
             schemas: &self.state.schemas,
             limits: &self.state.limits,
-            person: None,
+            person: self.person.as_deref(),
             agent: AGENT_ID,
             trust: self.trust,
             run: self.ctx.run.run_id.as_deref(),
             provider: self.turn.api.as_str(),
-            approved: &no_approval,
+            approved: &approved,
             repairs_left: if n_choices(&self.body) > 1 {
                 0
             } else {
@@ -178,11 +211,23 @@ impl Session {
         let mut verdicts = Vec::with_capacity(round.len());
         for choice in round {
             let mut decisions = admission::decide_choice(&ctx, &self.turn, choice);
+            match approval {
+                Approval::Pending => {}
+                Approval::Accepted(_) => admission::refuse_held(
+                    &mut decisions,
+                    "held_after_approval",
+                    "the call is still held after the approval (a rule holds it whatever the approval)",
+                ),
+                Approval::Refused(reason, why) => {
+                    admission::refuse_held(&mut decisions, reason, why);
+                }
+            }
             let claimed = self.claim_effects(choice, &mut decisions).await;
             let surfacing = admission::surface(&ctx, &mut decisions);
+            let waits = surfacing == Surfacing::Wait;
             // A claim taken for a call the surfacing then withheld is given back.
             for (i, effect_id) in claimed {
-                if !decisions[i].released() {
+                if waits || !decisions[i].released() {
                     if let Err(e) = self
                         .state
                         .journal
@@ -199,7 +244,6 @@ impl Session {
                 surfacing,
             });
         }
-        self.account(round, &verdicts).await;
         verdicts
     }
 
@@ -266,7 +310,7 @@ impl Session {
     /// Metrics, per-run counters and the `agent.tool-called` / `agent.tool-returned` events.
     async fn account(&self, round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) {
         let mut events = Vec::new();
-        let principal = AGENT_ID;
+        let principal = self.person.as_deref().unwrap_or(AGENT_ID);
         for (choice, verdict) in round.iter().zip(verdicts) {
             for (call, d) in choice.calls.iter().zip(&verdict.decisions) {
                 self.state
@@ -296,6 +340,9 @@ impl Session {
                     (Outcome::Executed, _) | (Outcome::Held, _) => None,
                     (Outcome::SuppressedRepeat, _) => Some(("ok", None)),
                     (_, "rate_limited") => Some(("rate_limited", Some("rate_limited"))),
+                    (Outcome::Refused, r) if admission::is_approval_refusal(r) => {
+                        Some(("forbidden", Some("approval_rejected")))
+                    }
                     (Outcome::Refused, _) => Some(("forbidden", Some("forbidden"))),
                     (Outcome::Invalid, _) => Some(("error", Some("validation_error"))),
                     (Outcome::EndedTurn, _) => Some(("error", Some("turnguard.turn_ended"))),
@@ -387,12 +434,20 @@ async fn turn(
     req: Request<Body>,
 ) -> Result<(Response, bool), WireError> {
     let (parts, body) = req.into_parts();
+    let person = state
+        .identity
+        .person_of(&parts.headers)
+        .map_err(|e| WireError::Unauthenticated {
+            reason: e.to_string(),
+        })?
+        .map(|p| p.sub);
     let raw = read_request(state, body).await?;
     let json = parse_json(&raw)?;
     let turn = provider::parse_request(api, &json)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
     let policy = state.policy.snapshot();
     let trust = admission::trust::of_turn(&turn, &policy);
+    let trust = trust::sticky(state, ctx, trust).await;
     state
         .metrics
         .turns
@@ -400,6 +455,9 @@ async fn turn(
             trust: trust.as_str().to_owned(),
         })
         .inc();
+    if let Some(reason) = admission::clarification_unsupported(&turn, &policy) {
+        return Err(WireError::CapabilityNotProvided { reason });
+    }
     let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
     record_tool_results(state, ctx, &turn).await?;
 
@@ -419,6 +477,7 @@ async fn turn(
         body: json,
         turn,
         rounds: 0,
+        person,
     };
     loop {
         let resp = session.send().await?;
@@ -788,6 +847,7 @@ pub fn round_record(
         calls: Vec::new(),
         channel: None,
         channel_result: None,
+        content_trust: Some(session.trust.as_str()),
     }
 }
 
