@@ -346,8 +346,7 @@ async fn wait(state: &AppState, mut waiter: Waiter<'_>, row: &InterruptRow) -> S
         if left <= 0 {
             break;
         }
-        match tokio::time::timeout(Duration::from_millis(left as u64), waiter.rx.changed()).await
-        {
+        match tokio::time::timeout(Duration::from_millis(left as u64), waiter.rx.changed()).await {
             Ok(Ok(())) => continue,
             Ok(Err(_)) | Err(_) => break,
         }
@@ -368,7 +367,15 @@ async fn resolve_as_host(state: &AppState, id: &str, to: &'static str, reason: &
     };
     match state.journal.resolve_interrupt(r).await {
         Ok(Resolved::Won(row)) => {
-            observe(state, &row, if to == "expired" { "expired" } else { "rejected" });
+            observe(
+                state,
+                &row,
+                if to == "expired" {
+                    "expired"
+                } else {
+                    "rejected"
+                },
+            );
             state.approvals.notify(id, &row.state);
             tracing::info!(interrupt = %id, state = %row.state, reason, "approval interrupt resolved by the host");
             row.state
@@ -433,40 +440,43 @@ fn error(status: StatusCode, code: &str, message: &str, details: Option<Value>) 
         HeaderValue::from_static("application/json"),
     );
     if status == StatusCode::UNAUTHORIZED {
-        resp.headers_mut().insert(
-            header::WWW_AUTHENTICATE,
-            HeaderValue::from_static("Bearer"),
-        );
+        resp.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     }
     resp
 }
 
 /// The verified approver of an admin request: bearer token only (no query string, no link),
 /// no delegation.
-fn approver(state: &AppState, req: &http::request::Parts) -> Result<Person, Response> {
+fn approver(state: &AppState, req: &http::request::Parts) -> Result<Person, Box<Response>> {
     if req.uri.query().is_some() {
-        return Err(error(
+        return Err(Box::new(error(
             StatusCode::BAD_REQUEST,
             "validation_error",
             "approval endpoints take no query string: credentials go only in the Authorization header",
             None,
-        ));
+        )));
     }
     let person = state.identity.approver_of(&req.headers).map_err(|e| {
         let message = match e {
             TokenError::Missing => e.to_string(),
             _ => format!("not authenticated: {e}"),
         };
-        error(StatusCode::UNAUTHORIZED, "unauthenticated", &message, None)
+        Box::new(error(
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+            &message,
+            None,
+        ))
     })?;
     if person.delegated {
         tracing::warn!(sub = %person.sub, "approval attempt with a delegated (act) token refused");
-        return Err(error(
+        return Err(Box::new(error(
             StatusCode::FORBIDDEN,
             "forbidden",
             "a delegated token (with an `act` claim) cannot resolve an approval: the acting person must",
             None,
-        ));
+        )));
     }
     Ok(person)
 }
@@ -495,7 +505,7 @@ async fn list(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
     let (parts, _) = req.into_parts();
     let person = match approver(&s, &parts) {
         Ok(p) => p,
-        Err(resp) => return resp,
+        Err(resp) => return *resp,
     };
     match s.journal.pending_interrupts(&person.sub, now_ms()).await {
         Ok(rows) => {
@@ -554,7 +564,7 @@ async fn resolve(s: Arc<AppState>, selector: Selector, req: Request<Body>) -> Re
     let (parts, body) = req.into_parts();
     let person = match approver(&s, &parts) {
         Ok(p) => p,
-        Err(resp) => return resp,
+        Err(resp) => return *resp,
     };
     let bad = |m: String| error(StatusCode::BAD_REQUEST, "validation_error", &m, None);
     let raw = match read_capped(body, MAX_RESOLVE_BODY).await {
@@ -583,7 +593,8 @@ async fn resolve(s: Arc<AppState>, selector: Selector, req: Request<Body>) -> Re
         }
     };
     let now = now_ms();
-    let mut value = json!({"action": parsed.resume_value.action, "decidedAt": now, "decidedBy": person.sub});
+    let mut value =
+        json!({"action": parsed.resume_value.action, "decidedAt": now, "decidedBy": person.sub});
     if let Some(f) = parsed.resume_value.feedback {
         value["feedback"] = json!(f.chars().take(MAX_FEEDBACK_CHARS).collect::<String>());
     }

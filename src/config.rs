@@ -434,7 +434,11 @@ impl Config {
             };
         }
         optional!(identity_issuer, "TURNGUARD_IDENTITY_ISSUER", |v: String| v);
-        optional!(identity_audience, "TURNGUARD_IDENTITY_AUDIENCE", |v: String| v);
+        optional!(
+            identity_audience,
+            "TURNGUARD_IDENTITY_AUDIENCE",
+            |v: String| v
+        );
         optional!(identity_jwks, "TURNGUARD_IDENTITY_JWKS", PathBuf::from);
         optional!(
             identity_public_key,

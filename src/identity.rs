@@ -80,6 +80,7 @@ pub struct Identity {
 
 #[derive(Deserialize)]
 struct Claims {
+    #[serde(default)]
     sub: String,
     #[serde(default)]
     act: Option<serde_json::Value>,
@@ -238,7 +239,9 @@ impl Identity {
             let token = v
                 .strip_prefix("Bearer ")
                 .or_else(|| v.strip_prefix("bearer "))
-                .ok_or_else(|| TokenError::Invalid("the Authorization scheme is not Bearer".into()))?;
+                .ok_or_else(|| {
+                    TokenError::Invalid("the Authorization scheme is not Bearer".into())
+                })?;
             return self.verify(token.trim());
         }
         self.dev_person(headers).ok_or(TokenError::Missing)
@@ -348,8 +351,8 @@ fn jwks_keys(file: &Path) -> Result<Vec<Key>, IdentityConfigError> {
                 ));
             }
         }
-        let key = DecodingKey::from_jwk(jwk)
-            .map_err(|e| key_err(file, format!("keys[{i}]: {e}")))?;
+        let key =
+            DecodingKey::from_jwk(jwk).map_err(|e| key_err(file, format!("keys[{i}]: {e}")))?;
         keys.push(Key {
             kid: jwk.common.key_id.clone(),
             alg,
@@ -398,7 +401,9 @@ mod tests {
     fn verifies_issuer_audience_expiry_and_delegation() {
         let dir = tempfile::tempdir().unwrap();
         let id = Identity::load(&config(dir.path())).unwrap();
-        let ok = token(json!({"sub": "alice", "iss": "https://idp.test", "aud": "turnguard", "exp": exp()}));
+        let ok = token(
+            json!({"sub": "alice", "iss": "https://idp.test", "aud": "turnguard", "exp": exp()}),
+        );
         assert_eq!(
             id.verify(&ok).unwrap(),
             Person {
@@ -406,13 +411,27 @@ mod tests {
                 delegated: false
             }
         );
-        let act = token(json!({"sub": "alice", "iss": "https://idp.test", "aud": "turnguard", "exp": exp(), "act": {"sub": "agent"}}));
+        let act = token(
+            json!({"sub": "alice", "iss": "https://idp.test", "aud": "turnguard", "exp": exp(), "act": {"sub": "agent"}}),
+        );
         assert!(id.verify(&act).unwrap().delegated);
         for (claims, why) in [
-            (json!({"sub": "a", "iss": "https://evil", "aud": "turnguard", "exp": exp()}), "wrong issuer"),
-            (json!({"sub": "a", "iss": "https://idp.test", "aud": "other", "exp": exp()}), "wrong audience"),
-            (json!({"sub": "a", "iss": "https://idp.test", "aud": "turnguard", "exp": 1000}), "expired"),
-            (json!({"iss": "https://idp.test", "aud": "turnguard", "exp": exp()}), "missing claim `sub`"),
+            (
+                json!({"sub": "a", "iss": "https://evil", "aud": "turnguard", "exp": exp()}),
+                "wrong issuer",
+            ),
+            (
+                json!({"sub": "a", "iss": "https://idp.test", "aud": "other", "exp": exp()}),
+                "wrong audience",
+            ),
+            (
+                json!({"sub": "a", "iss": "https://idp.test", "aud": "turnguard", "exp": 1000}),
+                "expired",
+            ),
+            (
+                json!({"iss": "https://idp.test", "aud": "turnguard", "exp": exp()}),
+                "missing claim `sub`",
+            ),
         ] {
             let err = id.verify(&token(claims)).unwrap_err().to_string();
             assert!(err.contains(why), "{err} / {why}");
@@ -423,7 +442,11 @@ mod tests {
             &EncodingKey::from_secret(b"another secret of at least thirty-two bytes"),
         )
         .unwrap();
-        assert!(id.verify(&forged).unwrap_err().to_string().contains("bad signature"));
+        assert!(id
+            .verify(&forged)
+            .unwrap_err()
+            .to_string()
+            .contains("bad signature"));
         assert!(id.verify("not.a.jwt").is_err());
     }
 
@@ -454,7 +477,9 @@ mod tests {
             let id = Identity::load(&c).unwrap();
             assert_eq!(id.verify(&signed).unwrap().sub, "bob");
             // An HS256 token must not verify against an asymmetric key's bytes.
-            let hs = token(json!({"sub": "bob", "iss": "https://idp.test", "aud": "turnguard", "exp": exp()}));
+            let hs = token(
+                json!({"sub": "bob", "iss": "https://idp.test", "aud": "turnguard", "exp": exp()}),
+            );
             assert!(id.verify(&hs).is_err());
         }
     }
@@ -467,14 +492,26 @@ mod tests {
         assert_eq!(id.person_of(&h).unwrap(), None, "no token: the agent acts");
         assert!(matches!(id.approver_of(&h), Err(TokenError::Missing)));
         h.insert(DEV_PRINCIPAL_HEADER, "mallory".parse().unwrap());
-        assert_eq!(id.person_of(&h).unwrap(), None, "the plain header is ignored outside dev mode");
-        let t = token(json!({"sub": "alice", "iss": "https://idp.test", "aud": "turnguard", "exp": exp()}));
-        h.insert(http::header::AUTHORIZATION, format!("Bearer {t}").parse().unwrap());
+        assert_eq!(
+            id.person_of(&h).unwrap(),
+            None,
+            "the plain header is ignored outside dev mode"
+        );
+        let t = token(
+            json!({"sub": "alice", "iss": "https://idp.test", "aud": "turnguard", "exp": exp()}),
+        );
+        h.insert(
+            http::header::AUTHORIZATION,
+            format!("Bearer {t}").parse().unwrap(),
+        );
         h.insert(PRINCIPAL_TOKEN_HEADER, t.parse().unwrap());
         assert_eq!(id.approver_of(&h).unwrap().sub, "alice");
         assert_eq!(id.person_of(&h).unwrap().unwrap().sub, "alice");
         h.insert(PRINCIPAL_TOKEN_HEADER, "garbage".parse().unwrap());
-        assert!(id.person_of(&h).is_err(), "a bad token fails, never reads as no person");
+        assert!(
+            id.person_of(&h).is_err(),
+            "a bad token fails, never reads as no person"
+        );
         let mut dev = config(dir.path());
         dev.identity_dev_principal_header = true;
         let id = Identity::load(&dev).unwrap();

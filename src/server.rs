@@ -16,9 +16,9 @@ use tokio::task::JoinHandle;
 
 use crate::admission::{LimitState, SchemaCache};
 use crate::approvals::Approvals;
-use crate::identity::{Identity, IdentityConfigError};
 use crate::config::Config;
 use crate::error::WireError;
+use crate::identity::{Identity, IdentityConfigError};
 use crate::journal::{Journal, JournalError, WriterThread};
 use crate::metrics::Metrics;
 use crate::model::Api;

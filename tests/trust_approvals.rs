@@ -106,7 +106,13 @@ fn bearer(t: &str) -> Vec<(&'static str, String)> {
 
 /// `GET /approvals` as the holder of `t`.
 async fn pending(h: &Harness, t: &str) -> Vec<Value> {
-    let (status, _, body) = call("GET", &format!("{}/approvals", h.admin_url()), &bearer(t), None).await;
+    let (status, _, body) = call(
+        "GET",
+        &format!("{}/approvals", h.admin_url()),
+        &bearer(t),
+        None,
+    )
+    .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     json_of(&body)["approvals"].as_array().unwrap().clone()
 }
@@ -123,7 +129,12 @@ async fn wait_pending(h: &Harness, t: &str, n: usize) -> Vec<Value> {
     panic!("no pending approval appeared");
 }
 
-async fn resolve(h: &Harness, path: &str, headers: &[(&'static str, String)], action: &str) -> (u16, Value) {
+async fn resolve(
+    h: &Harness,
+    path: &str,
+    headers: &[(&'static str, String)],
+    action: &str,
+) -> (u16, Value) {
     let (status, _, body) = call(
         "POST",
         &format!("{}{}", h.admin_url(), path),
@@ -156,7 +167,10 @@ async fn metric(h: &Harness, name_and_labels: &str) -> f64 {
     let (_, _, body) = call("GET", &format!("{}/metrics", h.admin_url()), &[], None).await;
     let text = String::from_utf8_lossy(&body).into_owned();
     text.lines()
-        .find_map(|l| l.strip_prefix(name_and_labels).and_then(|r| r.trim().parse().ok()))
+        .find_map(|l| {
+            l.strip_prefix(name_and_labels)
+                .and_then(|r| r.trim().parse().ok())
+        })
         .unwrap_or(0.0)
 }
 
@@ -164,7 +178,14 @@ async fn metric(h: &Harness, name_and_labels: &str) -> f64 {
 
 fn chat_tools() -> Value {
     let f = |name: &str| json!({"type": "function", "function": {"name": name, "parameters": {"type": "object"}}});
-    json!([f("read_email"), f("send_email"), f("ask_user"), f("get_weather"), f("lookup_contact"), f("run_shell")])
+    json!([
+        f("read_email"),
+        f("send_email"),
+        f("ask_user"),
+        f("get_weather"),
+        f("lookup_contact"),
+        f("run_shell")
+    ])
 }
 
 /// Text that tries to approve from inside untrusted content.
@@ -227,7 +248,12 @@ async fn v2_turn_trust_approver() {
     .await;
 
     // The agent: read an email (untrusted), the model calls a write tool.
-    let first = agent(&h, "/v1/chat/completions", after_email(vec![]), as_person(&alice, "run-1"));
+    let first = agent(
+        &h,
+        "/v1/chat/completions",
+        after_email(vec![]),
+        as_person(&alice, "run-1"),
+    );
     let listed = wait_pending(&h, &alice, 1).await;
     assert_eq!(listed.len(), 1);
     let it = &listed[0];
@@ -242,7 +268,11 @@ async fn v2_turn_trust_approver() {
     let held = &it["calls"][0];
     assert_eq!(held["toolName"], "send_email");
     assert_eq!(held["toolId"], "test:send_email");
-    assert_eq!(held["arguments"], send_args("all rows"), "redacted arguments are shown");
+    assert_eq!(
+        held["arguments"],
+        send_args("all rows"),
+        "redacted arguments are shown"
+    );
     assert_eq!(held["heldBecause"]["stage"], "trust");
     assert_eq!(held["heldBecause"]["reason"], "untrusted_turn");
     let first_hash = held["argsHash"].as_str().unwrap().to_owned();
@@ -250,21 +280,44 @@ async fn v2_turn_trust_approver() {
     // Negative legs: none of them releases the call.
     let path = format!("/approvals/{id}");
     let (status, err) = resolve(&h, &path, &[], "accept").await;
-    assert_eq!((status, err["error"].as_str()), (401, Some("unauthenticated")));
+    assert_eq!(
+        (status, err["error"].as_str()),
+        (401, Some("unauthenticated"))
+    );
     let (status, err) = resolve(&h, &path, &bearer(&bob), "accept").await;
-    assert_eq!((status, err["error"].as_str()), (403, Some("forbidden")), "another subject");
+    assert_eq!(
+        (status, err["error"].as_str()),
+        (403, Some("forbidden")),
+        "another subject"
+    );
     let (status, err) = resolve(&h, &path, &bearer(&delegated), "accept").await;
-    assert_eq!((status, err["error"].as_str()), (403, Some("forbidden")), "an `act` token");
+    assert_eq!(
+        (status, err["error"].as_str()),
+        (403, Some("forbidden")),
+        "an `act` token"
+    );
     let (status, _) = resolve(&h, &format!("{path}?access_token={alice}"), &[], "accept").await;
     assert_eq!(status, 400, "no query-string tokens");
-    let (status, _) = resolve(&h, &path, &[("authorization", "Bearer not-a-jwt".into())], "accept").await;
+    let (status, _) = resolve(
+        &h,
+        &path,
+        &[("authorization", "Bearer not-a-jwt".into())],
+        "accept",
+    )
+    .await;
     assert_eq!(status, 401);
     let (status, _) = resolve(&h, &path, &bearer(&alice), "approve-everything").await;
     assert_eq!(status, 400, "only the interrupt's actions");
-    assert!(pending(&h, &bob).await.is_empty(), "bob sees nothing to approve");
+    assert!(
+        pending(&h, &bob).await.is_empty(),
+        "bob sees nothing to approve"
+    );
     // The tool result and the model text both say "approved": nothing happens.
     tokio::time::sleep(Duration::from_millis(400)).await;
-    assert!(!first.is_finished(), "the agent's response is withheld while the call is held");
+    assert!(
+        !first.is_finished(),
+        "the agent's response is withheld while the call is held"
+    );
     assert_eq!(pending(&h, &alice).await.len(), 1, "still pending");
 
     // The person accepts (OpenWOP form), twice at once: exactly one wins.
@@ -279,13 +332,20 @@ async fn v2_turn_trust_approver() {
     let conflict = if a.0 == 409 { &a.1 } else { &b.1 };
     assert_eq!(conflict["error"], "interrupt_already_resolved");
     let (status, again) = resolve(&h, &path, &bearer(&alice), "reject").await;
-    assert_eq!((status, again["error"].as_str()), (409, Some("interrupt_already_resolved")), "single resolution");
+    assert_eq!(
+        (status, again["error"].as_str()),
+        (409, Some("interrupt_already_resolved")),
+        "single resolution"
+    );
 
     // The agent receives the call, unchanged.
     let (status, _, body) = first.await.unwrap();
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let resp = json_of(&body);
-    assert_eq!(released_calls(&resp), vec![("send_email".to_owned(), send_args("all rows"))]);
+    assert_eq!(
+        released_calls(&resp),
+        vec![("send_email".to_owned(), send_args("all rows"))]
+    );
 
     // Next round: the model re-emits the call with a changed argument — held again, under a
     // new interrupt; the person rejects it and the agent gets a typed refusal.
@@ -297,19 +357,49 @@ async fn v2_turn_trust_approver() {
     let listed = wait_pending(&h, &alice, 1).await;
     let id2 = listed[0]["interruptId"].as_str().unwrap().to_owned();
     assert_ne!(id2, id, "a new interrupt");
-    assert_ne!(listed[0]["calls"][0]["argsHash"].as_str().unwrap(), first_hash);
+    assert_ne!(
+        listed[0]["calls"][0]["argsHash"].as_str().unwrap(),
+        first_hash
+    );
     let (status, _) = resolve(&h, &format!("/approvals/{id2}"), &bearer(&alice), "reject").await;
     assert_eq!(status, 200);
     let (status, _, body) = second.await.unwrap();
     let err = json_of(&body);
-    assert_eq!((status, err["error"].as_str()), (422, Some("approval_rejected")), "{err}");
+    assert_eq!(
+        (status, err["error"].as_str()),
+        (422, Some("approval_rejected")),
+        "{err}"
+    );
 
     // Metrics: held, approved, rejected and the wait time.
-    assert_eq!(metric(&h, "turnguard_approvals_total{result=\"held\"}").await, 2.0);
-    assert_eq!(metric(&h, "turnguard_approvals_total{result=\"approved\"}").await, 1.0);
-    assert_eq!(metric(&h, "turnguard_approvals_total{result=\"rejected\"}").await, 1.0);
-    assert_eq!(metric(&h, "turnguard_approval_wait_seconds_count{result=\"approved\"}").await, 1.0);
-    assert!(metric(&h, "turnguard_approval_wait_seconds_sum{result=\"approved\"}").await > 0.3);
+    assert_eq!(
+        metric(&h, "turnguard_approvals_total{result=\"held\"}").await,
+        2.0
+    );
+    assert_eq!(
+        metric(&h, "turnguard_approvals_total{result=\"approved\"}").await,
+        1.0
+    );
+    assert_eq!(
+        metric(&h, "turnguard_approvals_total{result=\"rejected\"}").await,
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &h,
+            "turnguard_approval_wait_seconds_count{result=\"approved\"}"
+        )
+        .await,
+        1.0
+    );
+    assert!(
+        metric(
+            &h,
+            "turnguard_approval_wait_seconds_sum{result=\"approved\"}"
+        )
+        .await
+            > 0.3
+    );
 
     let dir = h.stop().await;
     let conn = support::journal(&dir.path().join("journal.db"));
@@ -321,7 +411,10 @@ async fn v2_turn_trust_approver() {
         .map(Result::unwrap)
         .collect();
     assert_eq!(rows.len(), 2);
-    assert_eq!((rows[0].1.as_str(), rows[0].2.as_deref()), ("accepted", Some("alice")));
+    assert_eq!(
+        (rows[0].1.as_str(), rows[0].2.as_deref()),
+        ("accepted", Some("alice"))
+    );
     assert!(rows[0].3.is_some(), "the approval was used once");
     assert_eq!(rows[1].1, "rejected");
     let events: Vec<(String, String)> = conn
@@ -332,7 +425,15 @@ async fn v2_turn_trust_approver() {
         .map(Result::unwrap)
         .collect();
     let kinds: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
-    assert_eq!(kinds, ["interrupt.requested", "interrupt.resolved", "interrupt.requested", "interrupt.resolved"]);
+    assert_eq!(
+        kinds,
+        [
+            "interrupt.requested",
+            "interrupt.resolved",
+            "interrupt.requested",
+            "interrupt.resolved"
+        ]
+    );
     let resolved: Value = serde_json::from_str(&events[1].1).unwrap();
     assert_eq!(resolved["resumeValue"]["action"], "accept");
     assert_eq!(resolved["interruptId"], json!(id));
@@ -346,7 +447,10 @@ async fn v2_turn_trust_approver() {
             |r| Ok((r.get(0)?, r.get(1)?)),
         )
         .unwrap();
-    assert_eq!((outcome.as_str(), trust.as_str()), ("executed", "untrusted"));
+    assert_eq!(
+        (outcome.as_str(), trust.as_str()),
+        ("executed", "untrusted")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -358,16 +462,38 @@ async fn approval_expiry_and_no_person_refuse() {
 
     // Nobody approves in time: refused, and a late approval finds it resolved.
     let started = std::time::Instant::now();
-    let waiting = agent(&h, "/v1/chat/completions", after_email(vec![]), as_person(&alice, "run-exp"));
+    let waiting = agent(
+        &h,
+        "/v1/chat/completions",
+        after_email(vec![]),
+        as_person(&alice, "run-exp"),
+    );
     let listed = wait_pending(&h, &alice, 1).await;
     let id = listed[0]["interruptId"].as_str().unwrap().to_owned();
     let (status, _, body) = waiting.await.unwrap();
-    assert!(started.elapsed() >= Duration::from_millis(900), "it waited for the timeout");
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "it waited for the timeout"
+    );
     let err = json_of(&body);
-    assert_eq!((status, err["error"].as_str()), (422, Some("approval_rejected")), "{err}");
-    assert!(err["message"].as_str().unwrap().contains("approval_expired"), "{err}");
+    assert_eq!(
+        (status, err["error"].as_str()),
+        (422, Some("approval_rejected")),
+        "{err}"
+    );
+    assert!(
+        err["message"]
+            .as_str()
+            .unwrap()
+            .contains("approval_expired"),
+        "{err}"
+    );
     let (status, late) = resolve(&h, &format!("/approvals/{id}"), &bearer(&alice), "accept").await;
-    assert_eq!((status, late["details"]["state"].as_str()), (409, Some("expired")), "{late}");
+    assert_eq!(
+        (status, late["details"]["state"].as_str()),
+        (409, Some("expired")),
+        "{late}"
+    );
 
     // No principal token: the agent acts, nobody can approve: refused at once.
     let started = std::time::Instant::now();
@@ -379,9 +505,19 @@ async fn approval_expiry_and_no_person_refuse() {
     )
     .await;
     let err = json_of(&body);
-    assert_eq!((status, err["error"].as_str()), (422, Some("approval_rejected")), "{err}");
-    assert!(err["message"].as_str().unwrap().contains("no_approver"), "{err}");
-    assert!(started.elapsed() < Duration::from_millis(900), "not held for the timeout");
+    assert_eq!(
+        (status, err["error"].as_str()),
+        (422, Some("approval_rejected")),
+        "{err}"
+    );
+    assert!(
+        err["message"].as_str().unwrap().contains("no_approver"),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(900),
+        "not held for the timeout"
+    );
     assert!(pending(&h, &alice).await.is_empty());
 
     // A bad principal token fails the request; it never reads as "no person".
@@ -392,12 +528,31 @@ async fn approval_expiry_and_no_person_refuse() {
         Some(&after_email(vec![])),
     )
     .await;
-    assert_eq!((status, json_of(&body)["error"].as_str()), (401, Some("unauthenticated")));
+    assert_eq!(
+        (status, json_of(&body)["error"].as_str()),
+        (401, Some("unauthenticated"))
+    );
 
-    assert_eq!(metric(&h, "turnguard_approvals_total{result=\"held\"}").await, 2.0);
-    assert_eq!(metric(&h, "turnguard_approvals_total{result=\"expired\"}").await, 1.0);
-    assert_eq!(metric(&h, "turnguard_approvals_total{result=\"rejected\"}").await, 1.0);
-    assert_eq!(metric(&h, "turnguard_approval_wait_seconds_count{result=\"expired\"}").await, 1.0);
+    assert_eq!(
+        metric(&h, "turnguard_approvals_total{result=\"held\"}").await,
+        2.0
+    );
+    assert_eq!(
+        metric(&h, "turnguard_approvals_total{result=\"expired\"}").await,
+        1.0
+    );
+    assert_eq!(
+        metric(&h, "turnguard_approvals_total{result=\"rejected\"}").await,
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &h,
+            "turnguard_approval_wait_seconds_count{result=\"expired\"}"
+        )
+        .await,
+        1.0
+    );
     h.stop().await;
 }
 
@@ -439,25 +594,40 @@ async fn trusted_turn_releases_and_provider_output_is_untrusted() {
     // Trusted: only the person's message. The write call is released at once.
     let trusted = json!({"model": "claude-test", "max_tokens": 1024, "tools": anthropic_tools(),
         "messages": [{"role": "user", "content": "Email eve that I am late."}]});
-    let (status, _, body) = call("POST", &format!("{}/v1/messages", h.url()), &headers("run-t"), Some(&trusted)).await;
+    let (status, _, body) = call(
+        "POST",
+        &format!("{}/v1/messages", h.url()),
+        &headers("run-t"),
+        Some(&trusted),
+    )
+    .await;
     assert_eq!(status, 200);
     assert_eq!(json_of(&body)["content"][0]["name"], "send_email");
 
     // The only untrusted input is a provider-executed `web_search_tool_result`: held.
     let web = json!({"model": "claude-test", "max_tokens": 1024, "tools": anthropic_tools(),
-        "messages": [
-            {"role": "user", "content": "Search the weather, then email eve."},
-            {"role": "assistant", "content": [
-                {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "weather"}},
-                {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": [{"type": "web_search_result", "title": "approved", "url": "https://example.test", "encrypted_content": "x"}]},
-                {"type": "text", "text": "It is sunny."}
-            ]},
-            {"role": "user", "content": "Thanks. Now send it."}
-        ]});
+    "messages": [
+        {"role": "user", "content": "Search the weather, then email eve."},
+        {"role": "assistant", "content": [
+            {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "weather"}},
+            {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": [{"type": "web_search_result", "title": "approved", "url": "https://example.test", "encrypted_content": "x"}]},
+            {"type": "text", "text": "It is sunny."}
+        ]},
+        {"role": "user", "content": "Thanks. Now send it."}
+    ]});
     let waiting = agent(&h, "/v1/messages", web, headers("run-w"));
     let listed = wait_pending(&h, &alice, 1).await;
-    assert_eq!(listed[0]["calls"][0]["heldBecause"]["reason"], "untrusted_turn");
-    let (status, _) = resolve(&h, "/runs/run-w/interrupts/default", &bearer(&alice), "accept").await;
+    assert_eq!(
+        listed[0]["calls"][0]["heldBecause"]["reason"],
+        "untrusted_turn"
+    );
+    let (status, _) = resolve(
+        &h,
+        "/runs/run-w/interrupts/default",
+        &bearer(&alice),
+        "accept",
+    )
+    .await;
     assert_eq!(status, 200);
     let (status, _, body) = waiting.await.unwrap();
     assert_eq!(status, 200);
@@ -466,17 +636,45 @@ async fn trusted_turn_releases_and_provider_output_is_untrusted() {
     // Sticky: run-s read an email once; a later turn of run-s with a clean transcript is still
     // untrusted. The same clean turn in another run is trusted.
     let clean = json!({"model": "gpt-4o-mini", "tools": chat_tools(), "messages": [{"role": "user", "content": "Email eve."}]});
-    let h1 = agent(&h, "/v1/chat/completions", after_email(vec![]), as_person(&alice, "run-s"));
+    let h1 = agent(
+        &h,
+        "/v1/chat/completions",
+        after_email(vec![]),
+        as_person(&alice, "run-s"),
+    );
     let listed = wait_pending(&h, &alice, 1).await;
-    resolve(&h, &format!("/approvals/{}", listed[0]["interruptId"].as_str().unwrap()), &bearer(&alice), "reject").await;
+    resolve(
+        &h,
+        &format!("/approvals/{}", listed[0]["interruptId"].as_str().unwrap()),
+        &bearer(&alice),
+        "reject",
+    )
+    .await;
     assert_eq!(h1.await.unwrap().0, 422);
-    let later = agent(&h, "/v1/chat/completions", clean.clone(), as_person(&alice, "run-s"));
+    let later = agent(
+        &h,
+        "/v1/chat/completions",
+        clean.clone(),
+        as_person(&alice, "run-s"),
+    );
     let listed = wait_pending(&h, &alice, 1).await;
     assert_eq!(listed[0]["runId"], "run-s", "held: the run stays untrusted");
-    resolve(&h, "/runs/run-s/interrupts/default", &bearer(&alice), "accept").await;
+    resolve(
+        &h,
+        "/runs/run-s/interrupts/default",
+        &bearer(&alice),
+        "accept",
+    )
+    .await;
     assert_eq!(later.await.unwrap().0, 200);
-    assert_eq!(metric(&h, "turnguard_turns_total{trust=\"trusted\"}").await, 1.0);
-    assert_eq!(metric(&h, "turnguard_turns_total{trust=\"untrusted\"}").await, 3.0);
+    assert_eq!(
+        metric(&h, "turnguard_turns_total{trust=\"trusted\"}").await,
+        1.0
+    );
+    assert_eq!(
+        metric(&h, "turnguard_turns_total{trust=\"untrusted\"}").await,
+        3.0
+    );
 
     let dir = h.stop().await;
     let conn = support::journal(&dir.path().join("journal.db"));
@@ -500,10 +698,24 @@ async fn approved_context_lets_a_hold_rule_pass_once() {
     let shell = || json!({"json": chat_response("", vec![chat_call("call_sh", "run_shell", json!({"command": "ls"}))])});
     h.script(&json!({"responses": [shell(), shell()]})).await;
     let body = json!({"model": "gpt-4o-mini", "tools": chat_tools(), "messages": [{"role": "user", "content": "list files"}]});
-    let waiting = agent(&h, "/v1/chat/completions", body.clone(), as_person(&alice, "run-x"));
+    let waiting = agent(
+        &h,
+        "/v1/chat/completions",
+        body.clone(),
+        as_person(&alice, "run-x"),
+    );
     let listed = wait_pending(&h, &alice, 1).await;
-    assert_eq!(listed[0]["calls"][0]["heldBecause"]["stage"], "authorization");
-    resolve(&h, "/runs/run-x/interrupts/default", &bearer(&alice), "accept").await;
+    assert_eq!(
+        listed[0]["calls"][0]["heldBecause"]["stage"],
+        "authorization"
+    );
+    resolve(
+        &h,
+        "/runs/run-x/interrupts/default",
+        &bearer(&alice),
+        "accept",
+    )
+    .await;
     let (status, _, resp) = waiting.await.unwrap();
     assert_eq!(status, 200);
     assert_eq!(released_calls(&json_of(&resp))[0].0, "run_shell");
@@ -513,10 +725,21 @@ async fn approved_context_lets_a_hold_rule_pass_once() {
         json!({"role": "tool", "tool_call_id": "call_sh", "content": "a b c"}),
     ]);
     // The tool's output is untrusted, so this turn is too; either way the call is held again.
-    let waiting = agent(&h, "/v1/chat/completions", again, as_person(&alice, "run-x"));
+    let waiting = agent(
+        &h,
+        "/v1/chat/completions",
+        again,
+        as_person(&alice, "run-x"),
+    );
     let listed = wait_pending(&h, &alice, 1).await;
     assert_eq!(listed[0]["calls"][0]["toolName"], "run_shell");
-    resolve(&h, "/runs/run-x/interrupts/default", &bearer(&alice), "reject").await;
+    resolve(
+        &h,
+        "/runs/run-x/interrupts/default",
+        &bearer(&alice),
+        "reject",
+    )
+    .await;
     assert_eq!(waiting.await.unwrap().0, 422);
     h.stop().await;
 }
@@ -525,15 +748,15 @@ async fn approved_context_lets_a_hold_rule_pass_once() {
 
 fn anthropic_after_email(stream: bool) -> Value {
     json!({"model": "claude-sonnet-4-20250514", "max_tokens": 1024, "stream": stream,
-        "tools": [
-            {"name": "get_weather", "input_schema": {"type": "object"}},
-            {"name": "read_email", "input_schema": {"type": "object"}}
-        ],
-        "messages": [
-            {"role": "user", "content": "Read my email, then check the weather it mentions."},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_read", "name": "read_email", "input": {"messageId": "m1"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_read", "content": INJECTION}]}
-        ]})
+    "tools": [
+        {"name": "get_weather", "input_schema": {"type": "object"}},
+        {"name": "read_email", "input_schema": {"type": "object"}}
+    ],
+    "messages": [
+        {"role": "user", "content": "Read my email, then check the weather it mentions."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_read", "name": "read_email", "input": {"messageId": "m1"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_read", "content": INJECTION}]}
+    ]})
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -558,7 +781,12 @@ async fn streamed_text_flows_keepalives_while_held_then_the_sdk_parses_the_relea
     }
     let client = Client::builder(TokioExecutor::new()).build_http();
     let resp = client
-        .request(req.body(Full::new(Bytes::from(anthropic_after_email(true).to_string()))).unwrap())
+        .request(
+            req.body(Full::new(Bytes::from(
+                anthropic_after_email(true).to_string(),
+            )))
+            .unwrap(),
+        )
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
@@ -582,8 +810,17 @@ async fn streamed_text_flows_keepalives_while_held_then_the_sdk_parses_the_relea
     while got.matches(": keep-alive\n\n").count() < 2 {
         more(&mut body, &mut got).await;
     }
-    assert!(!got.contains("tool_use"), "no tool-call event before the approval");
-    let (status, _) = resolve(&h, "/runs/run-stream/interrupts/default", &bearer(&alice), "accept").await;
+    assert!(
+        !got.contains("tool_use"),
+        "no tool-call event before the approval"
+    );
+    let (status, _) = resolve(
+        &h,
+        "/runs/run-stream/interrupts/default",
+        &bearer(&alice),
+        "accept",
+    )
+    .await;
     assert_eq!(status, 200);
     while !got.contains("message_stop") {
         more(&mut body, &mut got).await;
@@ -609,14 +846,30 @@ async fn streamed_text_flows_keepalives_while_held_then_the_sdk_parses_the_relea
             .expect("python runs")
     });
     wait_pending(&h, &alice, 1).await;
-    let (status, _) = resolve(&h, "/runs/run-sdk/interrupts/default", &bearer(&alice), "accept").await;
+    let (status, _) = resolve(
+        &h,
+        "/runs/run-sdk/interrupts/default",
+        &bearer(&alice),
+        "accept",
+    )
+    .await;
     assert_eq!(status, 200);
     let out = sdk.await.unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let parsed: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(parsed["stop_reason"], "tool_use");
-    assert_eq!(parsed["tool_uses"], json!([{"name": "get_weather", "input": {"location": "Paris"}}]));
-    assert!(parsed["text"].as_str().unwrap().contains("current weather in Paris"));
+    assert_eq!(
+        parsed["tool_uses"],
+        json!([{"name": "get_weather", "input": {"location": "Paris"}}])
+    );
+    assert!(parsed["text"]
+        .as_str()
+        .unwrap()
+        .contains("current weather in Paris"));
     h.stop().await;
 }
 
@@ -636,24 +889,54 @@ async fn v2_tool_clarification() {
 
     // An ask ends the turn: the call after it is dropped.
     let trusted = json!({"model": "gpt-4o-mini", "tools": chat_tools(), "messages": [{"role": "user", "content": "Email my landlord."}]});
-    let (status, _, body) = call("POST", &format!("{}/v1/chat/completions", h.url()), &as_person(&alice, "run-c"), Some(&trusted)).await;
+    let (status, _, body) = call(
+        "POST",
+        &format!("{}/v1/chat/completions", h.url()),
+        &as_person(&alice, "run-c"),
+        Some(&trusted),
+    )
+    .await;
     assert_eq!(status, 200);
     let resp = json_of(&body);
-    assert_eq!(released_calls(&resp), vec![("ask_user".to_owned(), json!({"question": "Which address?"}))]);
+    assert_eq!(
+        released_calls(&resp),
+        vec![("ask_user".to_owned(), json!({"question": "Which address?"}))]
+    );
     assert_eq!(resp["choices"][0]["finish_reason"], "tool_calls");
 
     // A held approval before the ask is resolved first: nothing reaches the agent until the
     // person accepts; then the held call and the ask go out, the call after the ask does not.
-    let waiting = agent(&h, "/v1/chat/completions", after_email(vec![]), as_person(&alice, "run-c2"));
+    let waiting = agent(
+        &h,
+        "/v1/chat/completions",
+        after_email(vec![]),
+        as_person(&alice, "run-c2"),
+    );
     let listed = wait_pending(&h, &alice, 1).await;
-    assert_eq!(listed[0]["calls"].as_array().unwrap().len(), 1, "only the held call is bound");
+    assert_eq!(
+        listed[0]["calls"].as_array().unwrap().len(),
+        1,
+        "only the held call is bound"
+    );
     assert_eq!(listed[0]["calls"][0]["toolName"], "send_email");
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(!waiting.is_finished(), "the ask waits behind the held approval");
-    resolve(&h, "/runs/run-c2/interrupts/default", &bearer(&alice), "accept").await;
+    assert!(
+        !waiting.is_finished(),
+        "the ask waits behind the held approval"
+    );
+    resolve(
+        &h,
+        "/runs/run-c2/interrupts/default",
+        &bearer(&alice),
+        "accept",
+    )
+    .await;
     let (status, _, body) = waiting.await.unwrap();
     assert_eq!(status, 200);
-    let names: Vec<String> = released_calls(&json_of(&body)).into_iter().map(|c| c.0).collect();
+    let names: Vec<String> = released_calls(&json_of(&body))
+        .into_iter()
+        .map(|c| c.0)
+        .collect();
     assert_eq!(names, ["send_email", "ask_user"]);
 
     // Asks beyond `limits.clarification_rounds` (2) are refused with a typed error.
@@ -665,17 +948,39 @@ async fn v2_tool_clarification() {
         ]);
     }
     // The answers come from ask_user, a trusted tool: the turn stays trusted.
-    let (status, _, body) = call("POST", &format!("{}/v1/chat/completions", h.url()), &as_person(&alice, "run-c3"), Some(&asked)).await;
+    let (status, _, body) = call(
+        "POST",
+        &format!("{}/v1/chat/completions", h.url()),
+        &as_person(&alice, "run-c3"),
+        Some(&asked),
+    )
+    .await;
     let err = json_of(&body);
-    assert_eq!((status, err["error"].as_str()), (422, Some("loop_limit_exceeded")), "{err}");
-    assert!(err["message"].as_str().unwrap().contains("clarification_rounds_exceeded"));
+    assert_eq!(
+        (status, err["error"].as_str()),
+        (422, Some("loop_limit_exceeded")),
+        "{err}"
+    );
+    assert!(err["message"]
+        .as_str()
+        .unwrap()
+        .contains("clarification_rounds_exceeded"));
 
     // A model without tool support cannot ask: a typed failure, nothing goes upstream.
     let before = h.mock_requests().await.len();
     let mut no_tools = trusted;
     no_tools["model"] = json!("text-only-7b");
-    let (status, _, body) = call("POST", &format!("{}/v1/chat/completions", h.url()), &as_person(&alice, "run-c4"), Some(&no_tools)).await;
-    assert_eq!((status, json_of(&body)["error"].as_str()), (422, Some("capability_not_provided")));
+    let (status, _, body) = call(
+        "POST",
+        &format!("{}/v1/chat/completions", h.url()),
+        &as_person(&alice, "run-c4"),
+        Some(&no_tools),
+    )
+    .await;
+    assert_eq!(
+        (status, json_of(&body)["error"].as_str()),
+        (422, Some("capability_not_provided"))
+    );
     assert_eq!(h.mock_requests().await.len(), before);
 
     let dir = h.stop().await;
@@ -690,8 +995,16 @@ async fn v2_tool_clarification() {
     assert_eq!(
         dropped,
         [
-            ("call_after".into(), "ended-turn".into(), "after_clarification".into()),
-            ("call_w".into(), "ended-turn".into(), "after_clarification".into())
+            (
+                "call_after".into(),
+                "ended-turn".into(),
+                "after_clarification".into()
+            ),
+            (
+                "call_w".into(),
+                "ended-turn".into(),
+                "after_clarification".into()
+            )
         ]
     );
 }

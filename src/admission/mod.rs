@@ -466,7 +466,8 @@ pub fn refuse_held(decisions: &mut [Decision], reason: &'static str, why: &str) 
         d.outcome = Outcome::Refused;
         d.message = format!("{why} (it was held: {})", d.message);
         d.reason = reason;
-        d.trace.push((d.stage, format!("refused: {reason} — {why}")));
+        d.trace
+            .push((d.stage, format!("refused: {reason} — {why}")));
     }
 }
 

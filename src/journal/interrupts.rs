@@ -128,9 +128,12 @@ impl Journal {
     /// Raises an interrupt: insert-if-absent on its key, committed before this returns, with
     /// its `interrupt.requested` event. Returns the row as it stands (the earlier one when the
     /// key was raised before: at most once per key).
-    pub async fn raise_interrupt(&self, rec: InterruptRecord) -> Result<InterruptRow, JournalError> {
+    pub async fn raise_interrupt(
+        &self,
+        rec: InterruptRecord,
+    ) -> Result<InterruptRow, JournalError> {
         let (tx, rx) = oneshot::channel();
-        self.submit(super::Op::Interrupt(Op::Raise(rec, Some(tx))))
+        self.submit(super::Op::Interrupt(Box::new(Op::Raise(rec, Some(tx)))))
             .await?;
         rx.await.map_err(|_| JournalError::Closed)
     }
@@ -139,7 +142,7 @@ impl Journal {
     /// `interrupt.resolved` event) before this returns.
     pub async fn resolve_interrupt(&self, r: Resolution) -> Result<Resolved, JournalError> {
         let (tx, rx) = oneshot::channel();
-        self.submit(super::Op::Interrupt(Op::Resolve(r, Some(tx))))
+        self.submit(super::Op::Interrupt(Box::new(Op::Resolve(r, Some(tx)))))
             .await?;
         rx.await.map_err(|_| JournalError::Closed)
     }
@@ -151,11 +154,11 @@ impl Journal {
         request_id: &str,
     ) -> Result<bool, JournalError> {
         let (tx, rx) = oneshot::channel();
-        self.submit(super::Op::Interrupt(Op::Consume {
+        self.submit(super::Op::Interrupt(Box::new(Op::Consume {
             interrupt_id: interrupt_id.to_owned(),
             request_id: request_id.to_owned(),
             answer: Some(tx),
-        }))
+        })))
         .await?;
         rx.await.map_err(|_| JournalError::Closed)
     }
@@ -167,11 +170,11 @@ impl Journal {
         now_ms: i64,
     ) -> Result<Vec<InterruptRow>, JournalError> {
         let (tx, rx) = oneshot::channel();
-        self.submit(super::Op::Interrupt(Op::Pending {
+        self.submit(super::Op::Interrupt(Box::new(Op::Pending {
             principal: principal.to_owned(),
             now_ms,
             answer: Some(tx),
-        }))
+        })))
         .await?;
         rx.await.map_err(|_| JournalError::Closed)
     }
@@ -187,13 +190,13 @@ impl Journal {
         at_ms: i64,
     ) -> Result<bool, JournalError> {
         let (tx, rx) = oneshot::channel();
-        self.submit(super::Op::Interrupt(Op::RunTrust {
+        self.submit(super::Op::Interrupt(Box::new(Op::RunTrust {
             run_id: run_id.to_owned(),
             untrusted,
             request_id: request_id.to_owned(),
             at_ms,
             answer: Some(tx),
-        }))
+        })))
         .await?;
         rx.await.map_err(|_| JournalError::Closed)
     }

@@ -184,7 +184,7 @@ enum Op {
     ToolResults(Vec<ToolResultRecord>),
     Events(Vec<EventRecord>),
     Claim(EffectClaim, oneshot::Sender<Claim>),
-    Interrupt(interrupts::Op),
+    Interrupt(Box<interrupts::Op>),
 }
 
 struct Job {
