@@ -458,6 +458,15 @@ fn approver(state: &AppState, req: &http::request::Parts) -> Result<Person, Box<
         )));
     }
     let person = state.identity.approver_of(&req.headers).map_err(|e| {
+        if matches!(e, TokenError::HeldByAgent) {
+            tracing::warn!("approval attempt with the agent's own principal token refused");
+            return Box::new(error(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                &e.to_string(),
+                None,
+            ));
+        }
         let message = match e {
             TokenError::Missing => e.to_string(),
             _ => format!("not authenticated: {e}"),

@@ -82,6 +82,10 @@ pub struct ServeArgs {
     /// Expected `aud` of principal tokens.
     #[arg(long, value_name = "AUDIENCE")]
     pub identity_audience: Option<String>,
+    /// Expected `aud` of approver tokens on the admin plane [default: identity_audience].
+    /// A distinct audience keeps the agent's principal token from ever approving.
+    #[arg(long, value_name = "AUDIENCE")]
+    pub identity_approval_audience: Option<String>,
     /// JWKS file with the identity provider's public keys (RS256, ES256, EdDSA).
     #[arg(long, value_name = "FILE")]
     pub identity_jwks: Option<PathBuf>,
@@ -124,6 +128,7 @@ struct FileConfig {
     log_format: Option<String>,
     identity_issuer: Option<String>,
     identity_audience: Option<String>,
+    identity_approval_audience: Option<String>,
     identity_jwks: Option<PathBuf>,
     identity_public_key: Option<PathBuf>,
     identity_hs256_secret_file: Option<PathBuf>,
@@ -204,8 +209,11 @@ pub struct Config {
     pub log_format: LogFormat,
     /// Expected `iss` of principal and approver tokens ([`crate::identity`]).
     pub identity_issuer: Option<String>,
-    /// Expected `aud` of principal and approver tokens.
+    /// Expected `aud` of principal tokens (and of approver tokens unless
+    /// `identity_approval_audience` is set).
     pub identity_audience: Option<String>,
+    /// Expected `aud` of approver tokens.
+    pub identity_approval_audience: Option<String>,
     /// JWKS file of the identity provider.
     pub identity_jwks: Option<PathBuf>,
     /// PEM public key file of the identity provider.
@@ -247,6 +255,7 @@ impl Default for Config {
             log_format: LogFormat::Text,
             identity_issuer: None,
             identity_audience: None,
+            identity_approval_audience: None,
             identity_jwks: None,
             identity_public_key: None,
             identity_hs256_secret_file: None,
@@ -437,6 +446,11 @@ impl Config {
         optional!(
             identity_audience,
             "TURNGUARD_IDENTITY_AUDIENCE",
+            |v: String| v
+        );
+        optional!(
+            identity_approval_audience,
+            "TURNGUARD_IDENTITY_APPROVAL_AUDIENCE",
             |v: String| v
         );
         optional!(identity_jwks, "TURNGUARD_IDENTITY_JWKS", PathBuf::from);

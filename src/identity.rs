@@ -11,12 +11,19 @@
 //! - Keys: a JWKS file (RS256, ES256, EdDSA keys), a PEM public key (RSA → RS256, P-256 →
 //!   ES256, Ed25519 → EdDSA), or an HS256 shared secret (development). `iss`, `aud`, `exp` and
 //!   `sub` are required; `nbf` is checked when present; 60 s of clock leeway.
+//! - The agent holds the person's data-plane token, so that token must not approve: a token
+//!   seen as `Turnguard-Principal-Token` is refused on the admin plane (403), and
+//!   `identity_approval_audience` can require approver tokens to be minted for a different
+//!   audience altogether (the robust setup; or give the agent an RFC 8693 delegated token,
+//!   whose `act` claim the admin plane refuses).
 //! - Development mode (`identity_dev_principal_header = true`): a plain `Turnguard-Principal`
 //!   header is trusted as the verified person on both planes. It is logged loudly at start.
 //!
 //! Tokens are never logged, journaled or echoed in an error.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use http::HeaderMap;
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet};
@@ -62,7 +69,13 @@ pub enum TokenError {
     /// The token does not verify (signature, issuer, audience, expiry, algorithm, key id).
     #[error("the token does not verify: {0}")]
     Invalid(String),
+    /// The token was presented on the data plane, where the agent holds it: it cannot approve.
+    #[error("this token was presented by the agent as its Turnguard-Principal-Token; an approval needs the person's own token")]
+    HeldByAgent,
 }
+
+/// Data-plane tokens remembered (by SHA-256, until their `exp`) so they cannot approve.
+const MAX_SEEN: usize = 100_000;
 
 struct Key {
     kid: Option<String>,
@@ -74,8 +87,11 @@ struct Key {
 pub struct Identity {
     issuer: String,
     audience: String,
+    approval_audience: String,
     keys: Vec<Key>,
     dev_header: bool,
+    /// SHA-256 of tokens seen on the data plane → their `exp` (seconds).
+    seen: Mutex<HashMap<[u8; 32], i64>>,
 }
 
 #[derive(Deserialize)]
@@ -84,6 +100,8 @@ struct Claims {
     sub: String,
     #[serde(default)]
     act: Option<serde_json::Value>,
+    #[serde(default)]
+    exp: i64,
 }
 
 impl Identity {
@@ -128,11 +146,17 @@ impl Identity {
                 "an issuer or audience is configured without keys (identity_jwks, identity_public_key or identity_hs256_secret_file)".into(),
             ));
         }
+        let approval_audience = config
+            .identity_approval_audience
+            .clone()
+            .unwrap_or_else(|| audience.clone());
         Ok(Self {
             issuer,
             audience,
+            approval_audience,
             keys,
             dev_header: config.identity_dev_principal_header,
+            seen: Mutex::new(HashMap::new()),
         })
     }
 
@@ -141,8 +165,10 @@ impl Identity {
         Self {
             issuer: String::new(),
             audience: String::new(),
+            approval_audience: String::new(),
             keys: Vec::new(),
             dev_header: false,
+            seen: Mutex::new(HashMap::new()),
         }
     }
 
@@ -164,9 +190,14 @@ impl Identity {
         algs
     }
 
-    /// Verifies a JWT: signature with a configured key of the token's algorithm (and `kid`,
-    /// when both name one), `iss`, `aud`, `exp`, `nbf`, and a non-empty `sub`.
+    /// Verifies a data-plane JWT (audience `identity_audience`): signature with a configured
+    /// key of the token's algorithm (and `kid`, when both name one), `iss`, `aud`, `exp`,
+    /// `nbf`, and a non-empty `sub`.
     pub fn verify(&self, token: &str) -> Result<Person, TokenError> {
+        self.verify_for(token, &self.audience).map(|(p, _)| p)
+    }
+
+    fn verify_for(&self, token: &str, audience: &str) -> Result<(Person, i64), TokenError> {
         if self.keys.is_empty() {
             return Err(TokenError::NotConfigured);
         }
@@ -194,7 +225,7 @@ impl Identity {
         }
         let mut validation = Validation::new(header.alg);
         validation.set_issuer(&[&self.issuer]);
-        validation.set_audience(&[&self.audience]);
+        validation.set_audience(&[audience]);
         validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
         validation.validate_nbf = true;
         let mut last = String::from("signature");
@@ -205,10 +236,13 @@ impl Identity {
                     if sub.is_empty() || sub.len() > 256 {
                         return Err(TokenError::Invalid("`sub` is empty or too long".into()));
                     }
-                    return Ok(Person {
-                        sub,
-                        delegated: data.claims.act.is_some(),
-                    });
+                    return Ok((
+                        Person {
+                            sub,
+                            delegated: data.claims.act.is_some(),
+                        },
+                        data.claims.exp,
+                    ));
                 }
                 Err(e) => last = describe(&e),
             }
@@ -224,7 +258,10 @@ impl Identity {
             let token = v
                 .to_str()
                 .map_err(|_| TokenError::Invalid("the token is not ASCII".into()))?;
-            return self.verify(token.trim()).map(Some);
+            let token = token.trim();
+            let (person, exp) = self.verify_for(token, &self.audience)?;
+            self.remember(token, exp);
+            return Ok(Some(person));
         }
         Ok(self.dev_person(headers))
     }
@@ -242,9 +279,35 @@ impl Identity {
                 .ok_or_else(|| {
                     TokenError::Invalid("the Authorization scheme is not Bearer".into())
                 })?;
-            return self.verify(token.trim());
+            let token = token.trim();
+            let (person, _) = self.verify_for(token, &self.approval_audience)?;
+            let seen = self
+                .seen
+                .lock()
+                .map(|m| m.contains_key(&digest(token)))
+                .unwrap_or(true);
+            if seen {
+                return Err(TokenError::HeldByAgent);
+            }
+            return Ok(person);
         }
         self.dev_person(headers).ok_or(TokenError::Missing)
+    }
+
+    /// Remembers a data-plane token until its expiry so it cannot approve.
+    fn remember(&self, token: &str, exp: i64) {
+        let Ok(mut seen) = self.seen.lock() else {
+            return;
+        };
+        if seen.len() >= MAX_SEEN {
+            let now = crate::proxy::now_ms() / 1000;
+            seen.retain(|_, e| *e > now);
+            if seen.len() >= MAX_SEEN {
+                tracing::warn!("too many live principal tokens to remember; the oldest are forgotten (use identity_approval_audience)");
+                seen.clear();
+            }
+        }
+        seen.insert(digest(token), exp);
     }
 
     fn dev_person(&self, headers: &HeaderMap) -> Option<Person> {
@@ -257,6 +320,11 @@ impl Identity {
             delegated: false,
         })
     }
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(token.as_bytes()).into()
 }
 
 fn describe(e: &jsonwebtoken::errors::Error) -> String {
@@ -507,6 +575,15 @@ mod tests {
         h.insert(PRINCIPAL_TOKEN_HEADER, t.parse().unwrap());
         assert_eq!(id.approver_of(&h).unwrap().sub, "alice");
         assert_eq!(id.person_of(&h).unwrap().unwrap().sub, "alice");
+        let mut admin = HeaderMap::new();
+        admin.insert(
+            http::header::AUTHORIZATION,
+            format!("Bearer {t}").parse().unwrap(),
+        );
+        assert!(
+            matches!(id.approver_of(&admin), Err(TokenError::HeldByAgent)),
+            "the token the agent presented cannot approve"
+        );
         h.insert(PRINCIPAL_TOKEN_HEADER, "garbage".parse().unwrap());
         assert!(
             id.person_of(&h).is_err(),

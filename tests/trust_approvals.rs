@@ -156,11 +156,18 @@ fn agent(
     tokio::spawn(async move { call("POST", &url, &headers, Some(&body)).await })
 }
 
-fn as_person(t: &str, run: &str) -> Vec<(&'static str, String)> {
+/// The agent's headers: the acting person's data-plane token (a token of its own — the one
+/// the agent holds cannot approve) and the run.
+fn as_person(sub: &str, run: &str) -> Vec<(&'static str, String)> {
     vec![
-        ("turnguard-principal-token", t.to_owned()),
+        ("turnguard-principal-token", agent_token(sub)),
         ("turnguard-run", run.to_owned()),
     ]
+}
+
+/// The token the agent carries for `sub`.
+fn agent_token(sub: &str) -> String {
+    token(sub, json!({"jti": format!("agent-side-{sub}")}))
 }
 
 async fn metric(h: &Harness, name_and_labels: &str) -> f64 {
@@ -252,7 +259,7 @@ async fn v2_turn_trust_approver() {
         &h,
         "/v1/chat/completions",
         after_email(vec![]),
-        as_person(&alice, "run-1"),
+        as_person("alice", "run-1"),
     );
     let listed = wait_pending(&h, &alice, 1).await;
     assert_eq!(listed.len(), 1);
@@ -353,7 +360,12 @@ async fn v2_turn_trust_approver() {
         json!({"role": "assistant", "content": null, "tool_calls": [chat_call("call_send", "send_email", send_args("all rows"))]}),
         json!({"role": "tool", "tool_call_id": "call_send", "content": "sent"}),
     ]);
-    let second = agent(&h, "/v1/chat/completions", next, as_person(&alice, "run-1"));
+    let second = agent(
+        &h,
+        "/v1/chat/completions",
+        next,
+        as_person("alice", "run-1"),
+    );
     let listed = wait_pending(&h, &alice, 1).await;
     let id2 = listed[0]["interruptId"].as_str().unwrap().to_owned();
     assert_ne!(id2, id, "a new interrupt");
@@ -466,7 +478,7 @@ async fn approval_expiry_and_no_person_refuse() {
         &h,
         "/v1/chat/completions",
         after_email(vec![]),
-        as_person(&alice, "run-exp"),
+        as_person("alice", "run-exp"),
     );
     let listed = wait_pending(&h, &alice, 1).await;
     let id = listed[0]["interruptId"].as_str().unwrap().to_owned();
@@ -587,7 +599,7 @@ async fn trusted_turn_releases_and_provider_output_is_untrusted() {
     ]}))
     .await;
     let headers = |run: &str| {
-        let mut h = as_person(&alice, run);
+        let mut h = as_person("alice", run);
         h.push(("anthropic-version", "2023-06-01".into()));
         h
     };
@@ -640,7 +652,7 @@ async fn trusted_turn_releases_and_provider_output_is_untrusted() {
         &h,
         "/v1/chat/completions",
         after_email(vec![]),
-        as_person(&alice, "run-s"),
+        as_person("alice", "run-s"),
     );
     let listed = wait_pending(&h, &alice, 1).await;
     resolve(
@@ -655,7 +667,7 @@ async fn trusted_turn_releases_and_provider_output_is_untrusted() {
         &h,
         "/v1/chat/completions",
         clean.clone(),
-        as_person(&alice, "run-s"),
+        as_person("alice", "run-s"),
     );
     let listed = wait_pending(&h, &alice, 1).await;
     assert_eq!(listed[0]["runId"], "run-s", "held: the run stays untrusted");
@@ -702,7 +714,7 @@ async fn approved_context_lets_a_hold_rule_pass_once() {
         &h,
         "/v1/chat/completions",
         body.clone(),
-        as_person(&alice, "run-x"),
+        as_person("alice", "run-x"),
     );
     let listed = wait_pending(&h, &alice, 1).await;
     assert_eq!(
@@ -729,7 +741,7 @@ async fn approved_context_lets_a_hold_rule_pass_once() {
         &h,
         "/v1/chat/completions",
         again,
-        as_person(&alice, "run-x"),
+        as_person("alice", "run-x"),
     );
     let listed = wait_pending(&h, &alice, 1).await;
     assert_eq!(listed[0]["calls"][0]["toolName"], "run_shell");
@@ -776,7 +788,7 @@ async fn streamed_text_flows_keepalives_while_held_then_the_sdk_parses_the_relea
     let mut req = http::Request::post(format!("{}/v1/messages", h.url()))
         .header("content-type", "application/json")
         .header("anthropic-version", "2023-06-01");
-    for (k, v) in as_person(&alice, "run-stream") {
+    for (k, v) in as_person("alice", "run-stream") {
         req = req.header(k, v);
     }
     let client = Client::builder(TokioExecutor::new()).build_http();
@@ -834,7 +846,7 @@ async fn streamed_text_flows_keepalives_while_held_then_the_sdk_parses_the_relea
     assert_eq!(start["index"], 1);
 
     // The official SDK parses the same held-then-released stream.
-    let token = alice.clone();
+    let token = agent_token("alice");
     let url = h.url();
     let sdk = tokio::task::spawn_blocking(move || {
         std::process::Command::new(support::python())
@@ -892,7 +904,7 @@ async fn v2_tool_clarification() {
     let (status, _, body) = call(
         "POST",
         &format!("{}/v1/chat/completions", h.url()),
-        &as_person(&alice, "run-c"),
+        &as_person("alice", "run-c"),
         Some(&trusted),
     )
     .await;
@@ -910,7 +922,7 @@ async fn v2_tool_clarification() {
         &h,
         "/v1/chat/completions",
         after_email(vec![]),
-        as_person(&alice, "run-c2"),
+        as_person("alice", "run-c2"),
     );
     let listed = wait_pending(&h, &alice, 1).await;
     assert_eq!(
@@ -951,7 +963,7 @@ async fn v2_tool_clarification() {
     let (status, _, body) = call(
         "POST",
         &format!("{}/v1/chat/completions", h.url()),
-        &as_person(&alice, "run-c3"),
+        &as_person("alice", "run-c3"),
         Some(&asked),
     )
     .await;
@@ -973,7 +985,7 @@ async fn v2_tool_clarification() {
     let (status, _, body) = call(
         "POST",
         &format!("{}/v1/chat/completions", h.url()),
-        &as_person(&alice, "run-c4"),
+        &as_person("alice", "run-c4"),
         Some(&no_tools),
     )
     .await;
