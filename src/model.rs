@@ -87,7 +87,10 @@ pub struct Turn {
     /// Names of the tool calls already in the transcript, in order.
     pub prior_calls: Vec<String>,
     /// The transcript carries provider-executed tool output (Anthropic
-    /// `web_search_tool_result` …): always untrusted (tool-turn contract §F).
+    /// `web_search_tool_result` …), or the request lets the provider run such a tool in this
+    /// turn (Anthropic `web_search_*` / `web_fetch_*` / `code_execution_*` tools, Chat
+    /// `web_search_options`), whose output the model may read before it calls a tool: always
+    /// untrusted (tool-turn contract §C, §F).
     pub provider_output_seen: bool,
 }
 

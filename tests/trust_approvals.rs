@@ -573,8 +573,7 @@ async fn approval_expiry_and_no_person_refuse() {
 fn anthropic_tools() -> Value {
     json!([
         {"name": "send_email", "input_schema": {"type": "object"}},
-        {"name": "get_weather", "input_schema": {"type": "object"}},
-        {"type": "web_search_20250305", "name": "web_search", "max_uses": 1}
+        {"name": "get_weather", "input_schema": {"type": "object"}}
     ])
 }
 
@@ -594,6 +593,7 @@ async fn trusted_turn_releases_and_provider_output_is_untrusted() {
     h.script(&json!({"responses": [
         {"json": anthropic_send("toolu_1")},
         {"json": anthropic_send("toolu_2")},
+        {"json": anthropic_send("toolu_3")},
         {"json": chat_response("", vec![chat_call("call_a", "send_email", send_args("x"))])},
         {"json": chat_response("", vec![chat_call("call_b", "send_email", send_args("x"))])},
     ]}))
@@ -645,6 +645,25 @@ async fn trusted_turn_releases_and_provider_output_is_untrusted() {
     assert_eq!(status, 200);
     assert_eq!(json_of(&body)["content"][0]["id"], "toolu_2");
 
+    // A clean transcript, but the request lets the provider search the web in this very turn:
+    // the model may read web content before it calls a tool, so the turn is untrusted.
+    let mut searching = trusted.clone();
+    searching["tools"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"type": "web_search_20250305", "name": "web_search", "max_uses": 1}));
+    let waiting = agent(&h, "/v1/messages", searching, headers("run-d"));
+    let listed = wait_pending(&h, &alice, 1).await;
+    assert_eq!(listed[0]["runId"], "run-d");
+    resolve(
+        &h,
+        "/runs/run-d/interrupts/default",
+        &bearer(&alice),
+        "reject",
+    )
+    .await;
+    assert_eq!(waiting.await.unwrap().0, 422);
+
     // Sticky: run-s read an email once; a later turn of run-s with a clean transcript is still
     // untrusted. The same clean turn in another run is trusted.
     let clean = json!({"model": "gpt-4o-mini", "tools": chat_tools(), "messages": [{"role": "user", "content": "Email eve."}]});
@@ -685,7 +704,7 @@ async fn trusted_turn_releases_and_provider_output_is_untrusted() {
     );
     assert_eq!(
         metric(&h, "turnguard_turns_total{trust=\"untrusted\"}").await,
-        3.0
+        4.0
     );
 
     let dir = h.stop().await;
@@ -697,7 +716,7 @@ async fn trusted_turn_releases_and_provider_output_is_untrusted() {
         .unwrap()
         .map(Result::unwrap)
         .collect();
-    assert_eq!(sticky, ["run-s", "run-w"]);
+    assert_eq!(sticky, ["run-d", "run-s", "run-w"]);
 }
 
 #[tokio::test(flavor = "multi_thread")]
