@@ -28,6 +28,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tools/{tool_id}", get(tool))
         .route("/capabilities", get(capabilities))
         .merge(crate::approvals::routes())
+        .route("/runs/{run_id}/effects", get(effects))
+        .route("/runs/{run_id}/events", get(events))
+        .route("/host/effect-seams", get(effect_seams))
         .fallback(not_found)
         .with_state(state)
 }
@@ -98,7 +101,8 @@ fn served(tool: &CatalogTool, compact: bool) -> Value {
         if let Some(schema) = &d.input_schema {
             let schema = Value::Object(schema.clone().into_iter().collect());
             if compact_schema_ok(&schema, true) {
-                v["inputSchema"] = schema;
+                // The compact subset keeps exactly `type` and `properties` at the top.
+                v["inputSchema"] = json!({ "type": "object", "properties": schema["properties"] });
             }
         }
         return v;
@@ -180,9 +184,100 @@ async fn capabilities() -> Response {
             "witness": "witnessable-unaided",
             "prePostEvents": true,
             "perToolAuthorization": true,
-            "perToolRateLimit": true
+            "perToolRateLimit": true,
+            "turnReplay": true
         },
+        "replay": { "modes": ["replay"], "effectSeamsManifest": "/host/effect-seams" },
         "toolCatalog": { "supported": true, "compactView": true }
+    }))
+    .into_response()
+}
+
+fn rfc3339(ms: i64) -> String {
+    let t =
+        std::time::UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// `GET /runs/{runId}/effects`: the effect ledger projection (OpenWOP
+/// effect-ledger-projection.schema.json), content-free.
+async fn effects(State(s): State<Arc<AppState>>, Path(run_id): Path<String>) -> Response {
+    let reader = Arc::clone(&s.reader);
+    let run = run_id.clone();
+    let rows = tokio::task::spawn_blocking(move || reader.effects(&run)).await;
+    match rows {
+        Ok(Ok(rows)) => {
+            let effects: Vec<Value> = rows
+                .into_iter()
+                .map(|e| {
+                    json!({
+                        "effectId": e.effect_id,
+                        "nodeId": e.node_id.unwrap_or_else(|| "default".into()),
+                        "attempt": e.attempt.unwrap_or(1),
+                        "keying": e.keying,
+                        "state": e.state,
+                        "at": rfc3339(e.at_ms),
+                    })
+                })
+                .collect();
+            Json(json!({ "runId": run_id, "effects": effects })).into_response()
+        }
+        _ => envelope(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "turnguard.journal_unavailable",
+            "the journal could not be read",
+        ),
+    }
+}
+
+/// `GET /runs/{runId}/events`: the run's OpenWOP events in sequence order.
+async fn events(State(s): State<Arc<AppState>>, Path(run_id): Path<String>) -> Response {
+    let reader = Arc::clone(&s.reader);
+    let run = run_id.clone();
+    match tokio::task::spawn_blocking(move || reader.events(&run)).await {
+        Ok(Ok(rows)) => {
+            let events: Vec<Value> = rows
+                .into_iter()
+                .map(|crate::journal::EventRow { sequence, kind, payload, at_ms: at, node_id: node }| {
+                    let mut e = json!({
+                        "runId": run_id, "sequence": sequence, "type": kind,
+                        "payload": serde_json::from_str::<Value>(&payload).unwrap_or(Value::Null),
+                        "timestamp": rfc3339(at), "schemaVersion": 1,
+                    });
+                    if let Some(n) = node {
+                        e["nodeId"] = json!(n);
+                    }
+                    e
+                })
+                .collect();
+            Json(json!({ "runId": run_id, "events": events })).into_response()
+        }
+        _ => envelope(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "turnguard.journal_unavailable",
+            "the journal could not be read",
+        ),
+    }
+}
+
+/// `GET /host/effect-seams` (OpenWOP replay.md, effect-seam-manifest.schema.json): every
+/// outbound effect path turnguard guards. Provider-executed tools are effect seams: on
+/// replay the recorded round is served, so the provider does not run them again.
+async fn effect_seams() -> Response {
+    let seam = |id: &str, kind: &str, note: &str| json!({"id": id, "kind": kind, "suppression": "recorded-outcome", "witness": "seam-gated", "note": note});
+    Json(json!({
+        "manifestVersion": "1",
+        "host": { "name": "turnguard", "build": { "kind": "artifact-sha256", "id": env!("CARGO_PKG_VERSION") } },
+        "seams": [
+            seam("turnguard.client-tool-dispatch", "other", "tool calls released to the agent; on replay recorded calls are answered from recorded results and never released again"),
+            seam("turnguard.model-round", "provider", "model rounds (POST /v1/chat/completions, /v1/messages); on replay served from the record, upstream not called"),
+            seam("openai.web-search", "provider", "OpenAI provider-executed web_search; output untrusted; suppressed by serving the recorded round"),
+            seam("openai.file-search", "provider", "OpenAI provider-executed file_search; output untrusted; suppressed by serving the recorded round"),
+            seam("openai.code-interpreter", "provider", "OpenAI provider-executed code_interpreter; output untrusted; suppressed by serving the recorded round"),
+            seam("anthropic.web-search", "provider", "Anthropic server tool web_search; output untrusted; suppressed by serving the recorded round"),
+            seam("anthropic.web-fetch", "provider", "Anthropic server tool web_fetch; output untrusted; suppressed by serving the recorded round"),
+            seam("anthropic.code-execution", "provider", "Anthropic server tool code_execution; output untrusted; suppressed by serving the recorded round")
+        ]
     }))
     .into_response()
 }

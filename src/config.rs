@@ -76,6 +76,12 @@ pub struct ServeArgs {
     /// Log format: `text` or `json` [default: text].
     #[arg(long, value_name = "FORMAT")]
     pub log_format: Option<String>,
+    /// Tenant id in effect identities (RFC 0150) [default: default].
+    #[arg(long, value_name = "ID")]
+    pub tenant: Option<String>,
+    /// Days run records and effects are kept before pruning; at least 14 [default: 30].
+    #[arg(long, value_name = "DAYS")]
+    pub journal_retention_days: Option<u64>,
     /// Expected `iss` of principal tokens (`Turnguard-Principal-Token`, approver tokens).
     #[arg(long, value_name = "URL")]
     pub identity_issuer: Option<String>,
@@ -126,6 +132,8 @@ struct FileConfig {
     upstream_response_timeout_ms: Option<u64>,
     upstream_idle_timeout_ms: Option<u64>,
     log_format: Option<String>,
+    tenant: Option<String>,
+    journal_retention_days: Option<u64>,
     identity_issuer: Option<String>,
     identity_audience: Option<String>,
     identity_approval_audience: Option<String>,
@@ -207,6 +215,8 @@ pub struct Config {
     pub upstream_response_timeout_ms: u64,
     pub upstream_idle_timeout_ms: u64,
     pub log_format: LogFormat,
+    pub tenant: String,
+    pub journal_retention_days: u64,
     /// Expected `iss` of principal and approver tokens ([`crate::identity`]).
     pub identity_issuer: Option<String>,
     /// Expected `aud` of principal tokens (and of approver tokens unless
@@ -253,6 +263,8 @@ impl Default for Config {
             upstream_response_timeout_ms: 600_000,
             upstream_idle_timeout_ms: 300_000,
             log_format: LogFormat::Text,
+            tenant: "default".to_owned(),
+            journal_retention_days: 30,
             identity_issuer: None,
             identity_audience: None,
             identity_approval_audience: None,
@@ -356,6 +368,23 @@ impl Config {
             "TURNGUARD_LOG_FORMAT",
             |v: String, s: &str| log(v, s)
         );
+        let tenant = |v: String, src: &str| -> Result<String, ConfigError> {
+            let ok = !v.is_empty()
+                && v.len() <= 64
+                && v.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '~' | '-'));
+            if ok {
+                Ok(v)
+            } else {
+                Err(value_err(
+                    src,
+                    format!("`{v}` is not a tenant id (1-64 of A-Z a-z 0-9 . _ ~ -)"),
+                ))
+            }
+        };
+        layer!(tenant, "TURNGUARD_TENANT", |v: String, s: &str| tenant(
+            v, s
+        ));
         // Paths.
         resolve_path(
             &mut c.policy,
@@ -416,6 +445,28 @@ impl Config {
             "TURNGUARD_UPSTREAM_IDLE_TIMEOUT_MS",
             ms,
             ms_env
+        );
+        let days = |v: u64, src: &str| -> Result<u64, ConfigError> {
+            if v < 14 {
+                Err(value_err(
+                    src,
+                    "records are kept at least 14 days (OpenWOP idempotency.md)".into(),
+                ))
+            } else {
+                Ok(v)
+            }
+        };
+        let days_env = |v: String, src: &str| -> Result<u64, ConfigError> {
+            let n: u64 = v
+                .parse()
+                .map_err(|_| value_err(src, format!("`{v}` is not a number of days")))?;
+            days(n, src)
+        };
+        number!(
+            journal_retention_days,
+            "TURNGUARD_JOURNAL_RETENTION_DAYS",
+            days,
+            days_env
         );
 
         number!(

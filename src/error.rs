@@ -41,6 +41,19 @@ pub enum WireError {
     /// through a tool, for a model without tool support).
     #[error("{reason}")]
     CapabilityNotProvided { reason: String },
+    /// Same-attempt recovery found a released, non-re-runnable call with no recorded result
+    /// (tool-turn contract §D).
+    #[error("the outcome of released call(s) is unknown and they are not re-runnable: {calls}")]
+    ToolOutcomeUnknown { calls: String },
+    /// Replay reached a position with no usable record (tool-turn contract §D; OpenWOP
+    /// replay.md).
+    #[error("replay has no record to serve: {reason}")]
+    ReplaySourceMissing { reason: String },
+    /// Inside a run, the request asks the provider to make MCP (or A2A) calls on the agent's
+    /// behalf, e.g. a Responses `tools[].type = "mcp"` (tool-turn contract §F: a host MUST NOT
+    /// delegate an MCP or A2A call to provider execution inside a run).
+    #[error("inside a run, turnguard does not let the provider make MCP or A2A calls: remove {what} (or send the request without `Turnguard-Run`)")]
+    ProviderDelegationInRun { what: String },
     /// An invariant turnguard relies on did not hold.
     #[error("internal error: {reason}")]
     Internal { reason: String },
@@ -88,6 +101,26 @@ impl WireError {
                 "capability_not_provided",
                 "capability_not_provided",
             ),
+            Self::ToolOutcomeUnknown { .. } => (
+                StatusCode::CONFLICT,
+                "turnguard.tool_outcome_unknown",
+                "tool_outcome_unknown",
+            ),
+            Self::ReplaySourceMissing { .. } => (
+                StatusCode::NOT_FOUND,
+                "replay_source_missing",
+                "replay_source_missing",
+            ),
+            // `forbidden` (403): the body is a valid provider request, so not
+            // `validation_error`; turnguard understood it and refuses it by rule, and the same
+            // request without the delegated tool would be served. `capability_not_provided`
+            // (422) means the host lacks something a run needs, and `sandbox_capability_denied`
+            // is about sandboxes; neither is this refusal.
+            Self::ProviderDelegationInRun { .. } => (
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                "provider_delegation_in_run",
+            ),
             Self::Internal { .. } => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal_error",
@@ -107,6 +140,9 @@ impl WireError {
             Self::UpstreamUnavailable { upstream, .. }
             | Self::UpstreamNotConfigured { upstream } => {
                 details["upstream"] = json!(upstream);
+            }
+            Self::ProviderDelegationInRun { what } => {
+                details["field"] = json!(what);
             }
             _ => {}
         }

@@ -10,9 +10,10 @@
 //! | [`body`] | the capped body reader: the only place a request or response body is collected |
 //! | [`proxy`] | the request path: parse → adapter → record tool results → upstream → admit → surface |
 //! | [`sse`] | byte-faithful `text/event-stream` framing (raw bytes kept per event) |
-//! | [`provider`] | one adapter per provider API, into and out of the neutral [`model`] |
+//! | [`provider`] | one adapter per provider API (Chat Completions, Messages, Responses), into and out of the neutral [`model`] |
 //! | [`model`] | the provider-neutral `Turn`, `ToolCall`, `Completion`, `Decision` |
 //! | [`admission`] | the admission order of tool-turn contract §B (completion, name, arguments, …) |
+//! | [`recipes`] | RFC 0150 recipes: semantic request digest v2, `logicalInvocationId` |
 //! | [`journal`] | the SQLite journal: one writer thread, group commit, insert-if-absent |
 //! | [`metrics`] | every Prometheus metric, in one registry handle |
 //! | [`identity`] | who acts: the verified person (JWT) on the data plane and the approver on the admin plane |
@@ -39,6 +40,7 @@ pub mod policy;
 pub mod policy_cli;
 pub mod provider;
 pub mod proxy;
+pub mod recipes;
 pub mod reload;
 pub mod server;
 pub mod sse;

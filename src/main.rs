@@ -27,6 +27,10 @@ enum Command {
     /// Policy author tools: check, test, explain, schema.
     #[command(subcommand)]
     Policy(PolicyCommand),
+    /// Read the journal (safe while `serve` runs): runs, and one run's rounds, calls,
+    /// effects and events (arguments only in redacted form).
+    #[command(subcommand)]
+    Journal(JournalCommand),
     /// Run a scripted OpenAI/Anthropic-compatible model (tests, offline demo).
     MockProvider {
         /// Address to listen on.
@@ -35,6 +39,24 @@ enum Command {
         /// Script file (JSON; see README "Mock provider").
         #[arg(long)]
         script: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum JournalCommand {
+    /// List runs with their round and call counts, most recent first.
+    Runs {
+        /// Journal file.
+        #[arg(long, default_value = "./turnguard.db")]
+        journal: PathBuf,
+    },
+    /// Print one run as JSON: rounds with their calls and decisions, effects, events.
+    Show {
+        /// Run id (`Turnguard-Run`).
+        run: String,
+        /// Journal file.
+        #[arg(long, default_value = "./turnguard.db")]
+        journal: PathBuf,
     },
 }
 
@@ -128,6 +150,51 @@ async fn main() -> anyhow::Result<()> {
             let _ = out.write_all(report.text.as_bytes());
             let _ = out.flush();
             std::process::exit(report.code);
+        }
+        Command::Journal(cmd) => {
+            use std::io::Write;
+            let text = match cmd {
+                JournalCommand::Runs { journal } => {
+                    let r = turnguard::journal::JournalReader::open(&journal)?;
+                    let mut t = String::from("run\trounds\tcalls\tfirst\tlast\n");
+                    for run in r.runs()? {
+                        let at = |ms: i64| {
+                            humantime::format_rfc3339_seconds(
+                                std::time::UNIX_EPOCH
+                                    + std::time::Duration::from_millis(ms.max(0) as u64),
+                            )
+                            .to_string()
+                        };
+                        t.push_str(&format!(
+                            "{}\t{}\t{}\t{}\t{}\n",
+                            run.run_id,
+                            run.rounds,
+                            run.calls,
+                            at(run.first_ms),
+                            at(run.last_ms)
+                        ));
+                    }
+                    t
+                }
+                JournalCommand::Show { run, journal } => {
+                    let r = turnguard::journal::JournalReader::open(&journal)?;
+                    let effects: Vec<serde_json::Value> = r
+                        .effects(&run)?
+                        .into_iter()
+                        .map(|e| serde_json::json!({"effectId": e.effect_id, "toolId": e.tool_id, "nodeId": e.node_id, "attempt": e.attempt, "keying": e.keying, "state": e.state, "atMs": e.at_ms}))
+                        .collect();
+                    let events: Vec<serde_json::Value> = r
+                        .events(&run)?
+                        .into_iter()
+                        .map(|e| serde_json::json!({"sequence": e.sequence, "type": e.kind, "payload": serde_json::from_str::<serde_json::Value>(&e.payload).unwrap_or_default(), "atMs": e.at_ms}))
+                        .collect();
+                    let doc = serde_json::json!({"runId": run, "rounds": r.show(&run)?, "effects": effects, "events": events});
+                    serde_json::to_string_pretty(&doc)? + "\n"
+                }
+            };
+            let mut out = std::io::stdout().lock();
+            out.write_all(text.as_bytes())?;
+            Ok(())
         }
         Command::MockProvider { listen, script } => {
             init_logs(LogFormat::Text);

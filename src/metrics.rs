@@ -38,6 +38,8 @@ pub struct CallLabels {
     pub stage: String,
     /// Emission channel (§A); `tool` for provider-native calls.
     pub channel: String,
+    /// `enforce`, or `shadow` when the call was released although the outcome withholds it.
+    pub mode: String,
 }
 
 /// Labels of `turnguard_upstream_errors_total`.
@@ -83,6 +85,15 @@ pub struct EmissionLabels {
     pub result: String,
 }
 
+/// Labels of `turnguard_replay_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplayLabels {
+    /// `recovery` or `replay`.
+    pub mode: String,
+    /// `hit`, `miss`, `outcome_unknown`.
+    pub result: String,
+}
+
 /// Labels of `turnguard_approvals_total` and `turnguard_approval_wait_seconds`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ApprovalLabels {
@@ -123,6 +134,8 @@ pub struct Metrics {
     pub repairs: Family<RepairLabels, Counter>,
     /// Text answers checked in the structured and prompted channels.
     pub emissions: Family<EmissionLabels, Counter>,
+    /// Recovery and replay lookups by result.
+    pub replay: Family<ReplayLabels, Counter>,
     /// Approval interrupts raised (`held`) and resolved (`approved`, `rejected`, `expired`).
     pub approvals: Family<ApprovalLabels, Counter>,
     /// Time from an approval interrupt being raised to its resolution, seconds.
@@ -223,6 +236,12 @@ impl Metrics {
             "Text answers checked in the structured and prompted channels, by result",
             emissions.clone(),
         );
+        let replay = Family::<ReplayLabels, Counter>::default();
+        registry.register(
+            "replay",
+            "Recovery and replay lookups by result",
+            replay.clone(),
+        );
         let approvals = Family::<ApprovalLabels, Counter>::default();
         registry.register(
             "approvals",
@@ -238,6 +257,7 @@ impl Metrics {
             approval_wait.clone(),
         );
         Self {
+            replay,
             approvals,
             approval_wait,
             emissions,

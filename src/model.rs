@@ -13,6 +13,8 @@ pub enum Api {
     OpenAiChat,
     /// Anthropic Messages, `POST /v1/messages`.
     AnthropicMessages,
+    /// OpenAI Responses, `POST /v1/responses`.
+    OpenAiResponses,
 }
 
 impl Api {
@@ -21,6 +23,7 @@ impl Api {
         match self {
             Self::OpenAiChat => "openai_chat",
             Self::AnthropicMessages => "anthropic_messages",
+            Self::OpenAiResponses => "openai_responses",
         }
     }
 
@@ -29,6 +32,7 @@ impl Api {
         match label {
             "openai_chat" => Some(Self::OpenAiChat),
             "anthropic_messages" => Some(Self::AnthropicMessages),
+            "openai_responses" => Some(Self::OpenAiResponses),
             _ => None,
         }
     }
@@ -38,6 +42,7 @@ impl Api {
         match self {
             Self::OpenAiChat => "openai",
             Self::AnthropicMessages => "anthropic",
+            Self::OpenAiResponses => "openai",
         }
     }
 }
@@ -82,7 +87,9 @@ pub struct Turn {
     /// Chat only: `stream_options.include_usage` is set, so a usage chunk will follow.
     pub include_usage: bool,
     /// Index of the model round this request asks for: assistant turns already in the
-    /// transcript (DESIGN.md §2: derived from the transcript, not a counter).
+    /// transcript (DESIGN.md §2: derived from the transcript, not a counter). With a
+    /// `previous_response_id` the earlier turns are held by the provider, so this counts only
+    /// the turns the request itself carries.
     pub round_index: u32,
     /// Names of the tool calls already in the transcript, in order.
     pub prior_calls: Vec<String>,
@@ -92,6 +99,17 @@ pub struct Turn {
     /// `web_search_options`), whose output the model may read before it calls a tool: always
     /// untrusted (tool-turn contract §C, §F).
     pub provider_output_seen: bool,
+    /// Responses only: `previous_response_id`. The provider holds the earlier turns of the
+    /// conversation, which the proxy cannot see in this request; their trust can only come
+    /// from turnguard's own journal of that response chain (the trust rule is in
+    /// [`crate::journal`], "The response chain"), and an unknown chain is untrusted (fail
+    /// closed).
+    pub previous_response_id: Option<String>,
+    /// Tools the request asks the *provider* to call on the agent's behalf through MCP or A2A
+    /// (Responses `tools[].type = "mcp"`), named by their request path, e.g.
+    /// `tools[1] (mcp, server_label deepwiki)`. Inside a run such a request is refused
+    /// (tool-turn contract §F).
+    pub provider_delegations: Vec<String>,
 }
 
 impl Turn {
@@ -132,6 +150,16 @@ pub struct Completion {
     pub reason: String,
 }
 
+impl Completion {
+    /// A completion with the provider's reason.
+    pub fn new(state: CompletionState, reason: &str) -> Self {
+        Self {
+            state,
+            reason: reason.to_owned(),
+        }
+    }
+}
+
 /// A provider-native tool call emitted by the model (channel `tool`, contract §A).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ToolCall {
@@ -154,6 +182,9 @@ pub struct ChoiceEmissions {
     pub calls: Vec<ToolCall>,
     /// Its assistant text (for the structured and prompted channels), when read.
     pub text: Option<String>,
+    /// The same response carries provider-executed tool output (a web search, a fetch …):
+    /// its calls are decided as in an untrusted turn (tool-turn contract §C, §F).
+    pub provider_output: bool,
 }
 
 /// The outcome of one tool call (tool-turn contract §B).
@@ -236,6 +267,11 @@ pub struct Decision {
     pub retry_after_secs: Option<u64>,
     /// The arguments after redaction (safe to journal and log), when they parsed.
     pub redacted_args: Option<serde_json::Value>,
+    /// How many secrets redaction found in the arguments.
+    pub secrets: usize,
+    /// Arguments to release instead of the model's (JSON text): the redacted form, when the
+    /// bundle strips secrets from calls to egress tools (`redaction.strip_from_egress`).
+    pub release_args: Option<String>,
     /// Stage by stage, what admission found (for `policy explain`).
     pub trace: Vec<(Stage, String)>,
 }
@@ -255,6 +291,8 @@ impl Decision {
             rules: Vec::new(),
             retry_after_secs: None,
             redacted_args: None,
+            secrets: 0,
+            release_args: None,
             trace: Vec::new(),
         }
     }
@@ -263,6 +301,24 @@ impl Decision {
     pub fn released(&self) -> bool {
         self.outcome == Outcome::Executed || !self.enforced
     }
+}
+
+/// A response the provider stores and a later request can continue from
+/// (`previous_response_id`, Responses only), as the journal records it (table `responses`;
+/// the trust rule that reads it is in [`crate::journal`], "The response chain").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseLink {
+    /// The provider's response id (`resp_…`).
+    pub response_id: String,
+    /// The `previous_response_id` of the request that produced it.
+    pub previous_response_id: Option<String>,
+    /// The response's final `status` (`completed`, `incomplete`, `failed` …); `None` when the
+    /// stream ended before its terminal event.
+    pub status: Option<String>,
+    /// Types of the output items the provider executed itself (`web_search_call`,
+    /// `mcp_call` …, and any item type turnguard does not know), in order, deduplicated.
+    /// Their output is untrusted (tool-turn contract §C, §F).
+    pub provider_items: Vec<String>,
 }
 
 /// A host-authored tool result for a repair round (MCP result shape, tool-turn contract §G).
@@ -335,6 +391,19 @@ impl ChoiceVerdict {
     /// Some call is withheld.
     pub fn any_withheld(&self) -> bool {
         self.decisions.iter().any(|d| !d.released())
+    }
+
+    /// The arguments to release for call `i` instead of the model's, if any.
+    pub fn release_args(&self, i: usize) -> Option<&str> {
+        self.decisions
+            .get(i)
+            .filter(|d| d.released())
+            .and_then(|d| d.release_args.as_deref())
+    }
+
+    /// Some released call's arguments are replaced.
+    pub fn any_replaced(&self) -> bool {
+        (0..self.decisions.len()).any(|i| self.release_args(i).is_some())
     }
 
     /// The host-authored text when the turn is ended with calls removed.

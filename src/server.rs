@@ -19,7 +19,7 @@ use crate::approvals::Approvals;
 use crate::config::Config;
 use crate::error::WireError;
 use crate::identity::{Identity, IdentityConfigError};
-use crate::journal::{Journal, JournalError, WriterThread};
+use crate::journal::{Journal, JournalError, JournalReader, WriterThread};
 use crate::metrics::Metrics;
 use crate::model::Api;
 use crate::proxy::{self, upstream};
@@ -33,10 +33,12 @@ pub struct AppState {
     pub client: upstream::HttpClient,
     /// The journal writer handle.
     pub journal: Journal,
+    /// A read-only journal connection (recovery, replay, admin plane).
+    pub reader: Arc<JournalReader>,
     /// The metrics registry handle.
     pub metrics: Arc<Metrics>,
     /// Compiled argument schemas, by schema hash.
-    pub schemas: SchemaCache,
+    pub schemas: Arc<SchemaCache>,
     /// The active policy bundle; each request takes one snapshot.
     pub policy: Arc<PolicyHandle>,
     /// Limits-stage state (token buckets, per-run counters).
@@ -77,6 +79,7 @@ pub struct Running {
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     watcher: JoinHandle<()>,
+    pruner: JoinHandle<()>,
     writer: WriterThread,
 }
 
@@ -86,6 +89,7 @@ impl Running {
     pub async fn shutdown(self) {
         self.state.ready.store(false, Ordering::SeqCst);
         self.watcher.abort();
+        self.pruner.abort();
         let _ = self.stop.send(true);
         for t in self.tasks {
             let _ = t.await;
@@ -124,6 +128,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     metrics.policy_revision("", &policy.revision);
     let policy = Arc::new(PolicyHandle::new(policy, config.policy.clone()));
     let (journal, writer) = Journal::open(&config.journal, Arc::clone(&metrics))?;
+    let reader = Arc::new(JournalReader::open(&config.journal)?);
     let bind = |addr: SocketAddr| async move {
         TcpListener::bind(addr).await.map_err(|e| StartError::Bind {
             addr,
@@ -144,8 +149,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         client: upstream::client(&config),
         config,
         journal,
+        reader,
         metrics,
-        schemas: SchemaCache::default(),
+        schemas: Arc::new(SchemaCache::default()),
         policy: Arc::clone(&policy),
         limits: LimitState::default(),
         ready: AtomicBool::new(false),
@@ -157,6 +163,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         Arc::clone(&state.metrics),
         std::time::Duration::from_millis(250),
     );
+    let pruner = prune_task(Arc::clone(&state));
     let (stop, stopped) = watch::channel(false);
     let serve = |listener: TcpListener, router: Router, mut stopped: watch::Receiver<bool>| {
         tokio::spawn(async move {
@@ -192,7 +199,29 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         stop,
         tasks,
         watcher,
+        pruner,
         writer,
+    })
+}
+
+/// Deletes journal records past `journal_retention_days`, hourly (and once at start).
+fn prune_task(state: Arc<AppState>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(3600));
+        loop {
+            tick.tick().await;
+            let keep_ms = i64::try_from(
+                state
+                    .config
+                    .journal_retention_days
+                    .saturating_mul(86_400_000),
+            )
+            .unwrap_or(i64::MAX);
+            let before = crate::proxy::now_ms().saturating_sub(keep_ms);
+            if let Err(e) = state.journal.prune(before).await {
+                tracing::error!(error = %e, "journal pruning failed");
+            }
+        }
     })
 }
 
@@ -202,6 +231,7 @@ fn data_router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
+        .route("/v1/responses", post(responses))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/models", get(models))
         .route("/v1/models/{model}", get(models))
@@ -217,6 +247,13 @@ async fn chat_completions(State(s): State<Arc<AppState>>, req: Request<Body>) ->
 
 async fn messages(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
     proxy::handle(s, Api::AnthropicMessages, req).await
+}
+
+/// `POST /v1/responses` only: retrieving a stored response (`GET /v1/responses/{id}`) or its
+/// input items would hand the agent calls that never went through admission, so those paths
+/// stay off the allowlist (404), like everything else not listed.
+async fn responses(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
+    proxy::handle(s, Api::OpenAiResponses, req).await
 }
 
 async fn count_tokens(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {

@@ -201,7 +201,11 @@ async fn bad_input_gets_a_clear_error_and_loses_nothing() {
     // Unknown paths and methods: 404 with the OpenWOP body, never forwarded.
     for (method, path) in [
         ("GET", "/v1/chat/completions"),
-        ("POST", "/v1/responses"),
+        // A stored response holds calls that never went through admission.
+        (
+            "GET",
+            "/v1/responses/resp_0050471a34b36ae60068c97b94a480819587a9d70cf2979b33",
+        ),
         ("GET", "/admin"),
         ("POST", "/v1/files"),
     ] {
@@ -426,7 +430,7 @@ async fn admin_plane_serves_health_and_metrics() {
     let metrics = String::from_utf8_lossy(&metrics);
     for want in [
         r#"turnguard_requests_total{api="openai_chat",status="200",stream="true"} 1"#,
-        r#"turnguard_tool_calls_total{outcome="invalid",stage="completion",channel="tool"} 1"#,
+        r#"turnguard_tool_calls_total{outcome="invalid",stage="completion",channel="tool",mode="enforce"} 1"#,
         "turnguard_upstream_latency_seconds_count{api=\"openai_chat\"} 1",
         "turnguard_journal_write_failures_total 0",
     ] {

@@ -112,10 +112,12 @@ fn decide(
 ) -> Decision {
     let tool = ctx.policy.tool(&call.name);
     let mut trace: Vec<(Stage, String)> = Vec::new();
+    let secrets = std::cell::Cell::new(0usize);
     let finish = |mut d: Decision,
                   trace: Vec<(Stage, String)>,
                   hash: Option<String>,
                   redacted: Option<Value>| {
+        d.secrets = secrets.get();
         d.tool_id = tool.descriptor.tool_id.clone();
         d.tool_name = sanitize_label(&call.name);
         d.args_hash = hash;
@@ -135,6 +137,7 @@ fn decide(
         .ok()
         .map(|a| ctx.policy.redactor.redact(&tool.descriptor.tool_id, a));
     let hash = redacted.as_ref().map(|(r, _)| arguments::args_hash(r));
+    secrets.set(redacted.as_ref().map_or(0, |(_, n)| *n));
     let redacted_args = redacted.as_ref().map(|(r, _)| r.clone());
 
     // 1. completion
@@ -179,8 +182,14 @@ fn decide(
         return finish(d, trace, hash, redacted_args);
     };
     let approved = hash.as_deref().is_some_and(|h| (ctx.approved)(h));
+    // Provider-executed output in this very response is untrusted input to its calls.
+    let turn_trust = if choice.provider_output {
+        ContentTrust::Untrusted
+    } else {
+        ctx.trust
+    };
     // 4. trust
-    if let Some(d) = trust::check(ctx.trust, tool, approved) {
+    if let Some(d) = trust::check(turn_trust, tool, approved) {
         return finish(d, trace, hash, redacted_args);
     }
     trace.push((
@@ -192,7 +201,7 @@ fn decide(
         person: ctx.person,
         agent: ctx.agent,
         tool,
-        trust: ctx.trust.as_str(),
+        trust: turn_trust.as_str(),
         provider: ctx.provider,
         model: turn.model.as_deref().unwrap_or(""),
         run: ctx.run.unwrap_or(""),
@@ -301,13 +310,30 @@ fn decide(
         Stage::Redaction,
         format!("{found} secret(s) redacted from every record"),
     ));
+    let strip = found > 0
+        && ctx.policy.redactor.strip_from_egress
+        && tool.descriptor.egress != Some(crate::policy::bundle::Egress::None);
+    if strip && turn.api == crate::model::Api::OpenAiResponses && turn.stream {
+        // Rewriting streamed Responses arguments is not supported: fail closed rather than
+        // release a secret to an egress tool.
+        let d = Decision::new(
+            Outcome::Refused,
+            Stage::Redaction,
+            "strip_unsupported",
+            "the arguments carry a secret that must be stripped before an egress tool, which this stream cannot rewrite".into(),
+        );
+        return finish(d, trace, hash, redacted_args);
+    }
     // 8. dispatch
-    let d = Decision::new(
+    let mut d = Decision::new(
         Outcome::Executed,
         Stage::Dispatch,
         "released",
         String::new(),
     );
+    if strip {
+        d.release_args = redacted_args.as_ref().map(Value::to_string);
+    }
     finish(d, trace, hash, redacted_args)
 }
 

@@ -4,11 +4,50 @@
 //! Writes are insert-if-absent (`ON CONFLICT DO NOTHING`), never `INSERT OR REPLACE`: a
 //! record, once written, is never silently overwritten. A caller that needs durability awaits
 //! the commit acknowledgement; when the journal cannot record, the caller fails the request.
+//!
+//! # The response chain (`responses` table)
+//!
+//! With the Responses API a request may carry `previous_response_id`: the provider then holds
+//! the earlier turns and the proxy sees none of them in the request. So every response the
+//! provider stores is recorded here, keyed by its id, with the `previous_response_id` of the
+//! request that produced it and whether its output holds provider-executed items
+//! (`provider_executed`, `provider_items`: `web_search_call`, `mcp_call` …, untrusted output
+//! per tool-turn contract §C, §F). `content_trust` is left `NULL` for the trust stage to fill
+//! with the `contentTrust` of the request that produced the response.
+//!
+//! The intended trust rule (the trust stage is not built here): a turn whose request names
+//! `previous_response_id = P` is `trusted` only if the journal knows every link of the chain
+//! from `P` back to a response whose own `previous_response_id` is `NULL`, and every link has
+//! `status` `completed` or `incomplete` (a `NULL` status means the stream was cut and the
+//! provider may have gone on), `provider_executed = 0`, and `content_trust = 'trusted'`.
+//! Anything else — a missing link, a chain that leaves this journal, a link with
+//! provider-executed output, a link not yet judged — makes the turn `untrusted` (fail closed).
+//! Inside a run the bit is then sticky as usual. The chain is one recursive query:
+//!
+//! ```sql
+//! WITH RECURSIVE chain(id, prev, ok) AS (
+//!   SELECT response_id, previous_response_id,
+//!          coalesce(provider_executed = 0 AND content_trust = 'trusted'
+//!                   AND status IN ('completed', 'incomplete'), 0)
+//!     FROM responses WHERE response_id = :p
+//!   UNION  -- not UNION ALL: a cyclic chain ends instead of looping (and is untrusted)
+//!   SELECT r.response_id, r.previous_response_id,
+//!          coalesce(r.provider_executed = 0 AND r.content_trust = 'trusted'
+//!                   AND r.status IN ('completed', 'incomplete'), 0)
+//!     FROM responses r JOIN chain c ON r.response_id = c.prev)
+//! SELECT count(*) > 0 AND min(ok) = 1 AND sum(prev IS NULL) = 1 FROM chain;
+//! ```
+//!
+//! Calls turnguard withheld from a stored response are in `tool_calls` (same `request_id`,
+//! `outcome` other than `executed`): the provider still holds them, so a later request that
+//! continues the chain is expected to answer them (see the Responses adapter's notes).
 
 mod interrupts;
+mod reader;
 mod schema;
 
 pub use interrupts::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
+pub use reader::{EffectRow, EventRow, JournalReader, RunSummary};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -18,6 +57,7 @@ use rusqlite::{params, Connection};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::Metrics;
+pub use crate::model::ResponseLink;
 
 /// Records waiting in the channel before senders wait.
 const QUEUE_CAPACITY: usize = 4096;
@@ -53,6 +93,16 @@ pub struct Recorded {
 }
 
 impl Recorded {
+    /// Keeps only the digest and size: the body carried a secret turnguard redacted from
+    /// the call records, so the raw body is not kept (a miss for replay and recovery).
+    pub fn withheld(self) -> Self {
+        Self {
+            bytes: Vec::new(),
+            truncated: true,
+            ..self
+        }
+    }
+
     /// Keeps `body` whole if it fits in `cap` bytes, else its digest with a truncation marker.
     pub fn of(body: &[u8], cap: usize) -> Self {
         use sha2::{Digest, Sha256};
@@ -94,6 +144,10 @@ pub struct CallRecord {
     pub rules: Option<String>,
     /// The arguments after redaction (JSON), never the raw ones.
     pub redacted_args: Option<String>,
+    /// RFC 0150 activity-recipe id (run nodes only).
+    pub logical_invocation_id: Option<String>,
+    /// Per-node ordinal, derived from the transcript.
+    pub node_ordinal: u64,
 }
 
 /// One model round: the request, what the upstream answered, and every decision.
@@ -120,6 +174,9 @@ pub struct RoundRecord {
     /// The response as received from upstream (SSE bytes for a stream).
     pub response: Recorded,
     pub calls: Vec<CallRecord>,
+    /// Responses API: the provider-stored response this round produced, for the response
+    /// chain (see the module docs); `None` for other APIs or when no id was seen.
+    pub response_link: Option<ResponseLink>,
     /// `structured` or `prompted` when the text answer had a schema (§A).
     pub channel: Option<&'static str>,
     /// `valid`, `refused`, or the invalid reason.
@@ -178,8 +235,46 @@ pub enum Claim {
     },
 }
 
+/// A call released to the agent in a served response.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ServedCall {
+    pub call_id: String,
+    pub tool_name: String,
+    /// `safetyTier` pure/read or `replayPolicy` deterministic/idempotent (tool-turn contract §D).
+    pub rerunnable: bool,
+}
+
+/// The response the agent received for one round of a run node (what recovery and replay
+/// serve again).
+#[derive(Debug, Clone)]
+pub struct ServedRecord {
+    pub run_id: String,
+    pub node_id: String,
+    pub attempt: u32,
+    pub round_index: u32,
+    pub request_digest: String,
+    pub request_id: String,
+    pub status: u16,
+    pub content_type: String,
+    pub body: Recorded,
+    pub calls: Vec<ServedCall>,
+    pub at_ms: i64,
+}
+
 enum Op {
-    ReleaseClaim { effect_id: String, call_id: String },
+    Prune {
+        before_ms: i64,
+    },
+    Served(Box<ServedRecord>),
+    Cursor {
+        run_id: String,
+        node_id: String,
+        skipped: u32,
+    },
+    ReleaseClaim {
+        effect_id: String,
+        call_id: String,
+    },
     Round(Box<RoundRecord>),
     ToolResults(Vec<ToolResultRecord>),
     Events(Vec<EventRecord>),
@@ -271,6 +366,33 @@ impl Journal {
         self.submit(Op::Events(events)).await
     }
 
+    /// Records the response a run node's round was answered with (insert-if-absent on
+    /// (run, node, attempt, round): the first answer is the record).
+    pub async fn record_served(&self, rec: ServedRecord) -> Result<(), JournalError> {
+        self.submit(Op::Served(Box::new(rec))).await
+    }
+
+    /// Deletes records older than `before_ms` (retention; effects are kept ≥ 14 days by
+    /// configuration). Returns once committed.
+    pub async fn prune(&self, before_ms: i64) -> Result<(), JournalError> {
+        self.submit(Op::Prune { before_ms }).await
+    }
+
+    /// Sets how many recorded rounds a replay of (run, node) has served without the agent.
+    pub async fn set_replay_cursor(
+        &self,
+        run_id: &str,
+        node_id: &str,
+        skipped: u32,
+    ) -> Result<(), JournalError> {
+        self.submit(Op::Cursor {
+            run_id: run_id.to_owned(),
+            node_id: node_id.to_owned(),
+            skipped,
+        })
+        .await
+    }
+
     /// Gives back a claim this call took but did not use (the call was not released).
     /// Only the claim of `call_id` is removed.
     pub async fn release_claim(&self, effect_id: &str, call_id: &str) -> Result<(), JournalError> {
@@ -334,6 +456,48 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
     let mut replies: interrupts::Replies = Vec::new();
     for job in batch.iter_mut() {
         match &mut job.op {
+            Op::Prune { before_ms } => {
+                let t = *before_ms;
+                tx.execute("DELETE FROM tool_calls WHERE request_id IN (SELECT request_id FROM rounds WHERE at_ms < ?1)", params![t])?;
+                for table in ["rounds", "tool_results", "effects", "events", "served"] {
+                    tx.execute(&format!("DELETE FROM {table} WHERE at_ms < ?1"), params![t])?;
+                }
+            }
+            Op::Served(r) => {
+                tx.execute(
+                    "INSERT INTO served (run_id, node_id, attempt, round_index, request_digest, request_id, status,
+                        content_type, body, body_bytes, body_digest, truncated, calls, at_ms)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
+                     ON CONFLICT (run_id, node_id, attempt, round_index) DO NOTHING",
+                    params![
+                        r.run_id,
+                        r.node_id,
+                        r.attempt,
+                        r.round_index,
+                        r.request_digest,
+                        r.request_id,
+                        r.status,
+                        r.content_type,
+                        r.body.bytes,
+                        r.body.total_bytes as i64,
+                        r.body.digest,
+                        r.body.truncated,
+                        serde_json::to_string(&r.calls).unwrap_or_else(|_| "[]".into()),
+                        r.at_ms
+                    ],
+                )?;
+            }
+            Op::Cursor {
+                run_id,
+                node_id,
+                skipped,
+            } => {
+                tx.execute(
+                    "INSERT INTO replay_cursor (run_id, node_id, skipped) VALUES (?1, ?2, ?3)
+                     ON CONFLICT (run_id, node_id) DO UPDATE SET skipped = excluded.skipped",
+                    params![&*run_id, &*node_id, *skipped],
+                )?;
+            }
             Op::ReleaseClaim { effect_id, call_id } => {
                 tx.execute(
                     "DELETE FROM effects WHERE effect_id = ?1 AND call_id = ?2 AND state = 'claimed'",
@@ -458,11 +622,33 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
             r.content_trust,
         ],
     )?;
+    if let Some(link) = &r.response_link {
+        tx.execute(
+            "INSERT INTO responses (response_id, request_id, previous_response_id, run_id,
+                node_id, attempt, api, status, provider_executed, provider_items, at_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+             ON CONFLICT (response_id) DO NOTHING",
+            params![
+                link.response_id,
+                r.request_id,
+                link.previous_response_id,
+                r.run.run_id,
+                r.run.node_id,
+                r.run.attempt,
+                r.api,
+                link.status,
+                !link.provider_items.is_empty(),
+                link.provider_items.join(","),
+                r.at_ms,
+            ],
+        )?;
+    }
     for c in &r.calls {
         tx.execute(
             "INSERT INTO tool_calls (request_id, choice, ordinal, call_id, name, outcome, stage,
-                reason, args_hash, tool_id, enforced, rules, redacted_args)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
+                reason, args_hash, tool_id, enforced, rules, redacted_args, logical_invocation_id,
+                node_ordinal)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
              ON CONFLICT (request_id, choice, ordinal) DO NOTHING",
             params![
                 r.request_id,
@@ -477,7 +663,9 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
                 c.tool_id,
                 c.enforced,
                 c.rules,
-                c.redacted_args
+                c.redacted_args,
+                c.logical_invocation_id,
+                c.node_ordinal as i64
             ],
         )?;
     }
@@ -514,6 +702,11 @@ fn insert_tool_result(
         ],
     )?;
     if inserted == 1 {
+        // The effect this call claimed (if any) is now completed.
+        tx.execute(
+            "UPDATE effects SET state = 'completed' WHERE call_id = ?1 AND state = 'claimed'",
+            params![t.tool_call_id],
+        )?;
         // The first time a result is seen, the call it answers returns (OpenWOP
         // `agent.tool-returned`; the result body itself is never in the event).
         let mut payload = serde_json::json!({

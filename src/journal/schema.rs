@@ -2,8 +2,8 @@
 
 use rusqlite::Connection;
 
-/// The schema version this build writes.
-pub const VERSION: i64 = 2;
+/// The schema version this build writes. Each version's step is additive and runs once.
+pub const VERSION: i64 = 3;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -21,10 +21,13 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 2 {
         v2(conn)?;
     }
+    if version < 3 {
+        v3(conn)?;
+    }
     Ok(())
 }
 
-/// Version 1: rounds, tool calls, tool results, effects, events.
+/// Rounds, tool calls and decisions, tool results.
 fn v1(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(
         "BEGIN;
@@ -66,6 +69,8 @@ fn v1(conn: &Connection) -> rusqlite::Result<()> {
             reason TEXT NOT NULL,
             args_hash TEXT,
             tool_id TEXT,
+            logical_invocation_id TEXT,
+            node_ordinal INTEGER,
             enforced INTEGER NOT NULL DEFAULT 1,
             rules TEXT,
             redacted_args TEXT,
@@ -112,15 +117,65 @@ fn v1(conn: &Connection) -> rusqlite::Result<()> {
             at_ms INTEGER NOT NULL,
             UNIQUE (scope, sequence)
          );
+         CREATE TABLE IF NOT EXISTS served (
+            id INTEGER PRIMARY KEY,
+            run_id TEXT NOT NULL,
+            node_id TEXT NOT NULL,
+            attempt INTEGER NOT NULL,
+            round_index INTEGER NOT NULL,
+            request_digest TEXT NOT NULL,
+            request_id TEXT NOT NULL,
+            status INTEGER NOT NULL,
+            content_type TEXT NOT NULL,
+            body BLOB,
+            body_bytes INTEGER NOT NULL,
+            body_digest TEXT NOT NULL,
+            truncated INTEGER NOT NULL,
+            calls TEXT NOT NULL,
+            at_ms INTEGER NOT NULL,
+            UNIQUE (run_id, node_id, attempt, round_index)
+         );
+         CREATE TABLE IF NOT EXISTS replay_cursor (
+            run_id TEXT NOT NULL,
+            node_id TEXT NOT NULL,
+            skipped INTEGER NOT NULL,
+            PRIMARY KEY (run_id, node_id)
+         );
          PRAGMA user_version = 1;
          COMMIT;",
     )
 }
 
-/// Version 2 (tool-turn contract §C): approval interrupts (unique deterministic key, state
-/// changed only by compare-and-set from `pending`), the sticky trust bit of each run, and the
-/// `contentTrust` of each round.
+/// The response chain (Responses API `previous_response_id`): one row per response the
+/// provider stores, with whether its output holds provider-executed items. The trust rule that
+/// reads it is in the [`super`] module docs.
 fn v2(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         CREATE TABLE IF NOT EXISTS responses (
+            response_id TEXT PRIMARY KEY,
+            request_id TEXT NOT NULL,
+            previous_response_id TEXT,
+            run_id TEXT,
+            node_id TEXT,
+            attempt INTEGER,
+            api TEXT NOT NULL,
+            status TEXT,
+            provider_executed INTEGER NOT NULL,
+            provider_items TEXT NOT NULL,
+            content_trust TEXT,
+            at_ms INTEGER NOT NULL
+         );
+         CREATE INDEX IF NOT EXISTS responses_previous ON responses (previous_response_id);
+         PRAGMA user_version = 2;
+         COMMIT;",
+    )
+}
+
+/// Tool-turn contract §C: approval interrupts (unique deterministic key, state changed only by
+/// compare-and-set from `pending`), the sticky trust bit of each run, and the `contentTrust`
+/// of each round.
+fn v3(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(
         "BEGIN;
          CREATE TABLE IF NOT EXISTS interrupts (
@@ -152,7 +207,7 @@ fn v2(conn: &Connection) -> rusqlite::Result<()> {
             at_ms INTEGER NOT NULL
          );
          ALTER TABLE rounds ADD COLUMN content_trust TEXT;
-         PRAGMA user_version = 2;
+         PRAGMA user_version = 3;
          COMMIT;",
     )
 }

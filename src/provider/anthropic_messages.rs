@@ -115,15 +115,20 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         round_index,
         prior_calls,
         provider_output_seen,
+        previous_response_id: None,
+        // §F: MCP servers the provider would call itself (`mcp_servers`).
+        provider_delegations: obj
+            .get("mcp_servers")
+            .and_then(Value::as_array)
+            .filter(|a| !a.is_empty())
+            .map(|_| vec!["`mcp_servers`".to_owned()])
+            .unwrap_or_default(),
     })
 }
 
 /// Classifies how the message ended. `used` is the final `usage.output_tokens`.
 pub fn classify(stop_reason: Option<&str>, used: Option<u64>, max: Option<u64>) -> Completion {
-    let completion = |state, reason: &str| Completion {
-        state,
-        reason: reason.to_owned(),
-    };
+    let completion = Completion::new;
     match stop_reason {
         None => completion(CompletionState::Truncated, "missing_stop_reason"),
         Some("refusal") => completion(CompletionState::Refused, "refusal"),
@@ -170,9 +175,17 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
         .filter_map(|b| b.get("text").and_then(Value::as_str))
         .collect();
     let text = (!texts.is_empty()).then(|| texts.concat());
+    let provider_output = body
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|b| b.get("type").and_then(Value::as_str))
+        .any(is_provider_block);
     vec![ChoiceEmissions {
         choice: 0,
         text,
+        provider_output,
         completion: classify(
             body.get("stop_reason").and_then(Value::as_str),
             body.pointer("/usage/output_tokens").and_then(Value::as_u64),
@@ -186,10 +199,25 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
 /// ended turn also gains a host-authored text block and stops with `end_turn`. Returns
 /// whether the body changed.
 pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
-    let Some(verdict) = verdicts.first().filter(|v| v.any_withheld()) else {
+    let Some(verdict) = verdicts
+        .first()
+        .filter(|v| v.any_withheld() || v.any_replaced())
+    else {
         return false;
     };
     if let Some(content) = body.get_mut("content").and_then(Value::as_array_mut) {
+        for (call, b) in content
+            .iter_mut()
+            .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
+            .enumerate()
+        {
+            if let Some(input) = verdict
+                .release_args(call)
+                .and_then(|a| serde_json::from_str::<Value>(a).ok())
+            {
+                b["input"] = input;
+            }
+        }
         let mut call = 0;
         content.retain(|b| {
             if b.get("type").and_then(Value::as_str) != Some("tool_use") {
@@ -238,6 +266,12 @@ pub fn append_repair(body: &mut Value, choice: &ChoiceEmissions, items: &[Repair
     messages.push(json!({"role": "user", "content": results}));
 }
 
+/// A content block the provider's own tools produced (`server_tool_use`,
+/// `web_search_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result` …).
+fn is_provider_block(ty: &str) -> bool {
+    ty == "server_tool_use" || (ty.ends_with("_tool_result") && ty != "tool_result")
+}
+
 #[derive(Debug)]
 struct Block {
     /// A client `tool_use` block (server tools are the provider's and are not admitted here).
@@ -266,6 +300,8 @@ pub struct MessagesStream {
     stop_seen: bool,
     decided: bool,
     failed: bool,
+    /// A provider-executed block was seen in this message.
+    provider_output: bool,
 }
 
 impl MessagesStream {
@@ -282,6 +318,7 @@ impl MessagesStream {
             stop_seen: false,
             decided: false,
             failed: false,
+            provider_output: false,
         }
     }
 
@@ -410,7 +447,12 @@ impl MessagesStream {
 
     /// `message_stop` was seen: a stream that ends now is complete.
     pub fn finished(&self) -> bool {
-        self.stop_seen
+        self.stop_seen || self.failed
+    }
+
+    /// The provider reported an error in the stream.
+    pub fn failed(&self) -> bool {
+        self.failed
     }
 
     fn completion(&self) -> Completion {
@@ -434,6 +476,7 @@ impl MessagesStream {
         vec![ChoiceEmissions {
             choice: 0,
             text: None,
+            provider_output: self.provider_output,
             completion: self.completion(),
             calls,
         }]
@@ -452,7 +495,10 @@ impl MessagesStream {
     pub fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
         self.decided = true;
         let held = std::mem::take(&mut self.held);
-        let Some(verdict) = verdicts.first().filter(|v| v.any_withheld()) else {
+        let Some(verdict) = verdicts
+            .first()
+            .filter(|v| v.any_withheld() || v.any_replaced())
+        else {
             out.extend(held.into_iter().map(|h| h.raw));
             return;
         };
@@ -460,12 +506,18 @@ impl MessagesStream {
         // Released flag per block, in call order; new indices stay contiguous.
         let mut call_no = 0usize;
         let mut renumber: BTreeMap<u64, Option<u64>> = BTreeMap::new();
+        // Blocks whose input is replaced: their deltas go, one delta with the new input is sent
+        // before the block's stop.
+        let mut replace: BTreeMap<u64, String> = BTreeMap::new();
         let first = self.first_held.unwrap_or(0);
         let mut next = first;
         for (&ix, b) in self.blocks.range(first..) {
             let keep = match &b.call {
                 Some(_) => {
                     let k = verdict.released(call_no);
+                    if let Some(args) = verdict.release_args(call_no) {
+                        replace.insert(ix, args.to_owned());
+                    }
                     call_no += 1;
                     k
                 }
@@ -482,6 +534,23 @@ impl MessagesStream {
         let mut text_sent = false;
         for mut h in held {
             if let Some(ix) = h.index {
+                if let Some(args) = replace.get(&ix) {
+                    let kind = h
+                        .json
+                        .as_ref()
+                        .and_then(|v| v.get("type"))
+                        .and_then(Value::as_str);
+                    match kind {
+                        Some("content_block_delta") => continue,
+                        Some("content_block_stop") => {
+                            let new_ix = renumber.get(&ix).copied().flatten().unwrap_or(ix);
+                            let delta = json!({"type": "content_block_delta", "index": new_ix,
+                                "delta": {"type": "input_json_delta", "partial_json": args}});
+                            out.push(sse::encode(Some("content_block_delta"), &delta.to_string()));
+                        }
+                        _ => {}
+                    }
+                }
                 match renumber.get(&ix) {
                     Some(None) => continue,
                     Some(Some(new)) if *new != ix => {

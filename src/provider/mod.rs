@@ -3,11 +3,14 @@
 
 pub mod anthropic_messages;
 pub mod openai_chat;
+pub mod openai_responses;
 
 use bytes::Bytes;
 use serde_json::Value;
 
-use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Completion, RepairItem, Turn};
+use crate::model::{
+    Api, ChoiceEmissions, ChoiceVerdict, Completion, RepairItem, ResponseLink, Turn,
+};
 use crate::sse::SseBlock;
 
 /// Reads a request body of `api` into a [`Turn`].
@@ -17,6 +20,7 @@ pub fn parse_request(api: Api, body: &Value) -> Result<Turn, String> {
     match api {
         Api::OpenAiChat => openai_chat::parse_request(body),
         Api::AnthropicMessages => anthropic_messages::parse_request(body),
+        Api::OpenAiResponses => openai_responses::parse_request(body),
     }
 }
 
@@ -25,6 +29,16 @@ pub fn parse_response(api: Api, body: &Value, turn: &Turn) -> Vec<ChoiceEmission
     match api {
         Api::OpenAiChat => openai_chat::parse_response(body, turn),
         Api::AnthropicMessages => anthropic_messages::parse_response(body, turn),
+        Api::OpenAiResponses => openai_responses::parse_response(body, turn),
+    }
+}
+
+/// What the journal keeps of a non-stream response the provider stores for later turns
+/// (`previous_response_id`); `None` for APIs without stored responses.
+pub fn response_link(body: &Value, turn: &Turn) -> Option<ResponseLink> {
+    match turn.api {
+        Api::OpenAiChat | Api::AnthropicMessages => None,
+        Api::OpenAiResponses => openai_responses::response_link(body, turn),
     }
 }
 
@@ -33,6 +47,7 @@ pub fn rewrite_response(api: Api, body: &mut Value, verdicts: &[ChoiceVerdict]) 
     match api {
         Api::OpenAiChat => openai_chat::rewrite_response(body, verdicts),
         Api::AnthropicMessages => anthropic_messages::rewrite_response(body, verdicts),
+        Api::OpenAiResponses => openai_responses::rewrite_response(body, verdicts),
     }
 }
 
@@ -42,6 +57,7 @@ pub fn append_repair(api: Api, body: &mut Value, choice: &ChoiceEmissions, items
     match api {
         Api::OpenAiChat => openai_chat::append_repair(body, choice, items),
         Api::AnthropicMessages => anthropic_messages::append_repair(body, choice, items),
+        Api::OpenAiResponses => openai_responses::append_repair(body, choice, items),
     }
 }
 
@@ -63,6 +79,7 @@ pub fn structured_schema(api: Api, body: &Value) -> Option<(String, Value)> {
             Some((name, js.get("schema")?.clone()))
         }
         Api::AnthropicMessages => None,
+        Api::OpenAiResponses => openai_responses::structured_schema(body),
     }
 }
 
@@ -72,6 +89,9 @@ pub fn append_text_repair(body: &mut Value, answer: &str, feedback: &str) {
     if let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) {
         messages.push(serde_json::json!({"role": "assistant", "content": answer}));
         messages.push(serde_json::json!({"role": "user", "content": feedback}));
+    } else if body.get("messages").is_none() {
+        // Responses: the transcript is `input`.
+        openai_responses::append_text_repair(body, answer, feedback);
     }
 }
 
@@ -81,16 +101,24 @@ pub fn append_text_repair(body: &mut Value, answer: &str, feedback: &str) {
 pub enum StreamAdapter {
     OpenAiChat(openai_chat::ChatStream),
     AnthropicMessages(anthropic_messages::MessagesStream),
+    OpenAiResponses(Box<openai_responses::ResponsesStream>),
 }
 
 impl StreamAdapter {
-    /// A fresh state machine for one streamed response to `turn`.
-    pub fn new(turn: &Turn) -> Self {
+    /// A fresh state machine for one streamed response to `turn`; `splice` when it is a
+    /// repair round continuing the agent's stream (the Responses adapter splices itself).
+    pub fn new(turn: &Turn, splice: Option<&Splice>) -> Self {
         match turn.api {
             Api::OpenAiChat => Self::OpenAiChat(openai_chat::ChatStream::new(turn)),
             Api::AnthropicMessages => {
                 Self::AnthropicMessages(anthropic_messages::MessagesStream::new(turn))
             }
+            Api::OpenAiResponses => Self::OpenAiResponses(Box::new(match splice {
+                Some(Splice::OpenAiResponses(s)) => {
+                    openai_responses::ResponsesStream::continuing(turn, s)
+                }
+                _ => openai_responses::ResponsesStream::new(turn),
+            })),
         }
     }
 
@@ -99,6 +127,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.push(block, out),
             Self::AnthropicMessages(s) => s.push(block, out),
+            Self::OpenAiResponses(s) => s.push(block, out),
         }
     }
 
@@ -107,6 +136,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.ready(),
             Self::AnthropicMessages(s) => s.ready(),
+            Self::OpenAiResponses(s) => s.ready(),
         }
     }
 
@@ -115,6 +145,16 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.finished(),
             Self::AnthropicMessages(s) => s.finished(),
+            Self::OpenAiResponses(s) => s.finished(),
+        }
+    }
+
+    /// The provider reported an error in the stream (its error event was forwarded).
+    pub fn failed(&self) -> bool {
+        match self {
+            Self::OpenAiChat(s) => s.failed(),
+            Self::AnthropicMessages(s) => s.failed(),
+            Self::OpenAiResponses(s) => s.failed(),
         }
     }
 
@@ -123,6 +163,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.pending(),
             Self::AnthropicMessages(s) => s.pending(),
+            Self::OpenAiResponses(s) => s.pending(),
         }
     }
 
@@ -131,6 +172,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.round(),
             Self::AnthropicMessages(s) => s.round(),
+            Self::OpenAiResponses(s) => s.round(),
         }
     }
 
@@ -139,6 +181,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.completions(),
             Self::AnthropicMessages(s) => s.completions(),
+            Self::OpenAiResponses(s) => s.completions(),
         }
     }
 
@@ -147,6 +190,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.release(verdicts, out),
             Self::AnthropicMessages(s) => s.release(verdicts, out),
+            Self::OpenAiResponses(s) => s.release(verdicts, out),
         }
     }
 
@@ -155,6 +199,7 @@ impl StreamAdapter {
         match self {
             Self::OpenAiChat(s) => s.cut(reason, out),
             Self::AnthropicMessages(s) => s.cut(reason, out),
+            Self::OpenAiResponses(s) => s.cut(reason, out),
         }
     }
 
@@ -166,6 +211,7 @@ impl StreamAdapter {
             Self::AnthropicMessages(s) => {
                 s.fail("invalid_request_error", &format!("{code}: {message}"), out)
             }
+            Self::OpenAiResponses(s) => s.fail(code, message, out),
         }
     }
 
@@ -180,30 +226,48 @@ impl StreamAdapter {
             Self::AnthropicMessages(s) => Splice::AnthropicMessages {
                 offset: s.abandon(),
             },
+            Self::OpenAiResponses(s) => Splice::OpenAiResponses(Box::new(s.abandon())),
+        }
+    }
+
+    /// The journal's record of the provider-stored response, once its id is known
+    /// (Responses only).
+    pub fn response_link(&self) -> Option<ResponseLink> {
+        match self {
+            Self::OpenAiResponses(s) => s.response_link(),
+            Self::OpenAiChat(_) | Self::AnthropicMessages(_) => None,
         }
     }
 }
 
 /// How a repair round's stream continues the agent's stream, which already carries the
 /// first round's text: the SDKs must see one message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Splice {
     /// Chat: the role is not repeated (the SDK concatenates string deltas).
     OpenAiChat,
     /// Messages: no second `message_start`; content block indices continue after `offset`.
     AnthropicMessages { offset: u64 },
+    /// Responses: the adapter of the next round continues the agent's response itself
+    /// (no second `response.created`, the agent's response id, `output_index` and
+    /// `sequence_number` continuing, the items already sent kept in the final `output`).
+    OpenAiResponses(Box<openai_responses::ResponsesSplice>),
 }
 
 impl Splice {
     /// Rewrites one block of the repair round, or drops it (`None`).
-    pub fn apply(self, block: SseBlock) -> Option<SseBlock> {
+    pub fn apply(&self, block: SseBlock) -> Option<SseBlock> {
+        if matches!(self, Self::OpenAiResponses(_)) {
+            return Some(block);
+        }
         let Some(data) = block.data.as_deref() else {
             return Some(block);
         };
         let Ok(mut v) = serde_json::from_str::<Value>(data) else {
             return Some(block);
         };
-        let changed = match self {
+        let changed = match *self {
+            Self::OpenAiResponses(_) => false,
             Self::OpenAiChat => {
                 let mut changed = false;
                 for c in v

@@ -11,6 +11,7 @@
 //! Streams are relayed by [`stream`]; everything provider-specific is behind
 //! [`crate::provider`]. Each request takes one policy snapshot and uses it throughout.
 
+pub mod recovery;
 pub mod stream;
 pub mod trust;
 pub mod upstream;
@@ -31,7 +32,8 @@ use crate::admission::{self, AdmitCtx};
 use crate::body::{read_capped, BodyError};
 use crate::error::WireError;
 use crate::journal::{
-    CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RunKey, ToolResultRecord,
+    CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RunKey, ServedCall,
+    ServedRecord, ToolResultRecord,
 };
 use crate::metrics::{CallLabels, EmissionLabels, RepairLabels, TrustLabels};
 use crate::model::{
@@ -121,6 +123,8 @@ pub struct Session {
     pub rounds: u32,
     /// The schema the text answer must meet (structured / prompted channel, §A).
     pub channel: Option<ChannelSpec>,
+    /// Semantic request digest v2 of the agent's own request (the recovery key).
+    pub agent_digest: String,
     /// The verified acting person (`sub`); `None`: the agent acts (tool-turn contract §C).
     pub person: Option<String>,
 }
@@ -165,9 +169,86 @@ impl Session {
     /// What every round record shares.
     pub fn base(&self, upstream_status: u16) -> RoundBase {
         RoundBase {
-            request_digest: hex_sha256(&admission::arguments::canonical(&self.body)),
+            request_digest: crate::recipes::semantic_request_digest(self.turn.api, &self.body),
             upstream_status,
             round_id: self.round_id(),
+        }
+    }
+
+    /// Identity inputs of this turn's calls.
+    pub fn call_ids(&self) -> CallIds {
+        CallIds {
+            tenant: self.state.config.tenant.clone(),
+            run: self
+                .ctx
+                .run
+                .run_id
+                .clone()
+                .zip(self.ctx.run.node_id.clone()),
+            base_ordinal: self.turn.prior_calls.len() as u64,
+        }
+    }
+
+    /// The calls of `verdicts` that went to the agent, for the served record.
+    pub fn served_calls(
+        &self,
+        round: &[ChoiceEmissions],
+        verdicts: &[ChoiceVerdict],
+    ) -> Vec<ServedCall> {
+        let mut out = Vec::new();
+        for (choice, v) in round.iter().zip(verdicts) {
+            for (i, call) in choice.calls.iter().enumerate() {
+                if v.released(i) {
+                    out.push(ServedCall {
+                        call_id: call.id.clone(),
+                        tool_name: call.name.clone(),
+                        rerunnable: self.policy.tool(&call.name).rerunnable(),
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Records what the agent received for this round of a run node (the record recovery and
+    /// replay serve again). Chat turns are not recorded for replay (tool-turn contract §D).
+    pub async fn record_served(
+        &self,
+        status: u16,
+        content_type: &str,
+        body: &[u8],
+        calls: Vec<ServedCall>,
+        secrets: bool,
+    ) {
+        let (Some(run), Some(node), Some(attempt)) = (
+            &self.ctx.run.run_id,
+            &self.ctx.run.node_id,
+            self.ctx.run.attempt,
+        ) else {
+            return;
+        };
+        let rec = ServedRecord {
+            run_id: run.clone(),
+            node_id: node.clone(),
+            attempt,
+            round_index: self.turn.round_index,
+            request_digest: self.agent_digest.clone(),
+            request_id: self.ctx.request_id.clone(),
+            status,
+            content_type: content_type.to_owned(),
+            body: {
+                let r = Recorded::of(body, self.state.config.journal_max_record_bytes);
+                if secrets {
+                    r.withheld()
+                } else {
+                    r
+                }
+            },
+            calls,
+            at_ms: now_ms(),
+        };
+        if let Err(e) = self.state.journal.record_served(rec).await {
+            tracing::error!(error = %e, request_id = %self.ctx.request_id, "served response not journaled");
         }
     }
 
@@ -247,40 +328,51 @@ impl Session {
         verdicts
     }
 
-    /// Dispatch: claims the effect of every executed call whose tool declares a business key
-    /// (OpenWOP idempotency.md, `keying: business-identity`). A repeat of a claimed effect is
-    /// `suppressed-repeat`, carrying the recorded result. Returns the claims taken.
+    /// Dispatch: claims the effect of every executed call (OpenWOP idempotency.md Layer 2):
+    /// by business identity when the tool declares a business key, else — inside a run, for a
+    /// tool that is not re-runnable — by the activity recipe (`logicalInvocationId`). A repeat
+    /// of a claimed effect is `suppressed-repeat`, carrying the recorded result. Returns the
+    /// claims taken.
     async fn claim_effects(
         &self,
         choice: &ChoiceEmissions,
         decisions: &mut [crate::model::Decision],
     ) -> Vec<(usize, String)> {
         let mut taken = Vec::new();
+        let ids = self.call_ids();
+        let tenant = &self.state.config.tenant;
         for (i, call) in choice.calls.iter().enumerate() {
             if decisions[i].outcome != Outcome::Executed {
                 continue;
             }
             let tool = self.policy.tool(&call.name);
-            if tool.business_key.is_empty() {
-                continue;
-            }
-            let Ok(args) = admission::arguments::parse(&call.arguments) else {
+            let (effect_id, keying) = if !tool.business_key.is_empty() {
+                let Ok(args) = admission::arguments::parse(&call.arguments) else {
+                    continue;
+                };
+                let key: Vec<Value> = tool
+                    .business_key
+                    .iter()
+                    .map(|p| args.pointer(p).cloned().unwrap_or(Value::Null))
+                    .collect();
+                let digest = hex_sha256(&admission::arguments::canonical(
+                    &json!({"toolId": tool.descriptor.tool_id, "businessKey": key}),
+                ));
+                (format!("{tenant}/{digest}"), "business-identity")
+            } else if !tool.rerunnable() {
+                match ids.logical(ids.base_ordinal + i as u64, &call.name) {
+                    Some(id) => (format!("{tenant}/{id}"), "activity-recipe"),
+                    None => continue, // a chat turn: no run, no activity identity
+                }
+            } else {
                 continue;
             };
-            let key: Vec<Value> = tool
-                .business_key
-                .iter()
-                .map(|p| args.pointer(p).cloned().unwrap_or(Value::Null))
-                .collect();
-            let effect_id = hex_sha256(&admission::arguments::canonical(
-                &json!({"toolId": tool.descriptor.tool_id, "businessKey": key}),
-            ));
             let claim = EffectClaim {
                 effect_id: effect_id.clone(),
                 tool_id: tool.descriptor.tool_id.clone(),
                 call_id: call.id.clone(),
                 run: self.ctx.run.clone(),
-                keying: "business-identity",
+                keying,
                 at_ms: now_ms(),
             };
             let d = &mut decisions[i];
@@ -320,6 +412,7 @@ impl Session {
                         outcome: d.outcome.as_str().to_owned(),
                         stage: d.stage.as_str().to_owned(),
                         channel: "tool".to_owned(),
+                        mode: if d.enforced { "enforce" } else { "shadow" }.to_owned(),
                     })
                     .inc();
                 let tool_name = admission::sanitize_label(&call.name);
@@ -338,7 +431,12 @@ impl Session {
                 events.push(self.event("agent.tool-called", called));
                 let status = match (d.outcome, d.reason) {
                     (Outcome::Executed, _) | (Outcome::Held, _) => None,
-                    (Outcome::SuppressedRepeat, _) => Some(("ok", None)),
+                    (Outcome::SuppressedRepeat, _) if d.message.contains("its recorded result") => {
+                        Some(("ok", None))
+                    }
+                    (Outcome::SuppressedRepeat, _) => {
+                        Some(("error", Some("turnguard.effect_already_claimed")))
+                    }
                     (_, "rate_limited") => Some(("rate_limited", Some("rate_limited"))),
                     (Outcome::Refused, r) if admission::is_approval_refusal(r) => {
                         Some(("forbidden", Some("approval_rejected")))
@@ -351,6 +449,9 @@ impl Session {
                     let mut returned = json!({"agentId": AGENT_ID, "toolName": tool_name, "callId": call_id, "status": status});
                     if let Some(code) = code {
                         returned["error"] = json!({"code": code, "message": admission::explain(d)});
+                    } else if d.outcome == Outcome::SuppressedRepeat {
+                        // Not run again: the recorded result was supplied (content-free here).
+                        returned["outcome"] = json!({"suppressedRepeat": true, "recordedResultDigest": hex_sha256(d.message.as_bytes())});
                     }
                     events.push(self.event("agent.tool-returned", returned));
                 }
@@ -404,7 +505,8 @@ fn n_choices(body: &Value) -> u64 {
     body.get("n").and_then(Value::as_u64).unwrap_or(1)
 }
 
-/// Serves one model request of `api` (`POST /v1/chat/completions`, `POST /v1/messages`).
+/// Serves one model request of `api` (`POST /v1/chat/completions`, `POST /v1/messages`,
+/// `POST /v1/responses`).
 pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Response {
     let ctx = RequestCtx::new(req.headers());
     state.metrics.inflight_requests.inc();
@@ -445,6 +547,7 @@ async fn turn(
     let json = parse_json(&raw)?;
     let turn = provider::parse_request(api, &json)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
+    refuse_provider_delegation(ctx, &turn)?;
     let policy = state.policy.snapshot();
     let trust = admission::trust::of_turn(&turn, &policy);
     let trust = trust::sticky(state, ctx, trust).await;
@@ -459,9 +562,12 @@ async fn turn(
         return Err(WireError::CapabilityNotProvided { reason });
     }
     let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
-    record_tool_results(state, ctx, &turn).await?;
+    record_tool_results(state, ctx, &turn, &policy.redactor).await?;
 
+    let agent_digest = crate::recipes::semantic_request_digest(api, &json);
+    let mode = run_mode(&parts.headers)?;
     let mut session = Session {
+        agent_digest,
         channel,
         state: Arc::clone(state),
         ctx: ctx.clone(),
@@ -479,6 +585,9 @@ async fn turn(
         rounds: 0,
         person,
     };
+    if let Some(answer) = crate::proxy::recovery::serve_recorded(&session, mode).await? {
+        return Ok((answer, false));
+    }
     loop {
         let resp = session.send().await?;
         let base = session.base(resp.status().as_u16());
@@ -502,7 +611,15 @@ async fn turn(
                 reason: format!("response body: {e}"),
             })?;
         match surface_json(&session, &base, body).await? {
-            JsonRound::Respond(body) => {
+            JsonRound::Respond(body, calls, secrets) => {
+                let content_type = p
+                    .headers
+                    .get(header::CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("application/json");
+                session
+                    .record_served(p.status.as_u16(), content_type, &body, calls, secrets)
+                    .await;
                 let mut out = Response::new(Body::from(body));
                 *out.status_mut() = p.status;
                 *out.headers_mut() = upstream::response_headers(&p.headers, false);
@@ -514,6 +631,27 @@ async fn turn(
             }
             JsonRound::Error(e) => return Ok((surfaced_error(&e), false)),
         }
+    }
+}
+
+/// `Turnguard-Mode` (DESIGN.md §2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunMode {
+    Live,
+    Replay,
+}
+
+fn run_mode(headers: &HeaderMap) -> Result<RunMode, WireError> {
+    match headers
+        .get("turnguard-mode")
+        .map(|v| v.to_str().map(str::trim))
+    {
+        None => Ok(RunMode::Live),
+        Some(Ok("live")) => Ok(RunMode::Live),
+        Some(Ok("replay")) => Ok(RunMode::Replay),
+        Some(_) => Err(WireError::InvalidRequest {
+            reason: "Turnguard-Mode must be `live` or `replay`".into(),
+        }),
     }
 }
 
@@ -630,12 +768,22 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
         })
 }
 
+/// Inside a run, a request that delegates MCP or A2A calls to the provider is refused before
+/// it goes upstream (tool-turn contract §F). A chat turn (no `Turnguard-Run`) may.
+fn refuse_provider_delegation(ctx: &RequestCtx, turn: &Turn) -> Result<(), WireError> {
+    match (&ctx.run.run_id, turn.provider_delegations.first()) {
+        (Some(_), Some(what)) => Err(WireError::ProviderDelegationInRun { what: what.clone() }),
+        _ => Ok(()),
+    }
+}
+
 /// Records the tool results the request carries, durably, before it goes upstream
 /// (tool-turn contract §D). A record failure fails the request.
 async fn record_tool_results(
     state: &AppState,
     ctx: &RequestCtx,
     turn: &Turn,
+    redactor: &crate::policy::Redactor,
 ) -> Result<(), WireError> {
     let cap = state.config.journal_max_record_bytes;
     let recs: Vec<ToolResultRecord> = turn
@@ -648,7 +796,7 @@ async fn record_tool_results(
             tool_call_id: t.tool_call_id.clone(),
             tool_name: t.tool_name.clone(),
             is_error: t.is_error,
-            content: Recorded::of(t.content.as_bytes(), cap),
+            content: Recorded::of(redactor.redact_text(&t.content).as_bytes(), cap),
         })
         .collect();
     state
@@ -660,12 +808,39 @@ async fn record_tool_results(
         })
 }
 
+/// What a call's identity derives from (DESIGN.md §2): the per-node ordinal continues the
+/// calls already in the transcript, so a re-sent request lands on the same keys.
+#[derive(Debug, Clone, Default)]
+pub struct CallIds {
+    pub tenant: String,
+    /// (run, node) for a run node.
+    pub run: Option<(String, String)>,
+    /// Calls already in the transcript.
+    pub base_ordinal: u64,
+}
+
+impl CallIds {
+    /// `logicalInvocationId` of the call at `ordinal` (run nodes only).
+    pub fn logical(&self, ordinal: u64, tool: &str) -> Option<String> {
+        self.run.as_ref().map(|(run, node)| {
+            crate::recipes::logical_invocation_id(&self.tenant, run, node, ordinal, tool)
+        })
+    }
+}
+
 /// The journal rows of each call and its decision.
-pub fn call_records(round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) -> Vec<CallRecord> {
+pub fn call_records(
+    round: &[ChoiceEmissions],
+    verdicts: &[ChoiceVerdict],
+    ids: &CallIds,
+) -> Vec<CallRecord> {
     let mut out = Vec::new();
     for (choice, verdict) in round.iter().zip(verdicts) {
         for (ordinal, (call, d)) in choice.calls.iter().zip(&verdict.decisions).enumerate() {
+            let node_ordinal = ids.base_ordinal + ordinal as u64;
             out.push(CallRecord {
+                logical_invocation_id: ids.logical(node_ordinal, &call.name),
+                node_ordinal,
                 choice: choice.choice,
                 ordinal: ordinal as u32,
                 call_id: call.id.clone(),
@@ -686,8 +861,8 @@ pub fn call_records(round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) -> Ve
 
 /// How a non-stream round ends.
 enum JsonRound {
-    /// Send this body to the agent.
-    Respond(Bytes),
+    /// Send this body to the agent; these calls go with it; whether a call carried a secret.
+    Respond(Bytes, Vec<ServedCall>, bool),
     /// Ask the model again with this body.
     Repair(Value),
     /// Fail the request.
@@ -721,9 +896,13 @@ async fn surface_json(
         .collect();
     let verdicts = session.admit(&with_calls).await;
     let mut rec = round_record(session, base, "ok", &body);
+    if has_secrets(&verdicts) {
+        rec.response = rec.response.withheld();
+    }
     rec.completion = Some(join(round.iter().map(|c| c.completion.state.as_str())));
     rec.finish_reason = Some(join(round.iter().map(|c| c.completion.reason.as_str())));
-    rec.calls = call_records(&with_calls, &verdicts);
+    rec.calls = call_records(&with_calls, &verdicts, &session.call_ids());
+    rec.response_link = provider::response_link(&json, turn);
 
     let outcome = if let Some(e) = verdicts.iter().find_map(|v| match &v.surfacing {
         Surfacing::Error(e) => Some(e.clone()),
@@ -745,9 +924,17 @@ async fn surface_json(
     } else if let Some(next) = session.check_channel(&round, &mut rec) {
         next
     } else if provider::rewrite_response(turn.api, &mut json, &verdicts) {
-        JsonRound::Respond(Bytes::from(json.to_string()))
+        JsonRound::Respond(
+            Bytes::from(json.to_string()),
+            session.served_calls(&with_calls, &verdicts),
+            has_secrets(&verdicts),
+        )
     } else {
-        JsonRound::Respond(body.clone())
+        JsonRound::Respond(
+            body.clone(),
+            session.served_calls(&with_calls, &verdicts),
+            has_secrets(&verdicts),
+        )
     };
     record_round(&session.state, rec).await;
     Ok(outcome)
@@ -815,6 +1002,16 @@ impl Session {
     }
 }
 
+/// A call of these verdicts carried a secret in its arguments: the raw response bodies of
+/// the round are not kept (redaction applies to every record, and the stream of a call's
+/// arguments cannot be redacted piecewise).
+pub fn has_secrets(verdicts: &[ChoiceVerdict]) -> bool {
+    verdicts
+        .iter()
+        .flat_map(|v| &v.decisions)
+        .any(|d| d.secrets > 0)
+}
+
 /// Comma-joins labels for a journal column.
 pub fn join<'a>(items: impl Iterator<Item = &'a str>) -> String {
     items.collect::<Vec<_>>().join(",")
@@ -845,6 +1042,7 @@ pub fn round_record(
         error: None,
         response: Recorded::of(response, session.state.config.journal_max_record_bytes),
         calls: Vec::new(),
+        response_link: None,
         channel: None,
         channel_result: None,
         content_trust: Some(session.trust.as_str()),

@@ -21,6 +21,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::{call_records, join, record_round, round_record, upstream, RoundBase, Session};
+use crate::admission::channel::{ChannelSpec, ChannelVerdict};
+use crate::admission::SchemaCache;
 use crate::metrics::{ApiLabels, ReasonLabels};
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Surfacing, Turn};
 use crate::provider::{Splice, StreamAdapter};
@@ -50,6 +52,11 @@ pub struct Pipeline {
     splice: Option<Splice>,
     framer_drained: bool,
     tail: Bytes,
+    /// Bytes received while calls were held, and the most that may be (bounded memory).
+    held_bytes: usize,
+    hold_cap: usize,
+    /// The structured / prompted channel check of a text answer (§A), if the request has one.
+    channel: Option<ChannelCheck>,
     /// Each decision point's emissions and verdicts, in order.
     pub decided: Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>,
 }
@@ -67,17 +74,63 @@ impl Pipeline {
     pub fn new(turn: &Turn, max_event_bytes: usize, splice: Option<Splice>) -> Self {
         Self {
             framer: SseFramer::new(max_event_bytes),
-            adapter: StreamAdapter::new(turn),
+            adapter: StreamAdapter::new(turn, splice.as_ref()),
             queue: VecDeque::new(),
             splice,
             framer_drained: false,
             tail: Bytes::new(),
+            held_bytes: 0,
+            hold_cap: usize::MAX,
+            channel: None,
             decided: Vec::new(),
         }
     }
 
-    /// Takes the next upstream bytes. Errors: the event-size cap was passed.
+    /// Validates the text answer against `spec` before the stream's terminal event is
+    /// released (tool-turn contract §A): the text streams as it arrives, the terminal event
+    /// waits, and an answer that does not meet the schema ends the stream with a
+    /// provider-shaped `envelope_invalid` error instead.
+    pub fn with_channel(
+        mut self,
+        spec: Option<ChannelSpec>,
+        schemas: std::sync::Arc<SchemaCache>,
+    ) -> Self {
+        self.channel = spec.map(|spec| ChannelCheck {
+            spec,
+            schemas,
+            text: String::new(),
+            terminal: None,
+            result: None,
+        });
+        self
+    }
+
+    /// The channel verdict of this stream's text answer, once checked.
+    pub fn channel_result(&self) -> Option<(&'static str, String)> {
+        self.channel
+            .as_ref()
+            .and_then(|c| c.result.clone().map(|r| (c.spec.channel.as_str(), r)))
+    }
+
+    /// Caps what may arrive while tool-call events are held (bytes).
+    pub fn with_hold_cap(mut self, cap: usize) -> Self {
+        self.hold_cap = cap;
+        self
+    }
+
+    /// Takes the next upstream bytes. Errors: the event-size cap or the hold cap was passed.
     pub fn feed(&mut self, data: &[u8]) -> Result<(), String> {
+        if self.adapter.pending() {
+            self.held_bytes += data.len();
+            if self.held_bytes > self.hold_cap {
+                return Err(format!(
+                    "more than {} bytes arrived while tool calls were held",
+                    self.hold_cap
+                ));
+            }
+        } else {
+            self.held_bytes = 0;
+        }
         let blocks = self.framer.push(data).map_err(|e| e.to_string())?;
         self.queue.extend(blocks);
         Ok(())
@@ -87,19 +140,78 @@ impl Pipeline {
     /// [`Pipeline::release`]) or until the queue is empty.
     pub fn advance(&mut self, out: &mut Vec<Bytes>) -> Option<Vec<ChoiceEmissions>> {
         while let Some(block) = self.queue.pop_front() {
-            let block = match self.splice {
+            let block = match &self.splice {
                 Some(s) => match s.apply(block) {
                     Some(b) => b,
                     None => continue,
                 },
                 None => block,
             };
+            if let Some(check) = self.channel.as_mut() {
+                check.observe(&block);
+                if check.is_terminal(&block) {
+                    check.terminal = Some(block);
+                    continue;
+                }
+            }
             self.adapter.push(block, out);
             if self.adapter.ready() {
                 return Some(self.adapter.round());
             }
         }
         None
+    }
+
+    /// Checks the held-back terminal event's text answer: releases the terminal event, or
+    /// ends the stream with an error. `false` when the answer was refused.
+    fn settle_channel(&mut self, out: &mut Vec<Bytes>) -> bool {
+        let Some(mut check) = self.channel.take() else {
+            return true;
+        };
+        let Some(terminal) = check.terminal.take() else {
+            self.channel = Some(check);
+            return true;
+        };
+        let had_calls = !self.decided.is_empty();
+        let completion = self.adapter.completions().into_iter().next();
+        let verdict = match (&completion, had_calls) {
+            (_, true) | (None, _) => ChannelVerdict::Valid,
+            (Some(c), false) => {
+                crate::admission::channel::check(&check.spec, Some(&check.text), c, &check.schemas)
+            }
+        };
+        let accepted = match verdict {
+            ChannelVerdict::Valid => {
+                check.result = Some("valid".into());
+                true
+            }
+            ChannelVerdict::Refused => {
+                check.result = Some("refused".into());
+                true
+            }
+            ChannelVerdict::Invalid { reason, message } => {
+                check.result = Some(reason.to_owned());
+                let code = if reason == "truncated" {
+                    "envelope_truncation_unrecoverable"
+                } else {
+                    "envelope_invalid"
+                };
+                self.adapter.fail(
+                    code,
+                    &format!(
+                        "the {} answer was not accepted: {message}",
+                        check.spec.channel.as_str()
+                    ),
+                    out,
+                );
+                false
+            }
+        };
+        if accepted {
+            self.adapter.push(terminal, out);
+        }
+        self.channel = Some(check);
+        accepted
     }
 
     /// Releases the held events with the verdicts applied.
@@ -135,6 +247,17 @@ impl Pipeline {
     /// The upstream body ended (`cut = None`) or failed (`cut = Some(reason)`). Call after
     /// [`Pipeline::advance`] returned `None`.
     pub fn finish(&mut self, cut: Option<String>, out: &mut Vec<Bytes>) -> Finish {
+        if cut.is_none()
+            && self.channel.as_ref().is_some_and(|c| c.terminal.is_some())
+            && !self.adapter.pending()
+        {
+            if !self.settle_channel(out) {
+                return Finish::Ended(
+                    "surfaced_error",
+                    Some("the text answer did not meet its channel's schema".to_owned()),
+                );
+            }
+        }
         match cut {
             None if self.adapter.finished() => {
                 if self.adapter.pending() {
@@ -148,7 +271,14 @@ impl Pipeline {
                         out.push(r);
                     }
                 }
-                Finish::Ended("ok", None)
+                if self.adapter.failed() {
+                    Finish::Ended(
+                        "upstream_error",
+                        Some("the provider sent an error event".to_owned()),
+                    )
+                } else {
+                    Finish::Ended("ok", None)
+                }
             }
             None if !self.framer_drained => {
                 // Blocks only the end of input completes go through the adapter first.
@@ -181,12 +311,17 @@ impl Pipeline {
         self.adapter.completions()
     }
 
+    /// The provider-stored response this stream produced (Responses only), for the journal.
+    pub fn response_link(&self) -> Option<crate::model::ResponseLink> {
+        self.adapter.response_link()
+    }
+
     /// Journal rows for every call: decided ones with their verdicts, calls still held when
     /// the stream failed as withheld at the completion stage.
-    pub fn call_records(&self) -> Vec<crate::journal::CallRecord> {
+    pub fn call_records(&self, ids: &super::CallIds) -> Vec<crate::journal::CallRecord> {
         let mut rows = Vec::new();
         for (round, verdicts) in &self.decided {
-            rows.extend(call_records(round, verdicts));
+            rows.extend(call_records(round, verdicts, ids));
         }
         if self.decided.is_empty() {
             let round = self.adapter.round();
@@ -194,9 +329,74 @@ impl Pipeline {
                 .iter()
                 .map(crate::admission::withheld_by_cut)
                 .collect();
-            rows.extend(call_records(&round, &verdicts));
+            rows.extend(call_records(&round, &verdicts, ids));
         }
         rows
+    }
+}
+
+/// The channel check of a stream's text answer: the text seen so far (bounded) and the
+/// terminal event held back until the text is validated.
+struct ChannelCheck {
+    spec: ChannelSpec,
+    schemas: std::sync::Arc<SchemaCache>,
+    text: String,
+    terminal: Option<SseBlock>,
+    result: Option<String>,
+}
+
+/// Text kept for a channel check, bytes.
+const MAX_CHANNEL_TEXT: usize = 1 << 20;
+
+impl ChannelCheck {
+    /// Accumulates answer text from Chat `delta.content`, Messages `text_delta` and
+    /// Responses `response.output_text.delta` events.
+    fn observe(&mut self, block: &SseBlock) {
+        let Some(v) = block
+            .data
+            .as_deref()
+            .and_then(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        else {
+            return;
+        };
+        let piece = v
+            .pointer("/choices/0/delta/content")
+            .and_then(serde_json::Value::as_str)
+            .or_else(|| {
+                (v.pointer("/delta/type").and_then(serde_json::Value::as_str) == Some("text_delta"))
+                    .then(|| v.pointer("/delta/text").and_then(serde_json::Value::as_str))
+                    .flatten()
+            })
+            .or_else(|| {
+                (v.get("type").and_then(serde_json::Value::as_str)
+                    == Some("response.output_text.delta"))
+                .then(|| v.get("delta").and_then(serde_json::Value::as_str))
+                .flatten()
+            });
+        if let Some(p) = piece {
+            if self.text.len() + p.len() <= MAX_CHANNEL_TEXT {
+                self.text.push_str(p);
+            }
+        }
+    }
+
+    /// The event that ends a response: Chat `[DONE]`, Messages `message_stop`, Responses
+    /// `response.completed` / `response.incomplete`.
+    fn is_terminal(&self, block: &SseBlock) -> bool {
+        let data = block.data.as_deref().unwrap_or_default().trim();
+        data == "[DONE]"
+            || matches!(
+                block.event.as_deref(),
+                Some("message_stop" | "response.completed" | "response.incomplete")
+            )
+            || serde_json::from_str::<serde_json::Value>(data)
+                .ok()
+                .is_some_and(|v| {
+                    matches!(
+                        v.get("type").and_then(serde_json::Value::as_str),
+                        Some("message_stop" | "response.completed" | "response.incomplete")
+                    )
+                })
     }
 }
 
@@ -264,11 +464,23 @@ async fn run(
     tx: mpsc::Sender<Result<Bytes, Infallible>>,
 ) {
     let mut splice = None;
+    let cap = session.state.config.journal_max_record_bytes;
+    let mut agent = ToAgent {
+        tx,
+        sent: Vec::new(),
+        total: 0,
+        cap,
+    };
     loop {
         let mut pipeline =
-            Pipeline::new(&session.turn, session.state.config.max_event_bytes, splice);
-        let mut capture = Capture::new(session.state.config.journal_max_record_bytes);
-        let end = read_round(&session, &mut pipeline, &mut capture, &mut body, &tx).await;
+            Pipeline::new(&session.turn, session.state.config.max_event_bytes, splice)
+                .with_hold_cap(session.state.config.max_response_bytes)
+                .with_channel(
+                    session.channel.clone(),
+                    std::sync::Arc::clone(&session.state.schemas),
+                );
+        let mut capture = Capture::new(cap);
+        let end = read_round(&session, &mut pipeline, &mut capture, &mut body, &mut agent).await;
         let (state, error) = match &end {
             RoundEnd::Repair(..) => ("repaired", None),
             RoundEnd::Done(s, e) => (*s, e.clone()),
@@ -277,7 +489,22 @@ async fn run(
                 Some("the agent closed the stream".to_owned()),
             ),
         };
-        record(&session, &base, &pipeline, capture, state, error).await;
+        let secrets = pipeline.decided.iter().any(|(_, v)| super::has_secrets(v));
+        record(&session, &base, &pipeline, capture, state, error, secrets).await;
+        if state == "ok" {
+            let calls: Vec<_> = pipeline
+                .decided
+                .iter()
+                .flat_map(|(r, v)| session.served_calls(r, v))
+                .collect();
+            if agent.total <= cap {
+                session
+                    .record_served(200, "text/event-stream", &agent.sent, calls, secrets)
+                    .await;
+            } else {
+                tracing::warn!(request_id = %session.ctx.request_id, "stream larger than the record cap: not kept for recovery");
+            }
+        }
         let RoundEnd::Repair(next, how) = end else {
             return;
         };
@@ -299,7 +526,7 @@ async fn run(
                     &format!("the repair round failed upstream with HTTP {status}"),
                     &mut out,
                 );
-                send_all(&tx, &mut out).await;
+                agent.send_all(&mut out).await;
                 return;
             }
             Err(e) => {
@@ -307,20 +534,35 @@ async fn run(
                     Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
                 p.adapter
                     .fail("turnguard.repair_failed", &e.to_string(), &mut out);
-                send_all(&tx, &mut out).await;
+                agent.send_all(&mut out).await;
                 return;
             }
         }
     }
 }
 
-async fn send_all(tx: &mpsc::Sender<Result<Bytes, Infallible>>, out: &mut Vec<Bytes>) -> bool {
-    for chunk in out.drain(..) {
-        if tx.send(Ok(chunk)).await.is_err() {
-            return false;
+/// The agent's side of the relay: the channel and a copy of what was sent (for the served
+/// record of a run node), bounded by the record cap.
+struct ToAgent {
+    tx: mpsc::Sender<Result<Bytes, Infallible>>,
+    sent: Vec<u8>,
+    total: usize,
+    cap: usize,
+}
+
+impl ToAgent {
+    async fn send_all(&mut self, out: &mut Vec<Bytes>) -> bool {
+        for chunk in out.drain(..) {
+            self.total += chunk.len();
+            if self.sent.len() + chunk.len() <= self.cap {
+                self.sent.extend_from_slice(&chunk);
+            }
+            if self.tx.send(Ok(chunk)).await.is_err() {
+                return false;
+            }
         }
+        true
     }
-    true
 }
 
 async fn read_round(
@@ -328,7 +570,7 @@ async fn read_round(
     pipeline: &mut Pipeline,
     capture: &mut Capture,
     body: &mut Incoming,
-    tx: &mpsc::Sender<Result<Bytes, Infallible>>,
+    agent: &mut ToAgent,
 ) -> RoundEnd {
     let idle = Duration::from_millis(session.state.config.upstream_idle_timeout_ms);
     let mut out: Vec<Bytes> = Vec::new();
@@ -347,14 +589,14 @@ async fn read_round(
             break Some(reason);
         }
         while let Some(round) = pipeline.advance(&mut out) {
-            match decide(session, pipeline, round, &mut out, tx).await {
+            match decide(session, pipeline, round, &mut out, agent).await {
                 Next::Continue => {}
                 Next::Repair(body, splice) => {
-                    send_all(tx, &mut out).await;
+                    agent.send_all(&mut out).await;
                     return RoundEnd::Repair(body, splice);
                 }
                 Next::Stop => {
-                    return if send_all(tx, &mut out).await {
+                    return if agent.send_all(&mut out).await {
                         RoundEnd::Done("surfaced_error", None)
                     } else {
                         RoundEnd::ClientGone
@@ -362,7 +604,7 @@ async fn read_round(
                 }
             }
         }
-        if !send_all(tx, &mut out).await {
+        if !agent.send_all(&mut out).await {
             return RoundEnd::ClientGone;
         }
     };
@@ -371,19 +613,21 @@ async fn read_round(
     }
     loop {
         match pipeline.finish(cut.clone(), &mut out) {
-            Finish::Decide(round) => match decide(session, pipeline, round, &mut out, tx).await {
-                Next::Continue => {}
-                Next::Repair(body, splice) => {
-                    send_all(tx, &mut out).await;
-                    return RoundEnd::Repair(body, splice);
+            Finish::Decide(round) => {
+                match decide(session, pipeline, round, &mut out, agent).await {
+                    Next::Continue => {}
+                    Next::Repair(body, splice) => {
+                        agent.send_all(&mut out).await;
+                        return RoundEnd::Repair(body, splice);
+                    }
+                    Next::Stop => {
+                        agent.send_all(&mut out).await;
+                        return RoundEnd::Done("surfaced_error", None);
+                    }
                 }
-                Next::Stop => {
-                    send_all(tx, &mut out).await;
-                    return RoundEnd::Done("surfaced_error", None);
-                }
-            },
+            }
             Finish::Ended(state, error) => {
-                if !send_all(tx, &mut out).await {
+                if !agent.send_all(&mut out).await {
                     return RoundEnd::ClientGone;
                 }
                 return RoundEnd::Done(state, error);
@@ -400,9 +644,9 @@ async fn decide(
     pipeline: &mut Pipeline,
     round: Vec<ChoiceEmissions>,
     out: &mut Vec<Bytes>,
-    tx: &mpsc::Sender<Result<Bytes, Infallible>>,
+    agent: &mut ToAgent,
 ) -> Next {
-    send_all(tx, out).await;
+    agent.send_all(out).await;
     let started = Instant::now();
     let every = Duration::from_millis(session.state.config.approval_keepalive_ms.max(10));
     let mut keepalive = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
@@ -416,7 +660,7 @@ async fn decide(
                     // Never blocks the wait: a full queue already keeps the connection busy,
                     // and an agent that left does not end the wait (a re-sent request meets
                     // the same interrupt).
-                    let _ = tx.try_send(Ok(Bytes::from_static(b": keep-alive\n\n")));
+                    let _ = agent.tx.try_send(Ok(Bytes::from_static(b": keep-alive\n\n")));
                 }
             }
         }
@@ -458,16 +702,22 @@ async fn record(
     capture: Capture,
     state: &'static str,
     error: Option<String>,
+    secrets: bool,
 ) {
     let mut rec = round_record(session, base, state, &[]);
-    rec.response = capture.finish();
+    rec.response = if secrets {
+        capture.finish().withheld()
+    } else {
+        capture.finish()
+    };
     rec.error = error;
     let completions = pipeline.completions();
     if !completions.is_empty() {
         rec.completion = Some(join(completions.iter().map(|c| c.state.as_str())));
         rec.finish_reason = Some(join(completions.iter().map(|c| c.reason.as_str())));
     }
-    rec.calls = pipeline.call_records();
+    rec.calls = pipeline.call_records(&session.call_ids());
+    rec.response_link = pipeline.response_link();
     record_round(&session.state, rec).await;
 }
 

@@ -1,0 +1,263 @@
+//! Reading the journal: a separate read-only connection (WAL lets it read while the writer
+//! commits), used by recovery and replay lookups, the admin plane and `turnguard journal`.
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
+
+use super::{JournalError, Recorded, ServedCall, ServedRecord};
+
+/// One effect row, as `GET /runs/{runId}/effects` projects it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EffectRow {
+    pub effect_id: String,
+    pub tool_id: String,
+    pub node_id: Option<String>,
+    pub attempt: Option<u32>,
+    pub keying: String,
+    pub state: String,
+    pub at_ms: i64,
+}
+
+/// One journaled run event.
+#[derive(Debug, Clone)]
+pub struct EventRow {
+    /// Strictly increasing per run.
+    pub sequence: i64,
+    /// The v2 event type.
+    pub kind: String,
+    /// Payload JSON text.
+    pub payload: String,
+    pub at_ms: i64,
+    pub node_id: Option<String>,
+}
+
+/// A run in `turnguard journal runs`.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub run_id: String,
+    pub rounds: i64,
+    pub calls: i64,
+    pub first_ms: i64,
+    pub last_ms: i64,
+}
+
+/// A read-only journal connection.
+pub struct JournalReader {
+    conn: Mutex<Connection>,
+}
+
+fn err(e: rusqlite::Error) -> JournalError {
+    JournalError::Write(e.to_string())
+}
+
+impl JournalReader {
+    /// Opens `path` read-only (the writer must have created it).
+    pub fn open(path: &Path) -> Result<Self, JournalError> {
+        let conn = Connection::open_with_flags(
+            path,
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(|e| JournalError::Open {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))
+            .map_err(err)?;
+        Ok(Self {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+    ) -> Result<T, JournalError> {
+        let conn = self.conn.lock().map_err(|_| JournalError::Closed)?;
+        f(&conn).map_err(err)
+    }
+
+    /// The served record of (run, node, attempt, round), if any.
+    pub fn served(
+        &self,
+        run: &str,
+        node: &str,
+        attempt: u32,
+        round: u32,
+    ) -> Result<Option<ServedRecord>, JournalError> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT request_digest, request_id, status, content_type, body, body_bytes, body_digest, truncated, calls, at_ms
+                 FROM served WHERE run_id = ?1 AND node_id = ?2 AND attempt = ?3 AND round_index = ?4",
+                params![run, node, attempt, round],
+                |r| {
+                    let calls: String = r.get(8)?;
+                    Ok(ServedRecord {
+                        run_id: run.to_owned(),
+                        node_id: node.to_owned(),
+                        attempt,
+                        round_index: round,
+                        request_digest: r.get(0)?,
+                        request_id: r.get(1)?,
+                        status: r.get(2)?,
+                        content_type: r.get(3)?,
+                        body: Recorded {
+                            bytes: r.get::<_, Option<Vec<u8>>>(4)?.unwrap_or_default(),
+                            total_bytes: r.get::<_, i64>(5)? as u64,
+                            digest: r.get(6)?,
+                            truncated: r.get(7)?,
+                        },
+                        calls: serde_json::from_str::<Vec<ServedCall>>(&calls).unwrap_or_default(),
+                        at_ms: r.get(9)?,
+                    })
+                },
+            )
+            .optional()
+        })
+    }
+
+    /// The latest attempt that has a served record at (run, node, round).
+    pub fn latest_attempt(
+        &self,
+        run: &str,
+        node: &str,
+        round: u32,
+    ) -> Result<Option<u32>, JournalError> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT max(attempt) FROM served WHERE run_id = ?1 AND node_id = ?2 AND round_index = ?3",
+                params![run, node, round],
+                |r| r.get::<_, Option<u32>>(0),
+            )
+        })
+    }
+
+    /// The recorded result of a call in a run: `Some(Some(text))` when recorded whole,
+    /// `Some(None)` when recorded only as a digest (oversized: a miss), `None` when absent.
+    pub fn tool_result(
+        &self,
+        run: &str,
+        call_id: &str,
+    ) -> Result<Option<Option<(String, bool)>>, JournalError> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT content, truncated, is_error FROM tool_results WHERE scope = ?1 AND tool_call_id = ?2 ORDER BY id LIMIT 1",
+                params![format!("run:{run}"), call_id],
+                |r| {
+                    let truncated: bool = r.get(1)?;
+                    let content: Option<Vec<u8>> = r.get(0)?;
+                    let is_error: bool = r.get(2)?;
+                    Ok(if truncated { None } else { Some((String::from_utf8_lossy(&content.unwrap_or_default()).into_owned(), is_error)) })
+                },
+            )
+            .optional()
+        })
+    }
+
+    /// Recorded rounds a replay of (run, node) served without the agent so far.
+    pub fn replay_cursor(&self, run: &str, node: &str) -> Result<u32, JournalError> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT skipped FROM replay_cursor WHERE run_id = ?1 AND node_id = ?2",
+                params![run, node],
+                |r| r.get(0),
+            )
+            .optional()
+            .map(|v| v.unwrap_or(0))
+        })
+    }
+
+    /// Effect rows of a run, oldest first.
+    pub fn effects(&self, run: &str) -> Result<Vec<EffectRow>, JournalError> {
+        self.with(|c| {
+            let mut st = c.prepare(
+                "SELECT effect_id, tool_id, node_id, attempt, keying, state, at_ms FROM effects WHERE run_id = ?1 ORDER BY at_ms, effect_id",
+            )?;
+            let rows = st.query_map(params![run], |r| {
+                Ok(EffectRow {
+                    effect_id: r.get(0)?,
+                    tool_id: r.get(1)?,
+                    node_id: r.get(2)?,
+                    attempt: r.get(3)?,
+                    keying: r.get(4)?,
+                    state: r.get(5)?,
+                    at_ms: r.get(6)?,
+                })
+            })?;
+            rows.collect()
+        })
+    }
+
+    /// Events of a run, in sequence order.
+    pub fn events(&self, run: &str) -> Result<Vec<EventRow>, JournalError> {
+        self.with(|c| {
+            let mut st = c.prepare("SELECT sequence, type, payload, at_ms, node_id FROM events WHERE scope = ?1 ORDER BY sequence")?;
+            let rows = st.query_map(params![format!("run:{run}")], |r| {
+                Ok(EventRow { sequence: r.get(0)?, kind: r.get(1)?, payload: r.get(2)?, at_ms: r.get(3)?, node_id: r.get(4)? })
+            })?;
+            rows.collect()
+        })
+    }
+
+    /// Runs with their round and call counts, most recent first.
+    pub fn runs(&self) -> Result<Vec<RunSummary>, JournalError> {
+        self.with(|c| {
+            let mut st = c.prepare(
+                "SELECT r.run_id, count(DISTINCT r.id), count(t.id), min(r.at_ms), max(r.at_ms)
+                 FROM rounds r LEFT JOIN tool_calls t ON t.request_id = r.request_id
+                 WHERE r.run_id IS NOT NULL GROUP BY r.run_id ORDER BY max(r.at_ms) DESC",
+            )?;
+            let rows = st.query_map([], |r| {
+                Ok(RunSummary {
+                    run_id: r.get(0)?,
+                    rounds: r.get(1)?,
+                    calls: r.get(2)?,
+                    first_ms: r.get(3)?,
+                    last_ms: r.get(4)?,
+                })
+            })?;
+            rows.collect()
+        })
+    }
+
+    /// Rounds and calls of a run for `turnguard journal show` (never raw arguments: the
+    /// redacted form only).
+    pub fn show(&self, run: &str) -> Result<Vec<serde_json::Value>, JournalError> {
+        self.with(|c| {
+            let mut st = c.prepare(
+                "SELECT r.request_id, r.node_id, r.attempt, r.round_index, r.api, r.model, r.state, r.completion,
+                        r.upstream_status, r.at_ms
+                 FROM rounds r WHERE r.run_id = ?1 ORDER BY r.at_ms, r.id",
+            )?;
+            let rounds = st.query_map(params![run], |r| {
+                Ok(serde_json::json!({
+                    "requestId": r.get::<_, String>(0)?, "nodeId": r.get::<_, Option<String>>(1)?,
+                    "attempt": r.get::<_, Option<i64>>(2)?, "round": r.get::<_, i64>(3)?, "api": r.get::<_, String>(4)?,
+                    "model": r.get::<_, Option<String>>(5)?, "state": r.get::<_, String>(6)?,
+                    "completion": r.get::<_, Option<String>>(7)?, "upstreamStatus": r.get::<_, Option<i64>>(8)?,
+                    "atMs": r.get::<_, i64>(9)?,
+                }))
+            })?;
+            let mut out: Vec<serde_json::Value> = rounds.collect::<rusqlite::Result<_>>()?;
+            let mut calls = c.prepare(
+                "SELECT call_id, name, outcome, stage, reason, args_hash, redacted_args, logical_invocation_id
+                 FROM tool_calls WHERE request_id = ?1 ORDER BY choice, ordinal",
+            )?;
+            for round in &mut out {
+                let id = round["requestId"].as_str().unwrap_or_default().to_owned();
+                let list = calls.query_map(params![id], |r| {
+                    Ok(serde_json::json!({
+                        "callId": r.get::<_, String>(0)?, "name": r.get::<_, String>(1)?, "outcome": r.get::<_, String>(2)?,
+                        "stage": r.get::<_, String>(3)?, "reason": r.get::<_, String>(4)?,
+                        "argsHash": r.get::<_, Option<String>>(5)?,
+                        "arguments": r.get::<_, Option<String>>(6)?.and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok()),
+                        "logicalInvocationId": r.get::<_, Option<String>>(7)?,
+                    }))
+                })?;
+                round["calls"] = serde_json::Value::Array(list.collect::<rusqlite::Result<_>>()?);
+            }
+            Ok(out)
+        })
+    }
+}

@@ -1,0 +1,171 @@
+//! RFC 0150 identity recipes (OpenWOP idempotency.md; `shared/reference/openwop-spec.md` §2).
+//!
+//! - [`semantic_request_digest`]: the semantic request digest v2, the key of a model round
+//!   (`recipe: "openwop-semantic-request-v2"`, RFC 8785 JCS, SHA-256).
+//! - [`logical_invocation_id`]: the activity recipe, `logicalInvocationId` of a tool call:
+//!   `base64url(sha256("openwop:activity:v2\0" ‖ tenant ‖ \0 ‖ run ‖ \0 ‖ node ‖ \0 ‖ ordinal
+//!   ‖ \0 ‖ providerKey))`. The attempt is never part of it.
+
+use serde_json::{json, Map, Value};
+use sha2::{Digest, Sha256};
+
+use crate::model::Api;
+
+/// Request fields that are transport or identity, not semantics (RFC 0150 §C excludes
+/// timeouts, trace ids, retry counts, credential handles).
+const EXCLUDED: &[&str] = &[
+    "user",
+    "metadata",
+    "service_tier",
+    "store",
+    "prompt_cache_key",
+    "safety_identifier",
+];
+
+/// Fields that carry the semantics of a round; everything else goes to `providerOptions`
+/// (dropping unknown options would be non-conformant).
+const SEMANTIC: &[&str] = &[
+    "model",
+    "messages",
+    "system",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "stop_sequences",
+    "seed",
+    "parallel_tool_calls",
+    "stream",
+];
+
+/// SHA-256 (hex) of the RFC 8785 form of the semantic request: provider, model, messages,
+/// tools (sorted by name: tool order is irrelevant), tool choice, response format, sampling,
+/// output bound, stop, seed, and every other option under `providerOptions`. Message order
+/// is significant.
+pub fn semantic_request_digest(api: Api, body: &Value) -> String {
+    let mut semantic = Map::new();
+    semantic.insert("recipe".into(), json!("openwop-semantic-request-v2"));
+    semantic.insert("provider".into(), json!(api.as_str()));
+    let mut options = Map::new();
+    if let Some(obj) = body.as_object() {
+        for (k, v) in obj {
+            if EXCLUDED.contains(&k.as_str()) {
+                continue;
+            }
+            if k == "tools" {
+                let mut tools = v.as_array().cloned().unwrap_or_default();
+                tools.sort_by_key(tool_name);
+                semantic.insert("tools".into(), Value::Array(tools));
+            } else if SEMANTIC.contains(&k.as_str()) {
+                semantic.insert(k.clone(), v.clone());
+            } else {
+                options.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    semantic.insert("providerOptions".into(), Value::Object(options));
+    hex::encode(Sha256::digest(crate::admission::arguments::canonical(
+        &Value::Object(semantic),
+    )))
+}
+
+fn tool_name(t: &Value) -> String {
+    t.pointer("/function/name")
+        .or_else(|| t.get("name"))
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// `logicalInvocationId` by the RFC 0150 §B activity recipe (unpadded base64url).
+pub fn logical_invocation_id(
+    tenant: &str,
+    run: &str,
+    node: &str,
+    ordinal: u64,
+    provider_key: &str,
+) -> String {
+    let mut h = Sha256::new();
+    h.update(b"openwop:activity:v2\0");
+    for part in [tenant, run, node] {
+        h.update(part.as_bytes());
+        h.update([0]);
+    }
+    h.update(ordinal.to_string().as_bytes());
+    h.update([0]);
+    h.update(provider_key.as_bytes());
+    base64url(&h.finalize())
+}
+
+/// Unpadded base64url (RFC 4648 §5).
+pub fn base64url(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |acc, (i, b)| acc | (u32::from(*b) << (16 - 8 * i)));
+        let chars = chunk.len() + 1;
+        for i in 0..chars {
+            out.push(char::from(A[((n >> (18 - 6 * i)) & 63) as usize]));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digest_ignores_tool_order_but_not_message_order_or_seed() {
+        let a = json!({"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+            "tools": [{"type": "function", "function": {"name": "x"}}, {"type": "function", "function": {"name": "y"}}], "seed": 1});
+        let mut b = a.clone();
+        b["tools"] = json!([{"type": "function", "function": {"name": "y"}}, {"type": "function", "function": {"name": "x"}}]);
+        assert_eq!(
+            semantic_request_digest(Api::OpenAiChat, &a),
+            semantic_request_digest(Api::OpenAiChat, &b)
+        );
+        let mut c = a.clone();
+        c["messages"] = json!([{"role": "user", "content": "b"}, {"role": "user", "content": "a"}]);
+        assert_ne!(
+            semantic_request_digest(Api::OpenAiChat, &a),
+            semantic_request_digest(Api::OpenAiChat, &c)
+        );
+        let mut d = a.clone();
+        d["seed"] = json!(2);
+        assert_ne!(
+            semantic_request_digest(Api::OpenAiChat, &a),
+            semantic_request_digest(Api::OpenAiChat, &d)
+        );
+        let mut e = a.clone();
+        e["vendor_knob"] = json!(true);
+        assert_ne!(
+            semantic_request_digest(Api::OpenAiChat, &a),
+            semantic_request_digest(Api::OpenAiChat, &e),
+            "unknown options count"
+        );
+        let mut f = a.clone();
+        f["user"] = json!("someone");
+        assert_eq!(
+            semantic_request_digest(Api::OpenAiChat, &a),
+            semantic_request_digest(Api::OpenAiChat, &f)
+        );
+    }
+
+    #[test]
+    fn activity_ids_exclude_the_attempt_and_separate_ordinals() {
+        let one = logical_invocation_id("t", "run", "node", 0, "charge");
+        assert_eq!(one, logical_invocation_id("t", "run", "node", 0, "charge"));
+        assert_ne!(one, logical_invocation_id("t", "run", "node", 1, "charge"));
+        assert_eq!(one.len(), 43);
+        assert_eq!(base64url(b"\xfb\xff"), "-_8");
+    }
+}

@@ -1,0 +1,1042 @@
+//! The policy bundle as its authors and operators meet it (issue 7, must-show 3–7 and the
+//! committed schemas): `turnguard policy check` / `test` / `schema` run as the real binary,
+//! hot reload of a bundle in a temp dir, the admin plane's tool catalog, and redaction of
+//! secrets from the journal, the events and the logs of a real `turnguard serve` process.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::type_complexity
+)] // test code
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use support::{get, post_raw};
+use turnguard::mock_provider::Script;
+
+// ---------------------------------------------------------------------------------------------
+// Helpers (test-local)
+
+const BIN: &str = env!("CARGO_BIN_EXE_turnguard");
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn spec(name: &str) -> Value {
+    let path = repo().join("../shared/spec/openwop").join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn validator(schema: &Value) -> jsonschema::Validator {
+    jsonschema::options()
+        .with_draft(jsonschema::Draft::Draft202012)
+        .build(schema)
+        .expect("spec schema compiles")
+}
+
+fn schema_errors(v: &jsonschema::Validator, instance: &Value) -> Vec<String> {
+    v.iter_errors(instance)
+        .map(|e| format!("{}: {e}", e.instance_path()))
+        .collect()
+}
+
+/// Runs `turnguard ARGS…`; returns exit code and stdout+stderr.
+fn turnguard(args: &[&str]) -> (i32, String) {
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("turnguard runs");
+    let mut text = String::from_utf8_lossy(&stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&stderr));
+    (status.code().unwrap_or(-1), text)
+}
+
+/// Writes `files` (bundle-relative path → text) into `dir`.
+fn write_bundle(dir: &Path, files: &[(&str, &str)]) {
+    for (rel, text) in files {
+        let path = dir.join(rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, text).unwrap();
+    }
+}
+
+/// Replaces a file the way editors and Kubernetes do: write beside it, then rename over it.
+fn replace_file(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp-edit~");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
+/// The 1-based line of the first line of `text` containing `needle`.
+fn line_of(text: &str, needle: &str) -> usize {
+    text.lines()
+        .position(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("`{needle}` not in the text"))
+        + 1
+}
+
+/// The value of one sample (`name{labels}` exactly as rendered) in an exposition text.
+fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        let rest = l.strip_prefix(series)?;
+        rest.strip_prefix(' ')?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    })
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+// A small valid bundle; each rejection below changes exactly one thing in it.
+const BASE_SETTINGS: &str = "# a small bundle\n[limits]\ntool_calls_per_turn = 4\n";
+const BASE_TOOLS: &str = r#"[[tool]]
+names = ["lookup"]
+content_trust = "trusted"
+[tool.descriptor]
+toolId = "test.check:lookup"
+source = "connector"
+safetyTier = "read"
+egress = "none"
+
+[[tool]]
+names = ["pay"]
+content_trust = "trusted"
+[tool.descriptor]
+toolId = "test.check:pay"
+source = "connector"
+safetyTier = "write"
+egress = "none"
+[tool.descriptor.inputSchema]
+type = "object"
+required = ["amount", "to"]
+properties.amount = { type = "number" }
+properties.to = { type = "string" }
+"#;
+const BASE_RULES: &str = r#"@id("agent-may-call")
+permit (principal, action == Action::"call", resource);
+
+@id("big-payments-refused")
+forbid (principal, action == Action::"call", resource == Tool::"test.check:pay")
+when { context.args.amount.greaterThan(decimal("1000.0")) };
+"#;
+
+fn base_bundle(dir: &Path) {
+    write_bundle(
+        dir,
+        &[
+            ("turnguard.toml", BASE_SETTINGS),
+            ("tools/pay.toml", BASE_TOOLS),
+            ("rules/pay.cedar", BASE_RULES),
+        ],
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Must-show 3: `policy check`
+
+#[test]
+fn policy_check_accepts_the_default_and_base_bundles() {
+    let (code, out) = turnguard(&["policy", "check", repo().join("policy").to_str().unwrap()]);
+    assert_eq!(code, 0, "the default bundle is valid: {out}");
+    assert!(out.starts_with("ok: "), "{out}");
+    let tmp = tempfile::tempdir().unwrap();
+    base_bundle(tmp.path());
+    let (code, out) = turnguard(&["policy", "check", tmp.path().to_str().unwrap()]);
+    assert_eq!(
+        code, 0,
+        "the base bundle of the rejection cases is valid: {out}"
+    );
+}
+
+/// Runs `policy check` on the base bundle with `file` replaced by `text`; asserts exit 1 and
+/// an error naming `file:line` where `line` is the line of `needle`, and containing `words`.
+fn rejects(file: &str, text: &str, line: usize, words: &[&str]) -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    base_bundle(tmp.path());
+    write_bundle(tmp.path(), &[(file, text)]);
+    let (code, out) = turnguard(&["policy", "check", tmp.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "exit code 1: {out}");
+    let at = format!("{file}:{line}:");
+    assert!(out.contains(&at), "the error names `{at}`: {out}");
+    for w in words {
+        assert!(out.contains(w), "the error mentions `{w}`: {out}");
+    }
+    out
+}
+
+#[test]
+fn policy_check_rejects_an_unknown_key_with_file_and_line() {
+    let text = BASE_SETTINGS.replace("tool_calls_per_turn", "tool_calls_per_trun");
+    let line = line_of(&text, "tool_calls_per_trun");
+    rejects("turnguard.toml", &text, line, &["tool_calls_per_trun"]);
+    // In a tool file too, with the key path.
+    let text = BASE_TOOLS.replace(
+        "egress = \"none\"\n\n",
+        "egress = \"none\"\nsafety_tier = \"read\"\n\n",
+    );
+    let line = line_of(&text, "safety_tier");
+    rejects("tools/pay.toml", &text, line, &["safety_tier"]);
+}
+
+#[test]
+fn policy_check_rejects_a_rule_naming_an_argument_the_tool_does_not_have() {
+    let text = BASE_RULES.replace("context.args.amount", "context.args.amout");
+    let line = line_of(&text, "amout");
+    rejects(
+        "rules/pay.cedar",
+        &text,
+        line,
+        &["amout", "big-payments-refused"],
+    );
+}
+
+#[test]
+fn policy_check_rejects_exec_on_a_tool_that_is_not_a_host_extension() {
+    // The second tool (`pay`, a connector) becomes `exec`: the error must point into its
+    // table, not the first tool's.
+    let text = BASE_TOOLS.replacen("safetyTier = \"write\"", "safetyTier = \"exec\"", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    base_bundle(tmp.path());
+    write_bundle(tmp.path(), &[("tools/pay.toml", &text)]);
+    let (code, out) = turnguard(&["policy", "check", tmp.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("exec") && out.contains("host-extension"),
+        "{out}"
+    );
+    let start = line_of(&text, "names = [\"pay\"]") - 1; // the `[[tool]]` line
+    let end = text.lines().count();
+    let line: usize = out
+        .split("tools/pay.toml:")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no `tools/pay.toml:LINE` in: {out}"));
+    assert!(
+        (start..=end).contains(&line),
+        "line {line} is not in the `pay` tool ({start}–{end}): {out}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Must-show 4: `policy test`
+
+#[test]
+fn policy_test_runs_the_default_bundle_green_and_fails_on_a_wrong_expectation() {
+    let policy = repo().join("policy");
+    let cases_text = std::fs::read_to_string(policy.join("tests/cases.toml")).unwrap();
+    let cases: toml::Value = toml::from_str(&cases_text).unwrap();
+    let names: Vec<String> = cases["case"]
+        .as_array()
+        .expect("the default bundle has cases")
+        .iter()
+        .map(|c| c["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(!names.is_empty());
+
+    let (code, out) = turnguard(&["policy", "test", policy.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    for n in &names {
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("ok") && l.ends_with(n.as_str())),
+            "case `{n}` is ok: {out}"
+        );
+    }
+    assert!(!out.contains("FAIL"), "{out}");
+    assert!(
+        out.contains(&format!("{} passed, 0 failed", names.len())),
+        "{out}"
+    );
+
+    // A copy with one deliberately wrong expectation.
+    let tmp = tempfile::tempdir().unwrap();
+    copy_dir(&policy, tmp.path());
+    let wrong = cases_text.replacen(
+        r#"expect = [{ tool = "get_weather", outcome = "executed", stage = "dispatch" }]"#,
+        r#"expect = [{ tool = "get_weather", outcome = "refused", stage = "authorization" }]"#,
+        1,
+    );
+    assert_ne!(
+        wrong, cases_text,
+        "the weather case's expectation was found and changed"
+    );
+    std::fs::write(tmp.path().join("tests/cases.toml"), &wrong).unwrap();
+    let (code, out) = turnguard(&["policy", "test", tmp.path().to_str().unwrap()]);
+    assert_ne!(code, 0, "a wrong expectation fails the run: {out}");
+    let failing = "a weather lookup in a trusted turn is released";
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("FAIL") && l.contains(failing)),
+        "the failing case is named: {out}"
+    );
+    assert!(
+        out.contains(&format!("{} passed, 1 failed", names.len() - 1)),
+        "{out}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Must-show 5: reload
+
+fn pay_request() -> Value {
+    json!({
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "Pay Bob 50."}],
+        "tools": [{"type": "function", "function": {"name": "pay", "parameters": {"type": "object",
+            "properties": {"amount": {"type": "number"}, "to": {"type": "string"}}, "required": ["amount", "to"]}}}]
+    })
+}
+
+fn pay_response() -> Value {
+    json!({
+        "id": "chatcmpl-pay", "object": "chat.completion", "created": 1_782_955_817, "model": "gpt-4o-mini",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null,
+            "tool_calls": [{"id": "call_pay", "type": "function", "function": {"name": "pay", "arguments": "{\"amount\": 50, \"to\": \"bob\"}"}}]}}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20}
+    })
+}
+
+/// Whether the agent got the `pay` call (true) or a turn ended by a refusal (false).
+async fn pay_released(h: &support::Harness) -> bool {
+    let (status, _, body) = post_raw(
+        &format!("{}/v1/chat/completions", h.url()),
+        pay_request().to_string().into(),
+        &[],
+    )
+    .await;
+    let text = String::from_utf8_lossy(&body).into_owned();
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    let released = v.pointer("/choices/0/message/tool_calls/0/id") == Some(&json!("call_pay"));
+    if !released {
+        assert!(
+            text.contains("refused at the authorization stage"),
+            "neither released nor refused: {text}"
+        );
+    }
+    released
+}
+
+async fn revision(h: &support::Harness) -> String {
+    let (status, body) = get(&format!("{}/config", h.admin_url())).await;
+    assert_eq!(status, 200);
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    v.pointer("/policy/revision")
+        .and_then(Value::as_str)
+        .unwrap_or_else(|| panic!("GET /config shows no policy.revision: {v}"))
+        .to_owned()
+}
+
+async fn metrics(h: &support::Harness) -> String {
+    let (status, body) = get(&format!("{}/metrics", h.admin_url())).await;
+    assert_eq!(status, 200);
+    String::from_utf8(body.to_vec()).unwrap()
+}
+
+/// The revision `policy check` reports for `dir`.
+fn checked_revision(dir: &Path) -> String {
+    let (code, out) = turnguard(&["policy", "check", dir.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    out.split("revision ")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_broken_edit_keeps_the_last_good_bundle_and_a_good_edit_applies_without_restart() {
+    let bundle = tempfile::tempdir().unwrap();
+    base_bundle(bundle.path());
+    let dir = bundle.path().to_owned();
+    let h = support::start_with(Script::default(), move |c| c.policy = dir).await;
+    h.script(&json!({"responses": [{"json": pay_response()}], "repeat": true}))
+        .await;
+
+    let r0 = revision(&h).await;
+    assert_eq!(
+        r0,
+        checked_revision(bundle.path()),
+        "/config shows the revision `policy check` computes"
+    );
+    let m = metrics(&h).await;
+    assert_eq!(
+        sample(
+            &m,
+            &format!("turnguard_policy_revision_info{{revision=\"{r0}\"}}")
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert!(
+        pay_released(&h).await,
+        "the base bundle permits a small payment"
+    );
+
+    // A broken edit: a Cedar syntax error. Served on: same revision, same decisions.
+    let rules = bundle.path().join("rules/pay.cedar");
+    replace_file(
+        &rules,
+        &format!("{BASE_RULES}\nforbid (principal, action, resource) when {{ ;\n"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let m = loop {
+        let m = metrics(&h).await;
+        if sample(&m, "turnguard_policy_reloads_total{result=\"error\"}").unwrap_or(0.0) >= 1.0 {
+            break m;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no failed reload counted within 10 s:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        sample(&m, "turnguard_policy_reloads_total{result=\"ok\"}").unwrap_or(0.0),
+        0.0,
+        "{m}"
+    );
+    assert_eq!(revision(&h).await, r0, "the last good bundle is kept");
+    assert_eq!(
+        sample(
+            &m,
+            &format!("turnguard_policy_revision_info{{revision=\"{r0}\"}}")
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        m.lines()
+            .filter(|l| l.starts_with("turnguard_policy_revision_info{"))
+            .count(),
+        1,
+        "one active revision: {m}"
+    );
+    assert!(
+        pay_released(&h).await,
+        "requests are still served with the old bundle"
+    );
+
+    // A good edit: payments are now refused outright.
+    replace_file(
+        &rules,
+        &format!("{BASE_RULES}\n@id(\"payments-frozen\")\nforbid (principal, action == Action::\"call\", resource == Tool::\"test.check:pay\");\n"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let r1 = loop {
+        let r = revision(&h).await;
+        if r != r0 {
+            break r;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the good edit was not applied within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        r1,
+        checked_revision(bundle.path()),
+        "the new revision is the edited bundle's"
+    );
+    let m = metrics(&h).await;
+    assert!(
+        sample(&m, "turnguard_policy_reloads_total{result=\"ok\"}").unwrap_or(0.0) >= 1.0,
+        "{m}"
+    );
+    assert_eq!(
+        sample(
+            &m,
+            &format!("turnguard_policy_revision_info{{revision=\"{r1}\"}}")
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        sample(
+            &m,
+            &format!("turnguard_policy_revision_info{{revision=\"{r0}\"}}")
+        ),
+        None,
+        "{m}"
+    );
+    assert!(
+        !pay_released(&h).await,
+        "the new rule refuses the payment, without a restart"
+    );
+    h.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Must-show 6: the tool catalog on the admin plane
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_tool_catalog_lists_only_usable_tools_and_hides_the_rest_behind_one_404() {
+    let h = support::start_with_policy(Script::default(), "policy-catalog").await;
+    let admin = h.admin_url();
+    let full = validator(&spec("tool-descriptor.schema.json"));
+    let compact = validator(&spec("compact-tool-descriptor.schema.json"));
+    let listed = |body: &[u8]| -> Vec<Value> {
+        let v: Value = serde_json::from_slice(body).expect("catalog is JSON");
+        match v {
+            Value::Array(a) => a,
+            Value::Object(ref o) if o.get("tools").is_some_and(Value::is_array) => {
+                o["tools"].as_array().unwrap().clone()
+            }
+            other => panic!("a catalog is `{{tools: [...]}}` or a list: {other}"),
+        }
+    };
+    let usable = [
+        "test.catalog:alpha_search",
+        "test.catalog:mid_write",
+        "test.catalog:needs_approval",
+        "test.catalog:zeta_lookup",
+    ];
+
+    let (s_unknown, b_unknown) = get(&format!("{admin}/tools/test.catalog:no_such_tool")).await;
+    let (s_denied, b_denied) = get(&format!("{admin}/tools/test.catalog:secret_admin")).await;
+    let (s_denied_c, b_denied_c) = get(&format!(
+        "{admin}/tools/test.catalog:secret_admin?view=compact"
+    ))
+    .await;
+    assert_eq!(s_unknown, 404, "{}", String::from_utf8_lossy(&b_unknown));
+    assert_eq!(
+        s_denied, 404,
+        "a tool the caller may not use is 404, never 403"
+    );
+    assert_eq!(s_denied_c, 404);
+    assert_eq!(
+        b_denied, b_unknown,
+        "the same body: the catalog does not confirm the tool exists"
+    );
+    assert_eq!(b_denied_c, b_unknown);
+    assert!(!String::from_utf8_lossy(&b_denied).contains("secret_admin"));
+    let (status, body) = get(&format!("{admin}/tools/test.catalog:alpha_search")).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let one: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(one["toolId"], "test.catalog:alpha_search");
+    assert_eq!(one["safetyTier"], "pure");
+    assert!(schema_errors(&full, &one).is_empty(), "{one}");
+
+    let (status, body) = get(&format!("{admin}/tools")).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let tools = listed(&body);
+    let ids: Vec<&str> = tools
+        .iter()
+        .map(|t| t["toolId"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids, usable,
+        "sorted by toolId; the forbidden tool is not listed"
+    );
+    for t in &tools {
+        let errors = schema_errors(&full, t);
+        assert!(
+            errors.is_empty(),
+            "{} is not a valid ToolDescriptor: {errors:?}",
+            t["toolId"]
+        );
+    }
+
+    let (status, body) = get(&format!("{admin}/tools?view=compact")).await;
+    assert_eq!(status, 200);
+    let tools = listed(&body);
+    let ids: Vec<&str> = tools
+        .iter()
+        .map(|t| t["toolId"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, usable, "the compact view carries the same toolId set");
+    let invalid: Vec<String> = tools
+        .iter()
+        .filter_map(|t| {
+            let errors = schema_errors(&compact, t);
+            (!errors.is_empty()).then(|| format!("{}: {errors:?}", t["toolId"]))
+        })
+        .collect();
+    assert!(
+        invalid.is_empty(),
+        "not valid CompactToolDescriptors: {invalid:#?}"
+    );
+
+    h.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Must-show 7: redaction, through a real `turnguard serve` process
+
+const API_KEY: &str = "sk-proj-Q3x9TzL0mWb7VnC2aR8yK5uJ1hD4fG6sPe";
+const BEARER: &str = "2YotnFZFEjr1zCsicMWpAA9xQe4Lk7";
+
+fn secret_args() -> Value {
+    json!({
+        "endpoint": "https://api.example.com/v1/charges",
+        "apiKey": API_KEY,
+        "headers": {"Authorization": format!("Bearer {BEARER}")}
+    })
+}
+
+/// The arguments as every record must carry them (`[REDACTED:<recognizer>]`, policy/README).
+fn redacted_args() -> Value {
+    json!({
+        "endpoint": "https://api.example.com/v1/charges",
+        "apiKey": "[REDACTED:api-key]",
+        "headers": {"Authorization": "[REDACTED:bearer-token]"}
+    })
+}
+
+fn api_tool() -> Value {
+    json!({"type": "function", "function": {"name": "call_api", "parameters": {"type": "object",
+        "properties": {"endpoint": {"type": "string"}, "apiKey": {"type": "string"}, "headers": {"type": "object"}},
+        "required": ["endpoint", "apiKey", "headers"]}}})
+}
+
+/// A `turnguard serve` child process with its stderr collected on a thread.
+struct Served {
+    child: std::process::Child,
+    data: String,
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Served {
+    fn start(journal: &Path, policy: &Path, mock: &str) -> Self {
+        let mut child = Command::new(BIN)
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--log-format",
+                "json",
+            ])
+            .arg("--journal")
+            .arg(journal)
+            .arg("--policy")
+            .arg(policy)
+            .arg("--upstream")
+            .arg(format!("openai={mock}"))
+            .arg("--upstream")
+            .arg(format!("anthropic={mock}"))
+            .env("TURNGUARD_LOG", "debug")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("turnguard serve starts");
+        let stderr = child.stderr.take().unwrap();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        let sink = std::sync::Arc::clone(&log);
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                sink.lock().unwrap().push(line.clone());
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let data = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = rx.recv_timeout(left).unwrap_or_else(|_| {
+                panic!(
+                    "turnguard did not report listening: {:?}",
+                    log.lock().unwrap()
+                )
+            });
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                if v["message"] == "turnguard listening" {
+                    break v["data"]
+                        .as_str()
+                        .expect("data address in the log")
+                        .to_owned();
+                }
+            }
+        };
+        Self {
+            child,
+            data,
+            log,
+            reader: Some(reader),
+        }
+    }
+
+    /// SIGTERM (graceful shutdown), wait, and return every log line.
+    fn stop(mut self) -> Vec<String> {
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if self.child.try_wait().unwrap().is_some() {
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!("turnguard did not stop on SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        let lines = self.log.lock().unwrap().clone();
+        lines
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn secrets_in_arguments_never_reach_the_journal_events_or_logs() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mock = turnguard::mock_provider::spawn(listener, Script::default()).unwrap();
+    let mock_url = format!("http://{}", mock.addr);
+    let args_text = secret_args().to_string();
+    let call = |id: &str| json!({"id": id, "type": "function", "function": {"name": "call_api", "arguments": args_text}});
+    let sse_call = |id: &str| {
+        let chunk = |delta: Value, finish: Value| {
+            format!(
+                "data: {}",
+                json!({"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4o-mini",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+            )
+        };
+        let half = args_text.len() / 2;
+        json!([
+            chunk(
+                json!({"role": "assistant", "content": null, "tool_calls": [{"index": 0, "id": id, "type": "function", "function": {"name": "call_api", "arguments": ""}}]}),
+                Value::Null
+            ),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "function": {"arguments": &args_text[..half]}}]}),
+                Value::Null
+            ),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "function": {"arguments": &args_text[half..]}}]}),
+                Value::Null
+            ),
+            chunk(json!({}), json!("tool_calls")),
+            "data: [DONE]"
+        ])
+    };
+    let script = json!({"responses": [
+        {"json": {"id": "chatcmpl-j", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null, "tool_calls": [call("call_secret_json")]}}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20}}},
+        {"sse": sse_call("call_secret_sse")},
+        {"json": {"id": "chatcmpl-t", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Charged."}}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}}}
+    ]});
+    let (status, _) = support::post_json(&format!("{mock_url}/_mock/script"), &script, &[]).await;
+    assert_eq!(status, 200);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let journal = tmp.path().join("journal.db");
+    let served = Served::start(
+        &journal,
+        &support::own_fixtures().join("policy-redaction"),
+        &mock_url,
+    );
+    let url = format!("http://{}/v1/chat/completions", served.data);
+    let request = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Charge it."}], "tools": [api_tool()]});
+
+    let (status, _, body) = post_raw(
+        &url,
+        request.to_string().into(),
+        &[("x-request-id", "secret-json")],
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let got: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        got.pointer("/choices/0/message/tool_calls/0/function/arguments"),
+        Some(&json!(args_text)),
+        "the agent itself gets the call as the model wrote it (strip_from_egress is off)"
+    );
+    let mut stream_req = request.clone();
+    stream_req["stream"] = json!(true);
+    let (status, _, body) = post_raw(
+        &url,
+        stream_req.to_string().into(),
+        &[("x-request-id", "secret-sse")],
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    // The agent reports the result; its request echoes the call with the secrets in it.
+    let mut followup = request.clone();
+    followup["messages"] = json!([
+        {"role": "user", "content": "Charge it."},
+        {"role": "assistant", "content": null, "tool_calls": [call("call_secret_json")]},
+        {"role": "tool", "tool_call_id": "call_secret_json", "content": "charge ch_123 created"}
+    ]);
+    let (status, _, body) = post_raw(
+        &url,
+        followup.to_string().into(),
+        &[("x-request-id", "secret-followup")],
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+
+    let log = served.stop();
+    mock.abort();
+
+    let secrets = [API_KEY, BEARER];
+    let mut leaks = Vec::new();
+    // Logs (debug level, JSON format).
+    assert!(
+        log.iter().any(|l| l.contains("\"level\":\"DEBUG\"")),
+        "debug logging was on: {log:#?}"
+    );
+    for (i, l) in log.iter().enumerate() {
+        for s in secrets {
+            if l.contains(s) {
+                leaks.push(format!("log line {i}: {l}"));
+            }
+        }
+    }
+    // Journal rows and events, per table and column (to say where), then the raw file bytes.
+    let db = support::journal(&journal);
+    let tables: Vec<String> = {
+        let mut st = db
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
+            .unwrap();
+        st.query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    };
+    for t in &tables {
+        let mut st = db.prepare(&format!("SELECT * FROM \"{t}\"")).unwrap();
+        let names: Vec<String> = st.column_names().into_iter().map(str::to_owned).collect();
+        let mut rows = st.query([]).unwrap();
+        while let Some(row) = rows.next().unwrap() {
+            for (i, n) in names.iter().enumerate() {
+                let bytes: Vec<u8> = match row.get_ref(i).unwrap() {
+                    rusqlite::types::ValueRef::Text(b) | rusqlite::types::ValueRef::Blob(b) => {
+                        b.to_vec()
+                    }
+                    _ => continue,
+                };
+                for s in secrets {
+                    if bytes.windows(s.len()).any(|w| w == s.as_bytes()) {
+                        leaks.push(format!("journal {t}.{n}"));
+                    }
+                }
+            }
+        }
+    }
+    // The argsHash of both calls (journal and events) is the JCS SHA-256 of the redacted form.
+    let want = sha256_hex(&serde_jcs::to_vec(&redacted_args()).unwrap());
+    assert_ne!(
+        want,
+        sha256_hex(&serde_jcs::to_vec(&secret_args()).unwrap())
+    );
+    for (round, call_id) in [
+        ("secret-json", "call_secret_json"),
+        ("secret-sse", "call_secret_sse"),
+    ] {
+        let (hash, redacted, outcome): (Option<String>, Option<String>, String) = db
+            .query_row(
+                "SELECT args_hash, redacted_args, outcome FROM tool_calls WHERE request_id = ?1 AND call_id = ?2",
+                [round, call_id],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap_or_else(|e| panic!("{round}/{call_id} not journaled: {e}"));
+        assert_eq!(outcome, "executed", "{round}");
+        assert_eq!(
+            hash.as_deref(),
+            Some(want.as_str()),
+            "{round}: argsHash = SHA-256(JCS(redacted arguments))"
+        );
+        let redacted: Value =
+            serde_json::from_str(&redacted.expect("redacted_args recorded")).unwrap();
+        assert_eq!(redacted, redacted_args(), "{round}");
+        let event_hash: String = db
+            .query_row(
+                "SELECT json_extract(payload, '$.argsHash') FROM events WHERE request_id = ?1 AND type = 'agent.tool-called'
+                 AND json_extract(payload, '$.callId') = ?2",
+                [round, call_id],
+                |r| r.get(0),
+            )
+            .unwrap_or_else(|e| panic!("{round}: no agent.tool-called event: {e}"));
+        assert_eq!(event_hash, want, "{round}: the event's argsHash");
+    }
+    drop(db);
+    for ext in ["", "-wal", "-shm", "-journal"] {
+        let path = PathBuf::from(format!("{}{ext}", journal.display()));
+        if let Ok(bytes) = std::fs::read(&path) {
+            for s in secrets {
+                if bytes.windows(s.len()).any(|w| w == s.as_bytes()) {
+                    leaks.push(format!("file bytes of {}", path.display()));
+                }
+            }
+        }
+    }
+    leaks.dedup();
+    assert!(
+        leaks.is_empty(),
+        "a secret from the call's arguments was found in: {leaks:#?}"
+    );
+}
+
+/// RFC 6750's own example token (`mF_9.B5f-4.1JqM`, §2.1) uses `_`, which its `b64token`
+/// grammar allows; a bearer token in that form must be redacted too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bearer_token_in_rfc6750_form_is_redacted() {
+    let h = support::start_with_policy(Script::default(), "policy-redaction").await;
+    let token = "mF_9.B5f-4.1JqM_example_token";
+    let args = json!({"endpoint": "https://api.example.com", "apiKey": "none", "headers": {"Authorization": format!("Bearer {token}")}});
+    h.script(&json!({"responses": [{"json": {"id": "c", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null,
+            "tool_calls": [{"id": "call_rfc", "type": "function", "function": {"name": "call_api", "arguments": args.to_string()}}]}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}}]}))
+    .await;
+    let request = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Call it."}], "tools": [api_tool()]});
+    let (status, _, _) = post_raw(
+        &format!("{}/v1/chat/completions", h.url()),
+        request.to_string().into(),
+        &[("x-request-id", "rfc6750")],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let journal = h.journal();
+    let _dir = h.stop().await;
+    let db = support::journal(&journal);
+    let redacted: String = db
+        .query_row(
+            "SELECT redacted_args FROM tool_calls WHERE request_id = 'rfc6750'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(
+        !redacted.contains("mF_9"),
+        "the bearer token is kept in the journal's redacted arguments: {redacted}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Committed schemas, and the default catalog against the OpenWOP ToolDescriptor schema
+
+#[test]
+fn the_committed_bundle_schemas_are_what_policy_schema_generates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (code, out) = turnguard(&["policy", "schema", "--write", tmp.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    for name in [
+        "turnguard.schema.json",
+        "tools.schema.json",
+        "tests.schema.json",
+    ] {
+        let generated = std::fs::read(tmp.path().join(name))
+            .unwrap_or_else(|e| panic!("{name} not generated: {e}"));
+        let committed = std::fs::read(repo().join("policy").join(name))
+            .unwrap_or_else(|e| panic!("policy/{name}: {e}"));
+        assert!(
+            generated == committed,
+            "policy/{name} is stale: regenerate with `turnguard policy schema --write policy`"
+        );
+        let v: Value = serde_json::from_slice(&generated).unwrap();
+        assert!(
+            v.get("properties").is_some() || v.get("$defs").is_some(),
+            "{name} is a real schema"
+        );
+    }
+    // The committed schemas describe the committed files: the default bundle's TOML validates.
+    let settings = validator(
+        &serde_json::from_slice(
+            &std::fs::read(repo().join("policy/turnguard.schema.json")).unwrap(),
+        )
+        .unwrap(),
+    );
+    let tools = validator(
+        &serde_json::from_slice(&std::fs::read(repo().join("policy/tools.schema.json")).unwrap())
+            .unwrap(),
+    );
+    let toml_json =
+        |p: &Path| -> Value { toml::from_str(&std::fs::read_to_string(p).unwrap()).unwrap() };
+    let s = toml_json(&repo().join("policy/turnguard.toml"));
+    assert!(
+        schema_errors(&settings, &s).is_empty(),
+        "{:?}",
+        schema_errors(&settings, &s)
+    );
+    assert!(
+        !settings.is_valid(&json!({"unknown_key": 1})),
+        "the settings schema is strict"
+    );
+    for f in std::fs::read_dir(repo().join("policy/tools")).unwrap() {
+        let v = toml_json(&f.unwrap().path());
+        assert!(
+            schema_errors(&tools, &v).is_empty(),
+            "{:?}",
+            schema_errors(&tools, &v)
+        );
+    }
+}
+
+#[test]
+fn every_default_tool_descriptor_is_a_valid_openwop_tool_descriptor() {
+    let schema = validator(&spec("tool-descriptor.schema.json"));
+    let mut n = 0;
+    for f in std::fs::read_dir(repo().join("policy/tools")).unwrap() {
+        let path = f.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let file: Value = toml::from_str(&text).unwrap();
+        let tools = file["tool"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{}: no [[tool]]", path.display()));
+        assert_eq!(tools.len(), text.matches("[[tool]]").count());
+        for t in tools {
+            let d = &t["descriptor"];
+            let errors = schema_errors(&schema, d);
+            assert!(
+                errors.is_empty(),
+                "{}: {} is not a valid ToolDescriptor: {errors:?}",
+                path.display(),
+                d["toolId"]
+            );
+            n += 1;
+        }
+    }
+    assert!(n > 0, "the default bundle has tools");
+    // The schema is able to reject: an exec tool that is not a host extension, a bad enum.
+    assert!(
+        !schema.is_valid(&json!({"toolId": "x:y", "source": "connector", "safetyTier": "exec"}))
+    );
+    assert!(!schema
+        .is_valid(&json!({"toolId": "x:y", "source": "host-extension", "safetyTier": "delete"})));
+}
