@@ -33,6 +33,14 @@ pub enum WireError {
     /// the request).
     #[error("the journal could not record this request: {reason}")]
     JournalUnavailable { reason: String },
+    /// `Turnguard-Principal-Token` was sent but does not verify (tool-turn contract §C: a
+    /// bad token never reads as "no person").
+    #[error("the principal token is not accepted: {reason}")]
+    Unauthenticated { reason: String },
+    /// The request needs a capability its model or provider lacks (§E: a clarification
+    /// through a tool, for a model without tool support).
+    #[error("{reason}")]
+    CapabilityNotProvided { reason: String },
     /// Same-attempt recovery found a released, non-re-runnable call with no recorded result
     /// (tool-turn contract §D).
     #[error("the outcome of released call(s) is unknown and they are not re-runnable: {calls}")]
@@ -82,6 +90,16 @@ impl WireError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "turnguard.journal_unavailable",
                 "journal_unavailable",
+            ),
+            Self::Unauthenticated { .. } => (
+                StatusCode::UNAUTHORIZED,
+                "unauthenticated",
+                "principal_token_invalid",
+            ),
+            Self::CapabilityNotProvided { .. } => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "capability_not_provided",
+                "capability_not_provided",
             ),
             Self::ToolOutcomeUnknown { .. } => (
                 StatusCode::CONFLICT,

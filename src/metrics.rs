@@ -94,6 +94,13 @@ pub struct ReplayLabels {
     pub result: String,
 }
 
+/// Labels of `turnguard_approvals_total` and `turnguard_approval_wait_seconds`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ApprovalLabels {
+    /// `held` (an approval interrupt was raised), `approved`, `rejected`, `expired`.
+    pub result: String,
+}
+
 /// The metrics handle shared by the data plane, the journal and the admin plane.
 pub struct Metrics {
     registry: Registry,
@@ -129,6 +136,10 @@ pub struct Metrics {
     pub emissions: Family<EmissionLabels, Counter>,
     /// Recovery and replay lookups by result.
     pub replay: Family<ReplayLabels, Counter>,
+    /// Approval interrupts raised (`held`) and resolved (`approved`, `rejected`, `expired`).
+    pub approvals: Family<ApprovalLabels, Counter>,
+    /// Time from an approval interrupt being raised to its resolution, seconds.
+    pub approval_wait: Family<ApprovalLabels, Histogram>,
 }
 
 impl Metrics {
@@ -231,8 +242,24 @@ impl Metrics {
             "Recovery and replay lookups by result",
             replay.clone(),
         );
+        let approvals = Family::<ApprovalLabels, Counter>::default();
+        registry.register(
+            "approvals",
+            "Approval interrupts raised (held) and resolved (approved, rejected, expired)",
+            approvals.clone(),
+        );
+        let approval_wait = Family::<ApprovalLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.05, 2.0, 16))
+        });
+        registry.register(
+            "approval_wait_seconds",
+            "Time from an approval interrupt being raised to its resolution",
+            approval_wait.clone(),
+        );
         Self {
             replay,
+            approvals,
+            approval_wait,
             emissions,
             policy_reloads,
             policy_revision_info,

@@ -94,7 +94,10 @@ pub struct Turn {
     /// Names of the tool calls already in the transcript, in order.
     pub prior_calls: Vec<String>,
     /// The transcript carries provider-executed tool output (Anthropic
-    /// `web_search_tool_result` …): always untrusted (tool-turn contract §F).
+    /// `web_search_tool_result` …), or the request lets the provider run such a tool in this
+    /// turn (Anthropic `web_search_*` / `web_fetch_*` / `code_execution_*` tools, Chat
+    /// `web_search_options`), whose output the model may read before it calls a tool: always
+    /// untrusted (tool-turn contract §C, §F).
     pub provider_output_seen: bool,
     /// Responses only: `previous_response_id`. The provider holds the earlier turns of the
     /// conversation, which the proxy cannot see in this request; their trust can only come
@@ -358,6 +361,9 @@ pub enum Surfacing {
     Repair(Vec<RepairItem>),
     /// The request fails with this error.
     Error(SurfacedError),
+    /// Held calls wait for the acting person's approval (an OpenWOP `approval` interrupt);
+    /// the proxy resolves this before anything reaches the agent, so no adapter sees it.
+    Wait,
 }
 
 /// Admission's verdict on one choice: a decision per call and how it surfaces.
@@ -375,6 +381,11 @@ impl ChoiceVerdict {
     /// Whether call `i` goes to the agent.
     pub fn released(&self, i: usize) -> bool {
         self.decisions.get(i).is_some_and(Decision::released)
+    }
+
+    /// Held calls wait for an approval.
+    pub fn waiting(&self) -> bool {
+        self.surfacing == Surfacing::Wait
     }
 
     /// Some call is withheld.
@@ -400,7 +411,7 @@ impl ChoiceVerdict {
         match &self.surfacing {
             Surfacing::Release | Surfacing::Drop => None,
             Surfacing::EndTurn(t) => Some(t),
-            Surfacing::Repair(_) | Surfacing::Error(_) => None,
+            Surfacing::Repair(_) | Surfacing::Error(_) | Surfacing::Wait => None,
         }
     }
 }

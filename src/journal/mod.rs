@@ -42,9 +42,11 @@
 //! `outcome` other than `executed`): the provider still holds them, so a later request that
 //! continues the chain is expected to answer them (see the Responses adapter's notes).
 
+mod interrupts;
 mod reader;
 mod schema;
 
+pub use interrupts::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
 pub use reader::{EffectRow, EventRow, JournalReader, RunSummary};
 
 use std::path::{Path, PathBuf};
@@ -179,6 +181,8 @@ pub struct RoundRecord {
     pub channel: Option<&'static str>,
     /// `valid`, `refused`, or the invalid reason.
     pub channel_result: Option<String>,
+    /// The turn's `contentTrust` after the run's sticky bit (tool-turn contract §C).
+    pub content_trust: Option<&'static str>,
 }
 
 /// A tool result the agent sent in a request.
@@ -275,6 +279,7 @@ enum Op {
     ToolResults(Vec<ToolResultRecord>),
     Events(Vec<EventRecord>),
     Claim(EffectClaim, oneshot::Sender<Claim>),
+    Interrupt(Box<interrupts::Op>),
 }
 
 struct Job {
@@ -448,6 +453,7 @@ fn writer(mut conn: Connection, mut rx: mpsc::Receiver<Job>, metrics: &Metrics) 
 fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
     let tx = conn.transaction()?;
     let mut answers: Vec<(oneshot::Sender<Claim>, Claim)> = Vec::new();
+    let mut replies: interrupts::Replies = Vec::new();
     for job in batch.iter_mut() {
         match &mut job.op {
             Op::Prune { before_ms } => {
@@ -514,11 +520,15 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                 let (dummy, _) = oneshot::channel();
                 answers.push((std::mem::replace(answer, dummy), result));
             }
+            Op::Interrupt(op) => interrupts::apply(&tx, op, &mut replies)?,
         }
     }
     tx.commit()?;
     for (tx, result) in answers {
         let _ = tx.send(result);
+    }
+    for reply in replies {
+        reply();
     }
     Ok(())
 }
@@ -583,8 +593,8 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
         "INSERT INTO rounds (request_id, at_ms, api, model, stream, run_id, node_id, attempt,
             round_index, request_digest, completion, finish_reason, upstream_status, latency_ms,
             state, error, response, response_bytes, response_digest, response_truncated, channel,
-            channel_result)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22)
+            channel_result, content_trust)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23)
          ON CONFLICT (request_id) DO NOTHING",
         params![
             r.request_id,
@@ -609,6 +619,7 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
             r.response.truncated,
             r.channel,
             r.channel_result,
+            r.content_trust,
         ],
     )?;
     if let Some(link) = &r.response_link {

@@ -29,13 +29,21 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         .and_then(Value::as_array)
         .ok_or("`messages` must be an array")?;
     let mut tools = Vec::new();
+    let mut provider_output_seen = false;
     if let Some(list) = obj.get("tools") {
         let list = list.as_array().ok_or("`tools` must be an array")?;
         for (i, t) in list.iter().enumerate() {
             // Client tools have no `type` (or `custom`); typed ones are server/provider tools.
             match t.get("type").and_then(Value::as_str) {
                 None | Some("custom") => {}
-                Some(_) => continue,
+                Some(ty) => {
+                    // A server tool the provider runs in this very turn: the model may read
+                    // its output before it calls a tool, so the turn is untrusted (§C, §F).
+                    provider_output_seen |= ["web_search", "web_fetch", "code_execution"]
+                        .iter()
+                        .any(|p| ty.starts_with(p));
+                    continue;
+                }
             }
             let name = t
                 .get("name")
@@ -49,7 +57,6 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
     }
     let mut names: BTreeMap<String, String> = BTreeMap::new();
     let mut prior_calls = Vec::new();
-    let mut provider_output_seen = false;
     let mut tool_results = Vec::new();
     let mut round_index = 0u32;
     for (i, m) in messages.iter().enumerate() {

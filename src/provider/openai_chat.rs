@@ -87,6 +87,16 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                     }
                 }
             }
+            "function" => {
+                // The legacy functions API: a result without a call id, named by `name`.
+                let name = m.get("name").and_then(Value::as_str).unwrap_or_default();
+                tool_results.push(ToolResultSeen {
+                    tool_call_id: format!("function:{name}"),
+                    tool_name: (!name.is_empty()).then(|| name.to_owned()),
+                    content: m.get("content").cloned().unwrap_or(Value::Null).to_string(),
+                    is_error: false,
+                });
+            }
             "tool" => {
                 let id = m
                     .get("tool_call_id")
@@ -122,7 +132,8 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         include_usage,
         round_index,
         prior_calls,
-        provider_output_seen: false,
+        // `web_search_options`: the provider searches the web in this very turn (§C, §F).
+        provider_output_seen: obj.contains_key("web_search_options"),
         previous_response_id: None,
         provider_delegations: Vec::new(),
     })

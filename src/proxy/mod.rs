@@ -13,8 +13,10 @@
 
 pub mod recovery;
 pub mod stream;
+pub mod trust;
 pub mod upstream;
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -123,6 +125,19 @@ pub struct Session {
     pub channel: Option<ChannelSpec>,
     /// Semantic request digest v2 of the agent's own request (the recovery key).
     pub agent_digest: String,
+    /// The verified acting person (`sub`); `None`: the agent acts (tool-turn contract §C).
+    pub person: Option<String>,
+}
+
+/// How held calls stand when a round is decided (tool-turn contract §C).
+#[derive(Debug, Clone, Copy)]
+pub enum Approval<'a> {
+    /// No approval in hand: held calls are held.
+    Pending,
+    /// The acting person approved exactly these `argsHash`es (once).
+    Accepted(&'a BTreeSet<String>),
+    /// No approval was given: held calls are refused with this reason and explanation.
+    Refused(&'static str, &'a str),
 }
 
 impl Session {
@@ -237,19 +252,37 @@ impl Session {
         }
     }
 
-    /// Admits one round: stages 1–8, effect claims at dispatch, surfacing, metrics, events.
+    /// Admits one round: stages 1–8, effect claims at dispatch, surfacing — waiting for the
+    /// acting person's approval when held calls surface as `wait` ([`crate::approvals`]) —
+    /// then metrics and events.
     pub async fn admit(&self, round: &[ChoiceEmissions]) -> Vec<ChoiceVerdict> {
-        let no_approval = |_: &str| false;
+        let mut verdicts = self.decide_round(round, Approval::Pending).await;
+        if verdicts.iter().any(ChoiceVerdict::waiting) {
+            verdicts = crate::approvals::settle(self, round, &verdicts).await;
+        }
+        self.account(round, &verdicts).await;
+        verdicts
+    }
+
+    /// Stages 1–8, effect claims and surfacing for every choice of a round, with held calls
+    /// as `approval` says. Claims of a round that waits are given back: nothing is dispatched
+    /// while it waits.
+    pub async fn decide_round(
+        &self,
+        round: &[ChoiceEmissions],
+        approval: Approval<'_>,
+    ) -> Vec<ChoiceVerdict> {
+        let approved = |h: &str| matches!(approval, Approval::Accepted(set) if set.contains(h));
         let ctx = AdmitCtx {
             policy: &self.policy,
             schemas: &self.state.schemas,
             limits: &self.state.limits,
-            person: None,
+            person: self.person.as_deref(),
             agent: AGENT_ID,
             trust: self.trust,
             run: self.ctx.run.run_id.as_deref(),
             provider: self.turn.api.as_str(),
-            approved: &no_approval,
+            approved: &approved,
             repairs_left: if n_choices(&self.body) > 1 {
                 0
             } else {
@@ -259,11 +292,23 @@ impl Session {
         let mut verdicts = Vec::with_capacity(round.len());
         for choice in round {
             let mut decisions = admission::decide_choice(&ctx, &self.turn, choice);
+            match approval {
+                Approval::Pending => {}
+                Approval::Accepted(_) => admission::refuse_held(
+                    &mut decisions,
+                    "held_after_approval",
+                    "the call is still held after the approval (a rule holds it whatever the approval)",
+                ),
+                Approval::Refused(reason, why) => {
+                    admission::refuse_held(&mut decisions, reason, why);
+                }
+            }
             let claimed = self.claim_effects(choice, &mut decisions).await;
             let surfacing = admission::surface(&ctx, &mut decisions);
+            let waits = surfacing == Surfacing::Wait;
             // A claim taken for a call the surfacing then withheld is given back.
             for (i, effect_id) in claimed {
-                if !decisions[i].released() {
+                if waits || !decisions[i].released() {
                     if let Err(e) = self
                         .state
                         .journal
@@ -280,7 +325,6 @@ impl Session {
                 surfacing,
             });
         }
-        self.account(round, &verdicts).await;
         verdicts
     }
 
@@ -358,7 +402,7 @@ impl Session {
     /// Metrics, per-run counters and the `agent.tool-called` / `agent.tool-returned` events.
     async fn account(&self, round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) {
         let mut events = Vec::new();
-        let principal = AGENT_ID;
+        let principal = self.person.as_deref().unwrap_or(AGENT_ID);
         for (choice, verdict) in round.iter().zip(verdicts) {
             for (call, d) in choice.calls.iter().zip(&verdict.decisions) {
                 self.state
@@ -394,6 +438,9 @@ impl Session {
                         Some(("error", Some("turnguard.effect_already_claimed")))
                     }
                     (_, "rate_limited") => Some(("rate_limited", Some("rate_limited"))),
+                    (Outcome::Refused, r) if admission::is_approval_refusal(r) => {
+                        Some(("forbidden", Some("approval_rejected")))
+                    }
                     (Outcome::Refused, _) => Some(("forbidden", Some("forbidden"))),
                     (Outcome::Invalid, _) => Some(("error", Some("validation_error"))),
                     (Outcome::EndedTurn, _) => Some(("error", Some("turnguard.turn_ended"))),
@@ -489,6 +536,13 @@ async fn turn(
     req: Request<Body>,
 ) -> Result<(Response, bool), WireError> {
     let (parts, body) = req.into_parts();
+    let person = state
+        .identity
+        .person_of(&parts.headers)
+        .map_err(|e| WireError::Unauthenticated {
+            reason: e.to_string(),
+        })?
+        .map(|p| p.sub);
     let raw = read_request(state, body).await?;
     let json = parse_json(&raw)?;
     let turn = provider::parse_request(api, &json)
@@ -496,6 +550,7 @@ async fn turn(
     refuse_provider_delegation(ctx, &turn)?;
     let policy = state.policy.snapshot();
     let trust = admission::trust::of_turn(&turn, &policy);
+    let trust = trust::sticky(state, ctx, trust).await;
     state
         .metrics
         .turns
@@ -503,6 +558,9 @@ async fn turn(
             trust: trust.as_str().to_owned(),
         })
         .inc();
+    if let Some(reason) = admission::clarification_unsupported(&turn, &policy) {
+        return Err(WireError::CapabilityNotProvided { reason });
+    }
     let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
     record_tool_results(state, ctx, &turn, &policy.redactor).await?;
 
@@ -525,6 +583,7 @@ async fn turn(
         body: json,
         turn,
         rounds: 0,
+        person,
     };
     if let Some(answer) = crate::proxy::recovery::serve_recorded(&session, mode).await? {
         return Ok((answer, false));
@@ -986,6 +1045,7 @@ pub fn round_record(
         response_link: None,
         channel: None,
         channel_result: None,
+        content_trust: Some(session.trust.as_str()),
     }
 }
 

@@ -588,7 +588,7 @@ async fn read_round(
             break Some(reason);
         }
         while let Some(round) = pipeline.advance(&mut out) {
-            match decide(session, pipeline, round, &mut out).await {
+            match decide(session, pipeline, round, &mut out, agent).await {
                 Next::Continue => {}
                 Next::Repair(body, splice) => {
                     agent.send_all(&mut out).await;
@@ -612,17 +612,19 @@ async fn read_round(
     }
     loop {
         match pipeline.finish(cut.clone(), &mut out) {
-            Finish::Decide(round) => match decide(session, pipeline, round, &mut out).await {
-                Next::Continue => {}
-                Next::Repair(body, splice) => {
-                    agent.send_all(&mut out).await;
-                    return RoundEnd::Repair(body, splice);
+            Finish::Decide(round) => {
+                match decide(session, pipeline, round, &mut out, agent).await {
+                    Next::Continue => {}
+                    Next::Repair(body, splice) => {
+                        agent.send_all(&mut out).await;
+                        return RoundEnd::Repair(body, splice);
+                    }
+                    Next::Stop => {
+                        agent.send_all(&mut out).await;
+                        return RoundEnd::Done("surfaced_error", None);
+                    }
                 }
-                Next::Stop => {
-                    agent.send_all(&mut out).await;
-                    return RoundEnd::Done("surfaced_error", None);
-                }
-            },
+            }
             Finish::Ended(state, error) => {
                 if !agent.send_all(&mut out).await {
                     return RoundEnd::ClientGone;
@@ -633,15 +635,35 @@ async fn read_round(
     }
 }
 
-/// Admits one decision point and applies how it surfaces.
+/// Admits one decision point and applies how it surfaces. What the agent may already have
+/// (text before the held calls) is sent first; while held calls wait for an approval, SSE
+/// comment keep-alives go out (`: keep-alive`), which every SSE client ignores.
 async fn decide(
     session: &Session,
     pipeline: &mut Pipeline,
     round: Vec<ChoiceEmissions>,
     out: &mut Vec<Bytes>,
+    agent: &mut ToAgent,
 ) -> Next {
+    agent.send_all(out).await;
     let started = Instant::now();
-    let verdicts = session.admit(&round).await;
+    let every = Duration::from_millis(session.state.config.approval_keepalive_ms.max(10));
+    let mut keepalive = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let verdicts = {
+        let admit = session.admit(&round);
+        tokio::pin!(admit);
+        loop {
+            tokio::select! {
+                v = &mut admit => break v,
+                _ = keepalive.tick() => {
+                    // Never blocks the wait: a full queue already keeps the connection busy,
+                    // and an agent that left does not end the wait (a re-sent request meets
+                    // the same interrupt).
+                    let _ = agent.tx.try_send(Ok(Bytes::from_static(b": keep-alive\n\n")));
+                }
+            }
+        }
+    };
     session
         .state
         .metrics
