@@ -33,9 +33,15 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
     if let Some(list) = obj.get("tools") {
         let list = list.as_array().ok_or("`tools` must be an array")?;
         for (i, t) in list.iter().enumerate() {
-            // Client tools have no `type` (or `custom`); typed ones are server/provider tools.
+            // Client tools have no `type` (or `custom`), and Anthropic-defined tools the client
+            // runs (`bash_*`, `text_editor_*`, `computer_*`, `memory_*`) are client tools too;
+            // other typed ones are server tools the provider runs.
             match t.get("type").and_then(Value::as_str) {
                 None | Some("custom") => {}
+                Some(ty)
+                    if ["bash_", "text_editor_", "computer_", "memory_"]
+                        .iter()
+                        .any(|p| ty.starts_with(p)) => {}
                 Some(ty) => {
                     // A server tool the provider runs in this very turn: the model may read
                     // its output before it calls a tool, so the turn is untrusted (§C, §F).
