@@ -220,6 +220,7 @@ async fn effects(State(s): State<Arc<AppState>>, Path(run_id): Path<String>) -> 
                     })
                 })
                 .collect();
+            let run_id = crate::recipes::openwop_run_id(&s.config.tenant, &run_id);
             Json(json!({ "runId": run_id, "effects": effects })).into_response()
         }
         _ => envelope(

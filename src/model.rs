@@ -375,6 +375,9 @@ pub struct ChoiceVerdict {
     pub decisions: Vec<Decision>,
     /// How the withheld calls surface.
     pub surfacing: Surfacing,
+    /// Effect claims (effect id, call id) of the calls this verdict releases; confirmed in
+    /// the journal before the calls leave (DESIGN.md §4 §D effects).
+    pub claims: Vec<(String, String)>,
 }
 
 impl ChoiceVerdict {

@@ -65,6 +65,7 @@ pub fn admit_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) -
         choice: choice.choice,
         decisions,
         surfacing,
+        claims: Vec::new(),
     }
 }
 
@@ -536,6 +537,7 @@ pub fn withheld_by_cut(choice: &ChoiceEmissions) -> ChoiceVerdict {
         choice: choice.choice,
         decisions,
         surfacing: Surfacing::Drop,
+        claims: Vec::new(),
     }
 }
 

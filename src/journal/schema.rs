@@ -102,9 +102,12 @@ fn v1(conn: &Connection) -> rusqlite::Result<()> {
             attempt INTEGER,
             keying TEXT NOT NULL,
             state TEXT NOT NULL,
-            at_ms INTEGER NOT NULL
+            at_ms INTEGER NOT NULL,
+            released INTEGER NOT NULL DEFAULT 0,
+            instance TEXT NOT NULL DEFAULT ''
          );
          CREATE INDEX IF NOT EXISTS effects_run ON effects (run_id);
+         CREATE INDEX IF NOT EXISTS effects_call ON effects (call_id);
          CREATE TABLE IF NOT EXISTS events (
             id INTEGER PRIMARY KEY,
             scope TEXT NOT NULL,

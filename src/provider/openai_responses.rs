@@ -1576,6 +1576,7 @@ mod tests {
             choice: 0,
             decisions: vec![decision(true), decision(false)],
             surfacing: crate::model::Surfacing::EndTurn("[turnguard] no".into()),
+            claims: Vec::new(),
         };
         assert!(rewrite_response(&mut body, &[verdict]));
         let types: Vec<&str> = body["output"]

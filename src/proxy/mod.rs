@@ -211,20 +211,26 @@ impl Session {
     }
 
     /// Records what the agent received for this round of a run node (the record recovery and
-    /// replay serve again). Chat turns are not recorded for replay (tool-turn contract §D).
+    /// replay serve again), confirming the round's effect claims in the same transaction.
+    /// Chat turns are not recorded for replay (tool-turn contract §D). Call before the answer
+    /// leaves.
     pub async fn record_served(
         &self,
         status: u16,
         content_type: &str,
-        body: &[u8],
+        body: Recorded,
         calls: Vec<ServedCall>,
-        secrets: bool,
+        claims: Vec<(String, String)>,
     ) {
         let (Some(run), Some(node), Some(attempt)) = (
             &self.ctx.run.run_id,
             &self.ctx.run.node_id,
             self.ctx.run.attempt,
         ) else {
+            // A chat turn keeps no served record; its claims are still confirmed.
+            if let Err(e) = self.state.journal.confirm_claims(claims).await {
+                tracing::error!(error = %e, request_id = %self.ctx.request_id, "effect claims not confirmed");
+            }
             return;
         };
         let rec = ServedRecord {
@@ -236,16 +242,10 @@ impl Session {
             request_id: self.ctx.request_id.clone(),
             status,
             content_type: content_type.to_owned(),
-            body: {
-                let r = Recorded::of(body, self.state.config.journal_max_record_bytes);
-                if secrets {
-                    r.withheld()
-                } else {
-                    r
-                }
-            },
+            body,
             calls,
             at_ms: now_ms(),
+            claims,
         };
         if let Err(e) = self.state.journal.record_served(rec).await {
             tracing::error!(error = %e, request_id = %self.ctx.request_id, "served response not journaled");
@@ -307,6 +307,7 @@ impl Session {
             let surfacing = admission::surface(&ctx, &mut decisions);
             let waits = surfacing == Surfacing::Wait;
             // A claim taken for a call the surfacing then withheld is given back.
+            let mut kept = Vec::new();
             for (i, effect_id) in claimed {
                 if waits || !decisions[i].released() {
                     if let Err(e) = self
@@ -317,12 +318,15 @@ impl Session {
                     {
                         tracing::error!(error = %e, "an effect claim could not be given back");
                     }
+                } else {
+                    kept.push((effect_id, choice.calls[i].id.clone()));
                 }
             }
             verdicts.push(ChoiceVerdict {
                 choice: choice.choice,
                 decisions,
                 surfacing,
+                claims: kept,
             });
         }
         verdicts
@@ -374,11 +378,13 @@ impl Session {
                 run: self.ctx.run.clone(),
                 keying,
                 at_ms: now_ms(),
+                instance: crate::journal::instance_id().to_owned(),
             };
             let d = &mut decisions[i];
             match self.state.journal.claim_effect(claim).await {
                 Ok(Claim::Claimed) => taken.push((i, effect_id)),
-                Ok(Claim::Existing { call_id, .. }) if call_id == call.id => {}
+                // Claimed and released before (by this call id or another): the effect ran or
+                // may have run; it is never released again.
                 Ok(Claim::Existing { result, .. }) => {
                     d.outcome = Outcome::SuppressedRepeat;
                     d.stage = Stage::Dispatch;
@@ -548,6 +554,7 @@ async fn turn(
     let turn = provider::parse_request(api, &json)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
     refuse_provider_delegation(ctx, &turn)?;
+    check_run_ids(&ctx.run)?;
     let policy = state.policy.snapshot();
     let trust = admission::trust::of_turn(&turn, &policy);
     let trust = trust::sticky(state, ctx, trust).await;
@@ -611,14 +618,16 @@ async fn turn(
                 reason: format!("response body: {e}"),
             })?;
         match surface_json(&session, &base, body).await? {
-            JsonRound::Respond(body, calls, secrets) => {
+            JsonRound::Respond(body, calls, secrets, claims) => {
                 let content_type = p
                     .headers
                     .get(header::CONTENT_TYPE)
                     .and_then(|v| v.to_str().ok())
                     .unwrap_or("application/json");
+                let kept = Recorded::of(&body, state.config.journal_max_record_bytes);
+                let kept = if secrets { kept.withheld() } else { kept };
                 session
-                    .record_served(p.status.as_u16(), content_type, &body, calls, secrets)
+                    .record_served(p.status.as_u16(), content_type, kept, calls, claims)
                     .await;
                 let mut out = Response::new(Body::from(body));
                 *out.status_mut() = p.status;
@@ -770,6 +779,31 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
 
 /// Inside a run, a request that delegates MCP or A2A calls to the provider is refused before
 /// it goes upstream (tool-turn contract §F). A chat turn (no `Turnguard-Run`) may.
+/// `Turnguard-Run` and `Turnguard-Node` become OpenWOP ids: a run id of `A-Z a-z 0-9 . _ ~ :
+/// / -` (≤ 200), a node id of `A-Z a-z 0-9 . _ ~ : -` (≤ 128, ids.schema.json `nodeId`).
+fn check_run_ids(run: &RunKey) -> Result<(), WireError> {
+    let ok = |s: &str, max: usize, slash: bool| {
+        !s.is_empty()
+            && s.len() <= max
+            && s.chars().all(|c| {
+                c.is_ascii_alphanumeric()
+                    || matches!(c, '.' | '_' | '~' | ':' | '-')
+                    || (slash && c == '/')
+            })
+    };
+    if run.run_id.as_deref().is_some_and(|r| !ok(r, 200, true)) {
+        return Err(WireError::InvalidRequest {
+            reason: "`Turnguard-Run` must be 1-200 of A-Z a-z 0-9 . _ ~ : / -".into(),
+        });
+    }
+    if run.node_id.as_deref().is_some_and(|n| !ok(n, 128, false)) {
+        return Err(WireError::InvalidRequest {
+            reason: "`Turnguard-Node` must be 1-128 of A-Z a-z 0-9 . _ ~ : -".into(),
+        });
+    }
+    Ok(())
+}
+
 fn refuse_provider_delegation(ctx: &RequestCtx, turn: &Turn) -> Result<(), WireError> {
     match (&ctx.run.run_id, turn.provider_delegations.first()) {
         (Some(_), Some(what)) => Err(WireError::ProviderDelegationInRun { what: what.clone() }),
@@ -862,7 +896,7 @@ pub fn call_records(
 /// How a non-stream round ends.
 enum JsonRound {
     /// Send this body to the agent; these calls go with it; whether a call carried a secret.
-    Respond(Bytes, Vec<ServedCall>, bool),
+    Respond(Bytes, Vec<ServedCall>, bool, Vec<(String, String)>),
     /// Ask the model again with this body.
     Repair(Value),
     /// Fail the request.
@@ -928,12 +962,14 @@ async fn surface_json(
             Bytes::from(json.to_string()),
             session.served_calls(&with_calls, &verdicts),
             has_secrets(&verdicts),
+            claims_of(&verdicts),
         )
     } else {
         JsonRound::Respond(
             body.clone(),
             session.served_calls(&with_calls, &verdicts),
             has_secrets(&verdicts),
+            claims_of(&verdicts),
         )
     };
     record_round(&session.state, rec).await;
@@ -1000,6 +1036,14 @@ impl Session {
             retry_after_secs: None,
         }))
     }
+}
+
+/// The effect claims of the calls these verdicts release.
+pub fn claims_of(verdicts: &[ChoiceVerdict]) -> Vec<(String, String)> {
+    verdicts
+        .iter()
+        .flat_map(|v| v.claims.iter().cloned())
+        .collect()
 }
 
 /// A call of these verdicts carried a secret in its arguments: the raw response bodies of

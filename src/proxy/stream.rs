@@ -469,6 +469,7 @@ async fn run(
         sent: Vec::new(),
         total: 0,
         cap,
+        hasher: <sha2::Sha256 as sha2::Digest>::new(),
     };
     loop {
         let mut pipeline =
@@ -496,13 +497,13 @@ async fn run(
                 .iter()
                 .flat_map(|(r, v)| session.served_calls(r, v))
                 .collect();
-            if agent.total <= cap {
-                session
-                    .record_served(200, "text/event-stream", &agent.sent, calls, secrets)
-                    .await;
-            } else {
-                tracing::warn!(request_id = %session.ctx.request_id, "stream larger than the record cap: not kept for recovery");
-            }
+            // Over the record cap the body is kept as a digest only, but the released calls are
+            // still recorded, so a re-sent round finds them in doubt.
+            let body = agent.recorded();
+            let body = if secrets { body.withheld() } else { body };
+            session
+                .record_served(200, "text/event-stream", body, calls, Vec::new())
+                .await;
         }
         let RoundEnd::Repair(next, how) = end else {
             return;
@@ -547,12 +548,30 @@ struct ToAgent {
     sent: Vec<u8>,
     total: usize,
     cap: usize,
+    hasher: sha2::Sha256,
 }
 
 impl ToAgent {
+    /// What was sent, as a journal record (a digest only past the cap).
+    fn recorded(&self) -> crate::journal::Recorded {
+        use sha2::Digest;
+        let truncated = self.total > self.cap;
+        crate::journal::Recorded {
+            bytes: if truncated {
+                Vec::new()
+            } else {
+                self.sent.clone()
+            },
+            total_bytes: self.total as u64,
+            digest: hex::encode(self.hasher.clone().finalize()),
+            truncated,
+        }
+    }
+
     async fn send_all(&mut self, out: &mut Vec<Bytes>) -> bool {
         for chunk in out.drain(..) {
             self.total += chunk.len();
+            sha2::Digest::update(&mut self.hasher, &chunk);
             if self.sent.len() + chunk.len() <= self.cap {
                 self.sent.extend_from_slice(&chunk);
             }
@@ -689,6 +708,15 @@ async fn decide(
     if let Some(body) = repair {
         let splice = pipeline.abandon(round, verdicts);
         return Next::Repair(body, splice);
+    }
+    // The calls are about to leave: their effect claims are confirmed first.
+    if let Err(e) = session
+        .state
+        .journal
+        .confirm_claims(super::claims_of(&verdicts))
+        .await
+    {
+        tracing::error!(error = %e, request_id = %session.ctx.request_id, "effect claims not confirmed");
     }
     pipeline.release(round, verdicts, out);
     Next::Continue
