@@ -569,7 +569,7 @@ async fn turn(
         return Err(WireError::CapabilityNotProvided { reason });
     }
     let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
-    record_tool_results(state, ctx, &turn, &policy.redactor).await?;
+    record_tool_results(state, ctx, &turn, &policy).await?;
 
     let agent_digest = crate::recipes::semantic_request_digest(api, &json);
     let mode = run_mode(&parts.headers)?;
@@ -812,13 +812,16 @@ fn refuse_provider_delegation(ctx: &RequestCtx, turn: &Turn) -> Result<(), WireE
 }
 
 /// Records the tool results the request carries, durably, before it goes upstream
-/// (tool-turn contract §D). A record failure fails the request.
+/// (tool-turn contract §D). A record failure fails the request (503) when any of the results
+/// belongs to a tool that is not re-runnable (or that the catalog does not know); results of
+/// re-runnable tools only are logged and counted, and the request goes on.
 async fn record_tool_results(
     state: &AppState,
     ctx: &RequestCtx,
     turn: &Turn,
-    redactor: &crate::policy::Redactor,
+    policy: &CompiledPolicy,
 ) -> Result<(), WireError> {
+    let redactor = &policy.redactor;
     let cap = state.config.journal_max_record_bytes;
     let recs: Vec<ToolResultRecord> = turn
         .tool_results
@@ -833,13 +836,25 @@ async fn record_tool_results(
             content: Recorded::of(redactor.redact_text(&t.content).as_bytes(), cap),
         })
         .collect();
-    state
-        .journal
-        .record_tool_results(recs)
-        .await
-        .map_err(|e| WireError::JournalUnavailable {
-            reason: e.to_string(),
-        })
+    match state.journal.record_tool_results(recs).await {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let all_rerunnable = turn.tool_results.iter().all(|t| {
+                t.tool_name
+                    .as_deref()
+                    .and_then(|n| policy.catalog.by_name(n))
+                    .is_some_and(|tool| tool.rerunnable())
+            });
+            if all_rerunnable {
+                tracing::error!(error = %e, request_id = %ctx.request_id, "tool results of re-runnable tools not journaled; going on");
+                Ok(())
+            } else {
+                Err(WireError::JournalUnavailable {
+                    reason: e.to_string(),
+                })
+            }
+        }
+    }
 }
 
 /// What a call's identity derives from (DESIGN.md §2): the per-node ordinal continues the
