@@ -1,6 +1,6 @@
 //! The admin plane (DESIGN.md §6), on its own listener (default `127.0.0.1:8788`, never the
 //! data-plane port): `/metrics`, `/healthz`, `/readyz`, `/config`, the tool catalog
-//! (`/tools`, `/tools/{toolId}`) and `/capabilities`.
+//! (`/tools`, `/tools/{toolId}`), `/capabilities`, and approvals ([`crate::approvals::routes`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -27,6 +27,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tools", get(tools))
         .route("/tools/{tool_id}", get(tool))
         .route("/capabilities", get(capabilities))
+        .merge(crate::approvals::routes())
         .route("/runs/{run_id}/effects", get(effects))
         .route("/runs/{run_id}/events", get(events))
         .route("/host/effect-seams", get(effect_seams))
@@ -219,6 +220,7 @@ async fn effects(State(s): State<Arc<AppState>>, Path(run_id): Path<String>) -> 
                     })
                 })
                 .collect();
+            let run_id = crate::recipes::openwop_run_id(&s.config.tenant, &run_id);
             Json(json!({ "runId": run_id, "effects": effects })).into_response()
         }
         _ => envelope(

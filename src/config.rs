@@ -97,6 +97,37 @@ pub struct ServeArgs {
     /// Days run records and effects are kept before pruning; at least 14 [default: 30].
     #[arg(long, value_name = "DAYS")]
     pub journal_retention_days: Option<u64>,
+    /// Expected `iss` of principal tokens (`Turnguard-Principal-Token`, approver tokens).
+    #[arg(long, value_name = "URL")]
+    pub identity_issuer: Option<String>,
+    /// Expected `aud` of principal tokens.
+    #[arg(long, value_name = "AUDIENCE")]
+    pub identity_audience: Option<String>,
+    /// Expected `aud` of approver tokens on the admin plane [default: identity_audience].
+    /// A distinct audience keeps the agent's principal token from ever approving.
+    #[arg(long, value_name = "AUDIENCE")]
+    pub identity_approval_audience: Option<String>,
+    /// JWKS file with the identity provider's public keys (RS256, ES256, EdDSA).
+    #[arg(long, value_name = "FILE")]
+    pub identity_jwks: Option<PathBuf>,
+    /// PEM public key file of the identity provider (RSA → RS256, P-256 → ES256, Ed25519 → EdDSA).
+    #[arg(long, value_name = "FILE")]
+    pub identity_public_key: Option<PathBuf>,
+    /// File holding an HS256 shared secret (development only; logged as such at start).
+    #[arg(long, value_name = "FILE")]
+    pub identity_hs256_secret_file: Option<PathBuf>,
+    /// Development only: trust a plain `Turnguard-Principal` header as the verified person on
+    /// both planes [default: false]. Logged loudly at start.
+    #[arg(long, value_name = "BOOL")]
+    pub identity_dev_principal_header: Option<bool>,
+    /// How long a held call waits for the acting person's approval, milliseconds; then it is
+    /// refused (a timeout never approves) [default: 300000].
+    #[arg(long, value_name = "MS")]
+    pub approval_timeout_ms: Option<u64>,
+    /// Interval of SSE comment keep-alives while a streamed call waits, milliseconds
+    /// [default: 15000].
+    #[arg(long, value_name = "MS")]
+    pub approval_keepalive_ms: Option<u64>,
 }
 
 /// The TOML file: the same keys as the flags, all optional, nothing else.
@@ -122,6 +153,15 @@ struct FileConfig {
     shutdown_grace_ms: Option<u64>,
     tenant: Option<String>,
     journal_retention_days: Option<u64>,
+    identity_issuer: Option<String>,
+    identity_audience: Option<String>,
+    identity_approval_audience: Option<String>,
+    identity_jwks: Option<PathBuf>,
+    identity_public_key: Option<PathBuf>,
+    identity_hs256_secret_file: Option<PathBuf>,
+    identity_dev_principal_header: Option<bool>,
+    approval_timeout_ms: Option<u64>,
+    approval_keepalive_ms: Option<u64>,
 }
 
 /// Log output format.
@@ -204,6 +244,25 @@ pub struct Config {
     pub shutdown_grace_ms: u64,
     pub tenant: String,
     pub journal_retention_days: u64,
+    /// Expected `iss` of principal and approver tokens ([`crate::identity`]).
+    pub identity_issuer: Option<String>,
+    /// Expected `aud` of principal tokens (and of approver tokens unless
+    /// `identity_approval_audience` is set).
+    pub identity_audience: Option<String>,
+    /// Expected `aud` of approver tokens.
+    pub identity_approval_audience: Option<String>,
+    /// JWKS file of the identity provider.
+    pub identity_jwks: Option<PathBuf>,
+    /// PEM public key file of the identity provider.
+    pub identity_public_key: Option<PathBuf>,
+    /// HS256 secret file (development). The path is shown in `/config`, never the secret.
+    pub identity_hs256_secret_file: Option<PathBuf>,
+    /// Development only: trust a plain `Turnguard-Principal` header.
+    pub identity_dev_principal_header: bool,
+    /// Approval wait bound (`timeoutMs` of the approval interrupt), milliseconds.
+    pub approval_timeout_ms: u64,
+    /// SSE comment keep-alive interval while a streamed call waits, milliseconds.
+    pub approval_keepalive_ms: u64,
 }
 
 impl Default for Config {
@@ -237,6 +296,15 @@ impl Default for Config {
             shutdown_grace_ms: 30_000,
             tenant: "default".to_owned(),
             journal_retention_days: 30,
+            identity_issuer: None,
+            identity_audience: None,
+            identity_approval_audience: None,
+            identity_jwks: None,
+            identity_public_key: None,
+            identity_hs256_secret_file: None,
+            identity_dev_principal_header: false,
+            approval_timeout_ms: 300_000,
+            approval_keepalive_ms: 15_000,
         }
     }
 }
@@ -431,6 +499,67 @@ impl Config {
             days,
             days_env
         );
+
+        number!(
+            approval_timeout_ms,
+            "TURNGUARD_APPROVAL_TIMEOUT_MS",
+            ms,
+            ms_env
+        );
+        number!(
+            approval_keepalive_ms,
+            "TURNGUARD_APPROVAL_KEEPALIVE_MS",
+            ms,
+            ms_env
+        );
+        // Identity (optional keys): flag, else env, else file, else unset.
+        macro_rules! optional {
+            ($field:ident, $env:literal, $from:expr) => {
+                if let Some(v) = &flags.$field {
+                    c.$field = Some(v.clone());
+                } else if let Some(v) = env($env) {
+                    c.$field = Some($from(v));
+                } else if let Some(v) = &file.$field {
+                    c.$field = Some(v.clone());
+                }
+            };
+        }
+        optional!(identity_issuer, "TURNGUARD_IDENTITY_ISSUER", |v: String| v);
+        optional!(
+            identity_audience,
+            "TURNGUARD_IDENTITY_AUDIENCE",
+            |v: String| v
+        );
+        optional!(
+            identity_approval_audience,
+            "TURNGUARD_IDENTITY_APPROVAL_AUDIENCE",
+            |v: String| v
+        );
+        optional!(identity_jwks, "TURNGUARD_IDENTITY_JWKS", PathBuf::from);
+        optional!(
+            identity_public_key,
+            "TURNGUARD_IDENTITY_PUBLIC_KEY",
+            PathBuf::from
+        );
+        optional!(
+            identity_hs256_secret_file,
+            "TURNGUARD_IDENTITY_HS256_SECRET_FILE",
+            PathBuf::from
+        );
+        let flag = |v: String, src: &str| -> Result<bool, ConfigError> {
+            match v.as_str() {
+                "true" | "1" => Ok(true),
+                "false" | "0" => Ok(false),
+                _ => Err(value_err(src, format!("`{v}` is not `true` or `false`"))),
+            }
+        };
+        if let Some(v) = flags.identity_dev_principal_header {
+            c.identity_dev_principal_header = v;
+        } else if let Some(v) = env("TURNGUARD_IDENTITY_DEV_PRINCIPAL_HEADER") {
+            c.identity_dev_principal_header = flag(v, "TURNGUARD_IDENTITY_DEV_PRINCIPAL_HEADER")?;
+        } else if let Some(v) = file.identity_dev_principal_header {
+            c.identity_dev_principal_header = v;
+        }
 
         // Protection and shutdown (issue 6).
         let any_ms = |v: u64, _: &str| -> Result<u64, ConfigError> { Ok(v) };

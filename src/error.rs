@@ -42,6 +42,14 @@ pub enum WireError {
     /// turnguard is draining after SIGTERM and takes no new requests.
     #[error("turnguard is shutting down; retry after {retry_after_s} s")]
     ShuttingDown { retry_after_s: u64 },
+    /// `Turnguard-Principal-Token` was sent but does not verify (tool-turn contract §C: a
+    /// bad token never reads as "no person").
+    #[error("the principal token is not accepted: {reason}")]
+    Unauthenticated { reason: String },
+    /// The request needs a capability its model or provider lacks (§E: a clarification
+    /// through a tool, for a model without tool support).
+    #[error("{reason}")]
+    CapabilityNotProvided { reason: String },
     /// Same-attempt recovery found a released, non-re-runnable call with no recorded result
     /// (tool-turn contract §D).
     #[error("the outcome of released call(s) is unknown and they are not re-runnable: {calls}")]
@@ -91,6 +99,16 @@ impl WireError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "turnguard.journal_unavailable",
                 "journal_unavailable",
+            ),
+            Self::Unauthenticated { .. } => (
+                StatusCode::UNAUTHORIZED,
+                "unauthenticated",
+                "principal_token_invalid",
+            ),
+            Self::CapabilityNotProvided { .. } => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "capability_not_provided",
+                "capability_not_provided",
             ),
             // `runner_unavailable` (503, retriable) is the registered code for "cannot take
             // work now"; the reason label tells the two apart.

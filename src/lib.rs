@@ -17,8 +17,10 @@
 //! | [`recipes`] | RFC 0150 recipes: semantic request digest v2, `logicalInvocationId` |
 //! | [`journal`] | the SQLite journal: one writer thread, group commit, insert-if-absent |
 //! | [`metrics`] | every Prometheus metric, in one registry handle |
-//! | [`admin`] | the admin plane: `/metrics`, `/healthz`, `/readyz`, `/config` |
+//! | [`identity`] | who acts: the verified person (JWT) on the data plane and the approver on the admin plane |
 //! | [`shutdown`] | graceful shutdown: readiness false, drain within a deadline, flush |
+//! | [`approvals`] | held calls wait for the acting person: approval interrupts, admin resolution |
+//! | [`admin`] | the admin plane: `/metrics`, `/healthz`, `/readyz`, `/config`, approvals |
 //! | [`error`] | the one boundary enum for errors turnguard authors on the wire |
 //! | [`policy`] | the pure policy engine: bundle formats, catalog, Cedar rules, redaction |
 //! | [`policy_cli`] | `turnguard policy check / test / explain / schema` |
@@ -27,10 +29,12 @@
 
 pub mod admin;
 pub mod admission;
+pub mod approvals;
 pub mod body;
 pub mod config;
 pub mod edge;
 pub mod error;
+pub mod identity;
 pub mod journal;
 pub mod metrics;
 pub mod mock_provider;

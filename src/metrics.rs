@@ -39,6 +39,8 @@ pub struct CallLabels {
     pub stage: String,
     /// Emission channel (§A); `tool` for provider-native calls.
     pub channel: String,
+    /// `enforce`, or `shadow` when the call was released although the outcome withholds it.
+    pub mode: String,
 }
 
 /// Labels of the edge histograms (`turnguard_request_duration_seconds`,
@@ -137,6 +139,13 @@ pub struct ReplayLabels {
     pub result: String,
 }
 
+/// Labels of `turnguard_approvals_total` and `turnguard_approval_wait_seconds`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ApprovalLabels {
+    /// `held` (an approval interrupt was raised), `approved`, `rejected`, `expired`.
+    pub result: String,
+}
+
 /// The metrics handle shared by the data plane, the journal and the admin plane.
 pub struct Metrics {
     registry: Registry,
@@ -173,6 +182,10 @@ pub struct Metrics {
     pub emissions: Family<EmissionLabels, Counter>,
     /// Recovery and replay lookups by result.
     pub replay: Family<ReplayLabels, Counter>,
+    /// Approval interrupts raised (`held`) and resolved (`approved`, `rejected`, `expired`).
+    pub approvals: Family<ApprovalLabels, Counter>,
+    /// Time from an approval interrupt being raised to its resolution, seconds.
+    pub approval_wait: Family<ApprovalLabels, Histogram>,
     /// Whole time of a data-plane request at the edge (arrival to the last body byte sent),
     /// seconds.
     pub request_duration: Family<EdgeLabels, Histogram>,
@@ -325,6 +338,24 @@ impl Metrics {
             "Recovery and replay lookups by result",
             replay.clone(),
         );
+        let approvals = Family::<ApprovalLabels, Counter>::default();
+        reg(
+            &mut registry,
+            &mut names,
+            "approvals",
+            "Approval interrupts raised (held) and resolved (approved, rejected, expired)",
+            approvals.clone(),
+        );
+        let approval_wait = Family::<ApprovalLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.05, 2.0, 16))
+        });
+        reg(
+            &mut registry,
+            &mut names,
+            "approval_wait_seconds",
+            "Time from an approval interrupt being raised to its resolution",
+            approval_wait.clone(),
+        );
         // Edge and protection metrics (issue 6).
         let request_duration = Family::<EdgeLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.000_5, 2.0, 18))
@@ -401,6 +432,15 @@ impl Metrics {
                 })
                 .inc_by(0);
         }
+        for result in ["held", "approved", "rejected", "expired"] {
+            let labels = ApprovalLabels {
+                result: result.to_owned(),
+            };
+            approvals.get_or_create(&labels).inc_by(0);
+            if result != "held" {
+                drop(approval_wait.get_or_create(&labels));
+            }
+        }
         for result in ["ok", "error"] {
             policy_reloads
                 .get_or_create(&ResultLabels {
@@ -417,6 +457,8 @@ impl Metrics {
             shed_requests,
             build_info,
             replay,
+            approvals,
+            approval_wait,
             emissions,
             policy_reloads,
             policy_revision_info,

@@ -94,7 +94,10 @@ pub struct Turn {
     /// Names of the tool calls already in the transcript, in order.
     pub prior_calls: Vec<String>,
     /// The transcript carries provider-executed tool output (Anthropic
-    /// `web_search_tool_result` …): always untrusted (tool-turn contract §F).
+    /// `web_search_tool_result` …), or the request lets the provider run such a tool in this
+    /// turn (Anthropic `web_search_*` / `web_fetch_*` / `code_execution_*` tools, Chat
+    /// `web_search_options`), whose output the model may read before it calls a tool: always
+    /// untrusted (tool-turn contract §C, §F).
     pub provider_output_seen: bool,
     /// Responses only: `previous_response_id`. The provider holds the earlier turns of the
     /// conversation, which the proxy cannot see in this request; their trust can only come
@@ -145,6 +148,16 @@ pub struct Completion {
     pub state: CompletionState,
     /// The provider's `finish_reason` / `stop_reason`, or what stood in for it.
     pub reason: String,
+}
+
+impl Completion {
+    /// A completion with the provider's reason.
+    pub fn new(state: CompletionState, reason: &str) -> Self {
+        Self {
+            state,
+            reason: reason.to_owned(),
+        }
+    }
 }
 
 /// A provider-native tool call emitted by the model (channel `tool`, contract §A).
@@ -256,6 +269,9 @@ pub struct Decision {
     pub redacted_args: Option<serde_json::Value>,
     /// How many secrets redaction found in the arguments.
     pub secrets: usize,
+    /// Arguments to release instead of the model's (JSON text): the redacted form, when the
+    /// bundle strips secrets from calls to egress tools (`redaction.strip_from_egress`).
+    pub release_args: Option<String>,
     /// Stage by stage, what admission found (for `policy explain`).
     pub trace: Vec<(Stage, String)>,
 }
@@ -276,6 +292,7 @@ impl Decision {
             retry_after_secs: None,
             redacted_args: None,
             secrets: 0,
+            release_args: None,
             trace: Vec::new(),
         }
     }
@@ -344,6 +361,9 @@ pub enum Surfacing {
     Repair(Vec<RepairItem>),
     /// The request fails with this error.
     Error(SurfacedError),
+    /// Held calls wait for the acting person's approval (an OpenWOP `approval` interrupt);
+    /// the proxy resolves this before anything reaches the agent, so no adapter sees it.
+    Wait,
 }
 
 /// Admission's verdict on one choice: a decision per call and how it surfaces.
@@ -355,6 +375,9 @@ pub struct ChoiceVerdict {
     pub decisions: Vec<Decision>,
     /// How the withheld calls surface.
     pub surfacing: Surfacing,
+    /// Effect claims (effect id, call id) of the calls this verdict releases; confirmed in
+    /// the journal before the calls leave (DESIGN.md §4 §D effects).
+    pub claims: Vec<(String, String)>,
 }
 
 impl ChoiceVerdict {
@@ -363,9 +386,27 @@ impl ChoiceVerdict {
         self.decisions.get(i).is_some_and(Decision::released)
     }
 
+    /// Held calls wait for an approval.
+    pub fn waiting(&self) -> bool {
+        self.surfacing == Surfacing::Wait
+    }
+
     /// Some call is withheld.
     pub fn any_withheld(&self) -> bool {
         self.decisions.iter().any(|d| !d.released())
+    }
+
+    /// The arguments to release for call `i` instead of the model's, if any.
+    pub fn release_args(&self, i: usize) -> Option<&str> {
+        self.decisions
+            .get(i)
+            .filter(|d| d.released())
+            .and_then(|d| d.release_args.as_deref())
+    }
+
+    /// Some released call's arguments are replaced.
+    pub fn any_replaced(&self) -> bool {
+        (0..self.decisions.len()).any(|i| self.release_args(i).is_some())
     }
 
     /// The host-authored text when the turn is ended with calls removed.
@@ -373,7 +414,7 @@ impl ChoiceVerdict {
         match &self.surfacing {
             Surfacing::Release | Surfacing::Drop => None,
             Surfacing::EndTurn(t) => Some(t),
-            Surfacing::Repair(_) | Surfacing::Error(_) => None,
+            Surfacing::Repair(_) | Surfacing::Error(_) | Surfacing::Wait => None,
         }
     }
 }

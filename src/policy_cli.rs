@@ -277,6 +277,9 @@ pub fn explain(
                 format!("repair round with {} host-authored result(s)", items.len())
             }
             crate::model::Surfacing::Error(e) => format!("error {} {}", e.status, e.code),
+            crate::model::Surfacing::Wait => {
+                "wait for the acting person's approval (then release, or refuse)".to_owned()
+            }
         };
         let _ = writeln!(text, "  surfaced as: {surfacing}");
     }

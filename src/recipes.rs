@@ -102,6 +102,23 @@ pub fn logical_invocation_id(
     base64url(&h.finalize())
 }
 
+/// The OpenWOP `runId` (tenant-bound, `<tenantId>/<opaque 16–128>`, ids.schema.json) of a
+/// `Turnguard-Run` value: the value itself when it already has that form, else
+/// `<tenant>/<base64url(SHA-256(value))>`.
+pub fn openwop_run_id(tenant: &str, run: &str) -> String {
+    let ok = |s: &str, min: usize| {
+        (min..=128).contains(&s.len())
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '~' | '-'))
+    };
+    if let Some((t, opaque)) = run.split_once('/') {
+        if ok(t.strip_prefix("anon:").unwrap_or(t), 1) && ok(opaque, 16) {
+            return run.to_owned();
+        }
+    }
+    format!("{tenant}/{}", base64url(&Sha256::digest(run.as_bytes())))
+}
+
 /// Unpadded base64url (RFC 4648 §5).
 pub fn base64url(bytes: &[u8]) -> String {
     const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
@@ -167,5 +184,13 @@ mod tests {
         assert_ne!(one, logical_invocation_id("t", "run", "node", 1, "charge"));
         assert_eq!(one.len(), 43);
         assert_eq!(base64url(b"\xfb\xff"), "-_8");
+        assert_eq!(
+            openwop_run_id("t", "acme/0123456789abcdef"),
+            "acme/0123456789abcdef"
+        );
+        assert!(
+            openwop_run_id("t", "run-1").starts_with("t/")
+                && openwop_run_id("t", "run-1").len() == 45
+        );
     }
 }

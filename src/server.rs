@@ -15,8 +15,10 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admission::{LimitState, SchemaCache};
+use crate::approvals::Approvals;
 use crate::config::Config;
 use crate::error::WireError;
+use crate::identity::{Identity, IdentityConfigError};
 use crate::journal::{Journal, JournalError, JournalReader, WriterThread};
 use crate::metrics::Metrics;
 use crate::model::Api;
@@ -36,15 +38,19 @@ pub struct AppState {
     /// The metrics registry handle.
     pub metrics: Arc<Metrics>,
     /// Compiled argument schemas, by schema hash.
-    pub schemas: SchemaCache,
+    pub schemas: Arc<SchemaCache>,
     /// The active policy bundle; each request takes one snapshot.
     pub policy: Arc<PolicyHandle>,
     /// Limits-stage state (token buckets, per-run counters).
     pub limits: LimitState,
-    /// Readiness: true once both planes listen, false again when shutdown starts.
-    pub ready: AtomicBool,
     /// Shutdown state: draining (shed new requests) and the stream cut signal.
     pub lifecycle: crate::shutdown::Lifecycle,
+    /// Readiness: true once both planes listen, false again when shutdown starts.
+    pub ready: AtomicBool,
+    /// Verifies the acting person and approvers (tool-turn contract §C).
+    pub identity: Identity,
+    /// Requests waiting for approvals in this process.
+    pub approvals: Approvals,
 }
 
 /// Why `serve` could not start.
@@ -56,6 +62,9 @@ pub enum StartError {
     /// The journal could not be opened.
     #[error(transparent)]
     Journal(#[from] JournalError),
+    /// The identity configuration cannot be used.
+    #[error(transparent)]
+    Identity(#[from] IdentityConfigError),
     /// The policy bundle does not load.
     #[error("policy bundle {dir}:\n{source}")]
     Policy { dir: String, source: LoadError },
@@ -92,6 +101,19 @@ impl Running {
 /// Errors: [`StartError`] naming the address or journal path that failed.
 pub async fn start(config: Config) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
+    let identity = Identity::load(&config)?;
+    if identity.dev_header() {
+        tracing::warn!("DEVELOPMENT MODE: a plain `Turnguard-Principal` header is trusted as the verified acting person on both planes (identity_dev_principal_header = true). Anyone who can reach turnguard can act and approve as anyone. Never use this in production.");
+    }
+    if identity.configured() {
+        let algs = identity.algorithms();
+        if algs.iter().any(|a| a == "HS256") {
+            tracing::warn!("identity: an HS256 shared secret is configured; use asymmetric keys (JWKS or PEM) outside development");
+        }
+        tracing::info!(algorithms = %algs.join(","), "identity provider configured: principal and approver tokens are verified");
+    } else {
+        tracing::info!("no identity provider configured: requests act as the agent and held calls cannot be approved");
+    }
     let policy = reload::load(&config.policy).map_err(|source| StartError::Policy {
         dir: config.policy.display().to_string(),
         source,
@@ -123,10 +145,12 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         journal,
         reader,
         metrics,
-        schemas: SchemaCache::default(),
+        schemas: Arc::new(SchemaCache::default()),
         policy: Arc::clone(&policy),
         limits: LimitState::default(),
         ready: AtomicBool::new(false),
+        identity,
+        approvals: Approvals::default(),
         lifecycle: crate::shutdown::Lifecycle::default(),
     });
     let watcher = reload::watch(

@@ -468,7 +468,9 @@ async fn a_scrape_after_traffic_shows_every_catalogued_metric_with_plausible_val
         1.0
     );
     assert_eq!(
-        v(r#"turnguard_tool_calls_total{outcome="executed",stage="dispatch",channel="tool"}"#),
+        v(
+            r#"turnguard_tool_calls_total{outcome="executed",stage="dispatch",channel="tool",mode="enforce"}"#
+        ),
         3.0,
         "one released call per admitted tool-call response"
     );

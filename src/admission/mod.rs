@@ -65,6 +65,7 @@ pub fn admit_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) -
         choice: choice.choice,
         decisions,
         surfacing,
+        claims: Vec::new(),
     }
 }
 
@@ -76,9 +77,11 @@ pub fn decide_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) 
     let mut asked = false;
     for call in &choice.calls {
         let mut d = decide(ctx, turn, choice, call, &mut reached_limits, released);
-        if d.outcome == Outcome::Executed && asked {
-            // §E: a clarification ends the turn; calls after it are dropped.
+        if asked {
+            // §E: a clarification ends the turn; every call after it is dropped, whatever
+            // admission found (it is still decided and journaled).
             d.outcome = Outcome::EndedTurn;
+            d.stage = Stage::Dispatch;
             d.reason = "after_clarification";
             d.message = "a question to the person ended the turn before this call".into();
         }
@@ -308,13 +311,30 @@ fn decide(
         Stage::Redaction,
         format!("{found} secret(s) redacted from every record"),
     ));
+    let strip = found > 0
+        && ctx.policy.redactor.strip_from_egress
+        && tool.descriptor.egress != Some(crate::policy::bundle::Egress::None);
+    if strip && turn.api == crate::model::Api::OpenAiResponses && turn.stream {
+        // Rewriting streamed Responses arguments is not supported: fail closed rather than
+        // release a secret to an egress tool.
+        let d = Decision::new(
+            Outcome::Refused,
+            Stage::Redaction,
+            "strip_unsupported",
+            "the arguments carry a secret that must be stripped before an egress tool, which this stream cannot rewrite".into(),
+        );
+        return finish(d, trace, hash, redacted_args);
+    }
     // 8. dispatch
-    let d = Decision::new(
+    let mut d = Decision::new(
         Outcome::Executed,
         Stage::Dispatch,
         "released",
         String::new(),
     );
+    if strip {
+        d.release_args = redacted_args.as_ref().map(Value::to_string);
+    }
     finish(d, trace, hash, redacted_args)
 }
 
@@ -328,10 +348,13 @@ pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
     if withheld.is_empty() {
         return Surfacing::Release;
     }
-    if withheld
+    // Calls after a clarification are dropped whatever else happens (§E).
+    let deciding: Vec<usize> = withheld
         .iter()
-        .all(|&i| decisions[i].outcome == Outcome::EndedTurn)
-    {
+        .copied()
+        .filter(|&i| decisions[i].outcome != Outcome::EndedTurn)
+        .collect();
+    if deciding.is_empty() {
         // Only calls after a clarification: they are dropped, the ask goes out.
         return Surfacing::Drop;
     }
@@ -348,10 +371,15 @@ pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
         Outcome::SuppressedRepeat => Surface::EndTurn,
         _ => Surface::EndTurn,
     };
-    let surfaces: Vec<Surface> = withheld
+    let surfaces: Vec<Surface> = deciding
         .iter()
         .map(|&i| surface_of(&decisions[i]))
         .collect();
+    if surfaces.iter().all(|s| *s == Surface::Wait) {
+        // Every withheld call waits for the acting person: the whole choice waits (a held
+        // call before a clarification is resolved before the ask goes out, §E).
+        return Surfacing::Wait;
+    }
     let chosen = if surfaces.contains(&Surface::Error) {
         Surface::Error
     } else if surfaces.contains(&Surface::Repair) && ctx.repairs_left > 0 {
@@ -367,7 +395,7 @@ pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
     }
     match chosen {
         Surface::Error => {
-            let i = withheld[surfaces
+            let i = deciding[surfaces
                 .iter()
                 .position(|s| *s == Surface::Error)
                 .unwrap_or(0)];
@@ -394,7 +422,7 @@ pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
                 })
                 .collect(),
         ),
-        Surface::EndTurn => {
+        Surface::EndTurn | Surface::Wait => {
             let mut text =
                 String::from("[turnguard] The tool call(s) in this turn were not released.");
             for &i in &withheld {
@@ -418,10 +446,63 @@ pub fn explain(d: &Decision) -> String {
     )
 }
 
+/// §E: a clarification must go through a tool, so a request that declares a clarification
+/// tool to a model the bundle lists in `models_without_tools` cannot ask; it gets a typed
+/// failure (`capability_not_provided`) instead of a guess. `Some(reason)` in that case.
+pub fn clarification_unsupported(turn: &Turn, policy: &CompiledPolicy) -> Option<String> {
+    let model = turn.model.as_deref()?;
+    if !policy.model_without_tools(model) {
+        return None;
+    }
+    let ask = turn.tools.iter().find(|t| {
+        policy
+            .catalog
+            .by_name(&t.name)
+            .is_some_and(|c| c.clarification)
+    })?;
+    Some(format!(
+        "the model `{}` has no tool support (policy `models_without_tools`), so the clarification tool `{}` cannot ask the person; turnguard does not guess a question from text",
+        sanitize_label(model),
+        sanitize_label(&ask.name)
+    ))
+}
+
+/// Refusal reasons of held calls whose approval interrupt resolved without approving them.
+pub const APPROVAL_REFUSALS: [&str; 5] = [
+    "approval_rejected",
+    "approval_expired",
+    "no_approver",
+    "approval_already_used",
+    "approval_unavailable",
+];
+
+/// Whether `reason` refuses a held call that was not approved (surfaced as OpenWOP
+/// `approval_rejected`).
+pub fn is_approval_refusal(reason: &str) -> bool {
+    APPROVAL_REFUSALS.contains(&reason) || reason == "held_after_approval"
+}
+
+/// After an approval interrupt resolved without approving (rejected, expired, nobody could
+/// approve, the approval was used already): every held call is refused with `reason` — a
+/// timeout never approves (OpenWOP interrupt.md). The deciding stage is kept.
+pub fn refuse_held(decisions: &mut [Decision], reason: &'static str, why: &str) {
+    for d in decisions
+        .iter_mut()
+        .filter(|d| d.outcome == Outcome::Held && d.enforced)
+    {
+        d.outcome = Outcome::Refused;
+        d.message = format!("{why} (it was held: {})", d.message);
+        d.reason = reason;
+        d.trace
+            .push((d.stage, format!("refused: {reason} — {why}")));
+    }
+}
+
 /// The OpenWOP error a withheld call surfaces as, when its outcome is set to `error`.
 pub fn error_for(d: &Decision) -> SurfacedError {
     let (status, code) = match (d.outcome, d.reason) {
         (_, "rate_limited") => (429, "rate_limited"),
+        (Outcome::Refused, r) if is_approval_refusal(r) => (422, "approval_rejected"),
         (_, "clarification_rounds_exceeded") => (422, "loop_limit_exceeded"),
         (Outcome::Invalid, _) => (422, "envelope_invalid"),
         (Outcome::SuppressedRepeat, _) => (409, "turnguard.effect_already_claimed"),
@@ -456,6 +537,7 @@ pub fn withheld_by_cut(choice: &ChoiceEmissions) -> ChoiceVerdict {
         choice: choice.choice,
         decisions,
         surfacing: Surfacing::Drop,
+        claims: Vec::new(),
     }
 }
 

@@ -42,9 +42,11 @@
 //! `outcome` other than `executed`): the provider still holds them, so a later request that
 //! continues the chain is expected to answer them (see the Responses adapter's notes).
 
+mod interrupts;
 mod reader;
 mod schema;
 
+pub use interrupts::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
 pub use reader::{EffectRow, EventRow, JournalReader, RunSummary};
 
 use std::path::{Path, PathBuf};
@@ -179,6 +181,8 @@ pub struct RoundRecord {
     pub channel: Option<&'static str>,
     /// `valid`, `refused`, or the invalid reason.
     pub channel_result: Option<String>,
+    /// The turn's `contentTrust` after the run's sticky bit (tool-turn contract §C).
+    pub content_trust: Option<&'static str>,
 }
 
 /// A tool result the agent sent in a request.
@@ -216,6 +220,19 @@ pub struct EffectClaim {
     /// `business-identity` or `activity-recipe`.
     pub keying: &'static str,
     pub at_ms: i64,
+    /// The claiming turnguard process ([`instance_id`]).
+    pub instance: String,
+}
+
+/// A claim whose call never reached the agent (not confirmed released) may be taken over by
+/// another call once its process is gone, or after this long (ms).
+pub const CLAIM_LEASE_MS: i64 = 60_000;
+
+/// This process's id in effect claims: a claim left unconfirmed by a process that died (a
+/// crash between the claim and the answer leaving) can be taken over after a restart.
+pub fn instance_id() -> &'static str {
+    static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    ID.get_or_init(|| uuid::Uuid::new_v4().to_string())
 }
 
 /// The result of a claim.
@@ -255,9 +272,12 @@ pub struct ServedRecord {
     pub body: Recorded,
     pub calls: Vec<ServedCall>,
     pub at_ms: i64,
+    /// Claims (effect id, call id) of the released calls, confirmed in the same transaction.
+    pub claims: Vec<(String, String)>,
 }
 
 enum Op {
+    ConfirmClaims(Vec<(String, String)>),
     Prune {
         before_ms: i64,
     },
@@ -275,6 +295,7 @@ enum Op {
     ToolResults(Vec<ToolResultRecord>),
     Events(Vec<EventRecord>),
     Claim(EffectClaim, oneshot::Sender<Claim>),
+    Interrupt(Box<interrupts::Op>),
 }
 
 struct Job {
@@ -367,6 +388,16 @@ impl Journal {
         self.submit(Op::Served(Box::new(rec))).await
     }
 
+    /// Marks claims (effect id, call id) as released: their calls are about to reach the
+    /// agent. Until then a claim can be taken over if its process died (a crash between the
+    /// claim and the answer leaving).
+    pub async fn confirm_claims(&self, claims: Vec<(String, String)>) -> Result<(), JournalError> {
+        if claims.is_empty() {
+            return Ok(());
+        }
+        self.submit(Op::ConfirmClaims(claims)).await
+    }
+
     /// Deletes records older than `before_ms` (retention; effects are kept ≥ 14 days by
     /// configuration). Returns once committed.
     pub async fn prune(&self, before_ms: i64) -> Result<(), JournalError> {
@@ -448,8 +479,10 @@ fn writer(mut conn: Connection, mut rx: mpsc::Receiver<Job>, metrics: &Metrics) 
 fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
     let tx = conn.transaction()?;
     let mut answers: Vec<(oneshot::Sender<Claim>, Claim)> = Vec::new();
+    let mut replies: interrupts::Replies = Vec::new();
     for job in batch.iter_mut() {
         match &mut job.op {
+            Op::ConfirmClaims(list) => confirm(&tx, list)?,
             Op::Prune { before_ms } => {
                 let t = *before_ms;
                 tx.execute("DELETE FROM tool_calls WHERE request_id IN (SELECT request_id FROM rounds WHERE at_ms < ?1)", params![t])?;
@@ -458,6 +491,7 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                 }
             }
             Op::Served(r) => {
+                confirm(&tx, &r.claims)?;
                 tx.execute(
                     "INSERT INTO served (run_id, node_id, attempt, round_index, request_digest, request_id, status,
                         content_type, body, body_bytes, body_digest, truncated, calls, at_ms)
@@ -514,34 +548,60 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                 let (dummy, _) = oneshot::channel();
                 answers.push((std::mem::replace(answer, dummy), result));
             }
+            Op::Interrupt(op) => interrupts::apply(&tx, op, &mut replies)?,
         }
     }
     tx.commit()?;
     for (tx, result) in answers {
         let _ = tx.send(result);
     }
+    for reply in replies {
+        reply();
+    }
+    Ok(())
+}
+
+fn confirm(tx: &rusqlite::Transaction<'_>, claims: &[(String, String)]) -> rusqlite::Result<()> {
+    for (effect_id, call_id) in claims {
+        tx.execute(
+            "UPDATE effects SET released = 1 WHERE effect_id = ?1 AND call_id = ?2",
+            params![effect_id, call_id],
+        )?;
+    }
     Ok(())
 }
 
 fn claim(tx: &rusqlite::Transaction<'_>, c: &EffectClaim) -> rusqlite::Result<Claim> {
     let inserted = tx.execute(
-        "INSERT INTO effects (effect_id, tool_id, call_id, run_id, node_id, attempt, keying, state, at_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'claimed', ?8)
+        "INSERT INTO effects (effect_id, tool_id, call_id, run_id, node_id, attempt, keying, state, at_ms, instance)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'claimed', ?8, ?9)
          ON CONFLICT (effect_id) DO NOTHING",
-        params![c.effect_id, c.tool_id, c.call_id, c.run.run_id, c.run.node_id, c.run.attempt, c.keying, c.at_ms],
+        params![c.effect_id, c.tool_id, c.call_id, c.run.run_id, c.run.node_id, c.run.attempt, c.keying, c.at_ms, c.instance],
     )?;
     if inserted == 1 {
         return Ok(Claim::Claimed);
     }
-    let call_id: String = tx.query_row(
-        "SELECT call_id FROM effects WHERE effect_id = ?1",
-        params![c.effect_id],
-        |r| r.get(0),
+    // Take over a claim whose call never reached the agent: not confirmed released, and its
+    // process is gone (or its lease ran out). Compare-and-set on the row.
+    let taken = tx.execute(
+        "UPDATE effects SET call_id = ?2, run_id = ?3, node_id = ?4, attempt = ?5, at_ms = ?6, instance = ?7
+         WHERE effect_id = ?1 AND released = 0 AND state = 'claimed' AND (instance != ?7 OR at_ms < ?8)",
+        params![c.effect_id, c.call_id, c.run.run_id, c.run.node_id, c.run.attempt, c.at_ms, c.instance, c.at_ms - CLAIM_LEASE_MS],
     )?;
+    if taken == 1 {
+        return Ok(Claim::Claimed);
+    }
+    let (call_id, run_id): (String, Option<String>) = tx.query_row(
+        "SELECT call_id, run_id FROM effects WHERE effect_id = ?1",
+        params![c.effect_id],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )?;
+    // The result recorded for the claiming call, in the claiming call's own scope.
+    let scope = run_id.map_or_else(|| "chat".to_owned(), |r| format!("run:{r}"));
     let result: Option<Vec<u8>> = tx
         .query_row(
-            "SELECT content FROM tool_results WHERE tool_call_id = ?1 AND truncated = 0 ORDER BY id LIMIT 1",
-            params![call_id],
+            "SELECT content FROM tool_results WHERE scope = ?1 AND tool_call_id = ?2 AND truncated = 0 ORDER BY id LIMIT 1",
+            params![scope, call_id],
             |r| r.get(0),
         )
         .ok();
@@ -583,8 +643,8 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
         "INSERT INTO rounds (request_id, at_ms, api, model, stream, run_id, node_id, attempt,
             round_index, request_digest, completion, finish_reason, upstream_status, latency_ms,
             state, error, response, response_bytes, response_digest, response_truncated, channel,
-            channel_result)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22)
+            channel_result, content_trust)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23)
          ON CONFLICT (request_id) DO NOTHING",
         params![
             r.request_id,
@@ -609,6 +669,7 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
             r.response.truncated,
             r.channel,
             r.channel_result,
+            r.content_trust,
         ],
     )?;
     if let Some(link) = &r.response_link {
@@ -693,8 +754,8 @@ fn insert_tool_result(
     if inserted == 1 {
         // The effect this call claimed (if any) is now completed.
         tx.execute(
-            "UPDATE effects SET state = 'completed' WHERE call_id = ?1 AND state = 'claimed'",
-            params![t.tool_call_id],
+            "UPDATE effects SET state = 'completed' WHERE call_id = ?1 AND run_id IS ?2 AND state = 'claimed'",
+            params![t.tool_call_id, t.run.run_id],
         )?;
         // The first time a result is seen, the call it answers returns (OpenWOP
         // `agent.tool-returned`; the result body itself is never in the event).
@@ -711,8 +772,8 @@ fn insert_tool_result(
         let released_at: Option<i64> = tx
             .query_row(
                 "SELECT r.at_ms FROM tool_calls c JOIN rounds r ON r.request_id = c.request_id
-                 WHERE c.call_id = ?1 AND c.outcome = 'executed' ORDER BY c.id DESC LIMIT 1",
-                params![t.tool_call_id],
+                 WHERE c.call_id = ?1 AND r.run_id IS ?2 AND c.outcome = 'executed' ORDER BY c.id DESC LIMIT 1",
+                params![t.tool_call_id, t.run.run_id],
                 |r| r.get(0),
             )
             .ok();

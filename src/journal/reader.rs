@@ -109,6 +109,7 @@ impl JournalReader {
                             truncated: r.get(7)?,
                         },
                         calls: serde_json::from_str::<Vec<ServedCall>>(&calls).unwrap_or_default(),
+                        claims: Vec::new(),
                         at_ms: r.get(9)?,
                     })
                 },

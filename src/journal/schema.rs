@@ -3,7 +3,7 @@
 use rusqlite::Connection;
 
 /// The schema version this build writes. Each version's step is additive and runs once.
-pub const VERSION: i64 = 2;
+pub const VERSION: i64 = 3;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -20,6 +20,9 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     }
     if version < 2 {
         v2(conn)?;
+    }
+    if version < 3 {
+        v3(conn)?;
     }
     Ok(())
 }
@@ -99,9 +102,12 @@ fn v1(conn: &Connection) -> rusqlite::Result<()> {
             attempt INTEGER,
             keying TEXT NOT NULL,
             state TEXT NOT NULL,
-            at_ms INTEGER NOT NULL
+            at_ms INTEGER NOT NULL,
+            released INTEGER NOT NULL DEFAULT 0,
+            instance TEXT NOT NULL DEFAULT ''
          );
          CREATE INDEX IF NOT EXISTS effects_run ON effects (run_id);
+         CREATE INDEX IF NOT EXISTS effects_call ON effects (call_id);
          CREATE TABLE IF NOT EXISTS events (
             id INTEGER PRIMARY KEY,
             scope TEXT NOT NULL,
@@ -165,6 +171,46 @@ fn v2(conn: &Connection) -> rusqlite::Result<()> {
          );
          CREATE INDEX IF NOT EXISTS responses_previous ON responses (previous_response_id);
          PRAGMA user_version = 2;
+         COMMIT;",
+    )
+}
+
+/// Tool-turn contract §C: approval interrupts (unique deterministic key, state changed only by
+/// compare-and-set from `pending`), the sticky trust bit of each run, and the `contentTrust`
+/// of each round.
+fn v3(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         CREATE TABLE IF NOT EXISTS interrupts (
+            interrupt_id TEXT PRIMARY KEY,
+            key TEXT NOT NULL UNIQUE,
+            kind TEXT NOT NULL,
+            run_id TEXT,
+            node_id TEXT,
+            attempt INTEGER,
+            request_id TEXT NOT NULL,
+            principal TEXT,
+            policy_revision TEXT NOT NULL,
+            payload TEXT NOT NULL,
+            calls TEXT NOT NULL,
+            requested_at_ms INTEGER NOT NULL,
+            expires_at_ms INTEGER NOT NULL,
+            state TEXT NOT NULL,
+            resolved_by TEXT,
+            resolved_at_ms INTEGER,
+            resume_value TEXT,
+            consumed_by TEXT
+         );
+         CREATE INDEX IF NOT EXISTS interrupts_pending ON interrupts (state, principal);
+         CREATE INDEX IF NOT EXISTS interrupts_node ON interrupts (run_id, node_id);
+         CREATE TABLE IF NOT EXISTS run_trust (
+            run_id TEXT PRIMARY KEY,
+            trust TEXT NOT NULL,
+            request_id TEXT NOT NULL,
+            at_ms INTEGER NOT NULL
+         );
+         ALTER TABLE rounds ADD COLUMN content_trust TEXT;
+         PRAGMA user_version = 3;
          COMMIT;",
     )
 }

@@ -41,6 +41,12 @@ pub struct Settings {
     /// `Turnguard-Prompted-Schema` header.
     #[serde(default)]
     pub prompted: Vec<PromptedRoute>,
+    /// Models without tool support (`*` at the end matches a prefix). A request to one of
+    /// them that declares a clarification tool fails with `capability_not_provided` (§E):
+    /// the question cannot be asked through a tool, and turnguard does not guess one from
+    /// text.
+    #[serde(default)]
+    pub models_without_tools: Vec<String>,
 }
 
 /// Enforcement mode, bundle-wide or per tool.
@@ -141,6 +147,10 @@ pub enum Surface {
     EndTurn,
     /// An HTTP error in the OpenWOP envelope.
     Error,
+    /// `held` only: the response waits (bounded by `approval_timeout_ms`) for the acting
+    /// person's approval through the admin plane; then the calls are released, or refused
+    /// (`approval_rejected`) on a rejection or timeout. Anywhere else it is `end-turn`.
+    Wait,
 }
 
 /// Outcome surfacing per outcome (DESIGN.md §4).
@@ -156,9 +166,9 @@ pub struct Outcomes {
     /// `refused`: default `end-turn`.
     #[serde(default = "end_turn")]
     pub refused: Surface,
-    /// `held`: default `end-turn` (the call waits for nobody: approvals are resolved through
-    /// the admin plane once they exist).
-    #[serde(default = "end_turn")]
+    /// `held`: default `wait` (for the acting person's approval, bounded; then executed or
+    /// refused). `end-turn` or `error` give up at once.
+    #[serde(default = "wait")]
     pub held: Surface,
     /// `suppressed-repeat`: default `repair` (the recorded result is supplied).
     #[serde(default = "repair")]
@@ -174,6 +184,9 @@ fn error() -> Surface {
 fn end_turn() -> Surface {
     Surface::EndTurn
 }
+fn wait() -> Surface {
+    Surface::Wait
+}
 
 impl Default for Outcomes {
     fn default() -> Self {
@@ -181,7 +194,7 @@ impl Default for Outcomes {
             invalid: Surface::Repair,
             invalid_after_repairs: Surface::Error,
             refused: Surface::EndTurn,
-            held: Surface::EndTurn,
+            held: Surface::Wait,
             suppressed_repeat: Surface::Repair,
         }
     }

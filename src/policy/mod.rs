@@ -142,6 +142,17 @@ impl CompiledPolicy {
                 .then_some(r.schema.as_str())
         })
     }
+
+    /// The bundle lists `model` as having no tool support (`models_without_tools`).
+    pub fn model_without_tools(&self, model: &str) -> bool {
+        self.settings
+            .models_without_tools
+            .iter()
+            .any(|m| match m.strip_suffix('*') {
+                Some(prefix) => model.starts_with(prefix),
+                None => m == model,
+            })
+    }
 }
 
 /// Parses a TOML file strictly; errors name the file, line and key path.

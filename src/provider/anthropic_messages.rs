@@ -29,13 +29,27 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         .and_then(Value::as_array)
         .ok_or("`messages` must be an array")?;
     let mut tools = Vec::new();
+    let mut provider_output_seen = false;
     if let Some(list) = obj.get("tools") {
         let list = list.as_array().ok_or("`tools` must be an array")?;
         for (i, t) in list.iter().enumerate() {
-            // Client tools have no `type` (or `custom`); typed ones are server/provider tools.
+            // Client tools have no `type` (or `custom`), and Anthropic-defined tools the client
+            // runs (`bash_*`, `text_editor_*`, `computer_*`, `memory_*`) are client tools too;
+            // other typed ones are server tools the provider runs.
             match t.get("type").and_then(Value::as_str) {
                 None | Some("custom") => {}
-                Some(_) => continue,
+                Some(ty)
+                    if ["bash_", "text_editor_", "computer_", "memory_"]
+                        .iter()
+                        .any(|p| ty.starts_with(p)) => {}
+                Some(ty) => {
+                    // A server tool the provider runs in this very turn: the model may read
+                    // its output before it calls a tool, so the turn is untrusted (§C, §F).
+                    provider_output_seen |= ["web_search", "web_fetch", "code_execution"]
+                        .iter()
+                        .any(|p| ty.starts_with(p));
+                    continue;
+                }
             }
             let name = t
                 .get("name")
@@ -49,7 +63,6 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
     }
     let mut names: BTreeMap<String, String> = BTreeMap::new();
     let mut prior_calls = Vec::new();
-    let mut provider_output_seen = false;
     let mut tool_results = Vec::new();
     let mut round_index = 0u32;
     for (i, m) in messages.iter().enumerate() {
@@ -121,10 +134,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
 
 /// Classifies how the message ended. `used` is the final `usage.output_tokens`.
 pub fn classify(stop_reason: Option<&str>, used: Option<u64>, max: Option<u64>) -> Completion {
-    let completion = |state, reason: &str| Completion {
-        state,
-        reason: reason.to_owned(),
-    };
+    let completion = Completion::new;
     match stop_reason {
         None => completion(CompletionState::Truncated, "missing_stop_reason"),
         Some("refusal") => completion(CompletionState::Refused, "refusal"),
@@ -195,10 +205,25 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
 /// ended turn also gains a host-authored text block and stops with `end_turn`. Returns
 /// whether the body changed.
 pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
-    let Some(verdict) = verdicts.first().filter(|v| v.any_withheld()) else {
+    let Some(verdict) = verdicts
+        .first()
+        .filter(|v| v.any_withheld() || v.any_replaced())
+    else {
         return false;
     };
     if let Some(content) = body.get_mut("content").and_then(Value::as_array_mut) {
+        for (call, b) in content
+            .iter_mut()
+            .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
+            .enumerate()
+        {
+            if let Some(input) = verdict
+                .release_args(call)
+                .and_then(|a| serde_json::from_str::<Value>(a).ok())
+            {
+                b["input"] = input;
+            }
+        }
         let mut call = 0;
         content.retain(|b| {
             if b.get("type").and_then(Value::as_str) != Some("tool_use") {
@@ -476,7 +501,10 @@ impl MessagesStream {
     pub fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
         self.decided = true;
         let held = std::mem::take(&mut self.held);
-        let Some(verdict) = verdicts.first().filter(|v| v.any_withheld()) else {
+        let Some(verdict) = verdicts
+            .first()
+            .filter(|v| v.any_withheld() || v.any_replaced())
+        else {
             out.extend(held.into_iter().map(|h| h.raw));
             return;
         };
@@ -484,12 +512,18 @@ impl MessagesStream {
         // Released flag per block, in call order; new indices stay contiguous.
         let mut call_no = 0usize;
         let mut renumber: BTreeMap<u64, Option<u64>> = BTreeMap::new();
+        // Blocks whose input is replaced: their deltas go, one delta with the new input is sent
+        // before the block's stop.
+        let mut replace: BTreeMap<u64, String> = BTreeMap::new();
         let first = self.first_held.unwrap_or(0);
         let mut next = first;
         for (&ix, b) in self.blocks.range(first..) {
             let keep = match &b.call {
                 Some(_) => {
                     let k = verdict.released(call_no);
+                    if let Some(args) = verdict.release_args(call_no) {
+                        replace.insert(ix, args.to_owned());
+                    }
                     call_no += 1;
                     k
                 }
@@ -506,6 +540,23 @@ impl MessagesStream {
         let mut text_sent = false;
         for mut h in held {
             if let Some(ix) = h.index {
+                if let Some(args) = replace.get(&ix) {
+                    let kind = h
+                        .json
+                        .as_ref()
+                        .and_then(|v| v.get("type"))
+                        .and_then(Value::as_str);
+                    match kind {
+                        Some("content_block_delta") => continue,
+                        Some("content_block_stop") => {
+                            let new_ix = renumber.get(&ix).copied().flatten().unwrap_or(ix);
+                            let delta = json!({"type": "content_block_delta", "index": new_ix,
+                                "delta": {"type": "input_json_delta", "partial_json": args}});
+                            out.push(sse::encode(Some("content_block_delta"), &delta.to_string()));
+                        }
+                        _ => {}
+                    }
+                }
                 match renumber.get(&ix) {
                     Some(None) => continue,
                     Some(Some(new)) if *new != ix => {

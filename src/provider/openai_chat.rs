@@ -87,6 +87,16 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                     }
                 }
             }
+            "function" => {
+                // The legacy functions API: a result without a call id, named by `name`.
+                let name = m.get("name").and_then(Value::as_str).unwrap_or_default();
+                tool_results.push(ToolResultSeen {
+                    tool_call_id: format!("function:{name}"),
+                    tool_name: (!name.is_empty()).then(|| name.to_owned()),
+                    content: m.get("content").cloned().unwrap_or(Value::Null).to_string(),
+                    is_error: false,
+                });
+            }
             "tool" => {
                 let id = m
                     .get("tool_call_id")
@@ -122,7 +132,8 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         include_usage,
         round_index,
         prior_calls,
-        provider_output_seen: false,
+        // `web_search_options`: the provider searches the web in this very turn (§C, §F).
+        provider_output_seen: obj.contains_key("web_search_options"),
         previous_response_id: None,
         provider_delegations: Vec::new(),
     })
@@ -138,10 +149,7 @@ pub fn classify(
     used: Option<u64>,
     max: Option<u64>,
 ) -> Completion {
-    let completion = |state, reason: &str| Completion {
-        state,
-        reason: reason.to_owned(),
-    };
+    let completion = Completion::new;
     if refused {
         return completion(CompletionState::Refused, "refusal");
     }
@@ -244,7 +252,7 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
         let Some(verdict) = verdicts.iter().find(|v| v.choice == index) else {
             continue;
         };
-        if !verdict.any_withheld() {
+        if !verdict.any_withheld() && !verdict.any_replaced() {
             continue;
         }
         if let Some(message) = choice.get_mut("message").and_then(Value::as_object_mut) {
@@ -254,6 +262,11 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
                 .and_then(Value::as_array)
                 .map_or(0, Vec::len);
             if let Some(list) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                for (n, call) in list.iter_mut().enumerate() {
+                    if let Some(args) = verdict.release_args(n) {
+                        call["function"]["arguments"] = json!(args);
+                    }
+                }
                 let mut i = 0;
                 list.retain(|_| {
                     i += 1;
@@ -645,6 +658,16 @@ impl ChatStream {
         self.decided = true;
         // Per choice: released flag per call, and the index each released call is emitted at.
         let mut plan: BTreeMap<u32, (Vec<Option<u64>>, Option<&str>)> = BTreeMap::new();
+        // Calls whose arguments are replaced: the first delta carries them all, the rest go.
+        let mut replace: BTreeMap<(u32, usize), &str> = BTreeMap::new();
+        let mut replaced_once: std::collections::BTreeSet<(u32, usize)> = Default::default();
+        for v in verdicts {
+            for i in 0..v.decisions.len() {
+                if let Some(args) = v.release_args(i) {
+                    replace.insert((v.choice, i), args);
+                }
+            }
+        }
         for v in verdicts {
             let Some(acc) = self.choices.get(&v.choice) else {
                 continue;
@@ -695,6 +718,13 @@ impl ChatStream {
                                 .and_then(|s| emitted.get(s).copied().flatten().map(|ix| (s, ix)))
                             {
                                 Some((s, ix)) => {
+                                    if let Some(args) = replace.get(&(index, s)) {
+                                        changed = true;
+                                        if !replaced_once.insert((index, s)) {
+                                            continue; // later fragments of a replaced call
+                                        }
+                                        e["function"]["arguments"] = json!(args);
+                                    }
                                     if acc.calls[s].wire_index != ix {
                                         e["index"] = json!(ix);
                                         changed = true;

@@ -237,10 +237,7 @@ pub fn classify(
     used: Option<u64>,
     max: Option<u64>,
 ) -> Completion {
-    let completion = |state, reason: &str| Completion {
-        state,
-        reason: reason.to_owned(),
-    };
+    let completion = Completion::new;
     if refused {
         return completion(CompletionState::Refused, "refusal");
     }
@@ -484,14 +481,29 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
         return false;
     };
     let released = |k: usize| verdict.decisions.get(k).is_some_and(|d| d.released());
+    // Redacted arguments for egress tools (`redaction.strip_from_egress`).
+    let mut replaced = false;
+    if let Some(items) = body.get_mut("output").and_then(Value::as_array_mut) {
+        let mut k = 0;
+        for item in items.iter_mut() {
+            if kind_of(item.get("type").and_then(Value::as_str).unwrap_or_default()) != Kind::Call {
+                continue;
+            }
+            if let Some(args) = verdict.release_args(k) {
+                item["arguments"] = json!(args);
+                replaced = true;
+            }
+            k += 1;
+        }
+    }
     let any_withheld = output_items(body)
         .filter(|i| kind_of(item_type(i)) == Kind::Call)
         .enumerate()
         .any(|(k, _)| !released(k));
     if !any_withheld && verdict.end_turn().is_none() {
-        return false;
+        return replaced;
     }
-    rewrite_output(body, &|k, _| !released(k), verdict.end_turn())
+    rewrite_output(body, &|k, _| !released(k), verdict.end_turn()) || replaced
 }
 
 /// Appends a repair turn to a request body (tool-turn contract §B "repair", §G): each
@@ -1564,6 +1576,7 @@ mod tests {
             choice: 0,
             decisions: vec![decision(true), decision(false)],
             surfacing: crate::model::Surfacing::EndTurn("[turnguard] no".into()),
+            claims: Vec::new(),
         };
         assert!(rewrite_response(&mut body, &[verdict]));
         let types: Vec<&str> = body["output"]

@@ -13,8 +13,10 @@
 
 pub mod recovery;
 pub mod stream;
+pub mod trust;
 pub mod upstream;
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -123,6 +125,19 @@ pub struct Session {
     pub channel: Option<ChannelSpec>,
     /// Semantic request digest v2 of the agent's own request (the recovery key).
     pub agent_digest: String,
+    /// The verified acting person (`sub`); `None`: the agent acts (tool-turn contract §C).
+    pub person: Option<String>,
+}
+
+/// How held calls stand when a round is decided (tool-turn contract §C).
+#[derive(Debug, Clone, Copy)]
+pub enum Approval<'a> {
+    /// No approval in hand: held calls are held.
+    Pending,
+    /// The acting person approved exactly these `argsHash`es (once).
+    Accepted(&'a BTreeSet<String>),
+    /// No approval was given: held calls are refused with this reason and explanation.
+    Refused(&'static str, &'a str),
 }
 
 impl Session {
@@ -196,20 +211,26 @@ impl Session {
     }
 
     /// Records what the agent received for this round of a run node (the record recovery and
-    /// replay serve again). Chat turns are not recorded for replay (tool-turn contract §D).
+    /// replay serve again), confirming the round's effect claims in the same transaction.
+    /// Chat turns are not recorded for replay (tool-turn contract §D). Call before the answer
+    /// leaves.
     pub async fn record_served(
         &self,
         status: u16,
         content_type: &str,
-        body: &[u8],
+        body: Recorded,
         calls: Vec<ServedCall>,
-        secrets: bool,
+        claims: Vec<(String, String)>,
     ) {
         let (Some(run), Some(node), Some(attempt)) = (
             &self.ctx.run.run_id,
             &self.ctx.run.node_id,
             self.ctx.run.attempt,
         ) else {
+            // A chat turn keeps no served record; its claims are still confirmed.
+            if let Err(e) = self.state.journal.confirm_claims(claims).await {
+                tracing::error!(error = %e, request_id = %self.ctx.request_id, "effect claims not confirmed");
+            }
             return;
         };
         let rec = ServedRecord {
@@ -221,35 +242,47 @@ impl Session {
             request_id: self.ctx.request_id.clone(),
             status,
             content_type: content_type.to_owned(),
-            body: {
-                let r = Recorded::of(body, self.state.config.journal_max_record_bytes);
-                if secrets {
-                    r.withheld()
-                } else {
-                    r
-                }
-            },
+            body,
             calls,
             at_ms: now_ms(),
+            claims,
         };
         if let Err(e) = self.state.journal.record_served(rec).await {
             tracing::error!(error = %e, request_id = %self.ctx.request_id, "served response not journaled");
         }
     }
 
-    /// Admits one round: stages 1–8, effect claims at dispatch, surfacing, metrics, events.
+    /// Admits one round: stages 1–8, effect claims at dispatch, surfacing — waiting for the
+    /// acting person's approval when held calls surface as `wait` ([`crate::approvals`]) —
+    /// then metrics and events.
     pub async fn admit(&self, round: &[ChoiceEmissions]) -> Vec<ChoiceVerdict> {
-        let no_approval = |_: &str| false;
+        let mut verdicts = self.decide_round(round, Approval::Pending).await;
+        if verdicts.iter().any(ChoiceVerdict::waiting) {
+            verdicts = crate::approvals::settle(self, round, &verdicts).await;
+        }
+        self.account(round, &verdicts).await;
+        verdicts
+    }
+
+    /// Stages 1–8, effect claims and surfacing for every choice of a round, with held calls
+    /// as `approval` says. Claims of a round that waits are given back: nothing is dispatched
+    /// while it waits.
+    pub async fn decide_round(
+        &self,
+        round: &[ChoiceEmissions],
+        approval: Approval<'_>,
+    ) -> Vec<ChoiceVerdict> {
+        let approved = |h: &str| matches!(approval, Approval::Accepted(set) if set.contains(h));
         let ctx = AdmitCtx {
             policy: &self.policy,
             schemas: &self.state.schemas,
             limits: &self.state.limits,
-            person: None,
+            person: self.person.as_deref(),
             agent: AGENT_ID,
             trust: self.trust,
             run: self.ctx.run.run_id.as_deref(),
             provider: self.turn.api.as_str(),
-            approved: &no_approval,
+            approved: &approved,
             repairs_left: if n_choices(&self.body) > 1 {
                 0
             } else {
@@ -259,11 +292,24 @@ impl Session {
         let mut verdicts = Vec::with_capacity(round.len());
         for choice in round {
             let mut decisions = admission::decide_choice(&ctx, &self.turn, choice);
+            match approval {
+                Approval::Pending => {}
+                Approval::Accepted(_) => admission::refuse_held(
+                    &mut decisions,
+                    "held_after_approval",
+                    "the call is still held after the approval (a rule holds it whatever the approval)",
+                ),
+                Approval::Refused(reason, why) => {
+                    admission::refuse_held(&mut decisions, reason, why);
+                }
+            }
             let claimed = self.claim_effects(choice, &mut decisions).await;
             let surfacing = admission::surface(&ctx, &mut decisions);
+            let waits = surfacing == Surfacing::Wait;
             // A claim taken for a call the surfacing then withheld is given back.
+            let mut kept = Vec::new();
             for (i, effect_id) in claimed {
-                if !decisions[i].released() {
+                if waits || !decisions[i].released() {
                     if let Err(e) = self
                         .state
                         .journal
@@ -272,15 +318,17 @@ impl Session {
                     {
                         tracing::error!(error = %e, "an effect claim could not be given back");
                     }
+                } else {
+                    kept.push((effect_id, choice.calls[i].id.clone()));
                 }
             }
             verdicts.push(ChoiceVerdict {
                 choice: choice.choice,
                 decisions,
                 surfacing,
+                claims: kept,
             });
         }
-        self.account(round, &verdicts).await;
         verdicts
     }
 
@@ -330,11 +378,13 @@ impl Session {
                 run: self.ctx.run.clone(),
                 keying,
                 at_ms: now_ms(),
+                instance: crate::journal::instance_id().to_owned(),
             };
             let d = &mut decisions[i];
             match self.state.journal.claim_effect(claim).await {
                 Ok(Claim::Claimed) => taken.push((i, effect_id)),
-                Ok(Claim::Existing { call_id, .. }) if call_id == call.id => {}
+                // Claimed and released before (by this call id or another): the effect ran or
+                // may have run; it is never released again.
                 Ok(Claim::Existing { result, .. }) => {
                     d.outcome = Outcome::SuppressedRepeat;
                     d.stage = Stage::Dispatch;
@@ -358,7 +408,7 @@ impl Session {
     /// Metrics, per-run counters and the `agent.tool-called` / `agent.tool-returned` events.
     async fn account(&self, round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) {
         let mut events = Vec::new();
-        let principal = AGENT_ID;
+        let principal = self.person.as_deref().unwrap_or(AGENT_ID);
         for (choice, verdict) in round.iter().zip(verdicts) {
             for (call, d) in choice.calls.iter().zip(&verdict.decisions) {
                 self.state
@@ -368,6 +418,7 @@ impl Session {
                         outcome: d.outcome.as_str().to_owned(),
                         stage: d.stage.as_str().to_owned(),
                         channel: "tool".to_owned(),
+                        mode: if d.enforced { "enforce" } else { "shadow" }.to_owned(),
                     })
                     .inc();
                 let tool_name = admission::sanitize_label(&call.name);
@@ -393,6 +444,9 @@ impl Session {
                         Some(("error", Some("turnguard.effect_already_claimed")))
                     }
                     (_, "rate_limited") => Some(("rate_limited", Some("rate_limited"))),
+                    (Outcome::Refused, r) if admission::is_approval_refusal(r) => {
+                        Some(("forbidden", Some("approval_rejected")))
+                    }
                     (Outcome::Refused, _) => Some(("forbidden", Some("forbidden"))),
                     (Outcome::Invalid, _) => Some(("error", Some("validation_error"))),
                     (Outcome::EndedTurn, _) => Some(("error", Some("turnguard.turn_ended"))),
@@ -488,13 +542,22 @@ async fn turn(
     req: Request<Body>,
 ) -> Result<(Response, bool), WireError> {
     let (parts, body) = req.into_parts();
+    let person = state
+        .identity
+        .person_of(&parts.headers)
+        .map_err(|e| WireError::Unauthenticated {
+            reason: e.to_string(),
+        })?
+        .map(|p| p.sub);
     let raw = read_request(state, body).await?;
     let json = parse_json(&raw)?;
     let turn = provider::parse_request(api, &json)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
     refuse_provider_delegation(ctx, &turn)?;
+    check_run_ids(&ctx.run)?;
     let policy = state.policy.snapshot();
     let trust = admission::trust::of_turn(&turn, &policy);
+    let trust = trust::sticky(state, ctx, trust).await;
     state
         .metrics
         .turns
@@ -502,8 +565,11 @@ async fn turn(
             trust: trust.as_str().to_owned(),
         })
         .inc();
+    if let Some(reason) = admission::clarification_unsupported(&turn, &policy) {
+        return Err(WireError::CapabilityNotProvided { reason });
+    }
     let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
-    record_tool_results(state, ctx, &turn, &policy.redactor).await?;
+    record_tool_results(state, ctx, &turn, &policy).await?;
 
     let agent_digest = crate::recipes::semantic_request_digest(api, &json);
     let mode = run_mode(&parts.headers)?;
@@ -524,6 +590,7 @@ async fn turn(
         body: json,
         turn,
         rounds: 0,
+        person,
     };
     if let Some(answer) = crate::proxy::recovery::serve_recorded(&session, mode).await? {
         return Ok((answer, false));
@@ -552,14 +619,16 @@ async fn turn(
             reason: format!("response body: {e}"),
         })?;
         match surface_json(&session, &base, body).await? {
-            JsonRound::Respond(body, calls, secrets) => {
+            JsonRound::Respond(body, calls, secrets, claims) => {
                 let content_type = p
                     .headers
                     .get(header::CONTENT_TYPE)
                     .and_then(|v| v.to_str().ok())
                     .unwrap_or("application/json");
+                let kept = Recorded::of(&body, state.config.journal_max_record_bytes);
+                let kept = if secrets { kept.withheld() } else { kept };
                 session
-                    .record_served(p.status.as_u16(), content_type, &body, calls, secrets)
+                    .record_served(p.status.as_u16(), content_type, kept, calls, claims)
                     .await;
                 let mut out = Response::new(Body::from(body));
                 *out.status_mut() = p.status;
@@ -711,6 +780,31 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
 
 /// Inside a run, a request that delegates MCP or A2A calls to the provider is refused before
 /// it goes upstream (tool-turn contract §F). A chat turn (no `Turnguard-Run`) may.
+/// `Turnguard-Run` and `Turnguard-Node` become OpenWOP ids: a run id of `A-Z a-z 0-9 . _ ~ :
+/// / -` (≤ 200), a node id of `A-Z a-z 0-9 . _ ~ : -` (≤ 128, ids.schema.json `nodeId`).
+fn check_run_ids(run: &RunKey) -> Result<(), WireError> {
+    let ok = |s: &str, max: usize, slash: bool| {
+        !s.is_empty()
+            && s.len() <= max
+            && s.chars().all(|c| {
+                c.is_ascii_alphanumeric()
+                    || matches!(c, '.' | '_' | '~' | ':' | '-')
+                    || (slash && c == '/')
+            })
+    };
+    if run.run_id.as_deref().is_some_and(|r| !ok(r, 200, true)) {
+        return Err(WireError::InvalidRequest {
+            reason: "`Turnguard-Run` must be 1-200 of A-Z a-z 0-9 . _ ~ : / -".into(),
+        });
+    }
+    if run.node_id.as_deref().is_some_and(|n| !ok(n, 128, false)) {
+        return Err(WireError::InvalidRequest {
+            reason: "`Turnguard-Node` must be 1-128 of A-Z a-z 0-9 . _ ~ : -".into(),
+        });
+    }
+    Ok(())
+}
+
 fn refuse_provider_delegation(ctx: &RequestCtx, turn: &Turn) -> Result<(), WireError> {
     match (&ctx.run.run_id, turn.provider_delegations.first()) {
         (Some(_), Some(what)) => Err(WireError::ProviderDelegationInRun { what: what.clone() }),
@@ -719,13 +813,16 @@ fn refuse_provider_delegation(ctx: &RequestCtx, turn: &Turn) -> Result<(), WireE
 }
 
 /// Records the tool results the request carries, durably, before it goes upstream
-/// (tool-turn contract §D). A record failure fails the request.
+/// (tool-turn contract §D). A record failure fails the request (503) when any of the results
+/// belongs to a tool that is not re-runnable (or that the catalog does not know); results of
+/// re-runnable tools only are logged and counted, and the request goes on.
 async fn record_tool_results(
     state: &AppState,
     ctx: &RequestCtx,
     turn: &Turn,
-    redactor: &crate::policy::Redactor,
+    policy: &CompiledPolicy,
 ) -> Result<(), WireError> {
+    let redactor = &policy.redactor;
     let cap = state.config.journal_max_record_bytes;
     let recs: Vec<ToolResultRecord> = turn
         .tool_results
@@ -740,13 +837,25 @@ async fn record_tool_results(
             content: Recorded::of(redactor.redact_text(&t.content).as_bytes(), cap),
         })
         .collect();
-    state
-        .journal
-        .record_tool_results(recs)
-        .await
-        .map_err(|e| WireError::JournalUnavailable {
-            reason: e.to_string(),
-        })
+    match state.journal.record_tool_results(recs).await {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let all_rerunnable = turn.tool_results.iter().all(|t| {
+                t.tool_name
+                    .as_deref()
+                    .and_then(|n| policy.catalog.by_name(n))
+                    .is_some_and(|tool| tool.rerunnable())
+            });
+            if all_rerunnable {
+                tracing::error!(error = %e, request_id = %ctx.request_id, "tool results of re-runnable tools not journaled; going on");
+                Ok(())
+            } else {
+                Err(WireError::JournalUnavailable {
+                    reason: e.to_string(),
+                })
+            }
+        }
+    }
 }
 
 /// What a call's identity derives from (DESIGN.md §2): the per-node ordinal continues the
@@ -803,7 +912,7 @@ pub fn call_records(
 /// How a non-stream round ends.
 enum JsonRound {
     /// Send this body to the agent; these calls go with it; whether a call carried a secret.
-    Respond(Bytes, Vec<ServedCall>, bool),
+    Respond(Bytes, Vec<ServedCall>, bool, Vec<(String, String)>),
     /// Ask the model again with this body.
     Repair(Value),
     /// Fail the request.
@@ -869,12 +978,14 @@ async fn surface_json(
             Bytes::from(json.to_string()),
             session.served_calls(&with_calls, &verdicts),
             has_secrets(&verdicts),
+            claims_of(&verdicts),
         )
     } else {
         JsonRound::Respond(
             body.clone(),
             session.served_calls(&with_calls, &verdicts),
             has_secrets(&verdicts),
+            claims_of(&verdicts),
         )
     };
     record_round(&session.state, rec).await;
@@ -943,6 +1054,14 @@ impl Session {
     }
 }
 
+/// The effect claims of the calls these verdicts release.
+pub fn claims_of(verdicts: &[ChoiceVerdict]) -> Vec<(String, String)> {
+    verdicts
+        .iter()
+        .flat_map(|v| v.claims.iter().cloned())
+        .collect()
+}
+
 /// A call of these verdicts carried a secret in its arguments: the raw response bodies of
 /// the round are not kept (redaction applies to every record, and the stream of a call's
 /// arguments cannot be redacted piecewise).
@@ -986,6 +1105,7 @@ pub fn round_record(
         response_link: None,
         channel: None,
         channel_result: None,
+        content_trust: Some(session.trust.as_str()),
     }
 }
 

@@ -22,6 +22,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::{call_records, join, record_round, round_record, upstream, RoundBase, Session};
+use crate::admission::channel::{ChannelSpec, ChannelVerdict};
+use crate::admission::SchemaCache;
 use crate::metrics::{ApiLabels, ReasonLabels};
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Surfacing, Turn};
 use crate::provider::{Splice, StreamAdapter};
@@ -57,6 +59,8 @@ pub struct Pipeline {
     /// Bytes received while calls were held, and the most that may be (bounded memory).
     held_bytes: usize,
     hold_cap: usize,
+    /// The structured / prompted channel check of a text answer (§A), if the request has one.
+    channel: Option<ChannelCheck>,
     /// Each decision point's emissions and verdicts, in order.
     pub decided: Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>,
 }
@@ -81,8 +85,35 @@ impl Pipeline {
             tail: Bytes::new(),
             held_bytes: 0,
             hold_cap: usize::MAX,
+            channel: None,
             decided: Vec::new(),
         }
+    }
+
+    /// Validates the text answer against `spec` before the stream's terminal event is
+    /// released (tool-turn contract §A): the text streams as it arrives, the terminal event
+    /// waits, and an answer that does not meet the schema ends the stream with a
+    /// provider-shaped `envelope_invalid` error instead.
+    pub fn with_channel(
+        mut self,
+        spec: Option<ChannelSpec>,
+        schemas: std::sync::Arc<SchemaCache>,
+    ) -> Self {
+        self.channel = spec.map(|spec| ChannelCheck {
+            spec,
+            schemas,
+            text: String::new(),
+            terminal: None,
+            result: None,
+        });
+        self
+    }
+
+    /// The channel verdict of this stream's text answer, once checked.
+    pub fn channel_result(&self) -> Option<(&'static str, String)> {
+        self.channel
+            .as_ref()
+            .and_then(|c| c.result.clone().map(|r| (c.spec.channel.as_str(), r)))
     }
 
     /// Caps what may arrive while tool-call events are held (bytes).
@@ -120,12 +151,71 @@ impl Pipeline {
                 },
                 None => block,
             };
+            if let Some(check) = self.channel.as_mut() {
+                check.observe(&block);
+                if check.is_terminal(&block) {
+                    check.terminal = Some(block);
+                    continue;
+                }
+            }
             self.adapter.push(block, out);
             if self.adapter.ready() {
                 return Some(self.adapter.round());
             }
         }
         None
+    }
+
+    /// Checks the held-back terminal event's text answer: releases the terminal event, or
+    /// ends the stream with an error. `false` when the answer was refused.
+    fn settle_channel(&mut self, out: &mut Vec<Bytes>) -> bool {
+        let Some(mut check) = self.channel.take() else {
+            return true;
+        };
+        let Some(terminal) = check.terminal.take() else {
+            self.channel = Some(check);
+            return true;
+        };
+        let had_calls = !self.decided.is_empty();
+        let completion = self.adapter.completions().into_iter().next();
+        let verdict = match (&completion, had_calls) {
+            (_, true) | (None, _) => ChannelVerdict::Valid,
+            (Some(c), false) => {
+                crate::admission::channel::check(&check.spec, Some(&check.text), c, &check.schemas)
+            }
+        };
+        let accepted = match verdict {
+            ChannelVerdict::Valid => {
+                check.result = Some("valid".into());
+                true
+            }
+            ChannelVerdict::Refused => {
+                check.result = Some("refused".into());
+                true
+            }
+            ChannelVerdict::Invalid { reason, message } => {
+                check.result = Some(reason.to_owned());
+                let code = if reason == "truncated" {
+                    "envelope_truncation_unrecoverable"
+                } else {
+                    "envelope_invalid"
+                };
+                self.adapter.fail(
+                    code,
+                    &format!(
+                        "the {} answer was not accepted: {message}",
+                        check.spec.channel.as_str()
+                    ),
+                    out,
+                );
+                false
+            }
+        };
+        if accepted {
+            self.adapter.push(terminal, out);
+        }
+        self.channel = Some(check);
+        accepted
     }
 
     /// Releases the held events with the verdicts applied.
@@ -161,6 +251,16 @@ impl Pipeline {
     /// The upstream body ended (`cut = None`) or failed (`cut = Some(reason)`). Call after
     /// [`Pipeline::advance`] returned `None`.
     pub fn finish(&mut self, cut: Option<String>, out: &mut Vec<Bytes>) -> Finish {
+        if cut.is_none()
+            && self.channel.as_ref().is_some_and(|c| c.terminal.is_some())
+            && !self.adapter.pending()
+            && !self.settle_channel(out)
+        {
+            return Finish::Ended(
+                "surfaced_error",
+                Some("the text answer did not meet its channel's schema".to_owned()),
+            );
+        }
         match cut {
             None if self.adapter.finished() => {
                 if self.adapter.pending() {
@@ -235,6 +335,71 @@ impl Pipeline {
             rows.extend(call_records(&round, &verdicts, ids));
         }
         rows
+    }
+}
+
+/// The channel check of a stream's text answer: the text seen so far (bounded) and the
+/// terminal event held back until the text is validated.
+struct ChannelCheck {
+    spec: ChannelSpec,
+    schemas: std::sync::Arc<SchemaCache>,
+    text: String,
+    terminal: Option<SseBlock>,
+    result: Option<String>,
+}
+
+/// Text kept for a channel check, bytes.
+const MAX_CHANNEL_TEXT: usize = 1 << 20;
+
+impl ChannelCheck {
+    /// Accumulates answer text from Chat `delta.content`, Messages `text_delta` and
+    /// Responses `response.output_text.delta` events.
+    fn observe(&mut self, block: &SseBlock) {
+        let Some(v) = block
+            .data
+            .as_deref()
+            .and_then(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        else {
+            return;
+        };
+        let piece = v
+            .pointer("/choices/0/delta/content")
+            .and_then(serde_json::Value::as_str)
+            .or_else(|| {
+                (v.pointer("/delta/type").and_then(serde_json::Value::as_str) == Some("text_delta"))
+                    .then(|| v.pointer("/delta/text").and_then(serde_json::Value::as_str))
+                    .flatten()
+            })
+            .or_else(|| {
+                (v.get("type").and_then(serde_json::Value::as_str)
+                    == Some("response.output_text.delta"))
+                .then(|| v.get("delta").and_then(serde_json::Value::as_str))
+                .flatten()
+            });
+        if let Some(p) = piece {
+            if self.text.len() + p.len() <= MAX_CHANNEL_TEXT {
+                self.text.push_str(p);
+            }
+        }
+    }
+
+    /// The event that ends a response: Chat `[DONE]`, Messages `message_stop`, Responses
+    /// `response.completed` / `response.incomplete`.
+    fn is_terminal(&self, block: &SseBlock) -> bool {
+        let data = block.data.as_deref().unwrap_or_default().trim();
+        data == "[DONE]"
+            || matches!(
+                block.event.as_deref(),
+                Some("message_stop" | "response.completed" | "response.incomplete")
+            )
+            || serde_json::from_str::<serde_json::Value>(data)
+                .ok()
+                .is_some_and(|v| {
+                    matches!(
+                        v.get("type").and_then(serde_json::Value::as_str),
+                        Some("message_stop" | "response.completed" | "response.incomplete")
+                    )
+                })
     }
 }
 
@@ -315,11 +480,16 @@ async fn run(
         sent: Vec::new(),
         total: 0,
         cap,
+        hasher: <sha2::Sha256 as sha2::Digest>::new(),
     };
     loop {
         let mut pipeline =
             Pipeline::new(&session.turn, session.state.config.max_event_bytes, splice)
-                .with_hold_cap(session.state.config.max_response_bytes);
+                .with_hold_cap(session.state.config.max_response_bytes)
+                .with_channel(
+                    session.channel.clone(),
+                    std::sync::Arc::clone(&session.state.schemas),
+                );
         let mut capture = Capture::new(cap);
         let end = read_round(
             &session,
@@ -346,13 +516,13 @@ async fn run(
                 .iter()
                 .flat_map(|(r, v)| session.served_calls(r, v))
                 .collect();
-            if agent.total <= cap {
-                session
-                    .record_served(200, "text/event-stream", &agent.sent, calls, secrets)
-                    .await;
-            } else {
-                tracing::warn!(request_id = %session.ctx.request_id, "stream larger than the record cap: not kept for recovery");
-            }
+            // Over the record cap the body is kept as a digest only, but the released calls are
+            // still recorded, so a re-sent round finds them in doubt.
+            let body = agent.recorded();
+            let body = if secrets { body.withheld() } else { body };
+            session
+                .record_served(200, "text/event-stream", body, calls, Vec::new())
+                .await;
         }
         let RoundEnd::Repair(next, how) = end else {
             return;
@@ -397,12 +567,30 @@ struct ToAgent {
     sent: Vec<u8>,
     total: usize,
     cap: usize,
+    hasher: sha2::Sha256,
 }
 
 impl ToAgent {
+    /// What was sent, as a journal record (a digest only past the cap).
+    fn recorded(&self) -> crate::journal::Recorded {
+        use sha2::Digest;
+        let truncated = self.total > self.cap;
+        crate::journal::Recorded {
+            bytes: if truncated {
+                Vec::new()
+            } else {
+                self.sent.clone()
+            },
+            total_bytes: self.total as u64,
+            digest: hex::encode(self.hasher.clone().finalize()),
+            truncated,
+        }
+    }
+
     async fn send_all(&mut self, out: &mut Vec<Bytes>) -> bool {
         for chunk in out.drain(..) {
             self.total += chunk.len();
+            sha2::Digest::update(&mut self.hasher, &chunk);
             if self.sent.len() + chunk.len() <= self.cap {
                 self.sent.extend_from_slice(&chunk);
             }
@@ -490,7 +678,7 @@ async fn read_round(
             break Some(reason);
         }
         while let Some(round) = pipeline.advance(&mut out) {
-            match decide(session, pipeline, round, &mut out).await {
+            match decide(session, pipeline, round, &mut out, agent).await {
                 Next::Continue => {}
                 Next::Repair(body, splice) => {
                     agent.send_all(&mut out).await;
@@ -514,17 +702,19 @@ async fn read_round(
     }
     loop {
         match pipeline.finish(cut.clone(), &mut out) {
-            Finish::Decide(round) => match decide(session, pipeline, round, &mut out).await {
-                Next::Continue => {}
-                Next::Repair(body, splice) => {
-                    agent.send_all(&mut out).await;
-                    return RoundEnd::Repair(body, splice);
+            Finish::Decide(round) => {
+                match decide(session, pipeline, round, &mut out, agent).await {
+                    Next::Continue => {}
+                    Next::Repair(body, splice) => {
+                        agent.send_all(&mut out).await;
+                        return RoundEnd::Repair(body, splice);
+                    }
+                    Next::Stop => {
+                        agent.send_all(&mut out).await;
+                        return RoundEnd::Done("surfaced_error", None);
+                    }
                 }
-                Next::Stop => {
-                    agent.send_all(&mut out).await;
-                    return RoundEnd::Done("surfaced_error", None);
-                }
-            },
+            }
             Finish::Ended(state, error) => {
                 if !agent.send_all(&mut out).await {
                     return RoundEnd::ClientGone;
@@ -535,15 +725,35 @@ async fn read_round(
     }
 }
 
-/// Admits one decision point and applies how it surfaces.
+/// Admits one decision point and applies how it surfaces. What the agent may already have
+/// (text before the held calls) is sent first; while held calls wait for an approval, SSE
+/// comment keep-alives go out (`: keep-alive`), which every SSE client ignores.
 async fn decide(
     session: &Session,
     pipeline: &mut Pipeline,
     round: Vec<ChoiceEmissions>,
     out: &mut Vec<Bytes>,
+    agent: &mut ToAgent,
 ) -> Next {
+    agent.send_all(out).await;
     let started = Instant::now();
-    let verdicts = session.admit(&round).await;
+    let every = Duration::from_millis(session.state.config.approval_keepalive_ms.max(10));
+    let mut keepalive = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let verdicts = {
+        let admit = session.admit(&round);
+        tokio::pin!(admit);
+        loop {
+            tokio::select! {
+                v = &mut admit => break v,
+                _ = keepalive.tick() => {
+                    // Never blocks the wait: a full queue already keeps the connection busy,
+                    // and an agent that left does not end the wait (a re-sent request meets
+                    // the same interrupt).
+                    let _ = agent.tx.try_send(Ok(Bytes::from_static(b": keep-alive\n\n")));
+                }
+            }
+        }
+    };
     session
         .state
         .metrics
@@ -569,6 +779,15 @@ async fn decide(
     if let Some(body) = repair {
         let splice = pipeline.abandon(round, verdicts);
         return Next::Repair(body, splice);
+    }
+    // The calls are about to leave: their effect claims are confirmed first.
+    if let Err(e) = session
+        .state
+        .journal
+        .confirm_claims(super::claims_of(&verdicts))
+        .await
+    {
+        tracing::error!(error = %e, request_id = %session.ctx.request_id, "effect claims not confirmed");
     }
     pipeline.release(round, verdicts, out);
     Next::Continue

@@ -1,0 +1,614 @@
+//! Who acts: the verified acting person of a data-plane request and the verified approver of
+//! an admin-plane resolution (tool-turn contract §C; DESIGN.md §2).
+//!
+//! - Data plane: `Turnguard-Principal-Token: <JWT>` names the acting person (`sub`). No token:
+//!   the principal is the agent itself and nobody can approve that request's held calls. A
+//!   token that does not verify fails the request (401 `unauthenticated`): a misconfigured
+//!   identity provider is never silently read as "no person".
+//! - Admin plane: `Authorization: Bearer <JWT>`, verified the same way. A token carrying a
+//!   delegation (`act`, RFC 8693) claim is refused for approvals: an approval is the person's
+//!   own act, never a delegate's.
+//! - Keys: a JWKS file (RS256, ES256, EdDSA keys), a PEM public key (RSA → RS256, P-256 →
+//!   ES256, Ed25519 → EdDSA), or an HS256 shared secret (development). `iss`, `aud`, `exp` and
+//!   `sub` are required; `nbf` is checked when present; 60 s of clock leeway.
+//! - The agent holds the person's data-plane token, so that token must not approve: a token
+//!   seen as `Turnguard-Principal-Token` is refused on the admin plane (403), and
+//!   `identity_approval_audience` can require approver tokens to be minted for a different
+//!   audience altogether (the robust setup; or give the agent an RFC 8693 delegated token,
+//!   whose `act` claim the admin plane refuses).
+//! - Development mode (`identity_dev_principal_header = true`): a plain `Turnguard-Principal`
+//!   header is trusted as the verified person on both planes. It is logged loudly at start.
+//!
+//! Tokens are never logged, journaled or echoed in an error.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use http::HeaderMap;
+use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet};
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use serde::Deserialize;
+
+use crate::config::Config;
+
+/// The data-plane header carrying the acting person's JWT.
+pub const PRINCIPAL_TOKEN_HEADER: &str = "turnguard-principal-token";
+/// The development-only header naming the acting person in clear.
+pub const DEV_PRINCIPAL_HEADER: &str = "turnguard-principal";
+
+/// A verified person.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Person {
+    /// The token's `sub`.
+    pub sub: String,
+    /// The token carries an `act` (delegation) claim.
+    pub delegated: bool,
+}
+
+/// Why the identity configuration cannot be used (start-up).
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityConfigError {
+    /// A key file could not be read or parsed.
+    #[error("identity key file {file}: {reason}")]
+    Key { file: PathBuf, reason: String },
+    /// Keys are configured without an issuer or audience, or the other way round.
+    #[error("identity: {0}")]
+    Incomplete(String),
+}
+
+/// Why a token was not accepted. The message never contains the token.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum TokenError {
+    /// No credentials were presented.
+    #[error("no credentials: send `Authorization: Bearer <JWT>` of the acting person")]
+    Missing,
+    /// No identity provider is configured, so no token can be verified.
+    #[error("no identity provider is configured (identity_issuer, identity_audience and keys)")]
+    NotConfigured,
+    /// The token does not verify (signature, issuer, audience, expiry, algorithm, key id).
+    #[error("the token does not verify: {0}")]
+    Invalid(String),
+    /// The token was presented on the data plane, where the agent holds it: it cannot approve.
+    #[error("this token was presented by the agent as its Turnguard-Principal-Token; an approval needs the person's own token")]
+    HeldByAgent,
+}
+
+/// Data-plane tokens remembered (by SHA-256, until their `exp`) so they cannot approve.
+const MAX_SEEN: usize = 100_000;
+
+struct Key {
+    kid: Option<String>,
+    alg: Algorithm,
+    key: DecodingKey,
+}
+
+/// The configured identity verifier.
+pub struct Identity {
+    issuer: String,
+    audience: String,
+    approval_audience: String,
+    keys: Vec<Key>,
+    dev_header: bool,
+    /// SHA-256 of tokens seen on the data plane → their `exp` (seconds).
+    seen: Mutex<HashMap<[u8; 32], i64>>,
+}
+
+#[derive(Deserialize)]
+struct Claims {
+    #[serde(default)]
+    sub: String,
+    #[serde(default)]
+    act: Option<serde_json::Value>,
+    #[serde(default)]
+    exp: i64,
+}
+
+impl Identity {
+    /// Builds the verifier from the configuration; reads the key files.
+    ///
+    /// Errors: [`IdentityConfigError`] naming the file, or what is missing.
+    pub fn load(config: &Config) -> Result<Self, IdentityConfigError> {
+        let mut keys = Vec::new();
+        if let Some(file) = &config.identity_jwks {
+            keys.extend(jwks_keys(file)?);
+        }
+        if let Some(file) = &config.identity_public_key {
+            keys.push(pem_key(file)?);
+        }
+        if let Some(file) = &config.identity_hs256_secret_file {
+            let secret = std::fs::read(file).map_err(|e| IdentityConfigError::Key {
+                file: file.clone(),
+                reason: e.to_string(),
+            })?;
+            let secret = trim_ascii(&secret);
+            if secret.len() < 32 {
+                return Err(IdentityConfigError::Key {
+                    file: file.clone(),
+                    reason: "an HS256 secret must be at least 32 bytes".into(),
+                });
+            }
+            keys.push(Key {
+                kid: None,
+                alg: Algorithm::HS256,
+                key: DecodingKey::from_secret(secret),
+            });
+        }
+        let issuer = config.identity_issuer.clone().unwrap_or_default();
+        let audience = config.identity_audience.clone().unwrap_or_default();
+        if !keys.is_empty() && (issuer.is_empty() || audience.is_empty()) {
+            return Err(IdentityConfigError::Incomplete(
+                "keys are configured, so identity_issuer and identity_audience are required".into(),
+            ));
+        }
+        if keys.is_empty() && (!issuer.is_empty() || !audience.is_empty()) {
+            return Err(IdentityConfigError::Incomplete(
+                "an issuer or audience is configured without keys (identity_jwks, identity_public_key or identity_hs256_secret_file)".into(),
+            ));
+        }
+        let approval_audience = config
+            .identity_approval_audience
+            .clone()
+            .unwrap_or_else(|| audience.clone());
+        Ok(Self {
+            issuer,
+            audience,
+            approval_audience,
+            keys,
+            dev_header: config.identity_dev_principal_header,
+            seen: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// An identity that verifies nothing (every request acts as the agent).
+    pub fn none() -> Self {
+        Self {
+            issuer: String::new(),
+            audience: String::new(),
+            approval_audience: String::new(),
+            keys: Vec::new(),
+            dev_header: false,
+            seen: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether tokens can be verified.
+    pub fn configured(&self) -> bool {
+        !self.keys.is_empty()
+    }
+
+    /// Whether the development header is trusted.
+    pub fn dev_header(&self) -> bool {
+        self.dev_header
+    }
+
+    /// The algorithms keys are configured for (for the start-up log).
+    pub fn algorithms(&self) -> Vec<String> {
+        let mut algs: Vec<String> = self.keys.iter().map(|k| format!("{:?}", k.alg)).collect();
+        algs.sort();
+        algs.dedup();
+        algs
+    }
+
+    /// Verifies a data-plane JWT (audience `identity_audience`): signature with a configured
+    /// key of the token's algorithm (and `kid`, when both name one), `iss`, `aud`, `exp`,
+    /// `nbf`, and a non-empty `sub`.
+    pub fn verify(&self, token: &str) -> Result<Person, TokenError> {
+        self.verify_for(token, &self.audience).map(|(p, _)| p)
+    }
+
+    fn verify_for(&self, token: &str, audience: &str) -> Result<(Person, i64), TokenError> {
+        if self.keys.is_empty() {
+            return Err(TokenError::NotConfigured);
+        }
+        let header = jsonwebtoken::decode_header(token)
+            .map_err(|_| TokenError::Invalid("malformed token header".into()))?;
+        let candidates: Vec<&Key> = self
+            .keys
+            .iter()
+            .filter(|k| k.alg == header.alg)
+            .filter(|k| match (&header.kid, &k.kid) {
+                (Some(a), Some(b)) => a == b,
+                _ => true,
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Err(TokenError::Invalid(format!(
+                "no configured key for algorithm {:?}{}",
+                header.alg,
+                header
+                    .kid
+                    .as_deref()
+                    .map(|k| format!(" and key id `{}`", crate::admission::sanitize_label(k)))
+                    .unwrap_or_default()
+            )));
+        }
+        let mut validation = Validation::new(header.alg);
+        validation.set_issuer(&[&self.issuer]);
+        validation.set_audience(&[audience]);
+        validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
+        validation.validate_nbf = true;
+        let mut last = String::from("signature");
+        for k in candidates {
+            match jsonwebtoken::decode::<Claims>(token, &k.key, &validation) {
+                Ok(data) => {
+                    let sub = data.claims.sub.trim().to_owned();
+                    if sub.is_empty() || sub.len() > 256 {
+                        return Err(TokenError::Invalid("`sub` is empty or too long".into()));
+                    }
+                    return Ok((
+                        Person {
+                            sub,
+                            delegated: data.claims.act.is_some(),
+                        },
+                        data.claims.exp,
+                    ));
+                }
+                Err(e) => last = describe(&e),
+            }
+        }
+        Err(TokenError::Invalid(last))
+    }
+
+    /// The acting person of a data-plane request: `Turnguard-Principal-Token` verified, or
+    /// (development mode only) the plain `Turnguard-Principal` header. `Ok(None)`: no person,
+    /// the agent acts.
+    pub fn person_of(&self, headers: &HeaderMap) -> Result<Option<Person>, TokenError> {
+        if let Some(v) = headers.get(PRINCIPAL_TOKEN_HEADER) {
+            let token = v
+                .to_str()
+                .map_err(|_| TokenError::Invalid("the token is not ASCII".into()))?;
+            let token = token.trim();
+            let (person, exp) = self.verify_for(token, &self.audience)?;
+            self.remember(token, exp);
+            return Ok(Some(person));
+        }
+        Ok(self.dev_person(headers))
+    }
+
+    /// The approver of an admin-plane request: `Authorization: Bearer <JWT>` verified, or
+    /// (development mode only) the plain `Turnguard-Principal` header.
+    pub fn approver_of(&self, headers: &HeaderMap) -> Result<Person, TokenError> {
+        if let Some(v) = headers.get(http::header::AUTHORIZATION) {
+            let v = v
+                .to_str()
+                .map_err(|_| TokenError::Invalid("the Authorization header is not ASCII".into()))?;
+            let token = v
+                .strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+                .ok_or_else(|| {
+                    TokenError::Invalid("the Authorization scheme is not Bearer".into())
+                })?;
+            let token = token.trim();
+            let (person, _) = self.verify_for(token, &self.approval_audience)?;
+            let seen = self
+                .seen
+                .lock()
+                .map(|m| m.contains_key(&digest(token)))
+                .unwrap_or(true);
+            if seen {
+                return Err(TokenError::HeldByAgent);
+            }
+            return Ok(person);
+        }
+        self.dev_person(headers).ok_or(TokenError::Missing)
+    }
+
+    /// Remembers a data-plane token until its expiry so it cannot approve.
+    fn remember(&self, token: &str, exp: i64) {
+        let Ok(mut seen) = self.seen.lock() else {
+            return;
+        };
+        if seen.len() >= MAX_SEEN {
+            let now = crate::proxy::now_ms() / 1000;
+            seen.retain(|_, e| *e > now);
+            if seen.len() >= MAX_SEEN {
+                tracing::warn!("too many live principal tokens to remember; the oldest are forgotten (use identity_approval_audience)");
+                seen.clear();
+            }
+        }
+        seen.insert(digest(token), exp);
+    }
+
+    fn dev_person(&self, headers: &HeaderMap) -> Option<Person> {
+        if !self.dev_header {
+            return None;
+        }
+        let sub = headers.get(DEV_PRINCIPAL_HEADER)?.to_str().ok()?.trim();
+        (!sub.is_empty() && sub.len() <= 256).then(|| Person {
+            sub: sub.to_owned(),
+            delegated: false,
+        })
+    }
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(token.as_bytes()).into()
+}
+
+fn describe(e: &jsonwebtoken::errors::Error) -> String {
+    use jsonwebtoken::errors::ErrorKind;
+    match e.kind() {
+        ErrorKind::InvalidSignature => "bad signature".into(),
+        ErrorKind::ExpiredSignature => "expired".into(),
+        ErrorKind::ImmatureSignature => "not valid yet (nbf)".into(),
+        ErrorKind::InvalidIssuer => "wrong issuer".into(),
+        ErrorKind::InvalidAudience => "wrong audience".into(),
+        ErrorKind::MissingRequiredClaim(c) => format!("missing claim `{c}`"),
+        ErrorKind::InvalidAlgorithm => "algorithm not allowed".into(),
+        _ => "malformed token".into(),
+    }
+}
+
+fn trim_ascii(b: &[u8]) -> &[u8] {
+    let start = b
+        .iter()
+        .position(|c| !c.is_ascii_whitespace())
+        .unwrap_or(b.len());
+    let end = b
+        .iter()
+        .rposition(|c| !c.is_ascii_whitespace())
+        .map_or(start, |e| e + 1);
+    &b[start..end]
+}
+
+fn key_err(file: &Path, reason: impl Into<String>) -> IdentityConfigError {
+    IdentityConfigError::Key {
+        file: file.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+fn pem_key(file: &Path) -> Result<Key, IdentityConfigError> {
+    let pem = std::fs::read(file).map_err(|e| key_err(file, e.to_string()))?;
+    if let Ok(key) = DecodingKey::from_rsa_pem(&pem) {
+        return Ok(Key {
+            kid: None,
+            alg: Algorithm::RS256,
+            key,
+        });
+    }
+    if let Ok(key) = DecodingKey::from_ec_pem(&pem) {
+        return Ok(Key {
+            kid: None,
+            alg: Algorithm::ES256,
+            key,
+        });
+    }
+    if let Ok(key) = DecodingKey::from_ed_pem(&pem) {
+        return Ok(Key {
+            kid: None,
+            alg: Algorithm::EdDSA,
+            key,
+        });
+    }
+    Err(key_err(
+        file,
+        "not a PEM public key of RSA, EC P-256 or Ed25519",
+    ))
+}
+
+fn jwks_keys(file: &Path) -> Result<Vec<Key>, IdentityConfigError> {
+    let text = std::fs::read_to_string(file).map_err(|e| key_err(file, e.to_string()))?;
+    let set: JwkSet =
+        serde_json::from_str(&text).map_err(|e| key_err(file, format!("not a JWKS: {e}")))?;
+    let mut keys = Vec::new();
+    for (i, jwk) in set.keys.iter().enumerate() {
+        let alg = match &jwk.algorithm {
+            AlgorithmParameters::RSA(_) => Algorithm::RS256,
+            AlgorithmParameters::EllipticCurve(p) if p.curve == EllipticCurve::P256 => {
+                Algorithm::ES256
+            }
+            AlgorithmParameters::OctetKeyPair(p) if p.curve == EllipticCurve::Ed25519 => {
+                Algorithm::EdDSA
+            }
+            _ => {
+                return Err(key_err(
+                    file,
+                    format!("keys[{i}]: only RSA (RS256), EC P-256 (ES256) and Ed25519 (EdDSA) keys are accepted"),
+                ))
+            }
+        };
+        if let Some(declared) = jwk.common.key_algorithm {
+            let declared = format!("{declared:?}");
+            if declared != format!("{alg:?}") {
+                return Err(key_err(
+                    file,
+                    format!("keys[{i}]: `alg` {declared} does not match the key type ({alg:?})"),
+                ));
+            }
+        }
+        let key =
+            DecodingKey::from_jwk(jwk).map_err(|e| key_err(file, format!("keys[{i}]: {e}")))?;
+        keys.push(Key {
+            kid: jwk.common.key_id.clone(),
+            alg,
+            key,
+        });
+    }
+    if keys.is_empty() {
+        return Err(key_err(file, "the JWKS has no keys"));
+    }
+    Ok(keys)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use jsonwebtoken::{encode, EncodingKey, Header};
+    use serde_json::json;
+
+    const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef-test";
+
+    fn config(dir: &Path) -> Config {
+        let secret = dir.join("secret");
+        std::fs::write(&secret, SECRET).unwrap();
+        Config {
+            identity_issuer: Some("https://idp.test".into()),
+            identity_audience: Some("turnguard".into()),
+            identity_hs256_secret_file: Some(secret),
+            ..Config::default()
+        }
+    }
+
+    fn token(claims: serde_json::Value) -> String {
+        encode(
+            &Header::new(Algorithm::HS256),
+            &claims,
+            &EncodingKey::from_secret(SECRET),
+        )
+        .unwrap()
+    }
+
+    fn exp() -> i64 {
+        crate::proxy::now_ms() / 1000 + 600
+    }
+
+    #[test]
+    fn verifies_issuer_audience_expiry_and_delegation() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = Identity::load(&config(dir.path())).unwrap();
+        let ok = token(
+            json!({"sub": "alice", "iss": "https://idp.test", "aud": "turnguard", "exp": exp()}),
+        );
+        assert_eq!(
+            id.verify(&ok).unwrap(),
+            Person {
+                sub: "alice".into(),
+                delegated: false
+            }
+        );
+        let act = token(
+            json!({"sub": "alice", "iss": "https://idp.test", "aud": "turnguard", "exp": exp(), "act": {"sub": "agent"}}),
+        );
+        assert!(id.verify(&act).unwrap().delegated);
+        for (claims, why) in [
+            (
+                json!({"sub": "a", "iss": "https://evil", "aud": "turnguard", "exp": exp()}),
+                "wrong issuer",
+            ),
+            (
+                json!({"sub": "a", "iss": "https://idp.test", "aud": "other", "exp": exp()}),
+                "wrong audience",
+            ),
+            (
+                json!({"sub": "a", "iss": "https://idp.test", "aud": "turnguard", "exp": 1000}),
+                "expired",
+            ),
+            (
+                json!({"iss": "https://idp.test", "aud": "turnguard", "exp": exp()}),
+                "missing claim `sub`",
+            ),
+        ] {
+            let err = id.verify(&token(claims)).unwrap_err().to_string();
+            assert!(err.contains(why), "{err} / {why}");
+        }
+        let forged = encode(
+            &Header::new(Algorithm::HS256),
+            &json!({"sub": "a", "iss": "https://idp.test", "aud": "turnguard", "exp": exp()}),
+            &EncodingKey::from_secret(b"another secret of at least thirty-two bytes"),
+        )
+        .unwrap();
+        assert!(id
+            .verify(&forged)
+            .unwrap_err()
+            .to_string()
+            .contains("bad signature"));
+        assert!(id.verify("not.a.jwt").is_err());
+    }
+
+    #[test]
+    fn pem_and_jwks_keys_verify_eddsa_and_refuse_algorithm_confusion() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/identity");
+        let private = std::fs::read(fixtures.join("ed25519-private.pem")).unwrap();
+        let signed = encode(
+            &Header::new(Algorithm::EdDSA),
+            &json!({"sub": "bob", "iss": "https://idp.test", "aud": "turnguard", "exp": exp()}),
+            &EncodingKey::from_ed_pem(&private).unwrap(),
+        )
+        .unwrap();
+        for c in [
+            Config {
+                identity_issuer: Some("https://idp.test".into()),
+                identity_audience: Some("turnguard".into()),
+                identity_public_key: Some(fixtures.join("ed25519-public.pem")),
+                ..Config::default()
+            },
+            Config {
+                identity_issuer: Some("https://idp.test".into()),
+                identity_audience: Some("turnguard".into()),
+                identity_jwks: Some(fixtures.join("jwks.json")),
+                ..Config::default()
+            },
+        ] {
+            let id = Identity::load(&c).unwrap();
+            assert_eq!(id.verify(&signed).unwrap().sub, "bob");
+            // An HS256 token must not verify against an asymmetric key's bytes.
+            let hs = token(
+                json!({"sub": "bob", "iss": "https://idp.test", "aud": "turnguard", "exp": exp()}),
+            );
+            assert!(id.verify(&hs).is_err());
+        }
+    }
+
+    #[test]
+    fn headers_on_both_planes() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = Identity::load(&config(dir.path())).unwrap();
+        let mut h = HeaderMap::new();
+        assert_eq!(id.person_of(&h).unwrap(), None, "no token: the agent acts");
+        assert!(matches!(id.approver_of(&h), Err(TokenError::Missing)));
+        h.insert(DEV_PRINCIPAL_HEADER, "mallory".parse().unwrap());
+        assert_eq!(
+            id.person_of(&h).unwrap(),
+            None,
+            "the plain header is ignored outside dev mode"
+        );
+        let t = token(
+            json!({"sub": "alice", "iss": "https://idp.test", "aud": "turnguard", "exp": exp()}),
+        );
+        h.insert(
+            http::header::AUTHORIZATION,
+            format!("Bearer {t}").parse().unwrap(),
+        );
+        h.insert(PRINCIPAL_TOKEN_HEADER, t.parse().unwrap());
+        assert_eq!(id.approver_of(&h).unwrap().sub, "alice");
+        assert_eq!(id.person_of(&h).unwrap().unwrap().sub, "alice");
+        let mut admin = HeaderMap::new();
+        admin.insert(
+            http::header::AUTHORIZATION,
+            format!("Bearer {t}").parse().unwrap(),
+        );
+        assert!(
+            matches!(id.approver_of(&admin), Err(TokenError::HeldByAgent)),
+            "the token the agent presented cannot approve"
+        );
+        h.insert(PRINCIPAL_TOKEN_HEADER, "garbage".parse().unwrap());
+        assert!(
+            id.person_of(&h).is_err(),
+            "a bad token fails, never reads as no person"
+        );
+        let mut dev = config(dir.path());
+        dev.identity_dev_principal_header = true;
+        let id = Identity::load(&dev).unwrap();
+        let mut h = HeaderMap::new();
+        h.insert(DEV_PRINCIPAL_HEADER, "dora".parse().unwrap());
+        assert_eq!(id.person_of(&h).unwrap().unwrap().sub, "dora");
+        assert_eq!(id.approver_of(&h).unwrap().sub, "dora");
+    }
+
+    #[test]
+    fn incomplete_configuration_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = config(dir.path());
+        c.identity_issuer = None;
+        assert!(Identity::load(&c).is_err());
+        let c = Config {
+            identity_issuer: Some("x".into()),
+            ..Config::default()
+        };
+        assert!(Identity::load(&c).is_err());
+        assert!(!Identity::load(&Config::default()).unwrap().configured());
+    }
+}
