@@ -301,6 +301,10 @@ enum Op {
 struct Job {
     op: Op,
     ack: Option<oneshot::Sender<Result<(), JournalError>>>,
+    /// The contract needs this record durable before the caller goes on
+    /// (`synchronous=FULL`); other records are committed with `synchronous=NORMAL` (WAL: safe
+    /// against corruption, may lose the last commits on power loss) and nobody waits.
+    durable: bool,
 }
 
 /// Handle to the journal writer. Cheap to clone.
@@ -349,12 +353,44 @@ impl Journal {
     async fn submit(&self, op: Op) -> Result<(), JournalError> {
         let (ack, done) = oneshot::channel();
         self.metrics.journal_queue_depth.inc();
-        if self.tx.send(Job { op, ack: Some(ack) }).await.is_err() {
+        let job = Job {
+            op,
+            ack: Some(ack),
+            durable: true,
+        };
+        if self.tx.send(job).await.is_err() {
             self.metrics.journal_queue_depth.dec();
             self.metrics.journal_write_failures.inc();
             return Err(JournalError::Closed);
         }
         done.await.unwrap_or(Err(JournalError::Closed))
+    }
+
+    /// Queues a record the contract does not need durable before the caller goes on (audit
+    /// events, a chat turn's round): waits only for room in the queue, not for the commit.
+    async fn submit_relaxed(&self, op: Op) -> Result<(), JournalError> {
+        self.metrics.journal_queue_depth.inc();
+        if self
+            .tx
+            .send(Job {
+                op,
+                ack: None,
+                durable: false,
+            })
+            .await
+            .is_err()
+        {
+            self.metrics.journal_queue_depth.dec();
+            self.metrics.journal_write_failures.inc();
+            return Err(JournalError::Closed);
+        }
+        Ok(())
+    }
+
+    /// Records a chat turn's round (no run id): replay and recovery do not apply to chat
+    /// turns (tool-turn contract §D), so the round is queued, not awaited.
+    pub async fn record_round_relaxed(&self, rec: RoundRecord) -> Result<(), JournalError> {
+        self.submit_relaxed(Op::Round(Box::new(rec))).await
     }
 
     /// Records tool results durably; returns once they are committed.
@@ -379,7 +415,7 @@ impl Journal {
         if events.is_empty() {
             return Ok(());
         }
-        self.submit(Op::Events(events)).await
+        self.submit_relaxed(Op::Events(events)).await
     }
 
     /// Records the response a run node's round was answered with (insert-if-absent on
@@ -449,6 +485,8 @@ impl WriterThread {
 }
 
 fn writer(mut conn: Connection, mut rx: mpsc::Receiver<Job>, metrics: &Metrics) {
+    conn.set_prepared_statement_cache_capacity(64);
+    let mut full = true;
     while let Some(first) = rx.blocking_recv() {
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH {
@@ -458,6 +496,14 @@ fn writer(mut conn: Connection, mut rx: mpsc::Receiver<Job>, metrics: &Metrics) 
             }
         }
         metrics.journal_queue_depth.dec_by(batch.len() as i64);
+        // One fsync per batch when any record in it must be durable; none otherwise.
+        let durable = batch.iter().any(|j| j.durable);
+        if durable != full {
+            let mode = if durable { "FULL" } else { "NORMAL" };
+            if conn.pragma_update(None, "synchronous", mode).is_ok() {
+                full = durable;
+            }
+        }
         let started = Instant::now();
         let result = commit(&mut conn, &mut batch).map_err(|e| JournalError::Write(e.to_string()));
         metrics
@@ -485,14 +531,19 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
             Op::ConfirmClaims(list) => confirm(&tx, list)?,
             Op::Prune { before_ms } => {
                 let t = *before_ms;
-                tx.execute("DELETE FROM tool_calls WHERE request_id IN (SELECT request_id FROM rounds WHERE at_ms < ?1)", params![t])?;
+                exec(&tx, "DELETE FROM tool_calls WHERE request_id IN (SELECT request_id FROM rounds WHERE at_ms < ?1)", params![t])?;
                 for table in ["rounds", "tool_results", "effects", "events", "served"] {
-                    tx.execute(&format!("DELETE FROM {table} WHERE at_ms < ?1"), params![t])?;
+                    exec(
+                        &tx,
+                        &format!("DELETE FROM {table} WHERE at_ms < ?1"),
+                        params![t],
+                    )?;
                 }
             }
             Op::Served(r) => {
                 confirm(&tx, &r.claims)?;
-                tx.execute(
+                exec(
+        &tx,
                     "INSERT INTO served (run_id, node_id, attempt, round_index, request_digest, request_id, status,
                         content_type, body, body_bytes, body_digest, truncated, calls, at_ms)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
@@ -520,14 +571,16 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                 node_id,
                 skipped,
             } => {
-                tx.execute(
+                exec(
+                    &tx,
                     "INSERT INTO replay_cursor (run_id, node_id, skipped) VALUES (?1, ?2, ?3)
                      ON CONFLICT (run_id, node_id) DO UPDATE SET skipped = excluded.skipped",
                     params![&*run_id, &*node_id, *skipped],
                 )?;
             }
             Op::ReleaseClaim { effect_id, call_id } => {
-                tx.execute(
+                exec(
+        &tx,
                     "DELETE FROM effects WHERE effect_id = ?1 AND call_id = ?2 AND state = 'claimed'",
                     params![&*effect_id, &*call_id],
                 )?;
@@ -561,9 +614,19 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
     Ok(())
 }
 
+/// Executes `sql` through the connection's prepared-statement cache.
+fn exec<P: rusqlite::Params>(
+    tx: &rusqlite::Transaction<'_>,
+    sql: &str,
+    params: P,
+) -> rusqlite::Result<usize> {
+    tx.prepare_cached(sql)?.execute(params)
+}
+
 fn confirm(tx: &rusqlite::Transaction<'_>, claims: &[(String, String)]) -> rusqlite::Result<()> {
     for (effect_id, call_id) in claims {
-        tx.execute(
+        exec(
+            tx,
             "UPDATE effects SET released = 1 WHERE effect_id = ?1 AND call_id = ?2",
             params![effect_id, call_id],
         )?;
@@ -572,7 +635,8 @@ fn confirm(tx: &rusqlite::Transaction<'_>, claims: &[(String, String)]) -> rusql
 }
 
 fn claim(tx: &rusqlite::Transaction<'_>, c: &EffectClaim) -> rusqlite::Result<Claim> {
-    let inserted = tx.execute(
+    let inserted = exec(
+        tx,
         "INSERT INTO effects (effect_id, tool_id, call_id, run_id, node_id, attempt, keying, state, at_ms, instance)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'claimed', ?8, ?9)
          ON CONFLICT (effect_id) DO NOTHING",
@@ -583,7 +647,8 @@ fn claim(tx: &rusqlite::Transaction<'_>, c: &EffectClaim) -> rusqlite::Result<Cl
     }
     // Take over a claim whose call never reached the agent: not confirmed released, and its
     // process is gone (or its lease ran out). Compare-and-set on the row.
-    let taken = tx.execute(
+    let taken = exec(
+        tx,
         "UPDATE effects SET call_id = ?2, run_id = ?3, node_id = ?4, attempt = ?5, at_ms = ?6, instance = ?7
          WHERE effect_id = ?1 AND released = 0 AND state = 'claimed' AND (instance != ?7 OR at_ms < ?8)",
         params![c.effect_id, c.call_id, c.run.run_id, c.run.node_id, c.run.attempt, c.at_ms, c.instance, c.at_ms - CLAIM_LEASE_MS],
@@ -621,7 +686,8 @@ fn insert_event(tx: &rusqlite::Transaction<'_>, e: &EventRecord) -> rusqlite::Re
         params![scope],
         |r| r.get(0),
     )?;
-    tx.execute(
+    exec(
+        tx,
         "INSERT INTO events (scope, run_id, node_id, request_id, sequence, type, payload, at_ms)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
         params![
@@ -639,7 +705,8 @@ fn insert_event(tx: &rusqlite::Transaction<'_>, e: &EventRecord) -> rusqlite::Re
 }
 
 fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Result<()> {
-    tx.execute(
+    exec(
+        tx,
         "INSERT INTO rounds (request_id, at_ms, api, model, stream, run_id, node_id, attempt,
             round_index, request_digest, completion, finish_reason, upstream_status, latency_ms,
             state, error, response, response_bytes, response_digest, response_truncated, channel,
@@ -673,7 +740,8 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
         ],
     )?;
     if let Some(link) = &r.response_link {
-        tx.execute(
+        exec(
+            tx,
             "INSERT INTO responses (response_id, request_id, previous_response_id, run_id,
                 node_id, attempt, api, status, provider_executed, provider_items, at_ms)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
@@ -694,7 +762,8 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
         )?;
     }
     for c in &r.calls {
-        tx.execute(
+        exec(
+            tx,
             "INSERT INTO tool_calls (request_id, choice, ordinal, call_id, name, outcome, stage,
                 reason, args_hash, tool_id, enforced, rules, redacted_args, logical_invocation_id,
                 node_ordinal)
@@ -730,7 +799,8 @@ fn insert_tool_result(
         Some(run) => format!("run:{run}"),
         None => "chat".to_owned(),
     };
-    let inserted = tx.execute(
+    let inserted = exec(
+        tx,
         "INSERT INTO tool_results (scope, run_id, node_id, attempt, tool_call_id, tool_name,
             is_error, content, content_bytes, content_digest, truncated, first_request_id, at_ms)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
@@ -753,7 +823,8 @@ fn insert_tool_result(
     )?;
     if inserted == 1 {
         // The effect this call claimed (if any) is now completed.
-        tx.execute(
+        exec(
+        tx,
             "UPDATE effects SET state = 'completed' WHERE call_id = ?1 AND run_id IS ?2 AND state = 'claimed'",
             params![t.tool_call_id, t.run.run_id],
         )?;
