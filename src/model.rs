@@ -88,10 +88,12 @@ pub struct Turn {
     pub include_usage: bool,
     /// Index of the model round this request asks for: assistant turns already in the
     /// transcript (DESIGN.md §2: derived from the transcript, not a counter). With a
-    /// `previous_response_id` the earlier turns are held by the provider, so this counts only
-    /// the turns the request itself carries.
+    /// `previous_response_id` the earlier turns are held by the provider: the adapter counts
+    /// the turns the request itself carries, and [`Turn::continue_chain`] adds the stored
+    /// response's position from the journal.
     pub round_index: u32,
-    /// Names of the tool calls already in the transcript, in order.
+    /// Names of the tool calls already in the transcript, in order (with a
+    /// `previous_response_id`, the provider-held ones first: [`Turn::continue_chain`]).
     pub prior_calls: Vec<String>,
     /// The transcript carries provider-executed tool output (Anthropic
     /// `web_search_tool_result` …), or the request lets the provider run such a tool in this
@@ -113,6 +115,23 @@ pub struct Turn {
 }
 
 impl Turn {
+    /// A request that continues the stored response `link` (`previous_response_id`, the
+    /// journal's row of it) takes its position after that response: the provider-held
+    /// transcript's rounds and calls come before the ones the request carries. A row without a
+    /// recorded position (an older journal) leaves the turn as the request shows it.
+    pub fn continue_chain(&mut self, link: &ChainLink) {
+        if self.previous_response_id.as_deref() != Some(link.response_id.as_str()) {
+            return;
+        }
+        if let Some(next) = link.next_round_index {
+            self.round_index = self.round_index.saturating_add(next);
+        }
+        if let Some(before) = &link.calls_so_far {
+            let own = std::mem::take(&mut self.prior_calls);
+            self.prior_calls = before.iter().cloned().chain(own).collect();
+        }
+    }
+
     /// The declared tool named `name`, if any.
     pub fn declared(&self, name: &str) -> Option<&DeclaredTool> {
         self.tools.iter().find(|t| t.name == name)
@@ -319,6 +338,41 @@ pub struct ResponseLink {
     /// `mcp_call` …, and any item type turnguard does not know), in order, deduplicated.
     /// Their output is untrusted (tool-turn contract §C, §F).
     pub provider_items: Vec<String>,
+    /// The response's `contentTrust` (`trusted` / `untrusted`), judged by the trust stage
+    /// ([`crate::admission::trust::of_response`]) before the response is recorded; `None`
+    /// until then (the chain rule reads a missing value as untrusted).
+    pub content_trust: Option<&'static str>,
+    /// The round index a request continuing this response takes (before the model turns it
+    /// carries itself); set with `content_trust`.
+    pub next_round_index: Option<u32>,
+    /// Names of the calls of the transcript through this response, in order: the request's
+    /// own prior calls, then this round's. A request continuing the response counts its
+    /// per-node ordinals (and clarification asks) on from them; set with `content_trust`.
+    pub calls_so_far: Option<Vec<String>>,
+}
+
+/// One stored response of a `previous_response_id` chain as turnguard's journal has it
+/// (table `responses`), read back by the trust stage: the chain rule is
+/// [`crate::admission::trust::chain_fault`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChainLink {
+    /// The provider's response id.
+    pub response_id: String,
+    /// The journal's round id of the request that produced it (`tool_calls.request_id`).
+    pub request_id: String,
+    /// The `previous_response_id` of that request: the next link back, `None` at the start of
+    /// the chain.
+    pub previous_response_id: Option<String>,
+    /// The response's final `status`; `None` when its stream was cut.
+    pub status: Option<String>,
+    /// Its output held provider-executed items.
+    pub provider_executed: bool,
+    /// The `contentTrust` recorded for it (`None`: not judged).
+    pub content_trust: Option<String>,
+    /// [`ResponseLink::next_round_index`] as recorded (`None` in journals older than v4).
+    pub next_round_index: Option<u32>,
+    /// [`ResponseLink::calls_so_far`] as recorded (`None` in journals older than v4).
+    pub calls_so_far: Option<Vec<String>>,
 }
 
 /// A host-authored tool result for a repair round (MCP result shape, tool-turn contract §G).

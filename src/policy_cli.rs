@@ -62,7 +62,8 @@ pub fn admit_pair(
     person: Option<&str>,
 ) -> Result<(Turn, Vec<(crate::model::ChoiceEmissions, ChoiceVerdict)>), String> {
     let turn = provider::parse_request(api, request).map_err(|e| format!("request: {e}"))?;
-    let trust = admission::trust::of_turn(&turn, policy);
+    // Offline there is no journal: a turn continuing a stored response is untrusted.
+    let trust = admission::trust::of_turn(&turn, policy, &[]);
     let schemas = SchemaCache::default();
     let limits = LimitState::default();
     let never = |_: &str| false;
@@ -224,7 +225,7 @@ pub fn explain(
         policy.revision,
         policy.origin,
         api.as_str(),
-        admission::trust::of_turn(&turn, &policy).as_str()
+        admission::trust::of_turn(&turn, &policy, &[]).as_str()
     );
     if choices.is_empty() {
         let _ = writeln!(text, "the response has no tool call");

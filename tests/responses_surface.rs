@@ -291,8 +291,9 @@ async fn tool_results_and_the_response_chain_are_journaled() {
         )
         .unwrap();
     assert_eq!(
-        round_index, 1,
-        "one model turn (the echoed call) in the input"
+        round_index, 2,
+        "the stored response's round (from the journal), then one model turn (the echoed \
+         call) in the input"
     );
     let mut stmt = db
         .prepare("SELECT request_id, response_id, previous_response_id, run_id, status, provider_executed, provider_items FROM responses ORDER BY at_ms, request_id")
@@ -703,9 +704,10 @@ async fn an_invalid_call_is_repaired_in_a_json_response() {
 
 #[tokio::test]
 async fn a_turn_continuing_a_stored_response_is_untrusted() {
-    // Issue 5 must-show 4, fail closed: the provider holds the turns before
-    // `previous_response_id` (here one whose output had a `web_search_call`), so the next
-    // turn is untrusted and a gated call (an unknown tool is `write`) is held, not released.
+    // Issue 5 must-show 4: the provider holds the turns before `previous_response_id`, here
+    // one whose output had a `web_search_call` (journaled by turnguard), so the next turn is
+    // untrusted and a gated call (an unknown tool is `write`) is held, not released. Longer
+    // chains, clean chains and unknown ids: `tests/responses_contract.rs`.
     let h = support::start(Script::default()).await;
     h.script(&script(
         json!([

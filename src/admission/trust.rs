@@ -3,15 +3,31 @@
 //! the `contentTrust` its catalog descriptor declares (unknown tool: untrusted, fail closed);
 //! provider-executed tool output is always untrusted. Any trust value inside model output or
 //! tool arguments is ignored: trust is derived here, from the catalog, only.
+//!
+//! A Responses request that continues a stored response (`previous_response_id = P`) has
+//! inputs the proxy cannot see: the provider holds every earlier turn of the chain. Their
+//! trust comes from turnguard's own journal of that chain ([`chain_fault`]): the turn is
+//! trusted only when the journal holds every response from `P` back to the start of the chain
+//! and none of them had provider-executed output, came from an untrusted turn, or ended
+//! without a final status. An unknown chain is untrusted (fail closed). The journal lookup is
+//! [`crate::proxy::trust::response_chain`]; this module only judges what it read.
 
-use crate::model::{Decision, Outcome, Stage, Turn};
+use crate::model::{ChainLink, Decision, Outcome, ResponseLink, Stage, Turn};
 use crate::policy::bundle::ContentTrust;
 use crate::policy::{CatalogTool, CompiledPolicy};
 
-/// The turn's `contentTrust`.
-pub fn of_turn(turn: &Turn, policy: &CompiledPolicy) -> ContentTrust {
+/// The turn's `contentTrust`: the meet of the request's own inputs and, when it continues a
+/// stored response, of that chain as the journal has it (`history`: the links read from the
+/// named response back, see [`chain_fault`]; empty when the journal was not asked — offline —
+/// or knows nothing, which is untrusted).
+pub fn of_turn(turn: &Turn, policy: &CompiledPolicy, history: &[ChainLink]) -> ContentTrust {
     if turn.provider_output_seen {
         return ContentTrust::Untrusted;
+    }
+    if let Some(previous) = &turn.previous_response_id {
+        if chain_fault(previous, history).is_some() {
+            return ContentTrust::Untrusted;
+        }
     }
     let all_trusted = turn.tool_results.iter().all(|r| {
         r.tool_name
@@ -21,6 +37,62 @@ pub fn of_turn(turn: &Turn, policy: &CompiledPolicy) -> ContentTrust {
     });
     if all_trusted {
         ContentTrust::Trusted
+    } else {
+        ContentTrust::Untrusted
+    }
+}
+
+/// Why a response chain makes a turn untrusted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChainFault {
+    /// `unknown_response` (the journal does not hold it: a response turnguard never saw, or
+    /// a chain too long to follow), `provider_executed` (its output held provider-run tool
+    /// items), `untrusted_turn` (the turn that produced it was untrusted, or was never
+    /// judged), `not_completed` (its stream was cut or it ended `failed` / `cancelled` …: the
+    /// provider may hold output turnguard never saw).
+    pub reason: &'static str,
+    /// The response it is about (as the provider named it).
+    pub response_id: String,
+}
+
+/// Judges the chain a request continues from `previous`: `links` are the journal's rows
+/// from `previous` back, each followed by the one its `previous_response_id` names. `None`
+/// means every response of the chain is known, completed, free of provider-executed output
+/// and from a trusted turn, back to one that continued nothing.
+pub fn chain_fault(previous: &str, links: &[ChainLink]) -> Option<ChainFault> {
+    let fault = |reason, id: &str| {
+        Some(ChainFault {
+            reason,
+            response_id: id.to_owned(),
+        })
+    };
+    let mut want = previous;
+    for link in links {
+        if link.response_id != want {
+            break;
+        }
+        if link.provider_executed {
+            return fault("provider_executed", want);
+        }
+        if link.content_trust.as_deref() != Some(ContentTrust::Trusted.as_str()) {
+            return fault("untrusted_turn", want);
+        }
+        if !matches!(link.status.as_deref(), Some("completed" | "incomplete")) {
+            return fault("not_completed", want);
+        }
+        match &link.previous_response_id {
+            None => return None,
+            Some(p) => want = p,
+        }
+    }
+    fault("unknown_response", want)
+}
+
+/// The `contentTrust` a response is recorded with: the turn's, or untrusted when its output
+/// held provider-executed items (contract §F). A later turn continuing the response reads it.
+pub fn of_response(turn: ContentTrust, link: &ResponseLink) -> ContentTrust {
+    if link.provider_items.is_empty() {
+        turn
     } else {
         ContentTrust::Untrusted
     }
@@ -51,4 +123,103 @@ fn gate_reason(tool: &CatalogTool) -> String {
         d.safety_tier.as_str(),
         d.egress.map_or("unspecified", |e| e.as_str())
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn link(id: &str, prev: Option<&str>) -> ChainLink {
+        ChainLink {
+            response_id: id.into(),
+            request_id: format!("req-{id}"),
+            previous_response_id: prev.map(str::to_owned),
+            status: Some("completed".into()),
+            provider_executed: false,
+            content_trust: Some("trusted".into()),
+            next_round_index: None,
+            calls_so_far: None,
+        }
+    }
+
+    #[test]
+    fn a_clean_chain_back_to_its_start_is_trusted() {
+        let chain = [
+            link("r3", Some("r2")),
+            link("r2", Some("r1")),
+            link("r1", None),
+        ];
+        assert_eq!(chain_fault("r3", &chain), None);
+        let mut incomplete = chain.clone();
+        incomplete[1].status = Some("incomplete".into());
+        assert_eq!(chain_fault("r3", &incomplete), None);
+    }
+
+    #[test]
+    fn any_bad_or_missing_link_is_a_fault() {
+        let chain = vec![
+            link("r3", Some("r2")),
+            link("r2", Some("r1")),
+            link("r1", None),
+        ];
+        let reason = |c: &[ChainLink]| chain_fault("r3", c).map(|f| (f.reason, f.response_id));
+        assert_eq!(reason(&[]), Some(("unknown_response", "r3".into())));
+        assert_eq!(
+            reason(&chain[..2]),
+            Some(("unknown_response", "r1".into())),
+            "the chain leaves the journal"
+        );
+        let mut c = chain.clone();
+        c[2].provider_executed = true;
+        assert_eq!(reason(&c), Some(("provider_executed", "r1".into())));
+        let mut c = chain.clone();
+        c[1].content_trust = Some("untrusted".into());
+        assert_eq!(reason(&c), Some(("untrusted_turn", "r2".into())));
+        let mut c = chain.clone();
+        c[1].content_trust = None;
+        assert_eq!(reason(&c), Some(("untrusted_turn", "r2".into())));
+        let mut c = chain.clone();
+        c[0].status = None;
+        assert_eq!(reason(&c), Some(("not_completed", "r3".into())));
+        let mut c = chain.clone();
+        c[0].status = Some("failed".into());
+        assert_eq!(reason(&c), Some(("not_completed", "r3".into())));
+        // Links that do not follow one another are never trusted.
+        let skipped = [link("r3", Some("r2")), link("r1", None)];
+        assert_eq!(reason(&skipped), Some(("unknown_response", "r2".into())));
+        let wrong_start = [link("r2", Some("r1")), link("r1", None)];
+        assert_eq!(
+            reason(&wrong_start),
+            Some(("unknown_response", "r3".into()))
+        );
+        // A cycle (impossible from a provider) ends where the walk stopped: unknown.
+        let cycle = [link("r3", Some("r2")), link("r2", Some("r3"))];
+        assert_eq!(reason(&cycle), Some(("unknown_response", "r3".into())));
+    }
+
+    #[test]
+    fn a_response_with_provider_output_is_recorded_untrusted() {
+        let mut l = ResponseLink {
+            response_id: "r".into(),
+            previous_response_id: None,
+            status: Some("completed".into()),
+            provider_items: Vec::new(),
+            content_trust: None,
+            next_round_index: None,
+            calls_so_far: None,
+        };
+        assert_eq!(
+            of_response(ContentTrust::Trusted, &l),
+            ContentTrust::Trusted
+        );
+        assert_eq!(
+            of_response(ContentTrust::Untrusted, &l),
+            ContentTrust::Untrusted
+        );
+        l.provider_items.push("web_search_call".into());
+        assert_eq!(
+            of_response(ContentTrust::Trusted, &l),
+            ContentTrust::Untrusted
+        );
+    }
 }

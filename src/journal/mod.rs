@@ -10,33 +10,31 @@
 //! With the Responses API a request may carry `previous_response_id`: the provider then holds
 //! the earlier turns and the proxy sees none of them in the request. So every response the
 //! provider stores is recorded here, keyed by its id, with the `previous_response_id` of the
-//! request that produced it and whether its output holds provider-executed items
-//! (`provider_executed`, `provider_items`: `web_search_call`, `mcp_call` …, untrusted output
-//! per tool-turn contract §C, §F). `content_trust` is left `NULL` for the trust stage to fill
-//! with the `contentTrust` of the request that produced the response.
+//! request that produced it, its final `status` (`NULL`: the stream was cut), whether its
+//! output holds provider-executed items (`provider_executed`, `provider_items`:
+//! `web_search_call`, `mcp_call` …, untrusted output per tool-turn contract §C, §F), and its
+//! `content_trust`: the effective trust of the turn that produced it, or `untrusted` when its
+//! output held provider-executed items
+//! ([`crate::admission::trust::of_response`]). (v4) It also keeps the position a request
+//! continuing it takes in its node — `next_round_index` and `calls_so_far`, the names of the
+//! transcript's calls through it — because that request carries none of the earlier turns
+//! while round indices and per-node ordinals are derived from the transcript (DESIGN.md §2;
+//! [`crate::model::Turn::continue_chain`]).
 //!
-//! The intended trust rule (the trust stage is not built here): a turn whose request names
+//! The trust rule (judged by [`crate::admission::trust::chain_fault`] over the rows
+//! [`JournalReader::response_chain`] reads, looked up by
+//! [`crate::proxy::trust::response_chain`]): a turn whose request names
 //! `previous_response_id = P` is `trusted` only if the journal knows every link of the chain
 //! from `P` back to a response whose own `previous_response_id` is `NULL`, and every link has
 //! `status` `completed` or `incomplete` (a `NULL` status means the stream was cut and the
 //! provider may have gone on), `provider_executed = 0`, and `content_trust = 'trusted'`.
-//! Anything else — a missing link, a chain that leaves this journal, a link with
-//! provider-executed output, a link not yet judged — makes the turn `untrusted` (fail closed).
-//! Inside a run the bit is then sticky as usual. The chain is one recursive query:
-//!
-//! ```sql
-//! WITH RECURSIVE chain(id, prev, ok) AS (
-//!   SELECT response_id, previous_response_id,
-//!          coalesce(provider_executed = 0 AND content_trust = 'trusted'
-//!                   AND status IN ('completed', 'incomplete'), 0)
-//!     FROM responses WHERE response_id = :p
-//!   UNION  -- not UNION ALL: a cyclic chain ends instead of looping (and is untrusted)
-//!   SELECT r.response_id, r.previous_response_id,
-//!          coalesce(r.provider_executed = 0 AND r.content_trust = 'trusted'
-//!                   AND r.status IN ('completed', 'incomplete'), 0)
-//!     FROM responses r JOIN chain c ON r.response_id = c.prev)
-//! SELECT count(*) > 0 AND min(ok) = 1 AND sum(prev IS NULL) = 1 FROM chain;
-//! ```
+//! Anything else — a missing link (a response id turnguard never saw), a chain that leaves
+//! this journal, a link with provider-executed output, a link from an untrusted or unjudged
+//! turn, a chain longer than [`crate::proxy::trust::MAX_CHAIN`] — makes the turn `untrusted`
+//! (fail closed). Inside a run the bit is then sticky as usual. A `function_call_output` in
+//! such a request answers a call the request does not show: its tool name comes from the
+//! `tool_calls` rows of the response it continues (same `request_id` as that response's
+//! row); no row, no name, and the result is untrusted.
 //!
 //! Calls turnguard withheld from a stored response are in `tool_calls` (same `request_id`,
 //! `outcome` other than `executed`): the provider still holds them, so a later request that
@@ -743,8 +741,9 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
         exec(
             tx,
             "INSERT INTO responses (response_id, request_id, previous_response_id, run_id,
-                node_id, attempt, api, status, provider_executed, provider_items, at_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+                node_id, attempt, api, status, provider_executed, provider_items, content_trust,
+                next_round_index, calls_so_far, at_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
              ON CONFLICT (response_id) DO NOTHING",
             params![
                 link.response_id,
@@ -757,6 +756,11 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
                 link.status,
                 !link.provider_items.is_empty(),
                 link.provider_items.join(","),
+                link.content_trust,
+                link.next_round_index,
+                link.calls_so_far
+                    .as_ref()
+                    .map(|c| serde_json::Value::from(c.clone()).to_string()),
                 r.at_ms,
             ],
         )?;

@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 
 use super::{JournalError, Recorded, ServedCall, ServedRecord};
+use crate::model::ChainLink;
 
 /// One effect row, as `GET /runs/{runId}/effects` projects it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,6 +152,71 @@ impl JournalReader {
                     let is_error: bool = r.get(2)?;
                     Ok(if truncated { None } else { Some((String::from_utf8_lossy(&content.unwrap_or_default()).into_owned(), is_error)) })
                 },
+            )
+            .optional()
+        })
+    }
+
+    /// The response chain from `previous` back (table `responses`), following each row's
+    /// `previous_response_id`, at most `max` links. The walk stops at a response the journal
+    /// does not hold, at the start of the chain, or at a response already visited; judging
+    /// the links is [`crate::admission::trust::chain_fault`]'s job.
+    pub fn response_chain(
+        &self,
+        previous: &str,
+        max: usize,
+    ) -> Result<Vec<ChainLink>, JournalError> {
+        self.with(|c| {
+            let mut st = c.prepare_cached(
+                "SELECT request_id, previous_response_id, status, provider_executed, content_trust,
+                        next_round_index, calls_so_far
+                 FROM responses WHERE response_id = ?1",
+            )?;
+            let mut links: Vec<ChainLink> = Vec::new();
+            let mut seen = std::collections::HashSet::new();
+            let mut next = Some(previous.to_owned());
+            while let Some(id) = next.take() {
+                if links.len() >= max || !seen.insert(id.clone()) {
+                    break;
+                }
+                let Some(link) = st
+                    .query_row(params![id], |r| {
+                        Ok(ChainLink {
+                            response_id: id.clone(),
+                            request_id: r.get(0)?,
+                            previous_response_id: r.get(1)?,
+                            status: r.get(2)?,
+                            provider_executed: r.get(3)?,
+                            content_trust: r.get(4)?,
+                            next_round_index: r.get(5)?,
+                            calls_so_far: r
+                                .get::<_, Option<String>>(6)?
+                                .and_then(|c| serde_json::from_str(&c).ok()),
+                        })
+                    })
+                    .optional()?
+                else {
+                    break;
+                };
+                next = link.previous_response_id.clone();
+                links.push(link);
+            }
+            Ok(links)
+        })
+    }
+
+    /// The tool name of call `call_id` as the model emitted it in the round `request_id`
+    /// (table `tool_calls`), if recorded.
+    pub fn call_name(
+        &self,
+        request_id: &str,
+        call_id: &str,
+    ) -> Result<Option<String>, JournalError> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT name FROM tool_calls WHERE request_id = ?1 AND call_id = ?2 LIMIT 1",
+                params![request_id, call_id],
+                |r| r.get(0),
             )
             .optional()
         })

@@ -3,7 +3,7 @@
 use rusqlite::Connection;
 
 /// The schema version this build writes. Each version's step is additive and runs once.
-pub const VERSION: i64 = 3;
+pub const VERSION: i64 = 4;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -23,6 +23,9 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     }
     if version < 3 {
         v3(conn)?;
+    }
+    if version < 4 {
+        v4(conn)?;
     }
     Ok(())
 }
@@ -150,8 +153,9 @@ fn v1(conn: &Connection) -> rusqlite::Result<()> {
 }
 
 /// The response chain (Responses API `previous_response_id`): one row per response the
-/// provider stores, with whether its output holds provider-executed items. The trust rule that
-/// reads it is in the [`super`] module docs.
+/// provider stores, with whether its output holds provider-executed items and the
+/// `contentTrust` it was recorded with. The trust rule that reads it is in the [`super`]
+/// module docs.
 fn v2(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(
         "BEGIN;
@@ -211,6 +215,20 @@ fn v3(conn: &Connection) -> rusqlite::Result<()> {
          );
          ALTER TABLE rounds ADD COLUMN content_trust TEXT;
          PRAGMA user_version = 3;
+         COMMIT;",
+    )
+}
+
+/// The position in its node that a request continuing a stored response takes
+/// (`previous_response_id`, see the [`super`] module docs): the round index of that request,
+/// and the names of every call of the provider-held transcript through the response, in order
+/// (the per-node ordinals and the clarification count continue from them).
+fn v4(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         ALTER TABLE responses ADD COLUMN next_round_index INTEGER;
+         ALTER TABLE responses ADD COLUMN calls_so_far TEXT;
+         PRAGMA user_version = 4;
          COMMIT;",
     )
 }

@@ -32,11 +32,12 @@
 //! and unknown events pass through.
 //!
 //! Provider-held state, which this adapter can only record, not see:
-//! - `previous_response_id` (and the Conversations API's `conversation`, not read yet) means
-//!   the provider holds earlier turns; [`Turn::previous_response_id`] carries it and the
-//!   journal records every response id ([`response_link`]) so the trust stage can judge the
-//!   chain (rule in [`crate::journal`], "The response chain"). A `conversation` id must be
-//!   treated the same way (unknown history: untrusted) when the trust stage lands.
+//! - `previous_response_id` means the provider holds earlier turns;
+//!   [`Turn::previous_response_id`] carries it and the journal records every response id
+//!   ([`response_link`]) so the trust stage judges the chain from turnguard's own journal
+//!   (rule in [`crate::admission::trust`]; unknown chain: untrusted). The Conversations API's
+//!   `conversation` also means provider-held turns, which turnguard never journals: such a
+//!   turn is untrusted (fail closed).
 //! - A call turnguard withholds is still in the provider's stored response (`store: true`).
 //!   A later request that continues from it without a `function_call_output` for that
 //!   `call_id` is expected to be refused by the provider (an output is owed for every call);
@@ -156,10 +157,11 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
     let mut names: HashMap<String, String> = HashMap::new();
     let mut prior_calls = Vec::new();
     // The provider holds the turns before `previous_response_id`, which this request does not
-    // show. Until the trust stage reads that chain from the journal (rule in
-    // `crate::journal`, "The response chain"), they count as provider-held content the proxy
-    // has not seen: untrusted (fail closed; issue 5: an unknown chain is untrusted).
-    let mut provider_output_seen = previous_response_id.is_some();
+    // show: the trust stage judges them from turnguard's journal of that response chain
+    // (`crate::admission::trust::chain_fault`). A Conversations API `conversation` also holds
+    // earlier turns on the provider, but turnguard journals no conversation, so that history
+    // is always unknown: untrusted (fail closed).
+    let mut provider_output_seen = obj.get("conversation").is_some_and(|c| !c.is_null());
     let mut tool_results = Vec::new();
     let mut round_index = 0u32;
     let mut in_model_turn = false;
@@ -400,6 +402,9 @@ pub fn response_link(body: &Value, turn: &Turn) -> Option<ResponseLink> {
         previous_response_id: turn.previous_response_id.clone(),
         status: str_of(body, "status").map(str::to_owned),
         provider_items,
+        content_trust: None,
+        next_round_index: None,
+        calls_so_far: None,
     })
 }
 
@@ -1176,6 +1181,9 @@ impl ResponsesStream {
                 .and_then(|t| str_of(&t.response, "status"))
                 .map(str::to_owned),
             provider_items: self.provider_items.clone(),
+            content_trust: None,
+            next_round_index: None,
+            calls_so_far: None,
         })
     }
 
@@ -1531,6 +1539,14 @@ mod tests {
         );
         let plain = parse_request(&json!({"model": "m", "input": "hi"})).unwrap();
         assert_eq!((plain.round_index, plain.tool_results.len()), (0, 0));
+        // A stored chain is judged by the trust stage from the journal, not here; a
+        // conversation's history is never journaled, so it is provider-held and untrusted.
+        let chained = parse_request(&json!({"input": "hi", "previous_response_id": "resp_1"}));
+        assert!(!chained.unwrap().provider_output_seen);
+        for conversation in [json!("conv_1"), json!({"id": "conv_1"})] {
+            let t = parse_request(&json!({"input": "hi", "conversation": conversation})).unwrap();
+            assert!(t.provider_output_seen);
+        }
     }
 
     #[test]

@@ -166,6 +166,30 @@ impl Session {
         .await
     }
 
+    /// A provider-stored response of this turn as it is recorded: with its `contentTrust`
+    /// (the response chain rule, [`admission::trust::of_response`]) and the position a
+    /// request continuing it takes (this turn's round index + 1; its prior calls, then
+    /// `calls`, the calls of the round).
+    pub fn judged(
+        &self,
+        link: Option<crate::model::ResponseLink>,
+        calls: &[CallRecord],
+    ) -> Option<crate::model::ResponseLink> {
+        link.map(|mut l| {
+            l.content_trust = Some(admission::trust::of_response(self.trust, &l).as_str());
+            l.next_round_index = Some(self.turn.round_index.saturating_add(1));
+            l.calls_so_far = Some(
+                self.turn
+                    .prior_calls
+                    .iter()
+                    .cloned()
+                    .chain(calls.iter().map(|c| c.name.clone()))
+                    .collect(),
+            );
+            l
+        })
+    }
+
     /// What every round record shares.
     pub fn base(&self, upstream_status: u16) -> RoundBase {
         // The first round sends the agent's own request: its digest is already known.
@@ -557,12 +581,16 @@ async fn turn(
         .map(|p| p.sub);
     let raw = read_request(state, body).await?;
     let json = parse_json(&raw)?;
-    let turn = provider::parse_request(api, &json)
+    let mut turn = provider::parse_request(api, &json)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
     refuse_provider_delegation(ctx, &turn)?;
     check_run_ids(&ctx.run)?;
     let policy = state.policy.snapshot();
-    let trust = admission::trust::of_turn(&turn, &policy);
+    let history = trust::response_chain(state, ctx, &mut turn).await;
+    if let Some(previous) = history.first() {
+        turn.continue_chain(previous);
+    }
+    let trust = admission::trust::of_turn(&turn, &policy, &history);
     let trust = trust::sticky(state, ctx, trust).await;
     state
         .metrics
@@ -958,7 +986,7 @@ async fn surface_json(
     rec.completion = Some(join(round.iter().map(|c| c.completion.state.as_str())));
     rec.finish_reason = Some(join(round.iter().map(|c| c.completion.reason.as_str())));
     rec.calls = call_records(&with_calls, &verdicts, &session.call_ids());
-    rec.response_link = provider::response_link(&json, turn);
+    rec.response_link = session.judged(provider::response_link(&json, turn), &rec.calls);
 
     let outcome = if let Some(e) = verdicts.iter().find_map(|v| match &v.surfacing {
         Surfacing::Error(e) => Some(e.clone()),

@@ -815,7 +815,7 @@ async fn record(
         rec.finish_reason = Some(join(completions.iter().map(|c| c.reason.as_str())));
     }
     rec.calls = pipeline.call_records(&session.call_ids());
-    rec.response_link = pipeline.response_link();
+    rec.response_link = session.judged(pipeline.response_link(), &rec.calls);
     record_round(&session.state, rec).await;
 }
 

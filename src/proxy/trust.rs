@@ -1,11 +1,88 @@
-//! The run's sticky trust bit (tool-turn contract §C): with `Turnguard-Run`, once a turn of
-//! the run is untrusted, every later turn of the run is untrusted — across requests, attempts
-//! and restarts (journaled in `run_trust`, insert-if-absent).
+//! Trust lookups in the journal (tool-turn contract §C), beside the pure rules of
+//! [`crate::admission::trust`]:
+//!
+//! - [`response_chain`]: a Responses request that continues a stored response
+//!   (`previous_response_id`) is judged by that response chain as turnguard journaled it
+//!   (table `responses`); tool results answering calls of the stored response get their tool
+//!   names from its journaled calls (the request itself does not echo them).
+//! - [`sticky`]: with `Turnguard-Run`, once a turn of the run is untrusted, every later turn
+//!   of the run is untrusted — across requests, attempts and restarts (journaled in
+//!   `run_trust`, insert-if-absent).
 
+use crate::model::{ChainLink, Turn};
 use crate::policy::bundle::ContentTrust;
 use crate::server::AppState;
 
 use super::RequestCtx;
+
+/// Links followed back from `previous_response_id` at most; a longer chain is unknown
+/// (untrusted).
+pub const MAX_CHAIN: usize = 10_000;
+
+/// The journal's links of the response chain `turn` continues, from its
+/// `previous_response_id` back (empty when it continues none, when the journal does not know
+/// the response, or when the journal cannot be read: all untrusted but the first, see
+/// [`crate::admission::trust::of_turn`]). Tool results in `turn` whose call the request does
+/// not show get the tool name journaled for that call in the response it continues (none
+/// found: no name, so the result is untrusted).
+pub async fn response_chain(state: &AppState, ctx: &RequestCtx, turn: &mut Turn) -> Vec<ChainLink> {
+    let Some(previous) = turn.previous_response_id.clone() else {
+        return Vec::new();
+    };
+    let unnamed: Vec<String> = turn
+        .tool_results
+        .iter()
+        .filter(|r| r.tool_name.is_none())
+        .map(|r| r.tool_call_id.clone())
+        .collect();
+    let reader = state.reader.clone();
+    let found = tokio::task::spawn_blocking(move || {
+        let links = reader.response_chain(&previous, MAX_CHAIN)?;
+        // The outputs a continuing request carries answer the calls of the response it
+        // continues (the provider refuses a request that leaves one unanswered).
+        let mut names = Vec::new();
+        if let Some(link) = links.first().filter(|l| l.response_id == previous) {
+            for call_id in unnamed {
+                if let Some(name) = reader.call_name(&link.request_id, &call_id)? {
+                    names.push((call_id, name));
+                }
+            }
+        }
+        Ok::<_, crate::journal::JournalError>((links, names))
+    })
+    .await;
+    let (links, names) = match found {
+        Ok(Ok(found)) => found,
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, request_id = %ctx.request_id, "response chain not readable; the turn is untrusted (fail closed)");
+            return Vec::new();
+        }
+        Err(e) => {
+            tracing::error!(error = %e, request_id = %ctx.request_id, "response chain lookup failed; the turn is untrusted (fail closed)");
+            return Vec::new();
+        }
+    };
+    for (call_id, name) in names {
+        for r in turn.tool_results.iter_mut() {
+            if r.tool_call_id == call_id && r.tool_name.is_none() {
+                r.tool_name = Some(name.clone());
+            }
+        }
+    }
+    if let Some(previous) = &turn.previous_response_id {
+        if let Some(fault) = crate::admission::trust::chain_fault(previous, &links) {
+            tracing::info!(
+                request_id = %ctx.request_id,
+                previous_response_id = %previous,
+                response_id = %fault.response_id,
+                reason = fault.reason,
+                links = links.len(),
+                "the response chain this turn continues is untrusted"
+            );
+        }
+    }
+    links
+}
 
 /// The turn's effective `contentTrust`: `turn` (the meet of its inputs), made untrusted when
 /// its run was untrusted before. A journal failure fails closed (untrusted).
