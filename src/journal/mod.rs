@@ -1,9 +1,11 @@
 //! The SQLite journal (DESIGN.md §8): one file in WAL mode, one writer thread fed by a
-//! bounded channel, group commit with `synchronous=FULL`.
+//! bounded channel, group commit. A batch holding a record the contract needs durable is
+//! committed with `synchronous=FULL` and its callers wait for the commit; other records (a chat
+//! turn's round, audit events) are queued and committed with `synchronous=NORMAL`.
 //!
-//! Writes are insert-if-absent (`ON CONFLICT DO NOTHING`), never `INSERT OR REPLACE`: a
-//! record, once written, is never silently overwritten. A caller that needs durability awaits
-//! the commit acknowledgement; when the journal cannot record, the caller fails the request.
+//! Writes are insert-if-absent (`ON CONFLICT DO NOTHING`), never a replacing insert (the
+//! `OR REPLACE` conflict clause): a record, once written, is never silently overwritten. When
+//! the journal cannot record what the contract requires, the caller fails the request.
 //!
 //! # The response chain (`responses` table)
 //!
@@ -464,7 +466,7 @@ impl Journal {
     }
 
     /// Claims an effect: an atomic insert-if-absent with a row-count check, committed before
-    /// this returns. Never `INSERT OR REPLACE`.
+    /// this returns. Never a replacing insert (`OR REPLACE`).
     pub async fn claim_effect(&self, claim: EffectClaim) -> Result<Claim, JournalError> {
         let (tx, rx) = oneshot::channel();
         self.submit(Op::Claim(claim, tx)).await?;
