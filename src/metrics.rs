@@ -41,6 +41,9 @@ pub struct CallLabels {
     pub channel: String,
     /// `enforce`, or `shadow` when the call was released although the outcome withholds it.
     pub mode: String,
+    /// The catalog `toolId`; every tool the catalog does not declare is
+    /// `turnguard:unknown` (the label never carries a model-chosen name).
+    pub tool: String,
 }
 
 /// Labels of the edge histograms (`turnguard_request_duration_seconds`,

@@ -449,6 +449,11 @@ impl Session {
                         stage: d.stage.as_str().to_owned(),
                         channel: "tool".to_owned(),
                         mode: if d.enforced { "enforce" } else { "shadow" }.to_owned(),
+                        tool: if self.policy.catalog.by_id(&d.tool_id).is_some() {
+                            d.tool_id.clone()
+                        } else {
+                            crate::policy::rules::UNKNOWN_TOOL_ID.to_owned()
+                        },
                     })
                     .inc();
                 let tool_name = admission::sanitize_label(&call.name);
