@@ -224,6 +224,9 @@ pub struct Config {
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
     pub policy: PathBuf,
+    /// `policy` was set by a flag, env var or the file: a missing directory is then an error,
+    /// not the embedded default bundle.
+    pub policy_explicit: bool,
     pub journal: PathBuf,
     pub upstreams: BTreeMap<String, Upstream>,
     pub max_body_bytes: usize,
@@ -280,6 +283,7 @@ impl Default for Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 8787)),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 8788)),
             policy: PathBuf::from("./policy"),
+            policy_explicit: false,
             journal: PathBuf::from("./turnguard.db"),
             upstreams,
             max_body_bytes: 8 << 20,
@@ -337,7 +341,10 @@ impl Config {
         macro_rules! layer {
             ($field:ident, $env:literal, $parse:expr) => {
                 if let Some(v) = &flags.$field {
-                    c.$field = $parse(v.clone(), concat!("--", stringify!($field)))?;
+                    c.$field = $parse(
+                        v.clone(),
+                        &format!("--{}", stringify!($field).replace('_', "-")),
+                    )?;
                 } else if let Some(v) = env($env) {
                     c.$field = $parse(v, $env)?;
                 } else if let Some(v) = &file.$field {
@@ -416,6 +423,8 @@ impl Config {
         layer!(tenant, "TURNGUARD_TENANT", |v: String, s: &str| tenant(
             v, s
         ));
+        c.policy_explicit =
+            flags.policy.is_some() || env("TURNGUARD_POLICY").is_some() || file.policy.is_some();
         // Paths.
         resolve_path(
             &mut c.policy,
@@ -437,7 +446,7 @@ impl Config {
         macro_rules! number {
             ($field:ident, $env:literal, $typed:expr, $from_env:expr) => {
                 if let Some(v) = flags.$field {
-                    c.$field = $typed(v, concat!("--", stringify!($field)))?;
+                    c.$field = $typed(v, &format!("--{}", stringify!($field).replace('_', "-")))?;
                 } else if let Some(v) = env($env) {
                     c.$field = $from_env(v, $env)?;
                 } else if let Some(v) = file.$field {
@@ -714,7 +723,7 @@ mod tests {
         let err = Config::resolve(&zero, &env_of(&[]))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("max_concurrent_requests"), "{err}");
+        assert!(err.contains("--max-concurrent-requests"), "{err}");
     }
 
     #[test]

@@ -536,7 +536,12 @@ impl Metrics {
 
 /// The `reason` values of `turnguard_upstream_errors_total` the upstream leg and the relay
 /// count (started at 0).
-pub const UPSTREAM_ERROR_REASONS: &[&str] = &["connect", "response_timeout", "stream_cut"];
+pub const UPSTREAM_ERROR_REASONS: &[&str] = &[
+    "connect",
+    "response_timeout",
+    "stream_cut",
+    "repair_round_failed",
+];
 
 /// Registers `metric` as `turnguard_<name>` and remembers its exposed name.
 fn reg(

@@ -36,8 +36,8 @@ fn load(dir: &Path) -> Result<CompiledPolicy, Report> {
 /// `policy check DIR`: exactly the start-up validation. Exit 1 with `file:line` errors.
 pub fn check(dir: &Path) -> Report {
     match load(dir) {
-        Ok(p) => Report {
-            text: format!(
+        Ok(p) => {
+            let mut text = format!(
                 "ok: {} revision {}: {} tool(s), {} rule(s), {} prompted schema(s), {} test case(s)\n",
                 dir.display(),
                 p.revision,
@@ -45,9 +45,14 @@ pub fn check(dir: &Path) -> Report {
                 p.rules.len(),
                 p.prompted.len(),
                 p.tests.len()
-            ),
-            code: 0,
-        },
+            );
+            if p.rules.permits() == 0 {
+                text.push_str(
+                    "warning: no rule permits any call: every tool call will be refused (Cedar default deny); add a `permit` in rules/*.cedar\n",
+                );
+            }
+            Report { text, code: 0 }
+        }
         Err(r) => r,
     }
 }
@@ -278,6 +283,10 @@ pub fn explain(
                 format!("repair round with {} host-authored result(s)", items.len())
             }
             crate::model::Surfacing::Error(e) => format!("error {} {}", e.status, e.code),
+            crate::model::Surfacing::Wait if person.is_none() => {
+                "refuse at once: no acting person (`--principal`) could approve it (`no_approver`)"
+                    .to_owned()
+            }
             crate::model::Surfacing::Wait => {
                 "wait for the acting person's approval (then release, or refuse)".to_owned()
             }

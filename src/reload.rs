@@ -158,10 +158,22 @@ pub fn read_dir(dir: &Path) -> Result<BundleSource, LoadError> {
 /// Loads and compiles the bundle at `dir`; a directory that does not exist means the
 /// embedded default bundle.
 pub fn load(dir: &Path) -> Result<CompiledPolicy, LoadError> {
+    load_from(dir, true)
+}
+
+/// Loads the bundle at `dir`. Only with `allow_embedded` does a missing directory mean the
+/// embedded default bundle; otherwise (a path the operator configured) it is an error, so a
+/// mistyped `--policy` never silently runs the demo bundle.
+pub fn load_from(dir: &Path, allow_embedded: bool) -> Result<CompiledPolicy, LoadError> {
     let src = if dir.exists() {
         read_dir(dir)?
-    } else {
+    } else if allow_embedded {
         embedded()
+    } else {
+        return Err(LoadError::Read {
+            path: dir.to_owned(),
+            reason: "no such directory (the embedded default bundle is used only when --policy is not set)".into(),
+        });
     };
     policy::compile(&src).map_err(LoadError::Invalid)
 }
@@ -170,6 +182,7 @@ pub fn load(dir: &Path) -> Result<CompiledPolicy, LoadError> {
 pub struct PolicyHandle {
     current: ArcSwap<CompiledPolicy>,
     dir: PathBuf,
+    allow_embedded: bool,
 }
 
 impl PolicyHandle {
@@ -178,7 +191,14 @@ impl PolicyHandle {
         Self {
             current: ArcSwap::from_pointee(policy),
             dir,
+            allow_embedded: true,
         }
+    }
+
+    /// Whether a missing directory means the embedded bundle on reload (as at start).
+    pub fn with_embedded_fallback(mut self, allow: bool) -> Self {
+        self.allow_embedded = allow;
+        self
     }
 
     /// The snapshot a request uses from start to end.
@@ -188,7 +208,7 @@ impl PolicyHandle {
 
     /// Recompiles the bundle and swaps it in; on error the last good bundle stays.
     pub fn reload(&self, metrics: &Metrics) -> Result<String, LoadError> {
-        match load(&self.dir) {
+        match load_from(&self.dir, self.allow_embedded) {
             Ok(p) => {
                 let revision = p.revision.clone();
                 let old = self.current.load().revision.clone();
@@ -219,7 +239,9 @@ pub fn watch(
     let watcher = {
         let tx = tx.clone();
         let mut w = match notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-            if res.is_ok() {
+            // Only changes count: the reload itself reads every file, and reads (`Access`
+            // events: open, close-no-write) must not trigger another reload.
+            if res.is_ok_and(|e| is_change(&e.kind)) {
                 let _ = tx.try_send(());
             }
         }) {
@@ -267,9 +289,41 @@ pub fn watch(
     })
 }
 
+/// A filesystem event that can change the bundle: a create, a write, a rename or a removal
+/// (editors and Kubernetes replace files by rename), not a read.
+fn is_change(kind: &notify::EventKind) -> bool {
+    use notify::event::{AccessKind, AccessMode, EventKind};
+    match kind {
+        EventKind::Create(_) | EventKind::Modify(_) | EventKind::Remove(_) => true,
+        // A writer closing the file is the end of a write.
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+        EventKind::Access(_) | EventKind::Other | EventKind::Any => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_do_not_count_as_changes() {
+        use notify::event::{
+            AccessKind, AccessMode, CreateKind, EventKind, ModifyKind, RenameMode,
+        };
+        assert!(!is_change(&EventKind::Access(AccessKind::Open(
+            AccessMode::Read
+        ))));
+        assert!(!is_change(&EventKind::Access(AccessKind::Close(
+            AccessMode::Read
+        ))));
+        assert!(is_change(&EventKind::Access(AccessKind::Close(
+            AccessMode::Write
+        ))));
+        assert!(is_change(&EventKind::Modify(ModifyKind::Name(
+            RenameMode::To
+        ))));
+        assert!(is_change(&EventKind::Create(CreateKind::File)));
+    }
 
     #[test]
     fn the_embedded_bundle_is_the_repository_bundle_and_compiles() {

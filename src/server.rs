@@ -66,7 +66,7 @@ pub enum StartError {
     #[error(transparent)]
     Identity(#[from] IdentityConfigError),
     /// The policy bundle does not load.
-    #[error("policy bundle {dir}:\n{source}")]
+    #[error("policy bundle {dir} does not load")]
     Policy { dir: String, source: LoadError },
 }
 
@@ -114,13 +114,21 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     } else {
         tracing::info!("no identity provider configured: requests act as the agent and held calls cannot be approved");
     }
-    let policy = reload::load(&config.policy).map_err(|source| StartError::Policy {
-        dir: config.policy.display().to_string(),
-        source,
+    let policy = reload::load_from(&config.policy, !config.policy_explicit).map_err(|source| {
+        StartError::Policy {
+            dir: config.policy.display().to_string(),
+            source,
+        }
     })?;
     tracing::info!(revision = %policy.revision, origin = %policy.origin, tools = policy.catalog.len(), rules = policy.rules.len(), "policy bundle loaded");
     metrics.policy_revision("", &policy.revision);
-    let policy = Arc::new(PolicyHandle::new(policy, config.policy.clone()));
+    if policy.rules.permits() == 0 {
+        tracing::warn!("the policy bundle has no permit rule: every tool call will be refused (Cedar default deny)");
+    }
+    let policy = Arc::new(
+        PolicyHandle::new(policy, config.policy.clone())
+            .with_embedded_fallback(!config.policy_explicit),
+    );
     let (journal, writer) = Journal::open(&config.journal, Arc::clone(&metrics))?;
     let reader = Arc::new(JournalReader::open(&config.journal)?);
     let bind = |addr: SocketAddr| async move {

@@ -541,6 +541,11 @@ fn the_systemd_units_exec_start_pre_passes_on_the_shipped_bundle() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !report.contains("no rule permits"),
+        "the shipped bundle must permit calls, not deny everything: {report}"
+    );
     // A broken bundle must stop the unit from starting.
     std::fs::write(dir.join("turnguard.toml"), "mode = \"enforec\"\n").unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_turnguard"))

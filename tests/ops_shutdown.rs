@@ -99,7 +99,12 @@ async fn spawn_turnguard(mock: &str, extra: &[&str]) -> Turnguard {
             "--journal={}",
             dir.path().join("journal.db").display()
         ))
-        .arg(format!("--policy={}", dir.path().join("policy").display()))
+        .arg(format!(
+            "--policy={}",
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("policy")
+                .display()
+        ))
         .arg(format!("--upstream=openai=http://{mock}"))
         .arg("--log-format=json")
         .args(extra)

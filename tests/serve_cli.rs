@@ -42,6 +42,36 @@ fn serve_starts_with_no_arguments() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("the binary runs");
+    // Wait until *this* process says it listens (another turnguard on the default ports must
+    // not answer in its place): its log line names both bound addresses.
+    let stderr = child.stderr.take().expect("stderr is piped");
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let mut log = Vec::new();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(line) if line.contains("turnguard listening") => {
+                assert!(
+                    line.contains("127.0.0.1:8787") && line.contains("127.0.0.1:8788"),
+                    "{line}"
+                );
+                break;
+            }
+            Ok(line) => log.push(line),
+            Err(_) => {
+                let status = child.try_wait().ok().flatten();
+                panic!("turnguard did not report listening on the default ports (exit: {status:?}); its log:\n{}", log.join("\n"));
+            }
+        }
+    }
     let deadline = Instant::now() + Duration::from_secs(20);
     let health = loop {
         if let Some(r) = http_get("127.0.0.1:8788", "/healthz") {

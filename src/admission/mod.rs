@@ -124,10 +124,12 @@ fn decide(
         d.args_hash = hash;
         d.redacted_args = redacted;
         d.trace = trace;
-        d.trace.push((
-            d.stage,
-            format!("{}: {} — {}", d.outcome.as_str(), d.reason, d.message),
-        ));
+        let note = if d.message.is_empty() {
+            format!("{}: {}", d.outcome.as_str(), d.reason)
+        } else {
+            format!("{}: {} — {}", d.outcome.as_str(), d.reason, d.message)
+        };
+        d.trace.push((d.stage, note));
         d
     };
     let args = arguments::parse(&call.arguments);

@@ -52,6 +52,17 @@ pub struct Rules {
     authorizer: Authorizer,
 }
 
+impl Rules {
+    /// How many `permit` rules the bundle has: with none, every call is refused (Cedar's
+    /// default deny), which `policy check` and `serve` warn about.
+    pub fn permits(&self) -> usize {
+        self.policies
+            .policies()
+            .filter(|p| p.effect() == cedar_policy::Effect::Permit)
+            .count()
+    }
+}
+
 /// The facts one authorization needs.
 #[derive(Debug, Clone)]
 pub struct AuthzRequest<'a> {

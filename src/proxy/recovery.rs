@@ -193,7 +193,7 @@ fn replay_chain(
             })?;
         if rec.body.truncated {
             return Err(missing(format!(
-                "round {k} was recorded only as a digest (over the record size limit)"
+                "round {k} was recorded only as a digest (over the record size limit, or its tool-call arguments carried a secret turnguard redacts)"
             )));
         }
         if rec.calls.is_empty() {

@@ -538,17 +538,28 @@ async fn run(
             }
             Ok(resp) => {
                 let status = resp.status().as_u16();
+                let content_type = resp
+                    .headers()
+                    .get(http::header::CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("none")
+                    .chars()
+                    .take(80)
+                    .collect::<String>();
+                count(&session, "repair_round_failed");
+                let why = if resp.status().is_success() {
+                    format!("the repair round's answer is not an event stream (HTTP {status}, content-type {content_type})")
+                } else {
+                    format!("the repair round failed upstream with HTTP {status}")
+                };
                 let mut p =
                     Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
-                p.adapter.fail(
-                    "turnguard.repair_failed",
-                    &format!("the repair round failed upstream with HTTP {status}"),
-                    &mut out,
-                );
+                p.adapter.fail("turnguard.repair_failed", &why, &mut out);
                 agent.send_all(&mut out).await;
                 return;
             }
             Err(e) => {
+                count(&session, "repair_round_failed");
                 let mut p =
                     Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
                 p.adapter
