@@ -1040,3 +1040,42 @@ fn every_default_tool_descriptor_is_a_valid_openwop_tool_descriptor() {
     assert!(!schema
         .is_valid(&json!({"toolId": "x:y", "source": "host-extension", "safetyTier": "delete"})));
 }
+
+/// An idle server does not reload: reading the bundle (which every reload does) is not a
+/// change, so the watcher never feeds itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idle_bundle_is_not_reloaded() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = dir.path().join("policy");
+    copy_dir(&repo().join("policy"), &bundle);
+    let h = support::start_with(Script::default(), {
+        let bundle = bundle.clone();
+        move |c| c.policy = bundle
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let (_, metrics) = support::get(&format!("{}/metrics", h.admin_url())).await;
+    let metrics = String::from_utf8_lossy(&metrics);
+    for result in ["ok", "error"] {
+        let line = format!("turnguard_policy_reloads_total{{result=\"{result}\"}} 0");
+        assert!(metrics.contains(&line), "missing `{line}` in\n{metrics}");
+    }
+    // A real edit still reloads.
+    std::fs::write(
+        bundle.join("rules/extra.cedar"),
+        "permit (principal, action, resource);\n",
+    )
+    .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let (_, m) = support::get(&format!("{}/metrics", h.admin_url())).await;
+        if String::from_utf8_lossy(&m).contains("turnguard_policy_reloads_total{result=\"ok\"} 1") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the edit was not reloaded"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
