@@ -25,9 +25,6 @@ mod support;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
 use serde_json::{json, Value};
 use support::{own_fixtures, post_raw, sse_data, Harness};
@@ -763,42 +760,10 @@ fn token(sub: &str, jti: &str) -> String {
     .unwrap()
 }
 
-/// One HTTP exchange on either plane.
-async fn call(
-    method: &str,
-    url: &str,
-    headers: &[(&str, String)],
-    body: Option<&Value>,
-) -> (u16, http::HeaderMap, Bytes) {
-    let mut req = http::Request::builder().method(method).uri(url);
-    for (k, v) in headers {
-        req = req.header(*k, v.as_str());
-    }
-    let body = match body {
-        Some(b) => {
-            req = req.header("content-type", "application/json");
-            Bytes::from(b.to_string())
-        }
-        None => Bytes::new(),
-    };
-    let client = Client::builder(TokioExecutor::new()).build_http();
-    let resp = tokio::time::timeout(
-        Duration::from_secs(60),
-        client.request(req.body(Full::new(body)).unwrap()),
-    )
-    .await
-    .expect("answer in time")
-    .expect("request");
-    let status = resp.status().as_u16();
-    let headers = resp.headers().clone();
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    (status, headers, body)
-}
-
 /// `GET /approvals` as the holder of `t`, polled until something waits.
 async fn wait_pending(h: &Harness, t: &str) -> Vec<Value> {
     for _ in 0..400 {
-        let (status, _, body) = call(
+        let (status, _, body) = support::call(
             "GET",
             &format!("{}/approvals", h.admin_url()),
             &[("authorization", format!("Bearer {t}"))],
@@ -869,7 +834,7 @@ async fn v2_turn_trust_approver_on_responses() {
     for (run, stream) in [("run-resp-1", false), ("run-resp-2", true)] {
         let agent = {
             let (url, body, headers) = (url(&h), request(stream), agent_headers(run));
-            tokio::spawn(async move { call("POST", &url, &headers, Some(&body)).await })
+            tokio::spawn(async move { support::call("POST", &url, &headers, Some(&body)).await })
         };
         // The person lists what waits for them: the write, held at the trust stage.
         let listed = wait_pending(&h, &alice).await;
@@ -891,7 +856,7 @@ async fn v2_turn_trust_approver_on_responses() {
             "{run}: the agent waits while the call is held"
         );
         // The agent's own token can never approve.
-        let (status, _, _) = call(
+        let (status, _, _) = support::call(
             "POST",
             &format!(
                 "{}/approvals/{}",
@@ -907,7 +872,7 @@ async fn v2_turn_trust_approver_on_responses() {
             "{run}: the token the agent presented cannot approve"
         );
         // The person accepts with a verified token.
-        let (status, _, body) = call(
+        let (status, _, body) = support::call(
             "POST",
             &format!(
                 "{}/approvals/{}",

@@ -64,38 +64,6 @@ async fn start(timeout_ms: u64) -> (Harness, tempfile::TempDir) {
     (h, dir)
 }
 
-/// One HTTP exchange; returns status, headers and body.
-async fn call(
-    method: &str,
-    url: &str,
-    headers: &[(&str, String)],
-    body: Option<&Value>,
-) -> (u16, http::HeaderMap, Bytes) {
-    let mut req = http::Request::builder().method(method).uri(url);
-    for (k, v) in headers {
-        req = req.header(*k, v.as_str());
-    }
-    let body = match body {
-        Some(b) => {
-            req = req.header("content-type", "application/json");
-            Bytes::from(b.to_string())
-        }
-        None => Bytes::new(),
-    };
-    let client = Client::builder(TokioExecutor::new()).build_http();
-    let resp = tokio::time::timeout(
-        Duration::from_secs(60),
-        client.request(req.body(Full::new(body)).unwrap()),
-    )
-    .await
-    .expect("answer in time")
-    .expect("request");
-    let status = resp.status().as_u16();
-    let headers = resp.headers().clone();
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    (status, headers, body)
-}
-
 fn json_of(b: &[u8]) -> Value {
     serde_json::from_slice(b).unwrap_or_else(|_| panic!("JSON: {}", String::from_utf8_lossy(b)))
 }
@@ -106,7 +74,7 @@ fn bearer(t: &str) -> Vec<(&'static str, String)> {
 
 /// `GET /approvals` as the holder of `t`.
 async fn pending(h: &Harness, t: &str) -> Vec<Value> {
-    let (status, _, body) = call(
+    let (status, _, body) = support::call(
         "GET",
         &format!("{}/approvals", h.admin_url()),
         &bearer(t),
@@ -135,7 +103,7 @@ async fn resolve(
     headers: &[(&'static str, String)],
     action: &str,
 ) -> (u16, Value) {
-    let (status, _, body) = call(
+    let (status, _, body) = support::call(
         "POST",
         &format!("{}{}", h.admin_url(), path),
         headers,
@@ -153,7 +121,7 @@ fn agent(
     headers: Vec<(&'static str, String)>,
 ) -> tokio::task::JoinHandle<(u16, http::HeaderMap, Bytes)> {
     let url = format!("{}{}", h.url(), path);
-    tokio::spawn(async move { call("POST", &url, &headers, Some(&body)).await })
+    tokio::spawn(async move { support::call("POST", &url, &headers, Some(&body)).await })
 }
 
 /// The agent's headers: the acting person's data-plane token (a token of its own — the one
@@ -171,7 +139,7 @@ fn agent_token(sub: &str) -> String {
 }
 
 async fn metric(h: &Harness, name_and_labels: &str) -> f64 {
-    let (_, _, body) = call("GET", &format!("{}/metrics", h.admin_url()), &[], None).await;
+    let (_, _, body) = support::call("GET", &format!("{}/metrics", h.admin_url()), &[], None).await;
     let text = String::from_utf8_lossy(&body).into_owned();
     text.lines()
         .find_map(|l| {
@@ -509,7 +477,7 @@ async fn approval_expiry_and_no_person_refuse() {
 
     // No principal token: the agent acts, nobody can approve: refused at once.
     let started = std::time::Instant::now();
-    let (status, _, body) = call(
+    let (status, _, body) = support::call(
         "POST",
         &format!("{}/v1/chat/completions", h.url()),
         &[("turnguard-run", "run-anon".into())],
@@ -533,7 +501,7 @@ async fn approval_expiry_and_no_person_refuse() {
     assert!(pending(&h, &alice).await.is_empty());
 
     // A bad principal token fails the request; it never reads as "no person".
-    let (status, _, body) = call(
+    let (status, _, body) = support::call(
         "POST",
         &format!("{}/v1/chat/completions", h.url()),
         &[("turnguard-principal-token", "forged".into())],
@@ -606,7 +574,7 @@ async fn trusted_turn_releases_and_provider_output_is_untrusted() {
     // Trusted: only the person's message. The write call is released at once.
     let trusted = json!({"model": "claude-test", "max_tokens": 1024, "tools": anthropic_tools(),
         "messages": [{"role": "user", "content": "Email eve that I am late."}]});
-    let (status, _, body) = call(
+    let (status, _, body) = support::call(
         "POST",
         &format!("{}/v1/messages", h.url()),
         &headers("run-t"),
@@ -920,7 +888,7 @@ async fn v2_tool_clarification() {
 
     // An ask ends the turn: the call after it is dropped.
     let trusted = json!({"model": "gpt-4o-mini", "tools": chat_tools(), "messages": [{"role": "user", "content": "Email my landlord."}]});
-    let (status, _, body) = call(
+    let (status, _, body) = support::call(
         "POST",
         &format!("{}/v1/chat/completions", h.url()),
         &as_person("alice", "run-c"),
@@ -979,7 +947,7 @@ async fn v2_tool_clarification() {
         ]);
     }
     // The answers come from ask_user, a trusted tool: the turn stays trusted.
-    let (status, _, body) = call(
+    let (status, _, body) = support::call(
         "POST",
         &format!("{}/v1/chat/completions", h.url()),
         &as_person("alice", "run-c3"),
@@ -1001,7 +969,7 @@ async fn v2_tool_clarification() {
     let before = h.mock_requests().await.len();
     let mut no_tools = trusted;
     no_tools["model"] = json!("text-only-7b");
-    let (status, _, body) = call(
+    let (status, _, body) = support::call(
         "POST",
         &format!("{}/v1/chat/completions", h.url()),
         &as_person("alice", "run-c4"),

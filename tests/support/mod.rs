@@ -160,6 +160,43 @@ pub async fn post_raw(
     (status, headers, body)
 }
 
+/// One HTTP exchange with any method and headers (a JSON body when given); returns status,
+/// headers and the whole body. Times out after 60 s.
+pub async fn call(
+    method: &str,
+    url: &str,
+    headers: &[(&str, String)],
+    body: Option<&Value>,
+) -> (u16, http::HeaderMap, Bytes) {
+    let mut req = http::Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        req = req.header(*k, v.as_str());
+    }
+    let body = match body {
+        Some(b) => {
+            req = req.header("content-type", "application/json");
+            Bytes::from(b.to_string())
+        }
+        None => Bytes::new(),
+    };
+    let resp = tokio::time::timeout(
+        Duration::from_secs(60),
+        client().request(req.body(Full::new(body)).unwrap()),
+    )
+    .await
+    .expect("answer in time")
+    .expect("request");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
+    (status, headers, body)
+}
+
 /// GETs a URL; returns status and body.
 pub async fn get(url: &str) -> (u16, Bytes) {
     let req = http::Request::get(url)
