@@ -350,15 +350,25 @@ impl Journal {
         &self.path
     }
 
+    /// Queues `op` and waits for its durable commit (`synchronous=FULL`).
     async fn submit(&self, op: Op) -> Result<(), JournalError> {
+        self.submit_with(op, true).await
+    }
+
+    /// Queues `op` and waits for its commit; `durable` chooses `synchronous=FULL`.
+    async fn submit_with(&self, op: Op, durable: bool) -> Result<(), JournalError> {
         let (ack, done) = oneshot::channel();
         self.metrics.journal_queue_depth.inc();
-        let job = Job {
-            op,
-            ack: Some(ack),
-            durable: true,
-        };
-        if self.tx.send(job).await.is_err() {
+        if self
+            .tx
+            .send(Job {
+                op,
+                ack: Some(ack),
+                durable,
+            })
+            .await
+            .is_err()
+        {
             self.metrics.journal_queue_depth.dec();
             self.metrics.journal_write_failures.inc();
             return Err(JournalError::Closed);
@@ -388,8 +398,13 @@ impl Journal {
     }
 
     /// Records a chat turn's round (no run id): replay and recovery do not apply to chat
-    /// turns (tool-turn contract §D), so the round is queued, not awaited.
+    /// turns (tool-turn contract §D), so it is committed without an fsync. A round that
+    /// stores a provider-held response (Responses `response_link`) is awaited all the same:
+    /// the next request's chain trust reads it, and must not find it missing.
     pub async fn record_round_relaxed(&self, rec: RoundRecord) -> Result<(), JournalError> {
+        if rec.response_link.is_some() {
+            return self.submit_with(Op::Round(Box::new(rec)), false).await;
+        }
         self.submit_relaxed(Op::Round(Box::new(rec))).await
     }
 
