@@ -694,7 +694,8 @@ impl ChatStream {
                 continue;
             };
             let mut changed = false;
-            let mut insert_before: Vec<Bytes> = Vec::new();
+            // End-turn texts to insert before this chunk: (choice, text, with role).
+            let mut texts: Vec<(u32, &str, bool)> = Vec::new();
             if let Some(choices) = chunk.get_mut("choices").and_then(Value::as_array_mut) {
                 let mut drop_positions = Vec::new();
                 for (cpos, c) in choices.iter_mut().enumerate() {
@@ -755,12 +756,7 @@ impl ChatStream {
                     let has_finish = c.get("finish_reason").is_some_and(|f| !f.is_null());
                     if has_finish {
                         if let Some(text) = end_turn {
-                            insert_before.push(text_chunk(
-                                &chunk_template(&held.raw),
-                                index,
-                                text,
-                                !acc.role_seen,
-                            ));
+                            texts.push((index, text, !acc.role_seen));
                             c["finish_reason"] = json!("stop");
                             changed = true;
                         }
@@ -777,11 +773,14 @@ impl ChatStream {
                 for p in drop_positions.into_iter().rev() {
                     choices.remove(p);
                 }
-                if had_choices && choices.is_empty() && insert_before.is_empty() {
+                if had_choices && choices.is_empty() && texts.is_empty() {
                     continue; // nothing of this chunk is left to send
                 }
             }
-            out.extend(insert_before);
+            // The held chunk's envelope (`id`, `model` …) is the template of the added text.
+            for (index, text, with_role) in texts {
+                out.push(text_chunk(&chunk, index, text, with_role));
+            }
             if changed {
                 out.push(encode(&chunk));
             } else {
@@ -829,13 +828,17 @@ fn carries_text(chunk: &Value) -> bool {
         })
 }
 
-fn strip_calls(chunk: &mut Value) {
-    for c in chunk
+/// The `choices` entries of a chunk (none when it has no `choices` array).
+fn choices_mut(chunk: &mut Value) -> impl Iterator<Item = &mut Value> {
+    chunk
         .get_mut("choices")
         .and_then(Value::as_array_mut)
         .into_iter()
         .flatten()
-    {
+}
+
+fn strip_calls(chunk: &mut Value) {
+    for c in choices_mut(chunk) {
         if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
             d.remove("tool_calls");
             d.remove("function_call");
@@ -844,12 +847,7 @@ fn strip_calls(chunk: &mut Value) {
 }
 
 fn remove_finish(chunk: &mut Value) {
-    for c in chunk
-        .get_mut("choices")
-        .and_then(Value::as_array_mut)
-        .into_iter()
-        .flatten()
-    {
+    for c in choices_mut(chunk) {
         if c.get("finish_reason").is_some() {
             c["finish_reason"] = Value::Null;
         }
@@ -857,12 +855,7 @@ fn remove_finish(chunk: &mut Value) {
 }
 
 fn keep_only_calls_and_finish(chunk: &mut Value) {
-    for c in chunk
-        .get_mut("choices")
-        .and_then(Value::as_array_mut)
-        .into_iter()
-        .flatten()
-    {
+    for c in choices_mut(chunk) {
         if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
             d.retain(|k, _| k == "tool_calls" || k == "function_call");
         }
@@ -871,18 +864,6 @@ fn keep_only_calls_and_finish(chunk: &mut Value) {
 
 fn encode(chunk: &Value) -> Bytes {
     sse::encode(None, &chunk.to_string())
-}
-
-/// The chunk's envelope fields (`id`, `object`, `created`, `model` …) to build a new chunk from.
-fn chunk_template(raw: &Bytes) -> Value {
-    let text = String::from_utf8_lossy(raw);
-    let data = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .map(|l| l.strip_prefix(' ').unwrap_or(l))
-        .collect::<Vec<_>>()
-        .join("\n");
-    serde_json::from_str(&data).unwrap_or_else(|_| json!({}))
 }
 
 /// A chunk carrying host-authored `text` as content for choice `index`; `with_role` when no

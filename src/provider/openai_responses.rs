@@ -55,7 +55,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use bytes::Bytes;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
 use crate::model::{
@@ -358,6 +358,15 @@ pub fn structured_schema(body: &Value) -> Option<(String, Value)> {
     Some((name, format.get("schema")?.clone()))
 }
 
+/// Takes the request's `input` as a list of items (a string `input` becomes a user message).
+fn take_input_items(obj: &mut Map<String, Value>) -> Vec<Value> {
+    match obj.remove("input") {
+        Some(Value::Array(list)) => list,
+        Some(Value::String(text)) => vec![json!({"role": "user", "content": text})],
+        _ => Vec::new(),
+    }
+}
+
 /// Appends a repair turn for a text answer: the answer as an assistant message, then a
 /// host-authored user message with the validator's findings (a string `input` becomes a user
 /// message first).
@@ -365,11 +374,7 @@ pub fn append_text_repair(body: &mut Value, answer: &str, feedback: &str) {
     let Some(obj) = body.as_object_mut() else {
         return;
     };
-    let mut input = match obj.remove("input") {
-        Some(Value::Array(list)) => list,
-        Some(Value::String(text)) => vec![json!({"role": "user", "content": text})],
-        _ => Vec::new(),
-    };
+    let mut input = take_input_items(obj);
     input.push(json!({"role": "assistant", "content": answer}));
     input.push(json!({"role": "user", "content": feedback}));
     obj.insert("input".into(), Value::Array(input));
@@ -521,11 +526,7 @@ pub fn append_repair(body: &mut Value, choice: &ChoiceEmissions, items: &[Repair
     let Some(obj) = body.as_object_mut() else {
         return;
     };
-    let mut input = match obj.remove("input") {
-        Some(Value::Array(list)) => list,
-        Some(Value::String(text)) => vec![json!({"role": "user", "content": text})],
-        _ => Vec::new(),
-    };
+    let mut input = take_input_items(obj);
     for it in items {
         if let Some(c) = choice.calls.get(it.call) {
             let args = if serde_json::from_str::<Value>(&c.arguments).is_ok_and(|v| v.is_object()) {
