@@ -109,28 +109,20 @@ const PROVIDER_ITEMS: [&str; 7] = [
 async fn official_sdk_responses_get_the_same_result_through_turnguard() {
     let fixtures_dir = support::fixtures();
     let fixtures = response_fixtures(&fixtures_dir);
-    let python = support::python();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/responses_equivalence.py");
     let harness = support::start(Script::default()).await;
 
-    let run = tokio::process::Command::new(&python)
-        .arg(&script)
-        .arg("--turnguard")
-        .arg(harness.url())
-        .arg("--mock")
-        .arg(harness.mock_url())
-        .arg("--fixtures")
-        .arg(&fixtures_dir)
-        .arg("--own-fixtures")
-        .arg(support::own_fixtures())
-        .env("PYTHONUNBUFFERED", "1")
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .kill_on_drop(true)
-        .output();
-    let output = tokio::time::timeout(Duration::from_secs(300), run)
-        .await
-        .expect("responses_equivalence.py finished within 300 s")
-        .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python.display(), script.display()));
+    let args = [
+        "--turnguard".into(),
+        harness.url().into(),
+        "--mock".into(),
+        harness.mock_url().into(),
+        "--fixtures".into(),
+        fixtures_dir.clone().into_os_string(),
+        "--own-fixtures".into(),
+        support::own_fixtures().into_os_string(),
+    ];
+    let output =
+        support::run_sdk_script("responses_equivalence.py", &args, Duration::from_secs(300)).await;
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
 
@@ -307,25 +299,20 @@ async fn official_sdk_responses_get_the_same_result_through_turnguard() {
 /// response.
 #[tokio::test(flavor = "multi_thread")]
 async fn official_sdk_parses_a_repaired_responses_stream() {
-    let python = support::python();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/responses_equivalence.py");
     let harness = support::start_with_policy(Script::default(), "policy-repair").await;
-    let run = tokio::process::Command::new(&python)
-        .arg(&script)
-        .args(["--turnguard", &harness.url(), "--mock", &harness.mock_url()])
-        .arg("--fixtures")
-        .arg(support::fixtures())
-        .arg("--own-fixtures")
-        .arg(support::own_fixtures())
-        .arg("--repair")
-        .env("PYTHONUNBUFFERED", "1")
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .kill_on_drop(true)
-        .output();
-    let output = tokio::time::timeout(Duration::from_secs(120), run)
-        .await
-        .expect("responses_equivalence.py --repair finished within 120 s")
-        .expect("python runs");
+    let args = [
+        "--turnguard".into(),
+        harness.url().into(),
+        "--mock".into(),
+        harness.mock_url().into(),
+        "--fixtures".into(),
+        support::fixtures().into_os_string(),
+        "--own-fixtures".into(),
+        support::own_fixtures().into_os_string(),
+        "--repair".into(),
+    ];
+    let output =
+        support::run_sdk_script("responses_equivalence.py", &args, Duration::from_secs(120)).await;
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(

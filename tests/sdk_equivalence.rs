@@ -144,26 +144,17 @@ struct CallRow {
 async fn official_sdks_get_the_same_result_through_turnguard_for_every_fixture() {
     let fixtures_dir = support::fixtures();
     let fixtures = response_fixtures(&fixtures_dir);
-    let python = support::python();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/equivalence.py");
     let harness = support::start(Script::default()).await;
 
-    let run = tokio::process::Command::new(&python)
-        .arg(&script)
-        .arg("--turnguard")
-        .arg(harness.url())
-        .arg("--mock")
-        .arg(harness.mock_url())
-        .arg("--fixtures")
-        .arg(&fixtures_dir)
-        .env("PYTHONUNBUFFERED", "1")
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .kill_on_drop(true)
-        .output();
-    let output = tokio::time::timeout(Duration::from_secs(300), run)
-        .await
-        .expect("equivalence.py finished within 300 s")
-        .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python.display(), script.display()));
+    let args = [
+        "--turnguard".into(),
+        harness.url().into(),
+        "--mock".into(),
+        harness.mock_url().into(),
+        "--fixtures".into(),
+        fixtures_dir.clone().into_os_string(),
+    ];
+    let output = support::run_sdk_script("equivalence.py", &args, Duration::from_secs(300)).await;
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
 

@@ -142,22 +142,7 @@ pub async fn post_raw(
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    let resp = tokio::time::timeout(
-        Duration::from_secs(30),
-        client().request(req.body(Full::new(body)).unwrap()),
-    )
-    .await
-    .expect("response in time")
-    .expect("request");
-    let status = resp.status().as_u16();
-    let headers = resp.headers().clone();
-    let body = resp
-        .into_body()
-        .collect()
-        .await
-        .map(|c| c.to_bytes())
-        .unwrap_or_default();
-    (status, headers, body)
+    exchange(req, body, Duration::from_secs(30)).await
 }
 
 /// One HTTP exchange with any method and headers (a JSON body when given); returns status,
@@ -179,13 +164,19 @@ pub async fn call(
         }
         None => Bytes::new(),
     };
-    let resp = tokio::time::timeout(
-        Duration::from_secs(60),
-        client().request(req.body(Full::new(body)).unwrap()),
-    )
-    .await
-    .expect("answer in time")
-    .expect("request");
+    exchange(req, body, Duration::from_secs(60)).await
+}
+
+/// Sends one request and collects the whole answer: status, headers, body.
+async fn exchange(
+    req: http::request::Builder,
+    body: Bytes,
+    limit: Duration,
+) -> (u16, http::HeaderMap, Bytes) {
+    let resp = tokio::time::timeout(limit, client().request(req.body(Full::new(body)).unwrap()))
+        .await
+        .expect("answer in time")
+        .expect("request");
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     let body = resp
@@ -250,6 +241,30 @@ pub fn python() -> PathBuf {
          (README, 'Tests') or set TURNGUARD_TEST_PYTHON"
     );
     venv
+}
+
+/// Runs `tests/sdk/<script>` with the SDK interpreter ([`python`]) and `args`, unbuffered,
+/// killed if it runs past `limit`; returns its output.
+pub async fn run_sdk_script(
+    script: &str,
+    args: &[std::ffi::OsString],
+    limit: Duration,
+) -> std::process::Output {
+    let python = python();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/sdk")
+        .join(script);
+    let run = tokio::process::Command::new(&python)
+        .arg(&path)
+        .args(args)
+        .env("PYTHONUNBUFFERED", "1")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .kill_on_drop(true)
+        .output();
+    tokio::time::timeout(limit, run)
+        .await
+        .unwrap_or_else(|_| panic!("{script} did not finish within {} s", limit.as_secs()))
+        .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python.display(), path.display()))
 }
 
 /// Opens the journal read-only.
