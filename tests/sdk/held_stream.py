@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Streams one Anthropic Messages request through turnguard with the official SDK while a tool
-call is held for approval (tests/trust_approvals.rs accepts it meanwhile).
+call is held for approval (tests/it/trust_approvals.rs accepts it meanwhile).
 
     python held_stream.py --turnguard http://HOST:PORT --token JWT --run RUN --request JSON
 

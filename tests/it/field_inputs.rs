@@ -9,7 +9,7 @@
     clippy::type_complexity
 )] // test code
 
-mod support;
+use crate::support;
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};

@@ -3,7 +3,7 @@
 //! dispatched as a tool.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)] // test code
 
-mod support;
+use crate::support;
 
 use serde_json::{json, Value};
 use support::{post_raw, sse_data};

@@ -10,7 +10,7 @@
     clippy::type_complexity
 )] // test code
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::time::Duration;

@@ -13,7 +13,7 @@
     clippy::type_complexity
 )] // test code
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -8,7 +8,7 @@
     clippy::type_complexity
 )] // test code
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -9,7 +9,7 @@
     clippy::type_complexity
 )] // test code
 
-mod support;
+use crate::support;
 
 use std::path::PathBuf;
 

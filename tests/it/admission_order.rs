@@ -15,7 +15,7 @@
     clippy::type_complexity
 )] // test code
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 

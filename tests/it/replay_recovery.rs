@@ -17,7 +17,7 @@
     clippy::type_complexity
 )] // test code
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

@@ -10,7 +10,7 @@
     clippy::type_complexity
 )] // test code
 
-mod support;
+use crate::support;
 
 use serde_json::{json, Value};
 use support::{fixtures, own_fixtures, post_json, post_raw, script, sse_data};
@@ -707,7 +707,7 @@ async fn a_turn_continuing_a_stored_response_is_untrusted() {
     // Issue 5 must-show 4: the provider holds the turns before `previous_response_id`, here
     // one whose output had a `web_search_call` (journaled by turnguard), so the next turn is
     // untrusted and a gated call (an unknown tool is `write`) is held, not released. Longer
-    // chains, clean chains and unknown ids: `tests/responses_contract.rs`.
+    // chains, clean chains and unknown ids: `tests/it/responses_contract.rs`.
     let h = support::start(Script::default()).await;
     h.script(&script(
         json!([

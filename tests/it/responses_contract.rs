@@ -8,7 +8,7 @@
 //!   links later, a chain of clean responses stays trusted (its tool results named from the
 //!   journaled calls), and a response id turnguard never saw is untrusted (fail closed).
 //! - `v2_tool_admission_order_on_responses`: the admission-order scenario of
-//!   `tests/admission_order.rs` (bundle `tests/fixtures/policy-order/`), non-stream and stream.
+//!   `tests/it/admission_order.rs` (bundle `tests/fixtures/policy-order/`), non-stream and stream.
 //! - `v2_turn_trust_approver_on_responses`: the held-approval leg of the trust scenario
 //!   (bundle `tests/fixtures/policy-trust/`, Ed25519 keys from `tests/fixtures/identity/`).
 //! - `v2_tool_turn_replay_on_responses`: the replay leg (bundle `tests/fixtures/policy-run/`).
@@ -20,7 +20,7 @@
     clippy::type_complexity
 )] // test code
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
