@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)] // test code
 
 mod admission_order;
+mod attacks;
 mod channels;
 mod crash_recovery;
 mod deploy_files;

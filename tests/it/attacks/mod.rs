@@ -1,0 +1,15 @@
+//! Attacks, organised by leg (issue 10): each module is one attacker position's home, so the
+//! next attack found has an obvious place. Every test is black-box over real sockets and
+//! names the defect it pins.
+//!
+//! | module | attacker | the rule the code enforces |
+//! |---|---|---|
+//! | [`approvals`] | the agent, an admin-plane client | only the bound, verified person resolves exactly the interrupt they reviewed |
+//! | [`trust`] | tool content, the agent's transcript | a turn's trust is the meet of every input; an input turnguard does not recognise is untrusted |
+//! | [`upstream_bytes`] | the upstream's bytes, the model's output | an event reaches the agent only after it parsed and its calls were admitted |
+//! | [`records`] | the agent, tool content | the journal's keys are turnguard's own; no secret is written in clear; no principal reads another's result |
+
+mod approvals;
+mod records;
+mod trust;
+mod upstream_bytes;

@@ -1,0 +1,1 @@
+//! Attacks on this leg: see [`super`] for the attacker and the rule.
