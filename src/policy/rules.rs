@@ -217,7 +217,7 @@ impl Rules {
                         .or_else(|| mentioned_offset(src, &e.to_string()))
                         .map(|o| line_of(text, chunk.start + o))
                         .unwrap_or(line);
-                    errors.push(PolicyError::rule(file, at, &label, e.to_string()));
+                    errors.push(PolicyError::rule(file, at, &label, explain_validation(e)));
                 }
                 if !result.validation_passed() {
                     continue;
@@ -490,6 +490,31 @@ fn split_statements(text: &str) -> Vec<Chunk> {
         });
     }
     out
+}
+
+/// A validation error as the policy author reads it. A read of an optional attribute without
+/// a `has` guard gets the reason it can be absent: an argument the tool's `inputSchema` does
+/// not require, or that may be `null` (nulls are left out of the context, [`to_cedar`]).
+fn explain_validation(e: &cedar_policy::ValidationError) -> String {
+    let text = e.to_string();
+    if !matches!(
+        e,
+        cedar_policy::ValidationError::UnsafeOptionalAttributeAccess(_)
+    ) {
+        return text;
+    }
+    // "… optional attribute `args.limit` in context for Action::\"call\"".
+    let after = text.split("optional attribute ").nth(1).unwrap_or_default();
+    let access = after.split('`').nth(1).unwrap_or_default();
+    let (record, attr) = access.rsplit_once('.').unwrap_or(("args", access));
+    let record = if after.contains("in context") {
+        format!("context.{record}")
+    } else {
+        record.to_owned()
+    };
+    format!(
+        "{text}: `{attr}` can be absent (the tool's inputSchema does not require it, or allows null, and a null argument is left out of the context); guard the read: `{record} has {attr} && …`"
+    )
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
