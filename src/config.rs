@@ -457,7 +457,8 @@ impl Config {
             .catalog
             .clone()
             .or_else(|| {
-                env("TURNGUARD_CATALOG").map(|v| v.split(',').map(|n| n.trim().to_owned()).collect())
+                env("TURNGUARD_CATALOG")
+                    .map(|v| v.split(',').map(|n| n.trim().to_owned()).collect())
             })
             .or_else(|| file.catalog.clone());
         // Numbers: typed in the file and flags, strings in the environment.

@@ -260,9 +260,8 @@ impl Surface {
         if !under_v1 {
             return Self::OpenWop;
         }
-        let anthropic_path = path == "/v1/messages"
-            || path.starts_with("/v1/messages/")
-            || path == "/v1/complete";
+        let anthropic_path =
+            path == "/v1/messages" || path.starts_with("/v1/messages/") || path == "/v1/complete";
         if anthropic_path || headers.contains_key("anthropic-version") {
             Self::Anthropic
         } else {

@@ -510,7 +510,10 @@ fn comment_lines(name: &str, s: &Seen, entry: &bundle::ToolEntry) -> Vec<String>
             format!(" ({})", outcomes.join(", "))
         },
         if s.shadow > 0 {
-            format!("; {} would have been withheld (released by shadow mode)", s.shadow)
+            format!(
+                "; {} would have been withheld (released by shadow mode)",
+                s.shadow
+            )
         } else {
             String::new()
         }
@@ -543,11 +546,7 @@ fn comment_lines(name: &str, s: &Seen, entry: &bundle::ToolEntry) -> Vec<String>
     lines.push(format!(
         "safetyTier `{}`: {}",
         entry.descriptor.safety_tier.as_str(),
-        entry
-            .descriptor
-            .description
-            .as_deref()
-            .unwrap_or("review")
+        entry.descriptor.description.as_deref().unwrap_or("review")
     ));
     lines
 }
@@ -568,7 +567,11 @@ fn propose(name: &str, declared: Option<&crate::journal::DeclaredToolRow>) -> bu
     use bundle::{ContentTrust, Source, ToolDescriptor, ToolEntry};
     for (catalog, text) in crate::policy::catalogs::SHIPPED {
         if let Ok(file) = toml::from_str::<bundle::ToolsFile>(text) {
-            if let Some(mut t) = file.tool.into_iter().find(|t| t.names.iter().any(|n| n == name)) {
+            if let Some(mut t) = file
+                .tool
+                .into_iter()
+                .find(|t| t.names.iter().any(|n| n == name))
+            {
                 t.descriptor.description = Some(format!(
                     "as the shipped catalog `{catalog}` classifies it (include that catalog instead of copying)"
                 ));
@@ -634,8 +637,8 @@ fn guess_tier(name: &str) -> (bundle::SafetyTier, String) {
         words.push(cur);
     }
     const EXEC: [&str; 11] = [
-        "shell", "bash", "exec", "execute", "run", "eval", "terminal", "command", "cmd",
-        "script", "repl",
+        "shell", "bash", "exec", "execute", "run", "eval", "terminal", "command", "cmd", "script",
+        "repl",
     ];
     const READ: [&str; 22] = [
         "get", "read", "list", "search", "find", "lookup", "query", "describe", "show", "view",

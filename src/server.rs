@@ -225,7 +225,10 @@ pub fn upstream_summary(config: &Config) -> String {
         .upstreams
         .iter()
         .map(|(name, u)| {
-            let host = u.authority.rsplit_once('@').map_or(u.authority.as_str(), |(_, h)| h);
+            let host = u
+                .authority
+                .rsplit_once('@')
+                .map_or(u.authority.as_str(), |(_, h)| h);
             format!("{name}={}://{host}{}", u.scheme, u.prefix)
         })
         .collect::<Vec<_>>()

@@ -584,7 +584,11 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                         params![t],
                     )?;
                 }
-                exec(&tx, "DELETE FROM declared_tools WHERE at_ms < ?1", params![t])?;
+                exec(
+                    &tx,
+                    "DELETE FROM declared_tools WHERE at_ms < ?1",
+                    params![t],
+                )?;
                 exec(&tx, "DELETE FROM tool_schemas WHERE at_ms < ?1 AND schema_digest NOT IN (SELECT schema_digest FROM declared_tools WHERE schema_digest IS NOT NULL)", params![t])?;
             }
             Op::Served(r) => {

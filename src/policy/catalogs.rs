@@ -29,5 +29,9 @@ pub fn shipped(name: &str) -> Option<&'static str> {
 
 /// The names of the shipped catalogs, comma-separated (for messages).
 pub fn names() -> String {
-    SHIPPED.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+    SHIPPED
+        .iter()
+        .map(|(n, _)| *n)
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -685,8 +685,10 @@ fn convert(v: &Value, schema: Option<&Value>, path: &str) -> Result<RestrictedEx
     match v {
         // Callers leave nulls out of records and sets; a null anywhere else (a bare value)
         // has no Cedar form, and the empty record is what a rule sees of it.
-        Value::Null => RestrictedExpression::new_record(Vec::<(String, RestrictedExpression)>::new())
-            .map_err(|e| format!("`{}`: {e}", display_path(path))),
+        Value::Null => {
+            RestrictedExpression::new_record(Vec::<(String, RestrictedExpression)>::new())
+                .map_err(|e| format!("`{}`: {e}", display_path(path)))
+        }
         Value::Bool(b) => Ok(RestrictedExpression::new_bool(*b)),
         Value::String(s) => Ok(RestrictedExpression::new_string(s.clone())),
         Value::Number(n) => {
