@@ -10,7 +10,14 @@
 //! generated from the catalog. A rule whose scope is `resource == Tool::"<id>"` is validated
 //! against that tool's argument types, so `context.args.amout` for a tool without `amout` is a
 //! load error naming file, line and rule. A rule not scoped to one tool sees `args` as an
-//! empty record (it cannot read arguments).
+//! empty record (it cannot read arguments). An argument the `inputSchema` does not require,
+//! or allows to be `null`, is an optional attribute: a rule that reads it without a `has`
+//! guard is a load error that says so (`policy check`).
+//!
+//! Arguments: an argument value never refuses a call by itself ([`to_cedar`]): `null`s are
+//! left out (absent), arrays are sets (duplicates collapse), numbers Cedar has no exact form
+//! for become their JSON text as a string, so only a rule that reads them can be affected —
+//! and then it fails closed (an evaluation error refuses).
 //!
 //! Decisions: forbid overrides permit, and no permit is a deny (Cedar's semantics). A deny
 //! whose determining policies are all annotated `@outcome("hold")` is `held`; any other deny
@@ -812,6 +819,31 @@ mod tests {
         assert_eq!(chunks.len(), 2);
         assert!(src[chunks[0].start..chunks[0].end].starts_with("permit"));
         assert_eq!(line_of(src, chunks[1].start), 4);
+    }
+
+    #[test]
+    fn argument_values_cedar_cannot_hold_exactly_never_fail_the_conversion() {
+        let args =
+            json!({"a": null, "b": [1, 1, null], "c": 0.123_456_7, "d": {"e": null}, "f": 3.0});
+        let schema: BTreeMap<String, Value> = serde_json::from_value(json!({
+            "type": "object",
+            "properties": {"c": {"type": "number"}, "f": {"type": ["integer", "null"]}}
+        }))
+        .unwrap();
+        assert!(to_cedar(&args, Some(&schema)).is_ok());
+        assert!(to_cedar(&args, None).is_ok());
+        // Nullable and optional properties are optional Cedar attributes.
+        let t = cedar_type(
+            &json!({"type": "object", "required": ["x", "y", "z"], "properties": {
+            "x": {"type": "string"}, "y": {"type": ["string", "null"]},
+            "z": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "w": {"type": "boolean"}}}),
+        )
+        .unwrap();
+        assert_eq!(t["attributes"]["x"]["required"], true);
+        assert_eq!(t["attributes"]["y"]["required"], false);
+        assert_eq!(t["attributes"]["z"]["type"], "Long");
+        assert_eq!(t["attributes"]["z"]["required"], false);
+        assert_eq!(t["attributes"]["w"]["required"], false);
     }
 
     #[test]
