@@ -2,7 +2,8 @@
 //! example so it compiles with the crate):
 //!
 //! - `benchtool mock --listen ADDR [--event-delay-us N]`: a fast OpenAI-compatible upstream.
-//!   Its `get_weather` arguments match the default policy bundle's catalog (`policy/`), so
+//!   Its `get_weather` arguments match the acme example bundle's catalog
+//!   (`policy/examples/acme`, the bundle `run.sh` uses), so
 //!   the whole admission order runs and releases the call.
 //!   `POST /v1/chat/completions` answers a ~1 KB tool-call completion, or with `"stream":true`
 //!   a tool-call stream: a role chunk with text, the call's header, 8 argument deltas,

@@ -46,10 +46,12 @@ sed -e "s/@NGINX_PORT@/$NGINX_PORT/g" -e "s/@MOCK_PORT@/$MOCK_PORT/g" -e "s#@WOR
   bench/nginx.conf > "$WORK/nginx.conf"
 taskset -c "$PROXY_CPU" nginx -p "$WORK/nginx" -c "$WORK/nginx.conf"
 
-# Full pipeline: the default policy bundle (policy/: catalog, Cedar rules, limits, redaction)
-# with its per-(principal, tool) token bucket raised so the bench's one agent is not
-# rate-limited (the bucket still runs), journal on (a file on disk, synchronous=FULL), JSON logs.
-cp -r policy "$WORK/policy"
+# Full pipeline: the acme example bundle (policy/examples/acme: a catalog that lists the
+# bench's `get_weather`, so its arguments are validated against the catalog schema too, Cedar
+# rules over arguments, limits, redaction) with its per-(principal, tool) token bucket raised
+# so the bench's one agent is not rate-limited (the bucket still runs), journal on (a file on
+# disk, synchronous=FULL), JSON logs.
+cp -r policy/examples/acme "$WORK/policy"
 sed -i -e 's/^burst = .*/burst = 100000000/' -e 's/^per_minute = .*/per_minute = 100000000/' \
   "$WORK/policy/turnguard.toml"
 "$TG" policy check "$WORK/policy" >/dev/null

@@ -48,6 +48,11 @@ pub struct ServeArgs {
     /// SQLite journal file [default: ./turnguard.db].
     #[arg(long, value_name = "PATH")]
     pub journal: Option<PathBuf>,
+    /// Shipped tool catalogs to include, comma-separated (`claude-code`, `codex`,
+    /// `openai-agents`, or `none`); replaces the bundle's `catalogs` list [default: the
+    /// bundle's list; the default bundle includes all three].
+    #[arg(long, value_name = "NAMES", value_delimiter = ',')]
+    pub catalog: Option<Vec<String>>,
     /// Upstream `NAME=URL`, repeatable [defaults: openai=https://api.openai.com,
     /// anthropic=https://api.anthropic.com]. In the env var, comma-separated.
     #[arg(long = "upstream", value_name = "NAME=URL")]
@@ -138,6 +143,7 @@ struct FileConfig {
     admin_listen: Option<String>,
     policy: Option<PathBuf>,
     journal: Option<PathBuf>,
+    catalog: Option<Vec<String>>,
     upstream: Option<BTreeMap<String, String>>,
     max_body_bytes: Option<usize>,
     max_response_bytes: Option<usize>,
@@ -227,6 +233,9 @@ pub struct Config {
     /// `policy` was set by a flag, env var or the file: a missing directory is then an error,
     /// not the embedded default bundle.
     pub policy_explicit: bool,
+    /// Shipped catalogs to include instead of the bundle's `catalogs` list
+    /// ([`crate::policy::catalogs`]); `None`: the bundle's list.
+    pub catalog: Option<Vec<String>>,
     pub journal: PathBuf,
     pub upstreams: BTreeMap<String, Upstream>,
     pub max_body_bytes: usize,
@@ -284,6 +293,7 @@ impl Default for Config {
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 8788)),
             policy: PathBuf::from("./policy"),
             policy_explicit: false,
+            catalog: None,
             journal: PathBuf::from("./turnguard.db"),
             upstreams,
             max_body_bytes: 8 << 20,
@@ -442,6 +452,15 @@ impl Config {
             same,
             path_env,
         )?;
+        // Shipped catalogs: a list in the file and flags, comma-separated in the environment.
+        c.catalog = flags
+            .catalog
+            .clone()
+            .or_else(|| {
+                env("TURNGUARD_CATALOG")
+                    .map(|v| v.split(',').map(|n| n.trim().to_owned()).collect())
+            })
+            .or_else(|| file.catalog.clone());
         // Numbers: typed in the file and flags, strings in the environment.
         macro_rules! number {
             ($field:ident, $env:literal, $typed:expr, $from_env:expr) => {

@@ -34,13 +34,13 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderValue};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::error::WireError;
+use crate::error::{Surface, WireError};
 use crate::metrics::{EdgeLabels, ShedLabels, ShedReason};
 use crate::server::AppState;
 
@@ -209,7 +209,7 @@ pub async fn layer(State(edge): State<Arc<Edge>>, mut req: Request, next: Next) 
                 })
                 .inc();
             metrics.request(api, 503, false);
-            let mut resp = err.into_response();
+            let mut resp = err.response(Surface::of_request(req.uri().path(), req.headers()));
             set_request_id(resp.headers_mut(), &request_id);
             tracing::warn!(
                 target: "turnguard::access",

@@ -1,14 +1,18 @@
 //! Errors turnguard authors on the wire, mapped in one place to (HTTP status, OpenWOP code,
 //! reason label).
 //!
-//! The body is the OpenWOP error envelope `{error, message, details?}` (OpenWOP
-//! `spec/v2/core/errors.md`; codes from `shared/spec/openwop/errors.json`). Codes the registry
-//! lacks use the vendor form `turnguard.<name>`. Upstream errors are never wrapped: they are
-//! passed through unchanged by the proxy and never reach this type.
+//! Every error carries the OpenWOP code, message and details (OpenWOP `spec/v2/core/errors.md`;
+//! codes from `shared/spec/openwop/errors.json`; codes the registry lacks use the vendor form
+//! `turnguard.<name>`) inside the error shape of the surface it answers on ([`Surface`],
+//! DESIGN.md §7): the OpenAI shape on OpenAI's paths, the Anthropic shape on Anthropic's, the
+//! OpenWOP envelope `{error, message, details?}` on the admin plane. Upstream errors are never
+//! wrapped: they are passed through unchanged by the proxy and never reach this type.
 
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode};
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
+
+use crate::model::Api;
 
 /// An error turnguard itself answers with. Each variant has exactly one status, code and
 /// reason label; the same reason feeds the metric label, the journal and the JSON body.
@@ -150,51 +154,65 @@ impl WireError {
         }
     }
 
-    /// The OpenWOP envelope `{error, message, details?}` for this error.
-    pub fn body(&self) -> Value {
-        let (_, code, reason) = self.parts();
-        let mut details = json!({ "reason": reason, "source": "turnguard" });
+    /// `details` of the OpenWOP envelope: the reason label, `source: turnguard`, and what the
+    /// variant knows (limits, the upstream's name, the refused field).
+    pub fn details(&self) -> Value {
+        let (_, _, reason) = self.parts();
+        let mut details = Map::new();
+        details.insert("reason".into(), json!(reason));
+        details.insert("source".into(), json!("turnguard"));
         match self {
             Self::PayloadTooLarge { limit_bytes } => {
-                details["limitBytes"] = json!(limit_bytes);
+                details.insert("limitBytes".into(), json!(limit_bytes));
             }
             Self::UpstreamUnavailable { upstream, .. }
             | Self::UpstreamNotConfigured { upstream } => {
-                details["upstream"] = json!(upstream);
+                details.insert("upstream".into(), json!(upstream));
             }
             Self::Overloaded {
                 limit,
                 retry_after_s,
             } => {
-                details["limit"] = json!(limit);
-                details["retryAfterSeconds"] = json!(retry_after_s);
+                details.insert("limit".into(), json!(limit));
+                details.insert("retryAfterSeconds".into(), json!(retry_after_s));
             }
             Self::ShuttingDown { retry_after_s } => {
-                details["retryAfterSeconds"] = json!(retry_after_s);
+                details.insert("retryAfterSeconds".into(), json!(retry_after_s));
             }
             Self::ProviderDelegationInRun { what } => {
-                details["field"] = json!(what);
+                details.insert("field".into(), json!(what));
             }
             _ => {}
         }
-        json!({ "error": code, "message": self.to_string(), "details": details })
+        Value::Object(details)
     }
-}
 
-impl IntoResponse for WireError {
-    fn into_response(self) -> Response {
-        let (status, _, _) = self.parts();
-        let body = self.body().to_string();
-        let mut resp = (status, body).into_response();
-        resp.headers_mut().insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        if let Self::Overloaded { retry_after_s, .. } | Self::ShuttingDown { retry_after_s } = &self
-        {
-            resp.headers_mut()
-                .insert(http::header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
+    /// The OpenWOP envelope `{error, message, details}` for this error (the admin plane's
+    /// shape; [`WireError::response`] shapes it for the surface it answers on).
+    pub fn body(&self) -> Value {
+        let (_, code, _) = self.parts();
+        json!({ "error": code, "message": self.to_string(), "details": self.details() })
+    }
+
+    /// The HTTP response for this error on `surface`: the status, the body in that surface's
+    /// error shape ([`Authored::body`]), `Retry-After` when the client should come back, and
+    /// `Connection: close` while shutting down.
+    pub fn response(&self, surface: Surface) -> Response {
+        let (status, code, _) = self.parts();
+        let retry_after = match self {
+            Self::Overloaded { retry_after_s, .. } | Self::ShuttingDown { retry_after_s } => {
+                Some(*retry_after_s)
+            }
+            _ => None,
+        };
+        let mut resp = Authored {
+            status,
+            code,
+            message: self.to_string(),
+            details: Some(self.details()),
+            retry_after,
         }
+        .response(surface);
         if matches!(self, Self::ShuttingDown { .. }) {
             resp.headers_mut()
                 .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
@@ -203,13 +221,158 @@ impl IntoResponse for WireError {
     }
 }
 
+/// The API surface an error answers on. Each takes the error shape its clients' SDKs read, so
+/// the SDK's exception shows turnguard's message (DESIGN.md §7):
+///
+/// - [`Surface::OpenAi`]: `{"error": {"message", "type", "code", "param", "details"}}` —
+///   Chat Completions, Responses and the passthrough endpoints OpenAI serves under `/v1`
+///   (openai-python and openai-node read `error.message`, `error.code`, `error.type`);
+/// - [`Surface::Anthropic`]: `{"type": "error", "error": {"type", "message", "code",
+///   "details"}}` — `/v1/messages`, `/v1/messages/count_tokens` and Anthropic's other paths;
+/// - [`Surface::OpenWop`]: the OpenWOP envelope `{error, message, details?}` — the admin plane
+///   and anything that is no provider's path.
+///
+/// `code` is always the OpenWOP code (`shared/spec/openwop/errors.json`, or the vendor form
+/// `turnguard.<name>`), and `message` starts with `turnguard <code>:` so the code reaches the
+/// developer even through an SDK that prints only the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Surface {
+    OpenAi,
+    Anthropic,
+    OpenWop,
+}
+
+impl Surface {
+    /// The surface of a model API.
+    pub fn of_api(api: Api) -> Self {
+        match api {
+            Api::OpenAiChat | Api::OpenAiResponses => Self::OpenAi,
+            Api::AnthropicMessages => Self::Anthropic,
+        }
+    }
+
+    /// The surface of a data-plane request by its path and headers: Anthropic for
+    /// `/v1/messages…` and `/v1/complete`, or any `/v1/` path an Anthropic client sends (it
+    /// always sends `anthropic-version`); OpenAI for the other `/v1/` paths; OpenWOP outside
+    /// `/v1/`.
+    pub fn of_request(path: &str, headers: &http::HeaderMap) -> Self {
+        let under_v1 = path == "/v1" || path.starts_with("/v1/");
+        if !under_v1 {
+            return Self::OpenWop;
+        }
+        let anthropic_path =
+            path == "/v1/messages" || path.starts_with("/v1/messages/") || path == "/v1/complete";
+        if anthropic_path || headers.contains_key("anthropic-version") {
+            Self::Anthropic
+        } else {
+            Self::OpenAi
+        }
+    }
+}
+
+/// An error turnguard authored, with what every surface's shape needs.
+#[derive(Debug, Clone)]
+pub struct Authored<'a> {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// The OpenWOP error code.
+    pub code: &'a str,
+    /// Human-readable, host-authored.
+    pub message: String,
+    /// OpenWOP `details` (reason label, `source`, limits …).
+    pub details: Option<Value>,
+    /// `Retry-After`, seconds.
+    pub retry_after: Option<u64>,
+}
+
+impl Authored<'_> {
+    /// The body in `surface`'s shape (see [`Surface`]).
+    pub fn body(&self, surface: Surface) -> Value {
+        let message = format!("turnguard {}: {}", self.code, self.message);
+        match surface {
+            Surface::OpenWop => {
+                let mut body = json!({ "error": self.code, "message": self.message });
+                if let Some(d) = &self.details {
+                    body["details"] = d.clone();
+                }
+                body
+            }
+            Surface::OpenAi => {
+                let mut error = json!({
+                    "message": message,
+                    "type": openai_type(self.status),
+                    "code": self.code,
+                    "param": Value::Null,
+                });
+                if let Some(d) = &self.details {
+                    error["details"] = d.clone();
+                }
+                json!({ "error": error })
+            }
+            Surface::Anthropic => {
+                let mut error = json!({
+                    "type": anthropic_type(self.status),
+                    "message": message,
+                    "code": self.code,
+                });
+                if let Some(d) = &self.details {
+                    error["details"] = d.clone();
+                }
+                json!({ "type": "error", "error": error })
+            }
+        }
+    }
+
+    /// The HTTP response: status, JSON body in `surface`'s shape, `Retry-After` if set.
+    pub fn response(&self, surface: Surface) -> Response {
+        let mut resp = (self.status, self.body(surface).to_string()).into_response();
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(secs) = self.retry_after {
+            resp.headers_mut()
+                .insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
+    }
+}
+
+/// OpenAI's `error.type` for a status (the types its API and SDKs use).
+fn openai_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        429 => "rate_limit_error",
+        503 => "service_unavailable_error",
+        s if s >= 500 => "server_error",
+        _ => "invalid_request_error",
+    }
+}
+
+/// Anthropic's `error.type` for a status (Anthropic API errors).
+fn anthropic_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        s if s >= 500 => "api_error",
+        _ => "invalid_request_error",
+    }
+}
+
 /// The OpenWOP envelope for a status and code authored outside [`WireError`] (admin plane).
 pub fn envelope(status: StatusCode, code: &str, message: &str) -> Response {
-    let body = json!({ "error": code, "message": message }).to_string();
-    let mut resp = (status, body).into_response();
-    resp.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    resp
+    Authored {
+        status,
+        code,
+        message: message.to_owned(),
+        details: None,
+        retry_after: None,
+    }
+    .response(Surface::OpenWop)
 }

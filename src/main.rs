@@ -44,15 +44,20 @@ enum Command {
 
 #[derive(Subcommand)]
 enum JournalCommand {
-    /// List runs with their round and call counts, most recent first.
+    /// List runs, then chat turns (requests without `Turnguard-Run`, as `chat:<request id>`),
+    /// with their round and call counts, most recent first.
     Runs {
         /// Journal file.
         #[arg(long, default_value = "./turnguard.db")]
         journal: PathBuf,
+        /// Most chat turns listed.
+        #[arg(long, default_value_t = 50)]
+        chat_limit: usize,
     },
-    /// Print one run as JSON: rounds with their calls and decisions, effects, events.
+    /// Print one run (or chat turn, `chat:<request id>`) as JSON: rounds with their calls
+    /// and decisions, effects, events.
     Show {
-        /// Run id (`Turnguard-Run`).
+        /// Run id (`Turnguard-Run`), or `chat:<request id>` from `journal runs`.
         run: String,
         /// Journal file.
         #[arg(long, default_value = "./turnguard.db")]
@@ -66,11 +71,17 @@ enum PolicyCommand {
     Check {
         /// Bundle directory.
         dir: PathBuf,
+        /// Shipped catalogs to include instead of the bundle's `catalogs` (as `serve --catalog`).
+        #[arg(long, value_name = "NAMES", value_delimiter = ',')]
+        catalog: Option<Vec<String>>,
     },
     /// Run the bundle's test cases (`tests/*.toml`); exit 1 on any failure.
     Test {
         /// Bundle directory.
         dir: PathBuf,
+        /// Shipped catalogs to include instead of the bundle's `catalogs` (as `serve --catalog`).
+        #[arg(long, value_name = "NAMES", value_delimiter = ',')]
+        catalog: Option<Vec<String>>,
     },
     /// Print each admission stage's decision for each tool call of a response.
     Explain {
@@ -89,6 +100,24 @@ enum PolicyCommand {
         /// Acting person (`sub`) to authorize as.
         #[arg(long)]
         principal: Option<String>,
+    },
+    /// Propose a catalog from a journal (best: of a shadow-mode run): every tool the agent
+    /// declared or the model called that the bundle does not catalogue, with its declared
+    /// schema, a guessed safetyTier and how often its results were followed by writes.
+    Learn {
+        /// Journal file.
+        #[arg(long, default_value = "./turnguard.db")]
+        journal: PathBuf,
+        /// The bundle the catalog is for (tools it already catalogues are left out)
+        /// [default: ./policy, else the embedded bundle].
+        #[arg(long, default_value = "./policy")]
+        policy: PathBuf,
+        /// Shipped catalogs to include instead of the bundle's `catalogs` (as `serve --catalog`).
+        #[arg(long, value_name = "NAMES", value_delimiter = ',')]
+        catalog: Option<Vec<String>>,
+        /// Write the catalog here (a `tools/*.toml` file) instead of printing it.
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// Print (or write into DIR) the JSON Schemas of the bundle file formats.
     Schema {
@@ -131,8 +160,8 @@ async fn main() -> anyhow::Result<()> {
         Command::Policy(cmd) => {
             use turnguard::policy_cli as p;
             let report = match cmd {
-                PolicyCommand::Check { dir } => p::check(&dir),
-                PolicyCommand::Test { dir } => p::test(&dir),
+                PolicyCommand::Check { dir, catalog } => p::check(&dir, catalog.as_deref()),
+                PolicyCommand::Test { dir, catalog } => p::test(&dir, catalog.as_deref()),
                 PolicyCommand::Explain {
                     request,
                     response,
@@ -146,6 +175,12 @@ async fn main() -> anyhow::Result<()> {
                     &response,
                     principal.as_deref(),
                 ),
+                PolicyCommand::Learn {
+                    journal,
+                    policy,
+                    catalog,
+                    out,
+                } => p::learn(&journal, &policy, catalog.as_deref(), out.as_deref()),
                 PolicyCommand::Schema { write } => p::schema(write.as_deref()),
             };
             use std::io::Write;
@@ -157,10 +192,14 @@ async fn main() -> anyhow::Result<()> {
         Command::Journal(cmd) => {
             use std::io::Write;
             let text = match cmd {
-                JournalCommand::Runs { journal } => {
+                JournalCommand::Runs {
+                    journal,
+                    chat_limit,
+                } => {
                     let r = turnguard::journal::JournalReader::open(&journal)?;
                     let mut t = String::from("run\trounds\tcalls\tfirst\tlast\n");
-                    for run in r.runs()? {
+                    let chats = r.chat_turns(chat_limit)?;
+                    for run in r.runs()?.into_iter().chain(chats) {
                         let at = |ms: i64| {
                             humantime::format_rfc3339_seconds(
                                 std::time::UNIX_EPOCH

@@ -18,11 +18,12 @@ pub struct Report {
     pub code: i32,
 }
 
-fn load(dir: &Path) -> Result<CompiledPolicy, Report> {
-    let src = reload::read_dir(dir).map_err(|e| Report {
+fn load(dir: &Path, catalogs: Option<&[String]>) -> Result<CompiledPolicy, Report> {
+    let mut src = reload::read_dir(dir).map_err(|e| Report {
         text: format!("{e}\n"),
         code: 1,
     })?;
+    src.catalogs = catalogs.map(<[String]>::to_vec);
     crate::policy::compile(&src).map_err(|errors| {
         let mut text = String::new();
         for e in &errors {
@@ -33,9 +34,10 @@ fn load(dir: &Path) -> Result<CompiledPolicy, Report> {
     })
 }
 
-/// `policy check DIR`: exactly the start-up validation. Exit 1 with `file:line` errors.
-pub fn check(dir: &Path) -> Report {
-    match load(dir) {
+/// `policy check DIR [--catalog NAMES]`: exactly the start-up validation (with the serve
+/// setting `catalog` when given). Exit 1 with `file:line` errors.
+pub fn check(dir: &Path, catalogs: Option<&[String]>) -> Report {
+    match load(dir, catalogs) {
         Ok(p) => {
             let mut text = format!(
                 "ok: {} revision {}: {} tool(s), {} rule(s), {} prompted schema(s), {} test case(s)\n",
@@ -46,6 +48,7 @@ pub fn check(dir: &Path) -> Report {
                 p.prompted.len(),
                 p.tests.len()
             );
+            let _ = writeln!(text, "catalog: {}", p.catalog_summary());
             if p.rules.permits() == 0 {
                 text.push_str(
                     "warning: no rule permits any call: every tool call will be refused (Cedar default deny); add a `permit` in rules/*.cedar\n",
@@ -103,9 +106,10 @@ fn json_file(policy: &CompiledPolicy, path: &str) -> Result<Value, String> {
     serde_json::from_str(text).map_err(|e| format!("`{path}` is not JSON: {e}"))
 }
 
-/// `policy test DIR`: runs the bundle's test cases. Exit 1 when a case fails or none exist.
-pub fn test(dir: &Path) -> Report {
-    let policy = match load(dir) {
+/// `policy test DIR [--catalog NAMES]`: runs the bundle's test cases. Exit 1 when a case
+/// fails or none exist.
+pub fn test(dir: &Path, catalogs: Option<&[String]>) -> Report {
+    let policy = match load(dir, catalogs) {
         Ok(p) => p,
         Err(r) => return r,
     };
@@ -318,4 +322,381 @@ pub fn schema(write: Option<&Path>) -> Report {
         }
     }
     Report { text, code: 0 }
+}
+
+/// `policy learn --journal DB [--policy DIR] [--catalog NAMES] [--out FILE]`: turns what a
+/// journal saw (best: a shadow-mode run in front of an existing agent) into a proposed
+/// catalog for the policy author to review and commit: one `[[tool]]` per tool the requests
+/// declared or the model called that the bundle does not catalogue yet, with the declared
+/// parameter schema as its `inputSchema`, a `safetyTier` guessed from the name (or taken
+/// from a shipped catalog that lists the name), `content_trust = "untrusted"` (fail closed),
+/// and a comment with how often it was declared and called and whether its results were
+/// followed by gated calls (write, exec or egress: the calls that would need approval if
+/// its output stays untrusted). The output is checked to compile as a `tools/*.toml` file
+/// before it is written. Exit 1 when the journal or bundle cannot be read.
+pub fn learn(
+    journal: &Path,
+    policy_dir: &Path,
+    catalogs: Option<&[String]>,
+    out: Option<&Path>,
+) -> Report {
+    let fail = |text: String| Report { text, code: 1 };
+    let policy = match reload::load_from(policy_dir, true, catalogs) {
+        Ok(p) => p,
+        Err(e) => return fail(format!("{e}\n")),
+    };
+    if !journal.exists() {
+        return fail(format!("{}: no such journal\n", journal.display()));
+    }
+    let rows = match crate::journal::JournalReader::open(journal).and_then(|r| r.learn_rows()) {
+        Ok(r) => r,
+        Err(e) => return fail(format!("{}: {e}\n", journal.display())),
+    };
+    let text = learned_catalog(&policy, &rows);
+    // The proposal must be a valid tools file on its own (the author adds it to a bundle).
+    let mut files = std::collections::BTreeMap::new();
+    files.insert("tools/learned.toml".to_owned(), text.clone());
+    files.insert(
+        "rules/permit.cedar".to_owned(),
+        "permit (principal, action, resource);\n".to_owned(),
+    );
+    let src = crate::policy::BundleSource {
+        origin: "learned".into(),
+        files,
+        catalogs: None,
+    };
+    if let Err(errors) = crate::policy::compile(&src) {
+        let why: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        return fail(format!(
+            "the learned catalog does not compile (please report this):\n{}\n",
+            why.join("\n")
+        ));
+    }
+    match out {
+        Some(path) => match std::fs::write(path, &text) {
+            Ok(()) => Report {
+                text: format!(
+                    "wrote {}: {} tool(s); review it, then put it in your bundle's tools/ and run `turnguard policy check`\n",
+                    path.display(),
+                    text.matches("[[tool]]").count()
+                ),
+                code: 0,
+            },
+            Err(e) => fail(format!("{}: {e}\n", path.display())),
+        },
+        None => Report { text, code: 0 },
+    }
+}
+
+/// What the journal says about one tool name.
+#[derive(Default)]
+struct Seen {
+    declared: Option<crate::journal::DeclaredToolRow>,
+    calls: i64,
+    outcomes: std::collections::BTreeMap<String, i64>,
+    shadow: i64,
+    results: i64,
+    followed: i64,
+    followers: std::collections::BTreeMap<String, i64>,
+}
+
+/// The proposed catalog text (see [`learn`]).
+fn learned_catalog(policy: &CompiledPolicy, rows: &crate::journal::LearnRows) -> String {
+    use std::collections::BTreeMap;
+    let mut seen: BTreeMap<String, Seen> = BTreeMap::new();
+    for d in &rows.declared {
+        seen.entry(d.name.clone()).or_default().declared = Some(d.clone());
+    }
+    for (name, outcome, enforced, n) in &rows.calls {
+        let s = seen.entry(name.clone()).or_default();
+        s.calls += n;
+        *s.outcomes.entry(outcome.clone()).or_default() += n;
+        if !enforced {
+            s.shadow += n;
+        }
+    }
+    let proposals: BTreeMap<String, bundle::ToolEntry> = seen
+        .iter()
+        .filter(|(name, _)| policy.catalog.by_name(name).is_none())
+        .map(|(name, s)| (name.clone(), propose(name, s.declared.as_ref())))
+        .collect();
+    // A call is gated by the bundle's classification, or the proposal's for a new name.
+    let gated = |name: &str| match (policy.catalog.by_name(name), proposals.get(name)) {
+        (Some(t), _) => t.gated(),
+        (None, Some(p)) => proposed_gated(p),
+        (None, None) => true,
+    };
+    for (tool, next) in &rows.followups {
+        let s = seen.entry(tool.clone()).or_default();
+        s.results += 1;
+        let writes: Vec<&String> = next.iter().filter(|n| gated(n)).collect();
+        if !writes.is_empty() {
+            s.followed += 1;
+        }
+        for w in writes {
+            *s.followers.entry(w.clone()).or_default() += 1;
+        }
+    }
+    let mut text = String::from(
+        "#:schema ../tools.schema.json\n\
+         # Proposed by `turnguard policy learn` from the journal. Review every entry before you\n\
+         # commit it to your bundle's tools/: the safetyTier is a guess from the tool's name\n\
+         # unless a shipped catalog lists it, egress is left unset (which gates the tool in an\n\
+         # untrusted turn) and every output is `untrusted` (fail closed). Mark a tool's output\n\
+         # `trusted` only when nobody else can put text into it (not mail, web pages, tickets,\n\
+         # or other users' documents); the counts below show what that would let through.\n",
+    );
+    let known: Vec<&String> = seen
+        .keys()
+        .filter(|n| policy.catalog.by_name(n).is_some())
+        .collect();
+    if !known.is_empty() {
+        text.push_str(&format!(
+            "#\n# Already catalogued by the bundle ({}), not repeated here: {}\n",
+            policy.origin,
+            known
+                .iter()
+                .map(|n| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    for (name, entry) in &proposals {
+        let s = &seen[name];
+        text.push('\n');
+        for line in comment_lines(name, s, entry) {
+            text.push_str("# ");
+            text.push_str(&line);
+            text.push('\n');
+        }
+        let file = bundle::ToolsFile {
+            tool: vec![entry.clone()],
+        };
+        match toml::to_string(&file) {
+            Ok(t) => text.push_str(&t),
+            Err(e) => text.push_str(&format!("# (not written: {e})\n")),
+        }
+    }
+    if proposals.is_empty() {
+        text.push_str("\n# Every tool the journal saw is already catalogued.\n");
+    }
+    text
+}
+
+fn comment_lines(name: &str, s: &Seen, entry: &bundle::ToolEntry) -> Vec<String> {
+    let mut lines = Vec::new();
+    let label = crate::admission::sanitize_label(name);
+    match &s.declared {
+        Some(d) => lines.push(format!(
+            "`{label}`: declared in {} request(s) ({}) with {} distinct schema(s){}",
+            d.requests,
+            d.api,
+            d.schemas,
+            if d.schema.is_none() && d.schemas > 0 {
+                "; the schema was too large to keep, so none is proposed"
+            } else {
+                ""
+            }
+        )),
+        None => lines.push(format!("`{label}`: called, but no request declared it")),
+    }
+    let outcomes: Vec<String> = s.outcomes.iter().map(|(o, n)| format!("{o} {n}")).collect();
+    lines.push(format!(
+        "called {} time(s){}{}",
+        s.calls,
+        if outcomes.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", outcomes.join(", "))
+        },
+        if s.shadow > 0 {
+            format!(
+                "; {} would have been withheld (released by shadow mode)",
+                s.shadow
+            )
+        } else {
+            String::new()
+        }
+    ));
+    if s.results > 0 {
+        let followers: Vec<String> = s
+            .followers
+            .iter()
+            .map(|(n, c)| format!("{} ×{c}", crate::admission::sanitize_label(n)))
+            .collect();
+        lines.push(format!(
+            "its results were seen {} time(s); followed by a write/exec/egress call {} time(s){}",
+            s.results,
+            s.followed,
+            if followers.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", followers.join(", "))
+            }
+        ));
+        if s.followed > 0 && entry.content_trust == bundle::ContentTrust::Untrusted {
+            lines.push(
+                "with content_trust = \"untrusted\" those calls wait for the person's approval"
+                    .into(),
+            );
+        }
+    } else {
+        lines.push("no result of it was seen".into());
+    }
+    lines.push(format!(
+        "safetyTier `{}`: {}",
+        entry.descriptor.safety_tier.as_str(),
+        entry.descriptor.description.as_deref().unwrap_or("review")
+    ));
+    lines
+}
+
+/// Whether a proposed entry would be gated in an untrusted turn (as
+/// [`crate::policy::CatalogTool::gated`]).
+fn proposed_gated(e: &bundle::ToolEntry) -> bool {
+    use bundle::{Approval, Egress, SafetyTier};
+    matches!(
+        e.descriptor.safety_tier,
+        SafetyTier::Write | SafetyTier::Exec
+    ) || e.descriptor.egress != Some(Egress::None)
+        || e.descriptor.approval == Some(Approval::Always)
+}
+
+/// The proposal for one name: the shipped catalogs' entry when one lists it, else a guess.
+fn propose(name: &str, declared: Option<&crate::journal::DeclaredToolRow>) -> bundle::ToolEntry {
+    use bundle::{ContentTrust, Source, ToolDescriptor, ToolEntry};
+    for (catalog, text) in crate::policy::catalogs::SHIPPED {
+        if let Ok(file) = toml::from_str::<bundle::ToolsFile>(text) {
+            if let Some(mut t) = file
+                .tool
+                .into_iter()
+                .find(|t| t.names.iter().any(|n| n == name))
+            {
+                t.descriptor.description = Some(format!(
+                    "as the shipped catalog `{catalog}` classifies it (include that catalog instead of copying)"
+                ));
+                return t;
+            }
+        }
+    }
+    let (tier, why) = guess_tier(name);
+    let input_schema = declared
+        .and_then(|d| d.schema.as_deref())
+        .and_then(|s| serde_json::from_str::<Value>(s).ok())
+        .and_then(|v| match without_nulls(v) {
+            Some(Value::Object(m)) => Some(m.into_iter().collect()),
+            _ => None,
+        });
+    ToolEntry {
+        names: vec![name.to_owned()],
+        descriptor: ToolDescriptor {
+            tool_id: format!("learned:{name}"),
+            source: Source::HostExtension,
+            title: None,
+            description: Some(format!("guessed from the name ({why}); review")),
+            input_schema,
+            output_schema: None,
+            auth: None,
+            egress: None,
+            approval: None,
+            replay_policy: None,
+            safety_tier: tier,
+            cost_hint: None,
+            latency_hint: None,
+        },
+        content_trust: ContentTrust::Untrusted,
+        business_key: Vec::new(),
+        clarification: false,
+        mode: None,
+    }
+}
+
+/// A `safetyTier` from the words of a tool name (`get_weather` → read, `run_query` → exec,
+/// `send_email` → write), and which word decided. Anything unrecognised is `write` (OpenWOP:
+/// unclassified is write).
+fn guess_tier(name: &str) -> (bundle::SafetyTier, String) {
+    use bundle::SafetyTier;
+    let mut words: Vec<String> = Vec::new();
+    let mut cur = String::new();
+    let mut prev_lower = false;
+    for c in name.chars() {
+        if !c.is_alphanumeric() {
+            if !cur.is_empty() {
+                words.push(std::mem::take(&mut cur));
+            }
+            prev_lower = false;
+            continue;
+        }
+        if c.is_uppercase() && prev_lower && !cur.is_empty() {
+            words.push(std::mem::take(&mut cur));
+        }
+        prev_lower = c.is_lowercase() || c.is_ascii_digit();
+        cur.extend(c.to_lowercase());
+    }
+    if !cur.is_empty() {
+        words.push(cur);
+    }
+    const EXEC: [&str; 11] = [
+        "shell", "bash", "exec", "execute", "run", "eval", "terminal", "command", "cmd", "script",
+        "repl",
+    ];
+    const READ: [&str; 22] = [
+        "get", "read", "list", "search", "find", "lookup", "query", "describe", "show", "view",
+        "count", "retrieve", "load", "fetch", "check", "inspect", "grep", "glob", "ls", "cat",
+        "browse", "stat",
+    ];
+    if let Some(w) = words.iter().find(|w| EXEC.contains(&w.as_str())) {
+        return (SafetyTier::Exec, format!("`{w}`"));
+    }
+    match words.first() {
+        Some(w) if READ.contains(&w.as_str()) => (SafetyTier::Read, format!("`{w}`")),
+        Some(w) => (
+            SafetyTier::Write,
+            format!("`{w}` is not a read verb; unclassified is write"),
+        ),
+        None => (SafetyTier::Write, "unclassified is write".into()),
+    }
+}
+
+/// A schema without what TOML cannot hold: a keyword whose value is (or contains) a JSON
+/// `null` is left out, which only loosens the catalog schema (the request's declared schema
+/// is still validated in full). Subschemas in positions where removing a keyword can only
+/// loosen (`properties`, `$defs`, `items`, `allOf` …) are cleaned the same way; any other
+/// keyword holding a `null` (`enum`, `const`, `default`, `not`, `oneOf` …) is dropped whole.
+/// `None` when `v` is not an object.
+fn without_nulls(v: Value) -> Option<Value> {
+    fn has_null(v: &Value) -> bool {
+        match v {
+            Value::Null => true,
+            Value::Array(a) => a.iter().any(has_null),
+            Value::Object(m) => m.values().any(has_null),
+            _ => false,
+        }
+    }
+    let Value::Object(m) = v else { return None };
+    let mut out = serde_json::Map::new();
+    for (k, x) in m {
+        if !has_null(&x) {
+            out.insert(k, x);
+            continue;
+        }
+        let cleaned = match (k.as_str(), x) {
+            ("properties" | "$defs" | "definitions" | "patternProperties", Value::Object(subs)) => {
+                Some(Value::Object(
+                    subs.into_iter()
+                        .filter_map(|(n, s)| without_nulls(s).map(|s| (n, s)))
+                        .collect(),
+                ))
+            }
+            ("items" | "additionalProperties", x @ Value::Object(_)) => without_nulls(x),
+            ("allOf", Value::Array(subs)) => Some(Value::Array(
+                subs.into_iter().filter_map(without_nulls).collect(),
+            )),
+            _ => None,
+        };
+        if let Some(c) = cleaned {
+            out.insert(k, c);
+        }
+    }
+    Some(Value::Object(out))
 }

@@ -18,56 +18,34 @@ const MAX_FILE_BYTES: u64 = 4 << 20;
 /// Most files read from one bundle.
 const MAX_FILES: usize = 2048;
 
-/// The default bundle shipped in the binary: the repository's `policy/` directory.
+/// The default bundle shipped in the binary: the repository's `policy/` directory (its
+/// `examples/` are not part of it). The shipped catalogs (`catalogs/*.toml`) are
+/// [`crate::policy::catalogs::SHIPPED`].
 const EMBEDDED: &[(&str, &str)] = &[
     ("turnguard.toml", include_str!("../policy/turnguard.toml")),
     (
-        "tools/assistant.toml",
-        include_str!("../policy/tools/assistant.toml"),
-    ),
-    (
         "rules/default.cedar",
         include_str!("../policy/rules/default.cedar"),
-    ),
-    (
-        "schemas/answer.json",
-        include_str!("../policy/schemas/answer.json"),
     ),
     (
         "tests/cases.toml",
         include_str!("../policy/tests/cases.toml"),
     ),
     (
-        "tests/user-request.json",
-        include_str!("../policy/tests/user-request.json"),
+        "tests/claude-code-after-bash-request.json",
+        include_str!("../policy/tests/claude-code-after-bash-request.json"),
     ),
     (
-        "tests/after-email-request.json",
-        include_str!("../policy/tests/after-email-request.json"),
+        "tests/claude-code-after-webfetch-request.json",
+        include_str!("../policy/tests/claude-code-after-webfetch-request.json"),
     ),
     (
-        "tests/weather-response.json",
-        include_str!("../policy/tests/weather-response.json"),
+        "tests/claude-code-write-response.json",
+        include_str!("../policy/tests/claude-code-write-response.json"),
     ),
     (
-        "tests/transfer-large-response.json",
-        include_str!("../policy/tests/transfer-large-response.json"),
-    ),
-    (
-        "tests/transfer-medium-response.json",
-        include_str!("../policy/tests/transfer-medium-response.json"),
-    ),
-    (
-        "tests/shell-response.json",
-        include_str!("../policy/tests/shell-response.json"),
-    ),
-    (
-        "tests/undeclared-response.json",
-        include_str!("../policy/tests/undeclared-response.json"),
-    ),
-    (
-        "tests/send-email-response.json",
-        include_str!("../policy/tests/send-email-response.json"),
+        "tests/claude-code-bash-response.json",
+        include_str!("../policy/tests/claude-code-bash-response.json"),
     ),
 ];
 
@@ -82,14 +60,19 @@ pub enum LoadError {
     Invalid(Vec<PolicyError>),
 }
 
-/// The embedded default bundle.
+/// The embedded default bundle, with the shipped catalogs as its `catalogs/*.toml`.
 pub fn embedded() -> BundleSource {
+    let catalogs = crate::policy::catalogs::SHIPPED
+        .iter()
+        .map(|(n, t)| (format!("catalogs/{n}.toml"), (*t).to_owned()));
     BundleSource {
         origin: "embedded".into(),
         files: EMBEDDED
             .iter()
             .map(|(p, t)| ((*p).to_owned(), (*t).to_owned()))
+            .chain(catalogs)
             .collect(),
+        catalogs: None,
     }
 }
 
@@ -152,20 +135,26 @@ pub fn read_dir(dir: &Path) -> Result<BundleSource, LoadError> {
     Ok(BundleSource {
         origin: dir.display().to_string(),
         files,
+        catalogs: None,
     })
 }
 
 /// Loads and compiles the bundle at `dir`; a directory that does not exist means the
 /// embedded default bundle.
 pub fn load(dir: &Path) -> Result<CompiledPolicy, LoadError> {
-    load_from(dir, true)
+    load_from(dir, true, None)
 }
 
 /// Loads the bundle at `dir`. Only with `allow_embedded` does a missing directory mean the
 /// embedded default bundle; otherwise (a path the operator configured) it is an error, so a
-/// mistyped `--policy` never silently runs the demo bundle.
-pub fn load_from(dir: &Path, allow_embedded: bool) -> Result<CompiledPolicy, LoadError> {
-    let src = if dir.exists() {
+/// mistyped `--policy` never silently runs the default bundle. `catalogs` is the serve
+/// setting `catalog` (replaces the bundle's `catalogs` list when set).
+pub fn load_from(
+    dir: &Path,
+    allow_embedded: bool,
+    catalogs: Option<&[String]>,
+) -> Result<CompiledPolicy, LoadError> {
+    let mut src = if dir.exists() {
         read_dir(dir)?
     } else if allow_embedded {
         embedded()
@@ -175,6 +164,7 @@ pub fn load_from(dir: &Path, allow_embedded: bool) -> Result<CompiledPolicy, Loa
             reason: "no such directory (the embedded default bundle is used only when --policy is not set)".into(),
         });
     };
+    src.catalogs = catalogs.map(<[String]>::to_vec);
     policy::compile(&src).map_err(LoadError::Invalid)
 }
 
@@ -183,6 +173,7 @@ pub struct PolicyHandle {
     current: ArcSwap<CompiledPolicy>,
     dir: PathBuf,
     allow_embedded: bool,
+    catalogs: Option<Vec<String>>,
 }
 
 impl PolicyHandle {
@@ -192,7 +183,14 @@ impl PolicyHandle {
             current: ArcSwap::from_pointee(policy),
             dir,
             allow_embedded: true,
+            catalogs: None,
         }
+    }
+
+    /// The serve setting `catalog`, applied on every reload as at start.
+    pub fn with_catalogs(mut self, catalogs: Option<Vec<String>>) -> Self {
+        self.catalogs = catalogs;
+        self
     }
 
     /// Whether a missing directory means the embedded bundle on reload (as at start).
@@ -208,7 +206,7 @@ impl PolicyHandle {
 
     /// Recompiles the bundle and swaps it in; on error the last good bundle stays.
     pub fn reload(&self, metrics: &Metrics) -> Result<String, LoadError> {
-        match load_from(&self.dir, self.allow_embedded) {
+        match load_from(&self.dir, self.allow_embedded, self.catalogs.as_deref()) {
             Ok(p) => {
                 let revision = p.revision.clone();
                 let old = self.current.load().revision.clone();
@@ -333,7 +331,9 @@ mod tests {
         let disk_files: Vec<&String> = on_disk
             .files
             .keys()
-            .filter(|k| !k.ends_with(".md") && !k.ends_with(".schema.json"))
+            .filter(|k| {
+                !k.ends_with(".md") && !k.ends_with(".schema.json") && !k.starts_with("examples/")
+            })
             .collect();
         let emb_files: Vec<&String> = emb.files.keys().collect();
         assert_eq!(

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 use http::Request;
@@ -17,7 +17,7 @@ use tokio::task::JoinHandle;
 use crate::admission::{LimitState, SchemaCache};
 use crate::approvals::Approvals;
 use crate::config::Config;
-use crate::error::WireError;
+use crate::error::{Surface, WireError};
 use crate::identity::{Identity, IdentityConfigError};
 use crate::journal::{Journal, JournalError, JournalReader, WriterThread};
 use crate::metrics::Metrics;
@@ -114,20 +114,24 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     } else {
         tracing::info!("no identity provider configured: requests act as the agent and held calls cannot be approved");
     }
-    let policy = reload::load_from(&config.policy, !config.policy_explicit).map_err(|source| {
-        StartError::Policy {
-            dir: config.policy.display().to_string(),
-            source,
-        }
+    let policy = reload::load_from(
+        &config.policy,
+        !config.policy_explicit,
+        config.catalog.as_deref(),
+    )
+    .map_err(|source| StartError::Policy {
+        dir: config.policy.display().to_string(),
+        source,
     })?;
-    tracing::info!(revision = %policy.revision, origin = %policy.origin, tools = policy.catalog.len(), rules = policy.rules.len(), "policy bundle loaded");
+    tracing::info!(revision = %policy.revision, origin = %policy.origin, tools = policy.catalog.len(), rules = policy.rules.len(), catalog = %policy.catalog_summary(), "policy bundle loaded");
     metrics.policy_revision("", &policy.revision);
     if policy.rules.permits() == 0 {
         tracing::warn!("the policy bundle has no permit rule: every tool call will be refused (Cedar default deny)");
     }
     let policy = Arc::new(
         PolicyHandle::new(policy, config.policy.clone())
-            .with_embedded_fallback(!config.policy_explicit),
+            .with_embedded_fallback(!config.policy_explicit)
+            .with_catalogs(config.catalog.clone()),
     );
     let (journal, writer) = Journal::open(&config.journal, Arc::clone(&metrics))?;
     let reader = Arc::new(JournalReader::open(&config.journal)?);
@@ -200,7 +204,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         ),
     ];
     state.ready.store(true, Ordering::SeqCst);
-    tracing::info!(data = %addr, admin = %admin_addr, journal = %state.journal.path().display(), "turnguard listening");
+    tracing::info!(data = %addr, admin = %admin_addr, journal = %state.journal.path().display(), upstreams = %upstream_summary(&state.config), "turnguard listening");
     Ok(Running {
         addr,
         admin_addr,
@@ -211,6 +215,24 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         pruner,
         writer,
     })
+}
+
+/// `name=scheme://host[:port][/prefix]` for each upstream, comma-separated, with any
+/// userinfo (`user:password@`) left out: the start-up line says where turnguard sends
+/// requests, never a credential.
+pub fn upstream_summary(config: &Config) -> String {
+    config
+        .upstreams
+        .iter()
+        .map(|(name, u)| {
+            let host = u
+                .authority
+                .rsplit_once('@')
+                .map_or(u.authority.as_str(), |(_, h)| h);
+            format!("{name}={}://{host}{}", u.scheme, u.prefix)
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Deletes journal records past `journal_retention_days`, hourly (and once at start).
@@ -290,7 +312,7 @@ async fn not_found(State(s): State<Arc<AppState>>, req: Request<Body>) -> Respon
         method: req.method().to_string(),
         path: req.uri().path().chars().take(200).collect(),
     }
-    .into_response();
+    .response(Surface::of_request(req.uri().path(), req.headers()));
     s.metrics.request("none", resp.status().as_u16(), false);
     resp
 }

@@ -47,7 +47,7 @@ mod reader;
 mod schema;
 
 pub use interrupts::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
-pub use reader::{EffectRow, EventRow, JournalReader, RunSummary};
+pub use reader::{DeclaredToolRow, EffectRow, EventRow, JournalReader, LearnRows, RunSummary};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -197,6 +197,23 @@ pub struct ToolResultRecord {
     pub content: Recorded,
 }
 
+/// The tools one agent request declared (table `declared_tools`, schemas in
+/// `tool_schemas`), for `turnguard policy learn`. Never arguments or results: only the
+/// request's tool declarations.
+#[derive(Debug, Clone)]
+pub struct DeclaredToolsRecord {
+    /// The agent request (the first round's `request_id`).
+    pub request_id: String,
+    pub at_ms: i64,
+    pub run_id: Option<String>,
+    pub api: &'static str,
+    /// (tool name, declared parameter schema) in declaration order.
+    pub tools: Vec<(String, Option<serde_json::Value>)>,
+}
+
+/// Largest declared tool schema kept whole, bytes; a larger one keeps its digest only.
+pub const MAX_DECLARED_SCHEMA_BYTES: usize = 64 << 10;
+
 /// An OpenWOP run event (`agent.tool-called`, `agent.tool-returned` …) to append.
 #[derive(Debug, Clone)]
 pub struct EventRecord {
@@ -294,6 +311,7 @@ enum Op {
     Round(Box<RoundRecord>),
     ToolResults(Vec<ToolResultRecord>),
     Events(Vec<EventRecord>),
+    DeclaredTools(Box<DeclaredToolsRecord>),
     Claim(EffectClaim, oneshot::Sender<Claim>),
     Interrupt(Box<interrupts::Op>),
 }
@@ -433,6 +451,18 @@ impl Journal {
         self.submit_relaxed(Op::Events(events)).await
     }
 
+    /// Records the tools an agent request declared (queued, not awaited for durability:
+    /// nothing in the contract depends on it; `turnguard policy learn` reads it).
+    pub async fn record_declared_tools(
+        &self,
+        rec: DeclaredToolsRecord,
+    ) -> Result<(), JournalError> {
+        if rec.tools.is_empty() {
+            return Ok(());
+        }
+        self.submit_relaxed(Op::DeclaredTools(Box::new(rec))).await
+    }
+
     /// Records the response a run node's round was answered with (insert-if-absent on
     /// (run, node, attempt, round): the first answer is the record).
     pub async fn record_served(&self, rec: ServedRecord) -> Result<(), JournalError> {
@@ -554,6 +584,12 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                         params![t],
                     )?;
                 }
+                exec(
+                    &tx,
+                    "DELETE FROM declared_tools WHERE at_ms < ?1",
+                    params![t],
+                )?;
+                exec(&tx, "DELETE FROM tool_schemas WHERE at_ms < ?1 AND schema_digest NOT IN (SELECT schema_digest FROM declared_tools WHERE schema_digest IS NOT NULL)", params![t])?;
             }
             Op::Served(r) => {
                 confirm(&tx, &r.claims)?;
@@ -611,6 +647,7 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                     insert_event(&tx, e)?;
                 }
             }
+            Op::DeclaredTools(d) => insert_declared_tools(&tx, d)?,
             Op::Claim(c, answer) => {
                 let result = claim(&tx, c)?;
                 let (dummy, _) = oneshot::channel();
@@ -716,6 +753,33 @@ fn insert_event(tx: &rusqlite::Transaction<'_>, e: &EventRecord) -> rusqlite::Re
             e.at_ms
         ],
     )?;
+    Ok(())
+}
+
+fn insert_declared_tools(
+    tx: &rusqlite::Transaction<'_>,
+    d: &DeclaredToolsRecord,
+) -> rusqlite::Result<()> {
+    for (name, schema) in &d.tools {
+        let digest = schema.as_ref().map(crate::admission::arguments::args_hash);
+        if let (Some(digest), Some(schema)) = (&digest, schema) {
+            let text = schema.to_string();
+            let kept = (text.len() <= MAX_DECLARED_SCHEMA_BYTES).then_some(text);
+            exec(
+                tx,
+                "INSERT INTO tool_schemas (schema_digest, schema, at_ms) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (schema_digest) DO NOTHING",
+                params![digest, kept, d.at_ms],
+            )?;
+        }
+        exec(
+            tx,
+            "INSERT INTO declared_tools (request_id, run_id, api, name, schema_digest, at_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+             ON CONFLICT (request_id, name) DO NOTHING",
+            params![d.request_id, d.run_id, d.api, name, digest, d.at_ms],
+        )?;
+    }
     Ok(())
 }
 

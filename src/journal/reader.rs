@@ -44,6 +44,34 @@ pub struct RunSummary {
     pub last_ms: i64,
 }
 
+/// What `turnguard policy learn` reads from the journal: the tools requests declared, the
+/// calls the model made, and what the model called right after each tool result.
+#[derive(Debug, Clone, Default)]
+pub struct LearnRows {
+    /// Every declared tool name.
+    pub declared: Vec<DeclaredToolRow>,
+    /// (tool name, outcome, enforced, count) over `tool_calls`.
+    pub calls: Vec<(String, String, bool, i64)>,
+    /// One per tool result (table `tool_results`, the request that first carried it): the
+    /// result's tool name and the names of the calls the model made in the round that
+    /// answered that request.
+    pub followups: Vec<(String, Vec<String>)>,
+}
+
+/// One declared tool name in `declared_tools`.
+#[derive(Debug, Clone)]
+pub struct DeclaredToolRow {
+    pub name: String,
+    /// Requests that declared it.
+    pub requests: i64,
+    /// Distinct parameter schemas it was declared with.
+    pub schemas: i64,
+    /// The schema it was declared with most often (JSON text), when kept.
+    pub schema: Option<String>,
+    /// The API it was declared on most recently.
+    pub api: String,
+}
+
 /// A read-only journal connection.
 pub struct JournalReader {
     conn: Mutex<Connection>,
@@ -288,16 +316,50 @@ impl JournalReader {
         })
     }
 
-    /// Rounds and calls of a run for `turnguard journal show` (never raw arguments: the
-    /// redacted form only).
-    pub fn show(&self, run: &str) -> Result<Vec<serde_json::Value>, JournalError> {
+    /// Chat turns (agent requests without `Turnguard-Run`), most recent first, at most
+    /// `limit`: one per agent request, its repair rounds (`<request id>#repair-N`) counted
+    /// with it. `run_id` is `chat:<request id>`, the name `turnguard journal show` takes.
+    pub fn chat_turns(&self, limit: usize) -> Result<Vec<RunSummary>, JournalError> {
         self.with(|c| {
             let mut st = c.prepare(
+                "SELECT CASE WHEN instr(r.request_id, '#repair-') > 0
+                             THEN substr(r.request_id, 1, instr(r.request_id, '#repair-') - 1)
+                             ELSE r.request_id END AS turn,
+                        count(DISTINCT r.id), count(t.id), min(r.at_ms), max(r.at_ms)
+                 FROM rounds r LEFT JOIN tool_calls t ON t.request_id = r.request_id
+                 WHERE r.run_id IS NULL GROUP BY turn ORDER BY max(r.at_ms) DESC LIMIT ?1",
+            )?;
+            let rows = st.query_map(params![limit as i64], |r| {
+                Ok(RunSummary {
+                    run_id: format!("chat:{}", r.get::<_, String>(0)?),
+                    rounds: r.get(1)?,
+                    calls: r.get(2)?,
+                    first_ms: r.get(3)?,
+                    last_ms: r.get(4)?,
+                })
+            })?;
+            rows.collect()
+        })
+    }
+
+    /// Rounds and calls of a run for `turnguard journal show` (never raw arguments: the
+    /// redacted form only). `chat:<request id>` names a chat turn ([`Self::chat_turns`]):
+    /// that request's rounds and its repair rounds.
+    pub fn show(&self, run: &str) -> Result<Vec<serde_json::Value>, JournalError> {
+        let (filter, key) = match run.strip_prefix("chat:") {
+            Some(request) => (
+                "r.run_id IS NULL AND (r.request_id = ?1 OR substr(r.request_id, 1, length(?1) + 8) = ?1 || '#repair-')",
+                request,
+            ),
+            None => ("r.run_id = ?1", run),
+        };
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
                 "SELECT r.request_id, r.node_id, r.attempt, r.round_index, r.api, r.model, r.state, r.completion,
                         r.upstream_status, r.at_ms
-                 FROM rounds r WHERE r.run_id = ?1 ORDER BY r.at_ms, r.id",
-            )?;
-            let rounds = st.query_map(params![run], |r| {
+                 FROM rounds r WHERE {filter} ORDER BY r.at_ms, r.id"
+            ))?;
+            let rounds = st.query_map(params![key], |r| {
                 Ok(serde_json::json!({
                     "requestId": r.get::<_, String>(0)?, "nodeId": r.get::<_, Option<String>>(1)?,
                     "attempt": r.get::<_, Option<i64>>(2)?, "round": r.get::<_, i64>(3)?, "api": r.get::<_, String>(4)?,
@@ -323,6 +385,51 @@ impl JournalReader {
                     }))
                 })?;
                 round["calls"] = serde_json::Value::Array(list.collect::<rusqlite::Result<_>>()?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// The rows `turnguard policy learn` turns into a proposed catalog ([`LearnRows`]).
+    pub fn learn_rows(&self) -> Result<LearnRows, JournalError> {
+        self.with(|c| {
+            let mut out = LearnRows::default();
+            let mut st = c.prepare(
+                "SELECT d.name, count(DISTINCT d.request_id), count(DISTINCT d.schema_digest),
+                        (SELECT s.schema FROM declared_tools d2 JOIN tool_schemas s ON s.schema_digest = d2.schema_digest
+                         WHERE d2.name = d.name GROUP BY d2.schema_digest ORDER BY count(*) DESC, max(d2.at_ms) DESC LIMIT 1),
+                        (SELECT d3.api FROM declared_tools d3 WHERE d3.name = d.name ORDER BY d3.at_ms DESC, d3.id DESC LIMIT 1)
+                 FROM declared_tools d GROUP BY d.name ORDER BY d.name",
+            )?;
+            let rows = st.query_map([], |r| {
+                Ok(DeclaredToolRow {
+                    name: r.get(0)?,
+                    requests: r.get(1)?,
+                    schemas: r.get(2)?,
+                    schema: r.get(3)?,
+                    api: r.get::<_, Option<String>>(4)?.unwrap_or_default(),
+                })
+            })?;
+            out.declared = rows.collect::<rusqlite::Result<_>>()?;
+            let mut st = c.prepare(
+                "SELECT name, outcome, enforced, count(*) FROM tool_calls GROUP BY name, outcome, enforced ORDER BY name, outcome",
+            )?;
+            let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?;
+            out.calls = rows.collect::<rusqlite::Result<_>>()?;
+            let mut st = c.prepare(
+                "SELECT tool_name, first_request_id FROM tool_results WHERE tool_name IS NOT NULL ORDER BY id",
+            )?;
+            let results: Vec<(String, String)> = st
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                .collect::<rusqlite::Result<_>>()?;
+            let mut next = c.prepare_cached(
+                "SELECT name FROM tool_calls WHERE request_id = ?1 ORDER BY choice, ordinal",
+            )?;
+            for (tool, request) in results {
+                let names: Vec<String> = next
+                    .query_map(params![request], |r| r.get(0))?
+                    .collect::<rusqlite::Result<_>>()?;
+                out.followups.push((tool, names));
             }
             Ok(out)
         })

@@ -3,7 +3,7 @@
 use rusqlite::Connection;
 
 /// The schema version this build writes. Each version's step is additive and runs once.
-pub const VERSION: i64 = 4;
+pub const VERSION: i64 = 5;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -26,6 +26,9 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     }
     if version < 4 {
         v4(conn)?;
+    }
+    if version < 5 {
+        v5(conn)?;
     }
     Ok(())
 }
@@ -229,6 +232,34 @@ fn v4(conn: &Connection) -> rusqlite::Result<()> {
          ALTER TABLE responses ADD COLUMN next_round_index INTEGER;
          ALTER TABLE responses ADD COLUMN calls_so_far TEXT;
          PRAGMA user_version = 4;
+         COMMIT;",
+    )
+}
+
+/// The tools each agent request declared (`turnguard policy learn` reads them): one row per
+/// (request, tool name) with the digest of its declared parameter schema, and each distinct
+/// schema once, by digest (SHA-256 of its RFC 8785 form). A schema over
+/// [`super::MAX_DECLARED_SCHEMA_BYTES`] keeps its digest only (`schema` NULL).
+fn v5(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         CREATE TABLE IF NOT EXISTS tool_schemas (
+            schema_digest TEXT PRIMARY KEY,
+            schema TEXT,
+            at_ms INTEGER NOT NULL
+         );
+         CREATE TABLE IF NOT EXISTS declared_tools (
+            id INTEGER PRIMARY KEY,
+            request_id TEXT NOT NULL,
+            run_id TEXT,
+            api TEXT NOT NULL,
+            name TEXT NOT NULL,
+            schema_digest TEXT,
+            at_ms INTEGER NOT NULL,
+            UNIQUE (request_id, name)
+         );
+         CREATE INDEX IF NOT EXISTS declared_tools_name ON declared_tools (name);
+         PRAGMA user_version = 5;
          COMMIT;",
     )
 }

@@ -47,6 +47,12 @@ pub struct Settings {
     /// text.
     #[serde(default)]
     pub models_without_tools: Vec<String>,
+    /// Shipped catalogs this bundle includes, by name (`claude-code`, `codex`,
+    /// `openai-agents`; `crate::policy::catalogs`). A bundle file `catalogs/<name>.toml` is
+    /// used instead of the shipped one of that name. The serve setting `catalog` replaces
+    /// this list. Default: none.
+    #[serde(default)]
+    pub catalogs: Vec<String>,
 }
 
 /// Enforcement mode, bundle-wide or per tool.

@@ -6,6 +6,7 @@
 
 pub mod bundle;
 pub mod catalog;
+pub mod catalogs;
 pub mod redact;
 pub mod rules;
 
@@ -29,6 +30,9 @@ pub struct BundleSource {
     pub origin: String,
     /// The files, by bundle-relative path.
     pub files: BTreeMap<String, String>,
+    /// The serve setting `catalog`: when set, the shipped catalogs to include instead of the
+    /// bundle's own `catalogs` list (`none` for none). See [`catalogs`].
+    pub catalogs: Option<Vec<String>>,
 }
 
 /// One problem in a bundle, with where it is.
@@ -113,6 +117,9 @@ pub struct CompiledPolicy {
     pub prompted: BTreeMap<String, Arc<Value>>,
     /// Test cases (file, case).
     pub tests: Vec<(String, bundle::TestCase)>,
+    /// The catalogs included ([`catalogs`]): name, where it came from (`shipped` or the
+    /// bundle file), and how many tools it added.
+    pub catalogs: Vec<IncludedCatalog>,
     /// The bundle's files, for test cases that name request/response files.
     pub files: BTreeMap<String, String>,
 }
@@ -152,6 +159,55 @@ impl CompiledPolicy {
                 Some(prefix) => model.starts_with(prefix),
                 None => m == model,
             })
+    }
+}
+
+/// A catalog a bundle included by name ([`catalogs`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IncludedCatalog {
+    /// Its name (`claude-code`).
+    pub name: String,
+    /// `shipped` (built into turnguard) or the bundle file that replaced it.
+    pub source: String,
+    /// Tools it added to the catalog.
+    pub tools: usize,
+}
+
+impl CompiledPolicy {
+    /// One line for logs and `policy check`: catalogued tools by `safetyTier`, and the
+    /// included catalogs (`read 12, write 8, exec 9, pure 7; catalogs claude-code (29),
+    /// codex (19)`).
+    pub fn catalog_summary(&self) -> String {
+        let mut tiers: BTreeMap<&str, usize> = BTreeMap::new();
+        for t in self.catalog.tools() {
+            *tiers.entry(t.descriptor.safety_tier.as_str()).or_default() += 1;
+        }
+        let tiers = if tiers.is_empty() {
+            "no catalogued tools".to_owned()
+        } else {
+            ["pure", "read", "write", "exec"]
+                .iter()
+                .filter_map(|k| tiers.get(k).map(|n| format!("{k} {n}")))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let catalogs = if self.catalogs.is_empty() {
+            "no shipped catalog".to_owned()
+        } else {
+            format!(
+                "catalogs {}",
+                self.catalogs
+                    .iter()
+                    .map(|c| if c.source == "shipped" {
+                        format!("{} ({})", c.name, c.tools)
+                    } else {
+                        format!("{} ({}, from {})", c.name, c.tools, c.source)
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
+        format!("{tiers}; {catalogs}")
     }
 }
 
@@ -206,7 +262,7 @@ pub fn compile(src: &BundleSource) -> Result<CompiledPolicy, Vec<PolicyError>> {
     let mut tests = Vec::new();
     for (path, text) in &src.files {
         match classify(path) {
-            FileKind::Settings | FileKind::Data => {}
+            FileKind::Settings | FileKind::Data | FileKind::Catalog => {}
             FileKind::Tools => match parse_toml::<bundle::ToolsFile>(path, text) {
                 Ok(t) => tool_files.push((path.clone(), text.clone(), t)),
                 Err(e) => errors.push(e),
@@ -228,10 +284,11 @@ pub fn compile(src: &BundleSource) -> Result<CompiledPolicy, Vec<PolicyError>> {
             FileKind::Unknown => errors.push(PolicyError::at(
                 path,
                 None,
-                "unexpected file: a bundle holds turnguard.toml, tools/*.toml, rules/*.cedar, schemas/*.json, tests/*.toml and data files under tests/".into(),
+                "unexpected file: a bundle holds turnguard.toml, tools/*.toml, catalogs/*.toml, rules/*.cedar, schemas/*.json, tests/*.toml and data files under tests/ (examples/ is ignored)".into(),
             )),
         }
     }
+    let included = include_catalogs(src, &settings, settings_text, &mut tool_files, &mut errors);
     for r in &settings.prompted {
         if !prompted.contains_key(&r.schema) {
             errors.push(PolicyError::at(
@@ -291,9 +348,74 @@ pub fn compile(src: &BundleSource) -> Result<CompiledPolicy, Vec<PolicyError>> {
             prompted,
             tests,
             files: src.files.clone(),
+            catalogs: included,
         }),
         _ => Err(errors),
     }
+}
+
+/// Adds the selected catalogs' tools files to `tool_files`: the serve setting's list when
+/// set, else the bundle's `catalogs`; each name resolves to the bundle's
+/// `catalogs/<name>.toml`, else the shipped catalog of that name, else an error.
+fn include_catalogs(
+    src: &BundleSource,
+    settings: &Settings,
+    settings_text: &str,
+    tool_files: &mut Vec<(String, String, bundle::ToolsFile)>,
+    errors: &mut Vec<PolicyError>,
+) -> Vec<IncludedCatalog> {
+    let (names, from_setting) = match &src.catalogs {
+        Some(list) => (list.clone(), true),
+        None => (settings.catalogs.clone(), false),
+    };
+    let mut seen = std::collections::BTreeSet::new();
+    let mut included = Vec::new();
+    for name in names.iter().map(|n| n.trim()) {
+        if name.is_empty() || name == catalogs::NONE || !seen.insert(name.to_owned()) {
+            continue;
+        }
+        let local = format!("catalogs/{name}.toml");
+        let (file, text, source) = match (src.files.get(&local), catalogs::shipped(name)) {
+            // The repository's policy/ carries the shipped files themselves.
+            (Some(text), Some(shipped)) if text == shipped => {
+                (local.clone(), text.clone(), "shipped".to_owned())
+            }
+            (Some(text), _) => (local.clone(), text.clone(), local.clone()),
+            (None, Some(text)) => (
+                format!("{local} (shipped)"),
+                text.to_owned(),
+                "shipped".to_owned(),
+            ),
+            (None, None) => {
+                let message = format!(
+                    "no catalog `{name}`: turnguard ships {}; a bundle can add its own as catalogs/{name}.toml",
+                    catalogs::names()
+                );
+                errors.push(if from_setting {
+                    PolicyError::at("(setting `catalog`)", None, message)
+                } else {
+                    PolicyError::at(
+                        "turnguard.toml",
+                        catalog::line_of_value(settings_text, name),
+                        message,
+                    )
+                });
+                continue;
+            }
+        };
+        match parse_toml::<bundle::ToolsFile>(&file, &text) {
+            Ok(t) => {
+                included.push(IncludedCatalog {
+                    name: name.to_owned(),
+                    source,
+                    tools: t.tool.len(),
+                });
+                tool_files.push((file, text, t));
+            }
+            Err(e) => errors.push(e),
+        }
+    }
+    included
 }
 
 enum FileKind {
@@ -303,6 +425,8 @@ enum FileKind {
     Schema(String),
     Tests,
     Data,
+    /// `catalogs/<name>.toml`: read only when the bundle or the setting selects `name`.
+    Catalog,
     Unknown,
 }
 
@@ -316,6 +440,9 @@ fn classify(path: &str) -> FileKind {
         ("rules", Some((_, "cedar"))) => FileKind::Rules,
         ("schemas", Some((stem, "json"))) => FileKind::Schema(stem.to_owned()),
         ("tests", Some((_, "toml"))) => FileKind::Tests,
+        ("catalogs", Some((_, "toml"))) => FileKind::Catalog,
+        // Example bundles shipped beside the bundle (policy/examples/acme): not part of it.
+        (d, _) if d == "examples" || d.starts_with("examples/") => FileKind::Data,
         (d, _) if d == "tests" || d.starts_with("tests/") => FileKind::Data,
         (d, Some((_, "md"))) if !d.is_empty() => FileKind::Data,
         _ => FileKind::Unknown,

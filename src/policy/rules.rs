@@ -10,7 +10,14 @@
 //! generated from the catalog. A rule whose scope is `resource == Tool::"<id>"` is validated
 //! against that tool's argument types, so `context.args.amout` for a tool without `amout` is a
 //! load error naming file, line and rule. A rule not scoped to one tool sees `args` as an
-//! empty record (it cannot read arguments).
+//! empty record (it cannot read arguments). An argument the `inputSchema` does not require,
+//! or allows to be `null`, is an optional attribute: a rule that reads it without a `has`
+//! guard is a load error that says so (`policy check`).
+//!
+//! Arguments: an argument value never refuses a call by itself ([`to_cedar`]): `null`s are
+//! left out (absent), arrays are sets (duplicates collapse), numbers Cedar has no exact form
+//! for become their JSON text as a string, so only a rule that reads them can be affected —
+//! and then it fails closed (an evaluation error refuses).
 //!
 //! Decisions: forbid overrides permit, and no permit is a deny (Cedar's semantics). A deny
 //! whose determining policies are all annotated `@outcome("hold")` is `held`; any other deny
@@ -217,7 +224,7 @@ impl Rules {
                         .or_else(|| mentioned_offset(src, &e.to_string()))
                         .map(|o| line_of(text, chunk.start + o))
                         .unwrap_or(line);
-                    errors.push(PolicyError::rule(file, at, &label, e.to_string()));
+                    errors.push(PolicyError::rule(file, at, &label, explain_validation(e)));
                 }
                 if !result.validation_passed() {
                     continue;
@@ -492,6 +499,31 @@ fn split_statements(text: &str) -> Vec<Chunk> {
     out
 }
 
+/// A validation error as the policy author reads it. A read of an optional attribute without
+/// a `has` guard gets the reason it can be absent: an argument the tool's `inputSchema` does
+/// not require, or that may be `null` (nulls are left out of the context, [`to_cedar`]).
+fn explain_validation(e: &cedar_policy::ValidationError) -> String {
+    let text = e.to_string();
+    if !matches!(
+        e,
+        cedar_policy::ValidationError::UnsafeOptionalAttributeAccess(_)
+    ) {
+        return text;
+    }
+    // "… optional attribute `args.limit` in context for Action::\"call\"".
+    let after = text.split("optional attribute ").nth(1).unwrap_or_default();
+    let access = after.split('`').nth(1).unwrap_or_default();
+    let (record, attr) = access.rsplit_once('.').unwrap_or(("args", access));
+    let record = if after.contains("in context") {
+        format!("context.{record}")
+    } else {
+        record.to_owned()
+    };
+    format!(
+        "{text}: `{attr}` can be absent (the tool's inputSchema does not require it, or allows null, and a null argument is left out of the context); guard the read: `{record} has {attr} && …`"
+    )
+}
+
 fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())]
         .bytes()
@@ -550,9 +582,52 @@ fn cedar_schema(catalog: &Catalog, tool: Option<&CatalogTool>) -> Value {
     })
 }
 
-/// Maps a JSON Schema to a Cedar type; `None` for what Cedar cannot type (unions, null, …).
+/// The schema a value is checked against once `null` is set aside: the one non-null branch
+/// of `anyOf`/`oneOf: [X, {"type": "null"}]` (pydantic's `Optional[X]`), else the schema
+/// itself; and whether `null` is allowed (that branch, or `"type": [T, "null"]`, the form
+/// OpenAI strict mode uses for optional parameters).
+fn non_null(schema: &Value) -> (&Value, bool) {
+    for key in ["anyOf", "oneOf"] {
+        if let Some(branches) = schema.get(key).and_then(Value::as_array) {
+            let is_null = |b: &Value| b.get("type").and_then(Value::as_str) == Some("null");
+            let rest: Vec<&Value> = branches.iter().filter(|b| !is_null(b)).collect();
+            if rest.len() == 1 && rest.len() < branches.len() {
+                return (rest[0], true);
+            }
+        }
+    }
+    let nullable = schema
+        .get("type")
+        .and_then(Value::as_array)
+        .is_some_and(|t| t.iter().any(|x| x == "null"));
+    (schema, nullable)
+}
+
+/// The JSON Schema `type` of a (non-null) schema: `"T"`, or the one non-null member of
+/// `["T", "null"]`.
+fn type_name(schema: &Value) -> Option<&str> {
+    match schema.get("type")? {
+        Value::String(t) => Some(t),
+        Value::Array(list) => {
+            let rest: Vec<&str> = list
+                .iter()
+                .filter_map(Value::as_str)
+                .filter(|t| *t != "null")
+                .collect();
+            (rest.len() == 1).then(|| rest[0])
+        }
+        _ => None,
+    }
+}
+
+/// Maps a JSON Schema to a Cedar type; `None` for what Cedar cannot type (unions, `$ref` …).
+/// A property is a required Cedar attribute only when the schema requires it *and* it cannot
+/// be `null`: a `null` argument is left out of the context ([`to_cedar`]), so a nullable
+/// property can be absent, and a rule reading it must guard it with `has` (Cedar's
+/// validator reports an unguarded read when the bundle is compiled).
 fn cedar_type(schema: &Value) -> Option<Value> {
-    match schema.get("type").and_then(Value::as_str)? {
+    let (schema, _) = non_null(schema);
+    match type_name(schema)? {
         "string" => Some(json!({"type": "String"})),
         "integer" => Some(json!({"type": "Long"})),
         "number" => Some(json!({"type": "Extension", "name": "decimal"})),
@@ -577,7 +652,8 @@ fn cedar_type(schema: &Value) -> Option<Value> {
                 .flatten()
             {
                 if let Some(mut t) = cedar_type(prop) {
-                    t["required"] = json!(required.contains(name.as_str()));
+                    let (_, nullable) = non_null(prop);
+                    t["required"] = json!(required.contains(name.as_str()) && !nullable);
                     attributes.insert(name.clone(), t);
                 }
             }
@@ -587,9 +663,21 @@ fn cedar_type(schema: &Value) -> Option<Value> {
     }
 }
 
-/// Converts arguments to a Cedar value, exactly or not at all: a `null`, a float with more
-/// than 4 decimals (Cedar `decimal`), or an array with duplicate members (a Cedar set) is
-/// refused, never rounded.
+/// Converts arguments to a Cedar value. An argument value never refuses a call by itself
+/// (policy/README.md, "Arguments in rules"); values Cedar has no exact form for are mapped
+/// so that only a rule that reads them can be affected, and then it fails closed:
+///
+/// - `null` is absent: an object member whose value is `null` is left out of the record,
+///   and a `null` array member out of the set (a rule must guard such a member with `has`;
+///   `policy check` reports a read of an argument that can be absent without one);
+/// - an array is a Cedar set: duplicate members collapse (Cedar has no way to observe
+///   multiplicity, so nothing a rule can test changes);
+/// - an integer is a `Long` (a whole float such as `3.0` too, where the schema says
+///   `integer`); a number the schema types `number` is a `decimal` when it has at most 4
+///   decimals and fits Cedar's range. Any other number (more decimals, out of range) becomes
+///   its JSON text as a *string*, never a rounded number: a rule that compares it as a
+///   number then hits a type error, which refuses the call (an evaluation error refuses),
+///   while rules that do not read it decide as usual.
 fn to_cedar(
     v: &Value,
     schema: Option<&BTreeMap<String, Value>>,
@@ -599,38 +687,43 @@ fn to_cedar(
 }
 
 fn convert(v: &Value, schema: Option<&Value>, path: &str) -> Result<RestrictedExpression, String> {
-    let wants_decimal =
-        schema.and_then(|s| s.get("type")).and_then(Value::as_str) == Some("number");
+    let schema = schema.map(|s| non_null(s).0);
+    let ty = schema.and_then(type_name);
     match v {
-        Value::Null => Err(format!(
-            "`{}` is null, which Cedar cannot represent",
-            display_path(path)
-        )),
+        // Callers leave nulls out of records and sets; a null anywhere else (a bare value)
+        // has no Cedar form, and the empty record is what a rule sees of it.
+        Value::Null => {
+            RestrictedExpression::new_record(Vec::<(String, RestrictedExpression)>::new())
+                .map_err(|e| format!("`{}`: {e}", display_path(path)))
+        }
         Value::Bool(b) => Ok(RestrictedExpression::new_bool(*b)),
         Value::String(s) => Ok(RestrictedExpression::new_string(s.clone())),
         Value::Number(n) => {
-            if let (Some(i), false) = (n.as_i64(), wants_decimal) {
-                return Ok(RestrictedExpression::new_long(i));
+            if ty != Some("number") {
+                if let Some(i) = n.as_i64() {
+                    return Ok(RestrictedExpression::new_long(i));
+                }
+                // `3.0` where the schema says `integer` (JSON Schema counts it as one).
+                let whole = n
+                    .as_f64()
+                    .filter(|f| f.fract() == 0.0 && f.abs() < 9.0e15)
+                    .map(|f| f as i64);
+                if let (Some("integer"), Some(i)) = (ty, whole) {
+                    return Ok(RestrictedExpression::new_long(i));
+                }
             }
-            decimal(n)
-                .map(RestrictedExpression::new_decimal)
-                .ok_or_else(|| {
-                    format!(
-                        "`{}` = {n} is not exactly representable as a Cedar decimal (4 decimals)",
-                        display_path(path)
-                    )
-                })
+            Ok(match decimal(n) {
+                Some(d) => RestrictedExpression::new_decimal(d),
+                None => RestrictedExpression::new_string(n.to_string()),
+            })
         }
         Value::Array(items) => {
             let item_schema = schema.and_then(|s| s.get("items"));
             let mut seen = HashSet::new();
             let mut out = Vec::with_capacity(items.len());
             for (i, item) in items.iter().enumerate() {
-                if !seen.insert(item.to_string()) {
-                    return Err(format!(
-                        "`{}` has duplicate members, which a Cedar set cannot keep",
-                        display_path(path)
-                    ));
+                if item.is_null() || !seen.insert(item.to_string()) {
+                    continue;
                 }
                 out.push(convert(item, item_schema, &format!("{path}/{i}"))?);
             }
@@ -639,7 +732,7 @@ fn convert(v: &Value, schema: Option<&Value>, path: &str) -> Result<RestrictedEx
         Value::Object(map) => {
             let props = schema.and_then(|s| s.get("properties"));
             let mut fields = Vec::with_capacity(map.len());
-            for (k, item) in map {
+            for (k, item) in map.iter().filter(|(_, item)| !item.is_null()) {
                 let p = props.and_then(|p| p.get(k));
                 fields.push((k.clone(), convert(item, p, &format!("{path}/{k}"))?));
             }
@@ -726,6 +819,31 @@ mod tests {
         assert_eq!(chunks.len(), 2);
         assert!(src[chunks[0].start..chunks[0].end].starts_with("permit"));
         assert_eq!(line_of(src, chunks[1].start), 4);
+    }
+
+    #[test]
+    fn argument_values_cedar_cannot_hold_exactly_never_fail_the_conversion() {
+        let args =
+            json!({"a": null, "b": [1, 1, null], "c": 0.123_456_7, "d": {"e": null}, "f": 3.0});
+        let schema: BTreeMap<String, Value> = serde_json::from_value(json!({
+            "type": "object",
+            "properties": {"c": {"type": "number"}, "f": {"type": ["integer", "null"]}}
+        }))
+        .unwrap();
+        assert!(to_cedar(&args, Some(&schema)).is_ok());
+        assert!(to_cedar(&args, None).is_ok());
+        // Nullable and optional properties are optional Cedar attributes.
+        let t = cedar_type(
+            &json!({"type": "object", "required": ["x", "y", "z"], "properties": {
+            "x": {"type": "string"}, "y": {"type": ["string", "null"]},
+            "z": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "w": {"type": "boolean"}}}),
+        )
+        .unwrap();
+        assert_eq!(t["attributes"]["x"]["required"], true);
+        assert_eq!(t["attributes"]["y"]["required"], false);
+        assert_eq!(t["attributes"]["z"]["type"], "Long");
+        assert_eq!(t["attributes"]["z"]["required"], false);
+        assert_eq!(t["attributes"]["w"]["required"], false);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, StatusCode};
@@ -30,7 +30,7 @@ use serde_json::{json, Value};
 use crate::admission::channel::{Channel, ChannelSpec, ChannelVerdict};
 use crate::admission::{self, AdmitCtx};
 use crate::body::{read_capped, BodyError};
-use crate::error::WireError;
+use crate::error::{Surface, WireError};
 use crate::journal::{
     CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RunKey, ServedCall,
     ServedRecord, ToolResultRecord,
@@ -457,6 +457,24 @@ impl Session {
                     })
                     .inc();
                 let tool_name = admission::sanitize_label(&call.name);
+                if d.outcome != Outcome::Executed || !d.enforced {
+                    // One line per decision that is not a plain release (never arguments,
+                    // never the validator's message, which may quote them).
+                    tracing::info!(
+                        request_id = %self.ctx.request_id,
+                        run = self.ctx.run.run_id.as_deref().unwrap_or(""),
+                        api = self.turn.api.as_str(),
+                        tool = %tool_name,
+                        tool_id = %d.tool_id,
+                        outcome = d.outcome.as_str(),
+                        stage = d.stage.as_str(),
+                        reason = d.reason,
+                        surfaced = if d.enforced { surfacing_label(&verdict.surfacing) } else { "release" },
+                        mode = if d.enforced { "enforce" } else { "shadow" },
+                        "{}",
+                        if d.enforced { "tool call withheld" } else { "tool call released (shadow mode: enforcement would withhold it)" }
+                    );
+                }
                 let call_id = if call.id.is_empty() {
                     "unknown".to_owned()
                 } else {
@@ -542,6 +560,18 @@ impl Session {
     }
 }
 
+/// How a choice's withheld calls reach the agent, as a log label.
+fn surfacing_label(s: &Surfacing) -> &'static str {
+    match s {
+        Surfacing::Release => "release",
+        Surfacing::Drop => "drop",
+        Surfacing::EndTurn(_) => "end-turn",
+        Surfacing::Repair(_) => "repair",
+        Surfacing::Error(_) => "error",
+        Surfacing::Wait => "wait",
+    }
+}
+
 fn n_choices(body: &Value) -> u64 {
     body.get("n").and_then(Value::as_u64).unwrap_or(1)
 }
@@ -556,7 +586,7 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Respo
         Err(e) => {
             let (_, code, reason) = e.parts();
             tracing::warn!(request_id = %ctx.request_id, api = api.as_str(), code, reason, error = %e, "request refused");
-            (e.into_response(), false)
+            (e.response(Surface::of_api(api)), false)
         }
     };
     state.metrics.inflight_requests.dec();
@@ -609,6 +639,7 @@ async fn turn(
     }
     let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
     record_tool_results(state, ctx, &turn, &policy).await?;
+    record_declared_tools(state, ctx, &turn).await;
 
     let agent_digest = crate::recipes::semantic_request_digest(api, &json);
     let mode = run_mode(&parts.headers)?;
@@ -678,7 +709,7 @@ async fn turn(
                 session.body = next;
                 session.count_repair();
             }
-            JsonRound::Error(e) => return Ok((surfaced_error(&e), false)),
+            JsonRound::Error(e) => return Ok((surfaced_error(&e, Surface::of_api(api)), false)),
         }
     }
 }
@@ -749,16 +780,22 @@ fn channel_of(
     }))
 }
 
-/// An error surfaced for a withheld call: the OpenWOP envelope, `Retry-After` for 429.
-pub fn surfaced_error(e: &SurfacedError) -> Response {
+/// An error surfaced for a withheld call, in `surface`'s error shape with the OpenWOP code
+/// and details inside ([`crate::error::Surface`]); `Retry-After` for 429.
+pub fn surfaced_error(e: &SurfacedError, surface: Surface) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::FORBIDDEN);
-    let mut resp = crate::error::envelope(status, e.code, &e.message);
+    let mut details = json!({ "source": "turnguard" });
     if let Some(secs) = e.retry_after_secs {
-        if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
-            resp.headers_mut().insert(header::RETRY_AFTER, v);
-        }
+        details["retryAfterSeconds"] = json!(secs);
     }
-    resp
+    crate::error::Authored {
+        status,
+        code: e.code,
+        message: e.message.clone(),
+        details: Some(details),
+        retry_after: e.retry_after_secs,
+    }
+    .response(surface)
 }
 
 /// What every round record shares, known once the upstream answered.
@@ -894,6 +931,26 @@ async fn record_tool_results(
                 })
             }
         }
+    }
+}
+
+/// Queues the tools the request declared (names and parameter schemas, never arguments) for
+/// `turnguard policy learn`; a failure is logged, the request goes on (nothing in the
+/// contract depends on it).
+async fn record_declared_tools(state: &AppState, ctx: &RequestCtx, turn: &Turn) {
+    let rec = crate::journal::DeclaredToolsRecord {
+        request_id: ctx.request_id.clone(),
+        at_ms: ctx.at_ms,
+        run_id: ctx.run.run_id.clone(),
+        api: turn.api.as_str(),
+        tools: turn
+            .tools
+            .iter()
+            .map(|t| (t.name.clone(), t.schema.clone()))
+            .collect(),
+    };
+    if let Err(e) = state.journal.record_declared_tools(rec).await {
+        tracing::error!(error = %e, request_id = %ctx.request_id, "declared tools not journaled");
     }
 }
 
@@ -1177,6 +1234,7 @@ pub async fn passthrough(
     req: Request<Body>,
 ) -> Response {
     let ctx = RequestCtx::new(req.headers());
+    let surface = Surface::of_request(req.uri().path(), req.headers());
     let (parts, body) = req.into_parts();
     let result = async {
         let raw = read_request(&state, body).await?;
@@ -1206,7 +1264,7 @@ pub async fn passthrough(
             *out.headers_mut() = upstream::response_headers(&p.headers, true);
             out
         }
-        Err(e) => e.into_response(),
+        Err(e) => e.response(surface),
     };
     state
         .metrics

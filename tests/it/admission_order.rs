@@ -987,8 +987,8 @@ async fn spent_repairs_surface_the_configured_error_and_never_the_bad_call() {
         .unwrap()
         .starts_with("application/json"));
     let got: Value = serde_json::from_slice(&body).expect("an error envelope");
-    assert_eq!(got["error"], "envelope_invalid", "{text}");
-    assert!(got["message"].is_string(), "{text}");
+    assert_eq!(got["error"]["code"], "envelope_invalid", "{text}");
+    assert!(got["error"]["message"].is_string(), "{text}");
     for secret in [
         "call_bad_0",
         "call_bad_1",

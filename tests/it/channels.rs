@@ -75,8 +75,11 @@ async fn prompted_answers_are_validated_repaired_and_refused() {
     .await;
     assert_eq!(status, 422, "{}", String::from_utf8_lossy(&body));
     let err: Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(err["error"], "envelope_invalid");
-    assert!(err["message"].as_str().unwrap().contains("prompted"));
+    assert_eq!(err["error"]["code"], "envelope_invalid");
+    assert!(err["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("prompted"));
 
     // Text shaped like a tool call is a (schema-invalid) prompted answer, never a call.
     let (status, _, body) = post_raw(&url, request("llama-3", false).to_string().into(), &[]).await;

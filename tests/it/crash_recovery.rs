@@ -710,7 +710,10 @@ fn trial(t: u64, rng: &mut Lcg, tg: &mut Turnguard, mock: &Mock, stats: &mut Sta
                     stats.resends += 1;
                     tg.ensure_running();
                 }
-                Ok(s) if s.status == 409 && s.json["error"] == "turnguard.tool_outcome_unknown" => {
+                Ok(s)
+                    if s.status == 409
+                        && s.json["error"]["code"] == "turnguard.tool_outcome_unknown" =>
+                {
                     stats.outcome_unknown += 1;
                     notes.push(format!(
                         "round {r}: tool_outcome_unknown at attempt {attempt}"

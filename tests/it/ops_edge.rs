@@ -185,11 +185,12 @@ async fn over_the_concurrency_limit_requests_are_shed_with_503_and_retry_after()
     assert_eq!(headers["retry-after"], "7");
     assert_eq!(headers["x-request-id"], "shed-me-1");
     let err: Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(err["error"], "runner_unavailable");
-    assert_eq!(err["details"]["reason"], "overloaded");
-    assert_eq!(err["details"]["limit"], 1);
-    assert_eq!(err["details"]["retryAfterSeconds"], 7);
-    assert!(err["message"].as_str().unwrap().contains("limit"));
+    // The OpenAI shape on a Chat path, the OpenWOP code and details inside.
+    assert_eq!(err["error"]["code"], "runner_unavailable");
+    assert_eq!(err["error"]["details"]["reason"], "overloaded");
+    assert_eq!(err["error"]["details"]["limit"], 1);
+    assert_eq!(err["error"]["details"]["retryAfterSeconds"], 7);
+    assert!(err["error"]["message"].as_str().unwrap().contains("limit"));
     assert_eq!(
         h.mock_requests().await.len(),
         1,
@@ -286,8 +287,8 @@ async fn upstream_timeouts_and_the_event_cap_fail_cleanly_and_are_counted() {
     let (status, body) = post_json(&url, &chat(false), &[]).await;
     assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
     let err: Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(err["error"], "upstream_unavailable");
-    assert!(err["message"].as_str().unwrap().contains("300 ms"));
+    assert_eq!(err["error"]["code"], "upstream_unavailable");
+    assert!(err["error"]["message"].as_str().unwrap().contains("300 ms"));
 
     // Silence inside a stream longer than the idle timeout: the stream is cut with an error
     // event and no tool call is released. The events are small enough for the cap.

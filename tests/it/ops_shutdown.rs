@@ -247,7 +247,8 @@ async fn sigterm_during_a_stream_lets_it_finish_journals_it_and_exits_0() {
     assert!(shed.headers().contains_key("retry-after"));
     let err: Value =
         serde_json::from_slice(&shed.into_body().collect().await.unwrap().to_bytes()).unwrap();
-    assert_eq!(err["details"]["reason"], "shutting_down");
+    assert_eq!(err["error"]["details"]["reason"], "shutting_down");
+    assert_eq!(err["error"]["code"], "runner_unavailable");
 
     // The stream runs to its end, with the released call and the terminator.
     let mut received = Vec::new();

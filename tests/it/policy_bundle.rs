@@ -253,13 +253,15 @@ fn policy_check_rejects_exec_on_a_tool_that_is_not_a_host_extension() {
 // Must-show 4: `policy test`
 
 #[test]
-fn policy_test_runs_the_default_bundle_green_and_fails_on_a_wrong_expectation() {
-    let policy = repo().join("policy");
+fn policy_test_runs_the_acme_example_green_and_fails_on_a_wrong_expectation() {
+    // The example bundle (policy/examples/acme) has the richer cases; the default bundle's
+    // own cases are run in tests/it/dropin.rs.
+    let policy = repo().join("policy/examples/acme");
     let cases_text = std::fs::read_to_string(policy.join("tests/cases.toml")).unwrap();
     let cases: toml::Value = toml::from_str(&cases_text).unwrap();
     let names: Vec<String> = cases["case"]
         .as_array()
-        .expect("the default bundle has cases")
+        .expect("the example bundle has cases")
         .iter()
         .map(|c| c["name"].as_str().unwrap().to_owned())
         .collect();
@@ -998,8 +1000,8 @@ fn the_committed_bundle_schemas_are_what_policy_schema_generates() {
         !settings.is_valid(&json!({"unknown_key": 1})),
         "the settings schema is strict"
     );
-    for f in std::fs::read_dir(repo().join("policy/tools")).unwrap() {
-        let v = toml_json(&f.unwrap().path());
+    for f in tool_files() {
+        let v = toml_json(&f);
         assert!(
             schema_errors(&tools, &v).is_empty(),
             "{:?}",
@@ -1008,12 +1010,24 @@ fn the_committed_bundle_schemas_are_what_policy_schema_generates() {
     }
 }
 
+/// The tools files the repository ships: the shipped catalogs (policy/catalogs) and the
+/// example bundle's (policy/examples/acme/tools).
+fn tool_files() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for dir in ["policy/catalogs", "policy/examples/acme/tools"] {
+        for f in std::fs::read_dir(repo().join(dir)).unwrap() {
+            out.push(f.unwrap().path());
+        }
+    }
+    assert!(out.len() >= 4, "{out:?}");
+    out
+}
+
 #[test]
 fn every_default_tool_descriptor_is_a_valid_openwop_tool_descriptor() {
     let schema = validator(&spec("tool-descriptor.schema.json"));
     let mut n = 0;
-    for f in std::fs::read_dir(repo().join("policy/tools")).unwrap() {
-        let path = f.unwrap().path();
+    for path in tool_files() {
         let text = std::fs::read_to_string(&path).unwrap();
         let file: Value = toml::from_str(&text).unwrap();
         let tools = file["tool"]

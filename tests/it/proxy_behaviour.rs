@@ -176,15 +176,18 @@ async fn bad_input_gets_a_clear_error_and_loses_nothing() {
     let (status, _, body) = post_raw(&url, vec![b' '; 5000].into(), &[]).await;
     assert_eq!(status, 413);
     assert_eq!(
-        serde_json::from_slice::<Value>(&body).unwrap()["error"],
+        serde_json::from_slice::<Value>(&body).unwrap()["error"]["code"],
         "payload_too_large"
     );
     let (status, _, body) = post_raw(&url, "{\"model\": \"x\", \"messages\": [".into(), &[]).await;
     assert_eq!(status, 400);
     let err: Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(err["error"], "validation_error");
+    assert_eq!(err["error"]["code"], "validation_error");
     assert!(
-        err["message"].as_str().unwrap().contains("malformed JSON"),
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("malformed JSON"),
         "{err}"
     );
     let (status, _, body) = post_raw(&url, "{\"model\": \"x\", \"messages\": 3}".into(), &[]).await;
@@ -198,7 +201,7 @@ async fn bad_input_gets_a_clear_error_and_loses_nothing() {
         h.mock_requests().await.is_empty(),
         "nothing malformed reaches the upstream"
     );
-    // Unknown paths and methods: 404 with the OpenWOP body, never forwarded.
+    // Unknown paths and methods: 404 with turnguard's error body, never forwarded.
     for (method, path) in [
         ("GET", "/v1/chat/completions"),
         // A stored response holds calls that never went through admission.
@@ -223,8 +226,14 @@ async fn bad_input_gets_a_clear_error_and_loses_nothing() {
         assert_eq!(resp.status(), 404, "{method} {path}");
         let body = resp.into_body().collect().await.unwrap().to_bytes();
         let err: Value = serde_json::from_slice(&body).unwrap();
-        assert_eq!(err["error"], "not_found");
-        assert!(err["message"].as_str().unwrap().contains(path));
+        // Under /v1 the OpenAI shape; elsewhere the OpenWOP envelope.
+        let (code, message) = if path.starts_with("/v1/") {
+            (&err["error"]["code"], &err["error"]["message"])
+        } else {
+            (&err["error"], &err["message"])
+        };
+        assert_eq!(code, "not_found", "{err}");
+        assert!(message.as_str().unwrap().contains(path), "{err}");
     }
 }
 
@@ -245,8 +254,8 @@ async fn unreachable_upstream_is_502() {
     .await;
     assert_eq!(status, 502);
     let err: Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(err["error"], "upstream_unavailable");
-    assert_eq!(err["details"]["upstream"], "openai");
+    assert_eq!(err["error"]["code"], "upstream_unavailable");
+    assert_eq!(err["error"]["details"]["upstream"], "openai");
 }
 
 #[tokio::test]

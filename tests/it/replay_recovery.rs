@@ -251,28 +251,49 @@ impl Agent {
     }
 }
 
-/// The answer is an OpenWOP error envelope `{error, message, details?}` with this status and
-/// code; the code is registered in `errors.json` with that status, or has the vendor form.
+/// The answer is turnguard's error in the provider surface's own shape (DESIGN.md §7) with
+/// this status and OpenWOP code inside: OpenAI `{"error": {message, type, code, param,
+/// details}}` or Anthropic `{"type": "error", "error": {type, message, code, details}}`; the
+/// code is registered in `errors.json` with that status, or has the vendor form.
 fn assert_openwop_error(reply: &Reply, status: u16, code: &str) {
     assert_eq!(reply.status, status, "body: {}", reply.text_body());
     let v = &reply.json;
     let obj = v
         .as_object()
         .unwrap_or_else(|| panic!("error body is not a JSON object: {}", reply.text_body()));
+    let allowed: &[&str] = if obj.contains_key("type") {
+        assert_eq!(v["type"], "error", "the Anthropic shape: {v}");
+        &["type", "error"]
+    } else {
+        &["error"]
+    };
     for k in obj.keys() {
         assert!(
-            ["error", "message", "details"].contains(&k.as_str()),
-            "unexpected key `{k}` in the error envelope {v}"
+            allowed.contains(&k.as_str()),
+            "unexpected key `{k}` in the error body {v}"
         );
     }
-    assert_eq!(v["error"], code, "{v}");
+    let err = v
+        .get("error")
+        .and_then(Value::as_object)
+        .unwrap_or_else(|| panic!("`error` is not an object: {v}"));
+    assert_eq!(err.get("code"), Some(&json!(code)), "{v}");
     assert!(
-        v["message"].as_str().is_some_and(|m| !m.is_empty()),
-        "message: {v}"
+        err.get("type")
+            .and_then(Value::as_str)
+            .is_some_and(|t| !t.is_empty()),
+        "error.type: {v}"
     );
-    if let Some(d) = v.get("details") {
-        assert!(d.is_object(), "details must be an object: {v}");
-    }
+    assert!(
+        err.get("message")
+            .and_then(Value::as_str)
+            .is_some_and(|m| m.contains(code)),
+        "error.message names the code: {v}"
+    );
+    let d = err
+        .get("details")
+        .unwrap_or_else(|| panic!("no details: {v}"));
+    assert_eq!(d.get("source"), Some(&json!("turnguard")), "details: {v}");
     let registry = read_json(&spec_dir().join("errors.json"));
     match registry["rows"]
         .as_array()
@@ -505,7 +526,10 @@ async fn v2_tool_turn_replay() {
         .await;
     assert_openwop_error(&miss, 404, "replay_source_missing");
     assert!(
-        miss.json["message"].as_str().unwrap().contains("charge"),
+        miss.json["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("charge"),
         "the error names the side-effecting position: {}",
         miss.text_body()
     );
@@ -635,7 +659,7 @@ async fn v2_tool_turn_recovery() {
     let q1_again = round1.send().await;
     assert_openwop_error(&q1_again, 409, "turnguard.tool_outcome_unknown");
     assert!(
-        q1_again.json["message"]
+        q1_again.json["error"]["message"]
             .as_str()
             .unwrap()
             .contains("charge"),
@@ -1064,7 +1088,7 @@ async fn v2_provider_tool_suppressed() {
     let refused_a = send(messages_url.clone(), mcp_a, run("research", false)).await;
     assert_openwop_error(&refused_a, 403, "forbidden");
     assert_eq!(
-        refused_a.json["details"]["reason"],
+        refused_a.json["error"]["details"]["reason"],
         "provider_delegation_in_run"
     );
     let mut mcp_o = responses_req.clone();

@@ -1048,7 +1048,7 @@ async fn v2_tool_turn_replay_on_responses() {
     past.push(json!({"role": "user", "content": "Now refund it."}));
     let miss = send(&h, &body(&past), &replay).await;
     assert_eq!(miss.status, 404, "{}", miss.text());
-    assert_eq!(miss.json["error"], "replay_source_missing");
+    assert_eq!(miss.json["error"]["code"], "replay_source_missing");
     assert_eq!(upstream(&h).await, 3);
     h.stop().await;
 }

@@ -200,13 +200,19 @@ async fn an_mcp_tool_is_refused_inside_a_run_and_passed_in_a_chat_turn() {
     let (status, body) = post_json(&url(&h), &req, &[("turnguard-run", "run-mcp")]).await;
     assert_eq!(status, 403);
     let err: Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(err["error"], "forbidden");
-    assert_eq!(err["details"]["reason"], "provider_delegation_in_run");
+    assert_eq!(err["error"]["code"], "forbidden");
     assert_eq!(
-        err["details"]["field"],
+        err["error"]["details"]["reason"],
+        "provider_delegation_in_run"
+    );
+    assert_eq!(
+        err["error"]["details"]["field"],
         "tools[1] (mcp, server_label deepwiki)"
     );
-    assert!(err["message"].as_str().unwrap().contains("MCP"), "{err}");
+    assert!(
+        err["error"]["message"].as_str().unwrap().contains("MCP"),
+        "{err}"
+    );
     assert!(
         h.mock_requests().await.is_empty(),
         "a refused request never reaches the provider"
@@ -412,9 +418,9 @@ async fn malformed_responses_requests_get_a_clear_error() {
         let (status, out) = post_json(&url(&h), &body, &[]).await;
         assert_eq!(status, 400, "{body}");
         let err: Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(err["error"], "validation_error");
+        assert_eq!(err["error"]["code"], "validation_error");
         assert!(
-            err["message"].as_str().unwrap().contains(needle),
+            err["error"]["message"].as_str().unwrap().contains(needle),
             "{err} should name {needle}"
         );
     }

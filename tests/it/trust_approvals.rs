@@ -346,7 +346,7 @@ async fn v2_turn_trust_approver() {
     let (status, _, body) = second.await.unwrap();
     let err = json_of(&body);
     assert_eq!(
-        (status, err["error"].as_str()),
+        (status, err["error"]["code"].as_str()),
         (422, Some("approval_rejected")),
         "{err}"
     );
@@ -457,12 +457,12 @@ async fn approval_expiry_and_no_person_refuse() {
     );
     let err = json_of(&body);
     assert_eq!(
-        (status, err["error"].as_str()),
+        (status, err["error"]["code"].as_str()),
         (422, Some("approval_rejected")),
         "{err}"
     );
     assert!(
-        err["message"]
+        err["error"]["message"]
             .as_str()
             .unwrap()
             .contains("approval_expired"),
@@ -486,12 +486,15 @@ async fn approval_expiry_and_no_person_refuse() {
     .await;
     let err = json_of(&body);
     assert_eq!(
-        (status, err["error"].as_str()),
+        (status, err["error"]["code"].as_str()),
         (422, Some("approval_rejected")),
         "{err}"
     );
     assert!(
-        err["message"].as_str().unwrap().contains("no_approver"),
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no_approver"),
         "{err}"
     );
     assert!(
@@ -509,7 +512,7 @@ async fn approval_expiry_and_no_person_refuse() {
     )
     .await;
     assert_eq!(
-        (status, json_of(&body)["error"].as_str()),
+        (status, json_of(&body)["error"]["code"].as_str()),
         (401, Some("unauthenticated"))
     );
 
@@ -956,11 +959,11 @@ async fn v2_tool_clarification() {
     .await;
     let err = json_of(&body);
     assert_eq!(
-        (status, err["error"].as_str()),
+        (status, err["error"]["code"].as_str()),
         (422, Some("loop_limit_exceeded")),
         "{err}"
     );
-    assert!(err["message"]
+    assert!(err["error"]["message"]
         .as_str()
         .unwrap()
         .contains("clarification_rounds_exceeded"));
@@ -977,7 +980,7 @@ async fn v2_tool_clarification() {
     )
     .await;
     assert_eq!(
-        (status, json_of(&body)["error"].as_str()),
+        (status, json_of(&body)["error"]["code"].as_str()),
         (422, Some("capability_not_provided"))
     );
     assert_eq!(h.mock_requests().await.len(), before);
