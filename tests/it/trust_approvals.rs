@@ -87,7 +87,8 @@ async fn pending(h: &Harness, t: &str) -> Vec<Value> {
 
 /// Polls `GET /approvals` until `n` interrupts are listed.
 async fn wait_pending(h: &Harness, t: &str, n: usize) -> Vec<Value> {
-    for _ in 0..200 {
+    // Polls for up to 30 s: a loaded CI machine may take seconds to journal the interrupt.
+    for _ in 0..1200 {
         let list = pending(h, t).await;
         if list.len() >= n {
             return list;
