@@ -7,6 +7,9 @@
     clippy::disallowed_methods
 )] // test code
 
+pub mod approvals;
+pub mod runs;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -81,7 +84,17 @@ pub async fn start_with_policy(script: Script, bundle: &str) -> Harness {
 
 /// Like [`start`], with a chance to adjust the config.
 pub async fn start_with(script: Script, tweak: impl FnOnce(&mut Config)) -> Harness {
-    let dir = tempfile::tempdir().expect("tempdir");
+    start_in(tempfile::tempdir().expect("tempdir"), script, tweak).await
+}
+
+/// Like [`start_with`], on the journal in `dir` (`dir/journal.db`): with the directory a
+/// stopped harness handed back ([`Harness::stop`]), this is a restart — a new turnguard
+/// process state (and a new mock) on the same journal.
+pub async fn start_in(
+    dir: tempfile::TempDir,
+    script: Script,
+    tweak: impl FnOnce(&mut Config),
+) -> Harness {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind mock");
