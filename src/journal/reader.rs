@@ -89,7 +89,7 @@ impl JournalReader {
     ) -> Result<Option<ServedRecord>, JournalError> {
         self.with(|c| {
             c.query_row(
-                "SELECT request_digest, request_id, status, content_type, body, body_bytes, body_digest, truncated, calls, at_ms
+                "SELECT request_digest, request_id, status, content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted
                  FROM served WHERE run_id = ?1 AND node_id = ?2 AND attempt = ?3 AND round_index = ?4",
                 params![run, node, attempt, round],
                 |r| {
@@ -103,12 +103,13 @@ impl JournalReader {
                         request_id: r.get(1)?,
                         status: r.get(2)?,
                         content_type: r.get(3)?,
-                        body: Recorded {
-                            bytes: r.get::<_, Option<Vec<u8>>>(4)?.unwrap_or_default(),
-                            total_bytes: r.get::<_, i64>(5)? as u64,
-                            digest: r.get(6)?,
-                            truncated: r.get(7)?,
-                        },
+                        body: Recorded::stored(
+                            r.get::<_, Option<Vec<u8>>>(4)?.unwrap_or_default(),
+                            r.get::<_, i64>(5)? as u64,
+                            r.get(6)?,
+                            r.get(7)?,
+                            r.get(10)?,
+                        ),
                         calls: serde_json::from_str::<Vec<ServedCall>>(&calls).unwrap_or_default(),
                         claims: Vec::new(),
                         at_ms: r.get(9)?,
@@ -116,6 +117,19 @@ impl JournalReader {
                 },
             )
             .optional()
+        })
+    }
+
+    /// Whether a principal token with this claims fingerprint was presented on the data
+    /// plane (table `principal_tokens`): such a token never resolves an interrupt.
+    pub fn token_seen(&self, fingerprint: &str) -> Result<bool, JournalError> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT count(*) FROM principal_tokens WHERE fingerprint = ?1",
+                params![fingerprint],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| n > 0)
         })
     }
 
@@ -294,7 +308,7 @@ impl JournalReader {
         self.with(|c| {
             let mut st = c.prepare(
                 "SELECT r.request_id, r.node_id, r.attempt, r.round_index, r.api, r.model, r.state, r.completion,
-                        r.upstream_status, r.at_ms
+                        r.upstream_status, r.at_ms, r.client_request_id
                  FROM rounds r WHERE r.run_id = ?1 ORDER BY r.at_ms, r.id",
             )?;
             let rounds = st.query_map(params![run], |r| {
@@ -304,6 +318,7 @@ impl JournalReader {
                     "model": r.get::<_, Option<String>>(5)?, "state": r.get::<_, String>(6)?,
                     "completion": r.get::<_, Option<String>>(7)?, "upstreamStatus": r.get::<_, Option<i64>>(8)?,
                     "atMs": r.get::<_, i64>(9)?,
+                    "clientRequestId": r.get::<_, Option<String>>(10)?,
                 }))
             })?;
             let mut out: Vec<serde_json::Value> = rounds.collect::<rusqlite::Result<_>>()?;

@@ -327,12 +327,13 @@ async fn v2_tool_turn_recovery() {
     assert_eq!(q2.text().as_deref(), Some("Charged 19.5 for order o-9."));
     assert_eq!(upstream_calls(&h).await, 3);
 
-    // A re-sent recorded round serves the record: round 1 again, now that every call of its
-    // answer has a recorded result; and the last round.
+    // A re-sent recorded round serves the record: round 1 again — now that every call of its
+    // answer has a recorded result, its recorded continuation (never the charge again,
+    // issue 10 item 14); and the last round.
     let q1_served = round1.send().await;
     assert_eq!(q1_served.status, 200, "{}", q1_served.text_body());
     assert!(q1_served.served_from_record());
-    assert_eq!(q1_served.body, q1.body);
+    assert_eq!(q1_served.body, q2.body);
     let q2_served = agent.send().await;
     assert_eq!(q2_served.status, 200, "{}", q2_served.text_body());
     assert!(q2_served.served_from_record());

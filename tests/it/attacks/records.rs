@@ -433,14 +433,13 @@ async fn a_business_key_never_hands_one_principal_anothers_result() {
         assert_eq!(alice.send().await.status, 200);
 
         // Bob's model asks for the same charge (same business key) in his own run.
+        let before_bob = upstream_calls(&h).await;
         let bob = Agent::new(&h, "run-bob", "Charge 12.")
             .header("turnguard-principal-token", &token("bob", json!({})));
         let b = bob.send().await;
         assert_eq!(b.status, 200, "{}", b.text_body());
         assert!(b.calls().is_empty(), "not run again: {}", b.text_body());
-        let upstream: String = h
-            .mock_requests()
-            .await
+        let upstream: String = h.mock_requests().await[before_bob..]
             .iter()
             .map(Value::to_string)
             .collect();
