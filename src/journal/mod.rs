@@ -5,7 +5,11 @@
 //!
 //! Writes are insert-if-absent (`ON CONFLICT DO NOTHING`), never a replacing insert (the
 //! `OR REPLACE` conflict clause): a record, once written, is never silently overwritten. When
-//! the journal cannot record what the contract requires, the caller fails the request.
+//! the journal cannot record what the contract requires, the caller fails the request. Every
+//! key is turnguard's own (a round's `request_id` is [`crate::proxy::RequestCtx::journal_id`],
+//! then `#repair-N`): an id the client chose (`x-request-id`) is only a column
+//! (`rounds.client_request_id`), so a client repeating one never makes a record "already
+//! there". Every body is redacted before it is written ([`Recorded`], [`redact`]).
 //!
 //! # The response chain (`responses` table)
 //!
@@ -85,7 +89,10 @@ pub enum JournalError {
 /// Made only by [`Recorded::redacted`] / [`Recorded::redacted_parts`] (the fields can be read
 /// but a `Recorded` cannot be built elsewhere), so no body reaches the journal without
 /// passing redaction ([`redact`]).
-#[derive(Debug, Clone, Default)]
+// `_sealed` keeps this module's constructors the only way to make one inside the crate too
+// (`#[non_exhaustive]` only binds other crates).
+#[allow(clippy::manual_non_exhaustive)]
+#[derive(Debug, Clone)]
 pub struct Recorded {
     /// The bytes kept: the whole body, or its redacted form; empty when `truncated` or when
     /// a secret could not be removed piecewise.

@@ -173,23 +173,28 @@ pub async fn serve_recorded(
     }
 }
 
-/// The calls of `rec` whose results are recorded (a result kept only as a digest counts as
-/// absent), and the ones without, in order: `(tool name, re-runnable)`.
-fn partition(
-    reader: &JournalReader,
-    run: &str,
-    rec: &ServedRecord,
-) -> Result<(HashSet<String>, Vec<(String, bool)>), JournalError> {
-    let mut recorded = HashSet::new();
-    let mut unrecorded = Vec::new();
+/// The calls of a served record, split by whether their results are recorded.
+struct Split {
+    /// Ids of the calls whose results are recorded (a result kept only as a digest counts as
+    /// absent).
+    recorded: HashSet<String>,
+    /// The others, in order: `(tool name, re-runnable)`.
+    unrecorded: Vec<(String, bool)>,
+}
+
+fn partition(reader: &JournalReader, run: &str, rec: &ServedRecord) -> Result<Split, JournalError> {
+    let mut split = Split {
+        recorded: HashSet::new(),
+        unrecorded: Vec::new(),
+    };
     for c in &rec.calls {
         if matches!(reader.tool_result(run, &c.call_id)?, Some(Some(_))) {
-            recorded.insert(c.call_id.clone());
+            split.recorded.insert(c.call_id.clone());
         } else {
-            unrecorded.push((c.tool_name.clone(), c.rerunnable));
+            split.unrecorded.push((c.tool_name.clone(), c.rerunnable));
         }
     }
-    Ok((recorded, unrecorded))
+    Ok(split)
 }
 
 /// Same-attempt recovery from the record `first` of the re-sent round (see the module docs).
@@ -202,7 +207,10 @@ fn recover(
 ) -> Result<Recovery, JournalError> {
     let mut rec = first;
     for _ in 0..MAX_CHAIN {
-        let (recorded, unrecorded) = partition(reader, run, &rec)?;
+        let Split {
+            recorded,
+            unrecorded,
+        } = partition(reader, run, &rec)?;
         if !rec.calls.is_empty() && unrecorded.is_empty() {
             // Every call of this answer ran: the answer that followed them is the one to serve.
             match reader.served(run, node, attempt, rec.round_index + 1)? {
@@ -280,7 +288,10 @@ fn replay_chain(
         if rec.calls.is_empty() {
             return Ok((rec, HashSet::new(), skipped_before, skipped_now));
         }
-        let (recorded, unrecorded) = partition(reader, run, &rec).map_err(unavailable)?;
+        let Split {
+            recorded,
+            unrecorded,
+        } = partition(reader, run, &rec).map_err(unavailable)?;
         if unrecorded.is_empty() {
             // Every call of this answer has a recorded result: not released again.
             k += 1;

@@ -120,9 +120,11 @@ pub async fn pending(h: &Harness, t: &str) -> Vec<Value> {
     json_of(&body)["approvals"].as_array().unwrap().clone()
 }
 
-/// Polls `GET /approvals` until `n` interrupts are listed.
+/// Polls `GET /approvals` until `n` interrupts are listed (for up to 60 s: an agent played by
+/// a Python SDK can take many seconds to start on a loaded machine).
 pub async fn wait_pending(h: &Harness, t: &str, n: usize) -> Vec<Value> {
-    for _ in 0..200 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while std::time::Instant::now() < deadline {
         let list = pending(h, t).await;
         if list.len() >= n {
             return list;
