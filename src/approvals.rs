@@ -153,9 +153,10 @@ impl Approvals {
 }
 
 /// The deterministic interrupt key: `<run>:<node>:<attempt>:<round>:<digest>` (chat turns:
-/// `chat:<journal-id>:<round>:<digest>`, turnguard's own id of the request), where the digest covers the person and the held
-/// calls' `argsHash`es — so a re-sent request meets the same interrupt, and a changed
-/// argument makes a new one. Over 256 characters, `sha256:<hex>` of it.
+/// `chat:<journal-id>:<round>:<digest>`, turnguard's own id of the request), where the digest
+/// covers the person and the held calls' `argsHash`es — so a re-sent request meets the same
+/// interrupt, and a changed argument makes a new one. Over 256 characters, `sha256:<hex>` of
+/// it.
 pub fn interrupt_key(
     session: &Session,
     round: u32,

@@ -637,6 +637,34 @@ async fn a_recorded_stream_is_served_without_its_recorded_calls() {
         .collect();
     assert_eq!(starts, [(0, "lookup_order".to_owned())], "{text}");
     assert_eq!(text.matches("data: [DONE]").count(), 1, "{text}");
+    // The official SDK parses the rewritten stream into the one remaining call.
+    let upstream = upstream_calls(&h).await;
+    let out = support::run_sdk_script(
+        "chat_stream.py",
+        &[
+            "--turnguard".into(),
+            h.url().into(),
+            "--run".into(),
+            "run-recorded-stream".into(),
+            "--request".into(),
+            body.to_string().into(),
+        ],
+        Duration::from_secs(120),
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let parsed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        parsed["tool_calls"],
+        json!([{"index": 0, "id": "call_slook", "name": "lookup_order", "arguments": "{\"orderId\":\"o-s\"}"}]),
+        "{parsed}"
+    );
+    assert_eq!(parsed["finish_reason"], "tool_calls");
+    assert_eq!(upstream_calls(&h).await, upstream, "served from the record");
     h.stop().await;
 }
 
