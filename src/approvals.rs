@@ -16,9 +16,22 @@
 //! - of concurrent resolutions exactly one wins (compare-and-set in the journal writer); the
 //!   other gets 409 `interrupt_already_resolved`;
 //! - accept: the round is admitted again with `approved` true for exactly the bound
-//!   `argsHash`es (Cedar `context.approved`), once — an approval is single-use;
+//!   `argsHash`es (Cedar `context.approved`), once — an approval is single-use, and it is
+//!   used only by a request whose agent is still there to receive the calls ([`AgentEnd`]):
+//!   a held stream whose agent left stops waiting and leaves the approval to the agent's
+//!   re-send, which meets the same interrupt;
 //!   reject, timeout, or no person to ask: the held calls are refused (`approval_rejected`);
 //!   a timeout never approves.
+//! - the resolver names the interrupt it reviewed: `POST /approvals/{interruptId}`, or the
+//!   OpenWOP node form `POST /runs/{runId}/interrupts/{nodeId}` with `interruptId` beside
+//!   `resumeValue` in the body (without it: 400 `validation_error`). A node can hold more
+//!   than one interrupt (another round, a re-sent request with changed arguments), and one
+//!   raised after the person looked must never be approved in place of the one they saw —
+//!   so the node form never picks "the newest" or "the only pending" one (an interrupt can
+//!   expire and another be raised between the person's look and their answer);
+//! - the agent's own token never resolves: a token presented as `Turnguard-Principal-Token`
+//!   is journaled by what it says ([`crate::identity::TokenId`]) before its request goes on,
+//!   and the resolution's compare-and-set refuses it (403), after a restart too.
 //!
 //! With no verified person (no `Turnguard-Principal-Token`) the agent acts and nobody can
 //! approve: the interrupt is journaled and resolved rejected at once (`no_approver`) rather
@@ -47,6 +60,39 @@ use crate::metrics::ApprovalLabels;
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Outcome};
 use crate::proxy::{now_ms, Approval, Session};
 use crate::server::AppState;
+
+/// The agent's end of a held round: whether the agent is still there to receive the calls an
+/// approval releases. An approval is used (single-use) only while it is.
+pub trait AgentEnd: Sync {
+    /// Resolves once the agent has gone.
+    fn gone(&self) -> impl std::future::Future<Output = ()> + Send;
+    /// The agent has gone.
+    fn is_gone(&self) -> bool;
+}
+
+/// A non-stream request: its answer leaves with its handler, and when the agent goes the
+/// handler — this wait with it — is dropped, so it is never seen gone while it runs.
+pub struct InRequest;
+
+impl AgentEnd for InRequest {
+    fn gone(&self) -> impl std::future::Future<Output = ()> + Send {
+        std::future::pending()
+    }
+    fn is_gone(&self) -> bool {
+        false
+    }
+}
+
+/// A stream relay's channel to the agent's response body: closed once the agent's
+/// connection is gone (the body, and its receiver, are dropped).
+impl<T: Send> AgentEnd for tokio::sync::mpsc::Sender<T> {
+    fn gone(&self) -> impl std::future::Future<Output = ()> + Send {
+        self.closed()
+    }
+    fn is_gone(&self) -> bool {
+        self.is_closed()
+    }
+}
 
 /// Largest resolution body accepted, bytes.
 const MAX_RESOLVE_BODY: usize = 64 << 10;
@@ -107,9 +153,10 @@ impl Approvals {
 }
 
 /// The deterministic interrupt key: `<run>:<node>:<attempt>:<round>:<digest>` (chat turns:
-/// `chat:<request-id>:<round>:<digest>`), where the digest covers the person and the held
-/// calls' `argsHash`es — so a re-sent request meets the same interrupt, and a changed
-/// argument makes a new one. Over 256 characters, `sha256:<hex>` of it.
+/// `chat:<journal-id>:<round>:<digest>`, turnguard's own id of the request), where the digest
+/// covers the person and the held calls' `argsHash`es — so a re-sent request meets the same
+/// interrupt, and a changed argument makes a new one. Over 256 characters, `sha256:<hex>` of
+/// it.
 pub fn interrupt_key(
     session: &Session,
     round: u32,
@@ -132,7 +179,7 @@ pub fn interrupt_key(
             run.attempt.unwrap_or(1),
             &digest[..16]
         ),
-        None => format!("chat:{}:{round}:{}", session.ctx.request_id, &digest[..16]),
+        None => format!("chat:{}:{round}:{}", session.ctx.journal_id, &digest[..16]),
     };
     if key.len() > 256 {
         format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())))
@@ -173,14 +220,21 @@ fn held_calls(round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) -> Vec<Valu
 
 /// Resolves a round whose held calls wait: raises (or meets again) the approval interrupt,
 /// waits for its resolution or expiry, and admits the round again — approved for exactly the
-/// bound `argsHash`es, or with the held calls refused.
+/// bound `argsHash`es, or with the held calls refused. While `agent` is gone nothing is used:
+/// the wait ends, the interrupt stays as it is (pending, or accepted and unused) for the
+/// agent's re-send, and the held calls are refused for this request (`agent_gone`).
 pub async fn settle(
     session: &Session,
     round: &[ChoiceEmissions],
     verdicts: &[ChoiceVerdict],
+    agent: &impl AgentEnd,
 ) -> Vec<ChoiceVerdict> {
     let state = &session.state;
-    let calls = held_calls(round, verdicts);
+    let redactor = &session.policy.redactor;
+    let calls: Vec<Value> = held_calls(round, verdicts)
+        .into_iter()
+        .map(|c| redactor.redact("", &c).0)
+        .collect();
     let hashes: BTreeSet<String> = calls
         .iter()
         .filter_map(|c| c["argsHash"].as_str().map(str::to_owned))
@@ -219,10 +273,15 @@ pub async fn settle(
         key: key.clone(),
         kind: "approval",
         run: session.ctx.run.clone(),
-        request_id: session.ctx.request_id.clone(),
+        request_id: session.ctx.journal_id.clone(),
         principal: person.map(str::to_owned),
         policy_revision: session.policy.revision.clone(),
-        payload: json!({"kind": "approval", "key": key, "data": data, "timeoutMs": timeout_ms}),
+        payload: redactor
+            .redact(
+                "",
+                &json!({"kind": "approval", "key": key, "data": data, "timeoutMs": timeout_ms}),
+            )
+            .0,
         calls: Value::Array(calls),
         requested_at_ms: now,
         expires_at_ms: now.saturating_add(timeout_ms as i64),
@@ -250,16 +309,21 @@ pub async fn settle(
     let final_state = match (row.state.as_str(), &row.record.principal) {
         ("pending", None) => resolve_as_host(state, &id, "rejected", "no_approver").await,
         ("pending", Some(_)) => match waiter {
-            Some(w) => wait(state, w, &row).await,
+            Some(w) => match wait(state, w, &row, agent).await {
+                Some(s) => s,
+                None => return agent_gone(session, round, &id).await,
+            },
             None => resolve_as_host(state, &id, "expired", "timeout").await,
         },
         (s, _) => s.to_owned(),
     };
     let approval_hashes = bound_hashes(&row);
     match final_state.as_str() {
+        // Used only by a request whose agent is there to receive the calls.
+        "accepted" if agent.is_gone() => agent_gone(session, round, &id).await,
         "accepted" => match state
             .journal
-            .consume_approval(&id, &session.ctx.request_id)
+            .consume_approval(&id, &session.ctx.journal_id)
             .await
         {
             Ok(true) => {
@@ -324,6 +388,21 @@ pub async fn settle(
     }
 }
 
+/// The agent left while its held round waited: nothing is used, the held calls are refused for
+/// this request only (the interrupt is left for the agent's re-send).
+async fn agent_gone(session: &Session, round: &[ChoiceEmissions], id: &str) -> Vec<ChoiceVerdict> {
+    tracing::info!(interrupt = %id, request_id = %session.ctx.request_id, "the agent left while its held calls waited; the approval is left for its re-send");
+    session
+        .decide_round(
+            round,
+            Approval::Refused(
+                "agent_gone",
+                "the agent left before the held call(s) could be delivered; an approval is used only by a request that receives its calls",
+            ),
+        )
+        .await
+}
+
 /// The `argsHash`es an interrupt binds.
 fn bound_hashes(row: &InterruptRow) -> BTreeSet<String> {
     row.record
@@ -336,22 +415,33 @@ fn bound_hashes(row: &InterruptRow) -> BTreeSet<String> {
 }
 
 /// Waits for a resolution until the interrupt's expiry; then resolves it `expired` unless a
-/// resolution won first. Returns the final state.
-async fn wait(state: &AppState, mut waiter: Waiter<'_>, row: &InterruptRow) -> String {
+/// resolution won first. Returns the final state; `None` when the agent went away first (the
+/// interrupt is left as it stands).
+async fn wait(
+    state: &AppState,
+    mut waiter: Waiter<'_>,
+    row: &InterruptRow,
+    agent: &impl AgentEnd,
+) -> Option<String> {
+    let gone = agent.gone();
+    tokio::pin!(gone);
     loop {
         if let Some(s) = waiter.rx.borrow_and_update().clone() {
-            return s;
+            return Some(s);
         }
         let left = row.record.expires_at_ms.saturating_sub(now_ms());
         if left <= 0 {
             break;
         }
-        match tokio::time::timeout(Duration::from_millis(left as u64), waiter.rx.changed()).await {
-            Ok(Ok(())) => continue,
-            Ok(Err(_)) | Err(_) => break,
+        tokio::select! {
+            changed = tokio::time::timeout(Duration::from_millis(left as u64), waiter.rx.changed()) => match changed {
+                Ok(Ok(())) => continue,
+                Ok(Err(_)) | Err(_) => break,
+            },
+            () = &mut gone => return None,
         }
     }
-    resolve_as_host(state, &row.record.interrupt_id, "expired", "timeout").await
+    Some(resolve_as_host(state, &row.record.interrupt_id, "expired", "timeout").await)
 }
 
 /// The host resolves an interrupt (timeout, or nobody can approve). A resolution that won
@@ -361,6 +451,7 @@ async fn resolve_as_host(state: &AppState, id: &str, to: &'static str, reason: &
     let r = Resolution {
         selector: Selector::Id(id.to_owned()),
         by: None,
+        by_token: None,
         state: to,
         resume_value: json!({"action": "reject", "decision": "rejected", "reason": reason, "decidedAt": now}),
         now_ms: now,
@@ -383,7 +474,7 @@ async fn resolve_as_host(state: &AppState, id: &str, to: &'static str, reason: &
         Ok(Resolved::AlreadyResolved(row) | Resolved::Expired(row) | Resolved::Forbidden(row)) => {
             row.state
         }
-        Ok(Resolved::NotFound) => "expired".to_owned(),
+        Ok(Resolved::NotFound | Resolved::HeldByAgent) => "expired".to_owned(),
         Err(e) => {
             tracing::error!(error = %e, interrupt = %id, "approval interrupt resolution not journaled; held calls refused");
             "expired".to_owned()
@@ -446,9 +537,20 @@ fn error(status: StatusCode, code: &str, message: &str, details: Option<Value>) 
     resp
 }
 
+fn held_by_agent() -> Box<Response> {
+    tracing::warn!("approval attempt with the agent's own principal token refused");
+    Box::new(error(
+        StatusCode::FORBIDDEN,
+        "forbidden",
+        &TokenError::HeldByAgent.to_string(),
+        None,
+    ))
+}
+
 /// The verified approver of an admin request: bearer token only (no query string, no link),
-/// no delegation.
-fn approver(state: &AppState, req: &http::request::Parts) -> Result<Person, Box<Response>> {
+/// no delegation, never a token presented on the data plane (this process's memory, then the
+/// journal: after a restart too).
+async fn approver(state: &AppState, req: &http::request::Parts) -> Result<Person, Box<Response>> {
     if req.uri.query().is_some() {
         return Err(Box::new(error(
             StatusCode::BAD_REQUEST,
@@ -459,13 +561,7 @@ fn approver(state: &AppState, req: &http::request::Parts) -> Result<Person, Box<
     }
     let person = state.identity.approver_of(&req.headers).map_err(|e| {
         if matches!(e, TokenError::HeldByAgent) {
-            tracing::warn!("approval attempt with the agent's own principal token refused");
-            return Box::new(error(
-                StatusCode::FORBIDDEN,
-                "forbidden",
-                &e.to_string(),
-                None,
-            ));
+            return held_by_agent();
         }
         let message = match e {
             TokenError::Missing => e.to_string(),
@@ -478,6 +574,26 @@ fn approver(state: &AppState, req: &http::request::Parts) -> Result<Person, Box<
             None,
         ))
     })?;
+    if let Some(t) = &person.token {
+        let reader = Arc::clone(&state.reader);
+        let fingerprint = t.fingerprint.clone();
+        let seen = tokio::task::spawn_blocking(move || reader.token_seen(&fingerprint))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        match seen {
+            Ok(false) => {}
+            Ok(true) => return Err(held_by_agent()),
+            Err(e) => {
+                return Err(Box::new(error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "turnguard.journal_unavailable",
+                    &format!("the journal could not check the token: {e}"),
+                    None,
+                )))
+            }
+        }
+    }
     if person.delegated {
         tracing::warn!(sub = %person.sub, "approval attempt with a delegated (act) token refused");
         return Err(Box::new(error(
@@ -512,7 +628,7 @@ fn served(row: &InterruptRow) -> Value {
 /// calls' tool names, redacted arguments and why each was held.
 async fn list(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
     let (parts, _) = req.into_parts();
-    let person = match approver(&s, &parts) {
+    let person = match approver(&s, &parts).await {
         Ok(p) => p,
         Err(resp) => return *resp,
     };
@@ -530,11 +646,20 @@ async fn list(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
     }
 }
 
-/// `{resumeValue: {action: "accept" | "reject", feedback?}}` (OpenWOP `ApprovalResume`).
+/// `{resumeValue: {action: "accept" | "reject", feedback?}, interruptId?}` (OpenWOP
+/// `ApprovalResume`, plus the interrupt the person reviewed: required by the node form).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct ResolveBody {
     resume_value: ResumeValue,
+    #[serde(default)]
+    interrupt_id: Option<String>,
+}
+
+/// Which interrupt a resolution's path names before the body is read.
+enum Target {
+    Id(String),
+    Node { run_id: String, node_id: String },
 }
 
 #[derive(Deserialize)]
@@ -558,7 +683,7 @@ async fn resolve_by_id(
     Path(id): Path<String>,
     req: Request<Body>,
 ) -> Response {
-    resolve(s, Selector::Id(id), req).await
+    resolve(s, Target::Id(id), req).await
 }
 
 async fn resolve_by_node(
@@ -566,12 +691,12 @@ async fn resolve_by_node(
     Path((run_id, node_id)): Path<(String, String)>,
     req: Request<Body>,
 ) -> Response {
-    resolve(s, Selector::Node { run_id, node_id }, req).await
+    resolve(s, Target::Node { run_id, node_id }, req).await
 }
 
-async fn resolve(s: Arc<AppState>, selector: Selector, req: Request<Body>) -> Response {
+async fn resolve(s: Arc<AppState>, target: Target, req: Request<Body>) -> Response {
     let (parts, body) = req.into_parts();
-    let person = match approver(&s, &parts) {
+    let person = match approver(&s, &parts).await {
         Ok(p) => p,
         Err(resp) => return *resp,
     };
@@ -590,6 +715,21 @@ async fn resolve(s: Arc<AppState>, selector: Selector, req: Request<Body>) -> Re
                 e.inner()
             ))
         }
+    };
+    let selector = match (target, parsed.interrupt_id) {
+        (Target::Id(id), None) => Selector::Id(id),
+        (Target::Id(id), Some(named)) if named == id => Selector::Id(id),
+        (Target::Id(_), Some(_)) => {
+            return bad("`interruptId` in the body names another interrupt than the path".into())
+        }
+        (Target::Node { .. }, None) => {
+            return bad("the node form resolves exactly the interrupt the person reviewed: send its `interruptId` (from GET /approvals) beside `resumeValue`; a node can hold more than one interrupt, and one raised after the person looked is never resolved in its place".into())
+        }
+        (Target::Node { run_id, node_id }, Some(interrupt_id)) => Selector::Node {
+            run_id,
+            node_id,
+            interrupt_id,
+        },
     };
     let to = match parsed.resume_value.action.as_str() {
         "accept" => "accepted",
@@ -610,6 +750,7 @@ async fn resolve(s: Arc<AppState>, selector: Selector, req: Request<Body>) -> Re
     let r = Resolution {
         selector,
         by: Some(person.sub.clone()),
+        by_token: person.token.as_ref().map(|t| t.fingerprint.clone()),
         state: to,
         resume_value: value,
         now_ms: now,
@@ -624,9 +765,10 @@ async fn resolve(s: Arc<AppState>, selector: Selector, req: Request<Body>) -> Re
         Ok(Resolved::NotFound) => error(
             StatusCode::NOT_FOUND,
             "not_found",
-            "no such interrupt",
+            "no such interrupt (the node form looks only in its run and node)",
             None,
         ),
+        Ok(Resolved::HeldByAgent) => *held_by_agent(),
         Ok(Resolved::Forbidden(row)) => {
             tracing::warn!(interrupt = %row.record.interrupt_id, sub = %person.sub, "approval attempt by a person the interrupt is not bound to refused");
             error(

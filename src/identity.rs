@@ -16,6 +16,14 @@
 //!   `identity_approval_audience` can require approver tokens to be minted for a different
 //!   audience altogether (the robust setup; or give the agent an RFC 8693 delegated token,
 //!   whose `act` claim the admin plane refuses).
+//! - "The same token" means the same *claims*, not the same bytes: a token is known by its
+//!   [`TokenId`], SHA-256 over the RFC 8785 form of its verified claims set. Another signature
+//!   of the same claims (ECDSA signs with a fresh nonce; `s` and `n − s` both verify) is the
+//!   same token. The fingerprint of every data-plane token is journaled durably (table
+//!   `principal_tokens`) before its request goes on, so it stays refused after a restart; the
+//!   admin plane checks it in the resolution's own compare-and-set.
+//! - ECDSA signatures must be in low-S form (`s ≤ n/2`) on both planes: the high-S twin of a
+//!   signature is refused outright (401), so each token has exactly one valid encoding.
 //! - Development mode (`identity_dev_principal_header = true`): a plain `Turnguard-Principal`
 //!   header is trusted as the verified person on both planes. It is logged loudly at start.
 //!
@@ -28,7 +36,7 @@ use std::sync::Mutex;
 use http::HeaderMap;
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
-use serde::Deserialize;
+use serde_json::Value;
 
 use crate::config::Config;
 
@@ -44,6 +52,18 @@ pub struct Person {
     pub sub: String,
     /// The token carries an `act` (delegation) claim.
     pub delegated: bool,
+    /// What the token says, as a fingerprint; `None` for the development header.
+    pub token: Option<TokenId>,
+}
+
+/// A verified token, known by what it says rather than by its bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenId {
+    /// SHA-256 (hex) of `turnguard/principal-token/v1\n` and the RFC 8785 form of the
+    /// verified claims set: two signatures of the same claims have one fingerprint.
+    pub fingerprint: String,
+    /// The token's `exp`, milliseconds since the Unix epoch (when it stops verifying).
+    pub expires_at_ms: i64,
 }
 
 /// Why the identity configuration cannot be used (start-up).
@@ -74,8 +94,15 @@ pub enum TokenError {
     HeldByAgent,
 }
 
-/// Data-plane tokens remembered (by SHA-256, until their `exp`) so they cannot approve.
+/// Data-plane token fingerprints cached in memory (the journal holds them all).
 const MAX_SEEN: usize = 100_000;
+
+/// Half the order of the P-256 group, big-endian: an ES256 `s` above it is the high-S twin
+/// of a valid signature (SEC 2 §2.4.2; the low-S rule of BIP 62 / RFC 6979 practice).
+const P256_HALF_N: [u8; 32] = [
+    0x7f, 0xff, 0xff, 0xff, 0x80, 0x00, 0x00, 0x00, 0x7f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    0xde, 0x73, 0x7d, 0x56, 0xd3, 0x8b, 0xcf, 0x42, 0x79, 0xdc, 0xe5, 0x61, 0x7e, 0x31, 0x92, 0xa8,
+];
 
 struct Key {
     kid: Option<String>,
@@ -90,18 +117,9 @@ pub struct Identity {
     approval_audience: String,
     keys: Vec<Key>,
     dev_header: bool,
-    /// SHA-256 of tokens seen on the data plane → their `exp` (seconds).
-    seen: Mutex<HashMap<[u8; 32], i64>>,
-}
-
-#[derive(Deserialize)]
-struct Claims {
-    #[serde(default)]
-    sub: String,
-    #[serde(default)]
-    act: Option<serde_json::Value>,
-    #[serde(default)]
-    exp: i64,
+    /// Fingerprints of tokens seen on the data plane (and journaled) → their `exp` (ms): a
+    /// cache of the journal's `principal_tokens`.
+    seen: Mutex<HashMap<String, i64>>,
 }
 
 impl Identity {
@@ -194,15 +212,18 @@ impl Identity {
     /// key of the token's algorithm (and `kid`, when both name one), `iss`, `aud`, `exp`,
     /// `nbf`, and a non-empty `sub`.
     pub fn verify(&self, token: &str) -> Result<Person, TokenError> {
-        self.verify_for(token, &self.audience).map(|(p, _)| p)
+        self.verify_for(token, &self.audience)
     }
 
-    fn verify_for(&self, token: &str, audience: &str) -> Result<(Person, i64), TokenError> {
+    fn verify_for(&self, token: &str, audience: &str) -> Result<Person, TokenError> {
         if self.keys.is_empty() {
             return Err(TokenError::NotConfigured);
         }
         let header = jsonwebtoken::decode_header(token)
             .map_err(|_| TokenError::Invalid("malformed token header".into()))?;
+        if header.alg == Algorithm::ES256 {
+            low_s(token)?;
+        }
         let candidates: Vec<&Key> = self
             .keys
             .iter()
@@ -230,20 +251,9 @@ impl Identity {
         validation.validate_nbf = true;
         let mut last = String::from("signature");
         for k in candidates {
-            match jsonwebtoken::decode::<Claims>(token, &k.key, &validation) {
-                Ok(data) => {
-                    let sub = data.claims.sub.trim().to_owned();
-                    if sub.is_empty() || sub.len() > 256 {
-                        return Err(TokenError::Invalid("`sub` is empty or too long".into()));
-                    }
-                    return Ok((
-                        Person {
-                            sub,
-                            delegated: data.claims.act.is_some(),
-                        },
-                        data.claims.exp,
-                    ));
-                }
+            match jsonwebtoken::decode::<serde_json::Map<String, Value>>(token, &k.key, &validation)
+            {
+                Ok(data) => return person_of_claims(&data.claims),
                 Err(e) => last = describe(&e),
             }
         }
@@ -252,18 +262,57 @@ impl Identity {
 
     /// The acting person of a data-plane request: `Turnguard-Principal-Token` verified, or
     /// (development mode only) the plain `Turnguard-Principal` header. `Ok(None)`: no person,
-    /// the agent acts.
+    /// the agent acts. The caller records the token with [`Identity::remember`] before the
+    /// request goes on.
     pub fn person_of(&self, headers: &HeaderMap) -> Result<Option<Person>, TokenError> {
         if let Some(v) = headers.get(PRINCIPAL_TOKEN_HEADER) {
             let token = v
                 .to_str()
                 .map_err(|_| TokenError::Invalid("the token is not ASCII".into()))?;
-            let token = token.trim();
-            let (person, exp) = self.verify_for(token, &self.audience)?;
-            self.remember(token, exp);
-            return Ok(Some(person));
+            return self.verify_for(token.trim(), &self.audience).map(Some);
         }
         Ok(self.dev_person(headers))
+    }
+
+    /// Records a token presented on the data plane (the agent holds it) so it never
+    /// approves: durably in the journal (table `principal_tokens`) the first time this
+    /// process sees it, then in memory.
+    ///
+    /// Errors: the journal could not record it; the request must then fail (fail closed: an
+    /// unrecorded token could approve after a restart).
+    pub async fn remember(
+        &self,
+        journal: &crate::journal::Journal,
+        token: &TokenId,
+    ) -> Result<(), crate::journal::JournalError> {
+        if self.held_by_agent(token) {
+            return Ok(());
+        }
+        journal
+            .remember_token(&token.fingerprint, token.expires_at_ms)
+            .await?;
+        let Ok(mut seen) = self.seen.lock() else {
+            return Ok(());
+        };
+        if seen.len() >= MAX_SEEN {
+            let now = crate::proxy::now_ms();
+            seen.retain(|_, e| *e > now);
+            if seen.len() >= MAX_SEEN {
+                // Only a cache: the journal still holds every fingerprint.
+                seen.clear();
+            }
+        }
+        seen.insert(token.fingerprint.clone(), token.expires_at_ms);
+        Ok(())
+    }
+
+    /// Whether this process saw the token on the data plane (the journal is the authority:
+    /// [`crate::journal::JournalReader::token_seen`]).
+    pub fn held_by_agent(&self, token: &TokenId) -> bool {
+        self.seen
+            .lock()
+            .map(|m| m.contains_key(&token.fingerprint))
+            .unwrap_or(true)
     }
 
     /// The approver of an admin-plane request: `Authorization: Bearer <JWT>` verified, or
@@ -279,35 +328,13 @@ impl Identity {
                 .ok_or_else(|| {
                     TokenError::Invalid("the Authorization scheme is not Bearer".into())
                 })?;
-            let token = token.trim();
-            let (person, _) = self.verify_for(token, &self.approval_audience)?;
-            let seen = self
-                .seen
-                .lock()
-                .map(|m| m.contains_key(&digest(token)))
-                .unwrap_or(true);
-            if seen {
+            let person = self.verify_for(token.trim(), &self.approval_audience)?;
+            if person.token.as_ref().is_some_and(|t| self.held_by_agent(t)) {
                 return Err(TokenError::HeldByAgent);
             }
             return Ok(person);
         }
         self.dev_person(headers).ok_or(TokenError::Missing)
-    }
-
-    /// Remembers a data-plane token until its expiry so it cannot approve.
-    fn remember(&self, token: &str, exp: i64) {
-        let Ok(mut seen) = self.seen.lock() else {
-            return;
-        };
-        if seen.len() >= MAX_SEEN {
-            let now = crate::proxy::now_ms() / 1000;
-            seen.retain(|_, e| *e > now);
-            if seen.len() >= MAX_SEEN {
-                tracing::warn!("too many live principal tokens to remember; the oldest are forgotten (use identity_approval_audience)");
-                seen.clear();
-            }
-        }
-        seen.insert(digest(token), exp);
     }
 
     fn dev_person(&self, headers: &HeaderMap) -> Option<Person> {
@@ -318,13 +345,60 @@ impl Identity {
         (!sub.is_empty() && sub.len() <= 256).then(|| Person {
             sub: sub.to_owned(),
             delegated: false,
+            token: None,
         })
     }
 }
 
-fn digest(token: &str) -> [u8; 32] {
-    use sha2::{Digest, Sha256};
-    Sha256::digest(token.as_bytes()).into()
+/// The person a verified claims set names, with the token's fingerprint.
+fn person_of_claims(claims: &serde_json::Map<String, Value>) -> Result<Person, TokenError> {
+    let sub = claims
+        .get("sub")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
+    if sub.is_empty() || sub.len() > 256 {
+        return Err(TokenError::Invalid("`sub` is empty or too long".into()));
+    }
+    let exp = claims.get("exp").and_then(Value::as_i64).unwrap_or(0);
+    let fingerprint = {
+        use sha2::{Digest, Sha256};
+        let canonical = serde_jcs::to_vec(claims)
+            .map_err(|_| TokenError::Invalid("the claims cannot be canonicalized".into()))?;
+        let mut h = Sha256::new();
+        h.update(b"turnguard/principal-token/v1\n");
+        h.update(&canonical);
+        hex::encode(h.finalize())
+    };
+    Ok(Person {
+        sub,
+        delegated: claims.get("act").is_some_and(|a| !a.is_null()),
+        token: Some(TokenId {
+            fingerprint,
+            expires_at_ms: exp.saturating_mul(1000),
+        }),
+    })
+}
+
+/// Refuses an ES256 signature whose `s` is in the upper half of the group order: `(r, s)`
+/// and `(r, n − s)` both verify, so only the low-S form is accepted and each token has one
+/// valid encoding (both planes).
+fn low_s(token: &str) -> Result<(), TokenError> {
+    use base64::Engine;
+    let sig = token.rsplit('.').next().unwrap_or_default();
+    let sig = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(sig)
+        .map_err(|_| TokenError::Invalid("malformed signature".into()))?;
+    if sig.len() != 64 {
+        return Err(TokenError::Invalid("an ES256 signature is 64 bytes".into()));
+    }
+    if sig[32..] > P256_HALF_N[..] {
+        return Err(TokenError::Invalid(
+            "ES256 signature not in low-S form (high-S): `s` and `n − s` both verify, so only s ≤ n/2 is accepted".into(),
+        ));
+    }
+    Ok(())
 }
 
 fn describe(e: &jsonwebtoken::errors::Error) -> String {
@@ -472,12 +546,12 @@ mod tests {
         let ok = token(
             json!({"sub": "alice", "iss": "https://idp.test", "aud": "turnguard", "exp": exp()}),
         );
+        let person = id.verify(&ok).unwrap();
+        assert_eq!((person.sub.as_str(), person.delegated), ("alice", false));
         assert_eq!(
-            id.verify(&ok).unwrap(),
-            Person {
-                sub: "alice".into(),
-                delegated: false
-            }
+            person.token,
+            id.verify(&ok).unwrap().token,
+            "one token, one fingerprint"
         );
         let act = token(
             json!({"sub": "alice", "iss": "https://idp.test", "aud": "turnguard", "exp": exp(), "act": {"sub": "agent"}}),
@@ -574,7 +648,20 @@ mod tests {
         );
         h.insert(PRINCIPAL_TOKEN_HEADER, t.parse().unwrap());
         assert_eq!(id.approver_of(&h).unwrap().sub, "alice");
-        assert_eq!(id.person_of(&h).unwrap().unwrap().sub, "alice");
+        let seen = id.person_of(&h).unwrap().unwrap();
+        assert_eq!(seen.sub, "alice");
+        let (journal, writer) = crate::journal::Journal::open(
+            &dir.path().join("journal.db"),
+            std::sync::Arc::new(crate::metrics::Metrics::new()),
+        )
+        .unwrap();
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(id.remember(&journal, seen.token.as_ref().unwrap()))
+            .unwrap();
+        drop(journal);
+        writer.join();
         let mut admin = HeaderMap::new();
         admin.insert(
             http::header::AUTHORIZATION,

@@ -197,7 +197,8 @@ async fn main() -> anyhow::Result<()> {
                     chat_limit,
                 } => {
                     let r = turnguard::journal::JournalReader::open(&journal)?;
-                    let mut t = String::from("run\trounds\tcalls\tfirst\tlast\n");
+                    let mut t =
+                        String::from("run\trounds\tcalls\tfirst\tlast\tclient_request_id\n");
                     let chats = r.chat_turns(chat_limit)?;
                     for run in r.runs()?.into_iter().chain(chats) {
                         let at = |ms: i64| {
@@ -208,12 +209,13 @@ async fn main() -> anyhow::Result<()> {
                             .to_string()
                         };
                         t.push_str(&format!(
-                            "{}\t{}\t{}\t{}\t{}\n",
+                            "{}\t{}\t{}\t{}\t{}\t{}\n",
                             run.run_id,
                             run.rounds,
                             run.calls,
                             at(run.first_ms),
-                            at(run.last_ms)
+                            at(run.last_ms),
+                            run.client_request_id.as_deref().unwrap_or("-")
                         ));
                     }
                     t

@@ -470,12 +470,13 @@ pub fn clarification_unsupported(turn: &Turn, policy: &CompiledPolicy) -> Option
 }
 
 /// Refusal reasons of held calls whose approval interrupt resolved without approving them.
-pub const APPROVAL_REFUSALS: [&str; 5] = [
+pub const APPROVAL_REFUSALS: [&str; 6] = [
     "approval_rejected",
     "approval_expired",
     "no_approver",
     "approval_already_used",
     "approval_unavailable",
+    "agent_gone",
 ];
 
 /// Whether `reason` refuses a held call that was not approved (surfaced as OpenWOP

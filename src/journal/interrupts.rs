@@ -53,13 +53,21 @@ pub struct InterruptRow {
     pub inserted: bool,
 }
 
-/// Which interrupt a resolution addresses.
+/// Which interrupt a resolution addresses: always one interrupt by its id, the one the
+/// person reviewed (tool-turn contract §C).
 #[derive(Debug, Clone)]
 pub enum Selector {
     /// `POST /approvals/{interruptId}`.
     Id(String),
-    /// `POST /runs/{runId}/interrupts/{nodeId}`: the node's newest interrupt.
-    Node { run_id: String, node_id: String },
+    /// `POST /runs/{runId}/interrupts/{nodeId}` with `interruptId` in the body: that
+    /// interrupt, if it belongs to this run and node (else not found). Never "the node's
+    /// newest": a call raised after the person looked must not be approved in place of the
+    /// one they reviewed.
+    Node {
+        run_id: String,
+        node_id: String,
+        interrupt_id: String,
+    },
 }
 
 /// A resolution attempt.
@@ -69,6 +77,9 @@ pub struct Resolution {
     /// The verified person resolving it; `None` for the host itself (timeout, no approver),
     /// which skips the principal and expiry checks.
     pub by: Option<String>,
+    /// The claims fingerprint of the resolver's token ([`crate::identity::TokenId`]): a
+    /// token presented on the data plane (table `principal_tokens`) never resolves.
+    pub by_token: Option<String>,
     /// `accepted`, `rejected` or `expired`.
     pub state: &'static str,
     /// The OpenWOP `resumeValue` (`{action, feedback?, decidedAt}`).
@@ -83,6 +94,8 @@ pub enum Resolved {
     NotFound,
     /// The resolver is not the bound person.
     Forbidden(Box<InterruptRow>),
+    /// The resolver's token was presented on the data plane (the agent holds it).
+    HeldByAgent,
     /// It was resolved before (the row as it stands).
     AlreadyResolved(Box<InterruptRow>),
     /// It had expired: it is now resolved `expired` (the calls are refused).
@@ -314,20 +327,29 @@ pub(super) fn apply(
             reply(replies, answer, row);
         }
         Op::Resolve(r, answer) => {
+            let held_by_agent = match &r.by_token {
+                Some(fp) => {
+                    tx.query_row(
+                        "SELECT count(*) FROM principal_tokens WHERE fingerprint = ?1",
+                        params![fp],
+                        |row| row.get::<_, i64>(0),
+                    )? > 0
+                }
+                None => false,
+            };
             let found = match &r.selector {
                 Selector::Id(id) => by_id(tx, id)?,
-                Selector::Node { run_id, node_id } => tx
-                    .query_row(
-                        &format!(
-                            "SELECT {COLUMNS} FROM interrupts WHERE run_id = ?1 AND node_id = ?2
-                             ORDER BY state = 'pending' DESC, requested_at_ms DESC LIMIT 1"
-                        ),
-                        params![run_id, node_id],
-                        row_of,
-                    )
-                    .optional()?,
+                Selector::Node {
+                    run_id,
+                    node_id,
+                    interrupt_id,
+                } => by_id(tx, interrupt_id)?.filter(|row| {
+                    row.record.run.run_id.as_deref() == Some(run_id.as_str())
+                        && node_of(row) == *node_id
+                }),
             };
             let outcome = match found {
+                _ if held_by_agent => Resolved::HeldByAgent,
                 None => Resolved::NotFound,
                 Some(row) if r.by.is_some() && row.record.principal != r.by => {
                     Resolved::Forbidden(Box::new(row))

@@ -5,7 +5,11 @@
 //!
 //! Writes are insert-if-absent (`ON CONFLICT DO NOTHING`), never a replacing insert (the
 //! `OR REPLACE` conflict clause): a record, once written, is never silently overwritten. When
-//! the journal cannot record what the contract requires, the caller fails the request.
+//! the journal cannot record what the contract requires, the caller fails the request. Every
+//! key is turnguard's own (a round's `request_id` is [`crate::proxy::RequestCtx::journal_id`],
+//! then `#repair-N`): an id the client chose (`x-request-id`) is only a column
+//! (`rounds.client_request_id`), so a client repeating one never makes a record "already
+//! there". Every body is redacted before it is written ([`Recorded`], [`redact`]).
 //!
 //! # The response chain (`responses` table)
 //!
@@ -44,6 +48,7 @@
 
 mod interrupts;
 mod reader;
+pub mod redact;
 mod schema;
 
 pub use interrupts::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
@@ -78,18 +83,32 @@ pub enum JournalError {
     Closed,
 }
 
-/// A body kept in the journal: the bytes up to the record cap, the full size and SHA-256.
-#[derive(Debug, Clone, Default)]
+/// A body kept in the journal: the bytes up to the record cap, redacted, with the full size
+/// and SHA-256 of what was received.
+///
+/// Made only by [`Recorded::redacted`] / [`Recorded::redacted_parts`] (the fields can be read
+/// but a `Recorded` cannot be built elsewhere), so no body reaches the journal without
+/// passing redaction ([`redact`]).
+// `_sealed` keeps this module's constructors the only way to make one inside the crate too
+// (`#[non_exhaustive]` only binds other crates).
+#[allow(clippy::manual_non_exhaustive)]
+#[derive(Debug, Clone)]
 pub struct Recorded {
-    /// The bytes kept (all of them unless `truncated`).
+    /// The bytes kept: the whole body, or its redacted form; empty when `truncated` or when
+    /// a secret could not be removed piecewise.
     pub bytes: Vec<u8>,
-    /// Size of the whole body, bytes.
+    /// Size of the whole body as received, bytes.
     pub total_bytes: u64,
-    /// SHA-256 (hex) of the whole body.
+    /// SHA-256 (hex) of the whole body as received.
     pub digest: String,
-    /// The body was larger than `journal_max_record_bytes`: only the digest is usable
-    /// (tool-turn contract §D: on replay or recovery this is a miss).
+    /// The body was larger than `journal_max_record_bytes` (or carried a secret in a call's
+    /// arguments): only the digest is usable (tool-turn contract §D: on replay or recovery
+    /// this is a miss).
     pub truncated: bool,
+    /// Redaction removed secrets from it: `bytes` are not what was received, so replay and
+    /// recovery treat it as a miss too.
+    pub redacted: bool,
+    _sealed: (),
 }
 
 impl Recorded {
@@ -103,16 +122,78 @@ impl Recorded {
         }
     }
 
-    /// Keeps `body` whole if it fits in `cap` bytes, else its digest with a truncation marker.
-    pub fn of(body: &[u8], cap: usize) -> Self {
+    /// `body` redacted with the request's `redactor` ([`redact::redact_body`]), kept whole if
+    /// it fits in `cap` bytes, else its digest with a truncation marker.
+    pub fn redacted(body: &[u8], redactor: &crate::policy::Redactor, cap: usize) -> Self {
         use sha2::{Digest, Sha256};
-        let truncated = body.len() > cap;
+        let kept = if body.len() > cap {
+            None
+        } else {
+            Some(body.to_vec())
+        };
+        Self::redacted_parts(
+            kept,
+            body.len() as u64,
+            hex::encode(Sha256::digest(body)),
+            redactor,
+        )
+    }
+
+    /// A body received in pieces: `kept` is all of it (`None` when it passed the record cap),
+    /// `total_bytes` and `digest` (SHA-256, hex) cover the whole; redacted like
+    /// [`Recorded::redacted`].
+    pub fn redacted_parts(
+        kept: Option<Vec<u8>>,
+        total_bytes: u64,
+        digest: String,
+        redactor: &crate::policy::Redactor,
+    ) -> Self {
+        let Some(body) = kept else {
+            return Self {
+                bytes: Vec::new(),
+                total_bytes,
+                digest,
+                truncated: true,
+                redacted: false,
+                _sealed: (),
+            };
+        };
+        let (bytes, redacted) = match redact::redact_body(redactor, &body) {
+            redact::Redacted::Clean => (body, false),
+            redact::Redacted::Replaced(b) => (b, true),
+            redact::Redacted::Withheld => (Vec::new(), true),
+        };
         Self {
-            bytes: if truncated { Vec::new() } else { body.to_vec() },
-            total_bytes: body.len() as u64,
-            digest: hex::encode(Sha256::digest(body)),
-            truncated,
+            bytes,
+            total_bytes,
+            digest,
+            truncated: false,
+            redacted,
+            _sealed: (),
         }
+    }
+
+    /// A row read back from the journal.
+    fn stored(
+        bytes: Vec<u8>,
+        total_bytes: u64,
+        digest: String,
+        truncated: bool,
+        redacted: bool,
+    ) -> Self {
+        Self {
+            bytes,
+            total_bytes,
+            digest,
+            truncated,
+            redacted,
+            _sealed: (),
+        }
+    }
+
+    /// The bytes are what was received, whole: replay and recovery may serve them.
+    pub fn servable(&self) -> bool {
+        !self.truncated && !self.redacted
     }
 }
 
@@ -153,7 +234,11 @@ pub struct CallRecord {
 /// One model round: the request, what the upstream answered, and every decision.
 #[derive(Debug, Clone)]
 pub struct RoundRecord {
+    /// turnguard's own id of the round (the journal key: the request's
+    /// [`crate::proxy::RequestCtx::journal_id`], then `#repair-N`), never the client's.
     pub request_id: String,
+    /// The agent's `x-request-id` (kept when sane), for correlation only: not a key.
+    pub client_request_id: Option<String>,
     pub at_ms: i64,
     pub api: &'static str,
     pub model: Option<String>,
@@ -183,6 +268,24 @@ pub struct RoundRecord {
     pub channel_result: Option<String>,
     /// The turn's `contentTrust` after the run's sticky bit (tool-turn contract §C).
     pub content_trust: Option<&'static str>,
+}
+
+impl RoundRecord {
+    /// Redacts the round's free text with the request's `redactor`: the model-chosen call
+    /// names, the error and the channel verdict (the body is redacted when it is made,
+    /// [`Recorded::redacted`]; arguments are kept only in their redacted form). Call ids are
+    /// keys the provider assigns and the agent echoes, and are kept as they are.
+    pub fn redact_text(&mut self, redactor: &crate::policy::Redactor) {
+        for c in &mut self.calls {
+            c.name = redactor.redact_text(&c.name);
+        }
+        if let Some(e) = &mut self.error {
+            *e = redactor.redact_text(e);
+        }
+        if let Some(r) = &mut self.channel_result {
+            *r = redactor.redact_text(r);
+        }
+    }
 }
 
 /// A tool result the agent sent in a request.
@@ -239,6 +342,9 @@ pub struct EffectClaim {
     pub at_ms: i64,
     /// The claiming turnguard process ([`instance_id`]).
     pub instance: String,
+    /// Who may read the effect's recorded result: `person:<sub>` or `agent`. With the run
+    /// it scopes the result (OpenWOP idempotency.md; the claim itself is tenant-wide).
+    pub reader: String,
 }
 
 /// A claim whose call never reached the agent (not confirmed released) may be taken over by
@@ -257,12 +363,15 @@ pub fn instance_id() -> &'static str {
 pub enum Claim {
     /// This call now owns the effect.
     Claimed,
-    /// The effect was claimed before by `call_id`; `result` is its recorded tool result,
-    /// when one arrived.
+    /// The effect was claimed before by `call_id` of the same reader and run; `result` is
+    /// its recorded tool result, when one arrived.
     Existing {
         call_id: String,
         result: Option<String>,
     },
+    /// The effect was claimed before by another principal or in another run: nothing of it
+    /// (not its result, not whether it completed) may be shown to this caller.
+    Foreign,
 }
 
 /// A call released to the agent in a served response.
@@ -314,6 +423,12 @@ enum Op {
     DeclaredTools(Box<DeclaredToolsRecord>),
     Claim(EffectClaim, oneshot::Sender<Claim>),
     Interrupt(Box<interrupts::Op>),
+    /// A principal token seen on the data plane (its fingerprint), insert-if-absent.
+    Token {
+        fingerprint: String,
+        expires_at_ms: i64,
+        at_ms: i64,
+    },
 }
 
 struct Job {
@@ -510,6 +625,23 @@ impl Journal {
         .await
     }
 
+    /// Records that a principal token (by its claims fingerprint,
+    /// [`crate::identity::TokenId`]) was presented on the data plane, durably, before the
+    /// request goes on: such a token never resolves an interrupt, in this process or after a
+    /// restart (tool-turn contract §C). Kept until the token expired (pruned after).
+    pub async fn remember_token(
+        &self,
+        fingerprint: &str,
+        expires_at_ms: i64,
+    ) -> Result<(), JournalError> {
+        self.submit(Op::Token {
+            fingerprint: fingerprint.to_owned(),
+            expires_at_ms,
+            at_ms: crate::proxy::now_ms(),
+        })
+        .await
+    }
+
     /// Claims an effect: an atomic insert-if-absent with a row-count check, committed before
     /// this returns. Never a replacing insert (`OR REPLACE`).
     pub async fn claim_effect(&self, claim: EffectClaim) -> Result<Claim, JournalError> {
@@ -590,14 +722,19 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                     params![t],
                 )?;
                 exec(&tx, "DELETE FROM tool_schemas WHERE at_ms < ?1 AND schema_digest NOT IN (SELECT schema_digest FROM declared_tools WHERE schema_digest IS NOT NULL)", params![t])?;
+                exec(
+                    &tx,
+                    "DELETE FROM principal_tokens WHERE expires_at_ms < ?1",
+                    params![t],
+                )?;
             }
             Op::Served(r) => {
                 confirm(&tx, &r.claims)?;
                 exec(
         &tx,
                     "INSERT INTO served (run_id, node_id, attempt, round_index, request_digest, request_id, status,
-                        content_type, body, body_bytes, body_digest, truncated, calls, at_ms)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
+                        content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
                      ON CONFLICT (run_id, node_id, attempt, round_index) DO NOTHING",
                     params![
                         r.run_id,
@@ -613,7 +750,8 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                         r.body.digest,
                         r.body.truncated,
                         serde_json::to_string(&r.calls).unwrap_or_else(|_| "[]".into()),
-                        r.at_ms
+                        r.at_ms,
+                        r.body.redacted
                     ],
                 )?;
             }
@@ -654,6 +792,18 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                 answers.push((std::mem::replace(answer, dummy), result));
             }
             Op::Interrupt(op) => interrupts::apply(&tx, op, &mut replies)?,
+            Op::Token {
+                fingerprint,
+                expires_at_ms,
+                at_ms,
+            } => {
+                exec(
+                    &tx,
+                    "INSERT INTO principal_tokens (fingerprint, expires_at_ms, first_seen_ms)
+                     VALUES (?1, ?2, ?3) ON CONFLICT (fingerprint) DO NOTHING",
+                    params![&*fingerprint, *expires_at_ms, *at_ms],
+                )?;
+            }
         }
     }
     tx.commit()?;
@@ -689,10 +839,10 @@ fn confirm(tx: &rusqlite::Transaction<'_>, claims: &[(String, String)]) -> rusql
 fn claim(tx: &rusqlite::Transaction<'_>, c: &EffectClaim) -> rusqlite::Result<Claim> {
     let inserted = exec(
         tx,
-        "INSERT INTO effects (effect_id, tool_id, call_id, run_id, node_id, attempt, keying, state, at_ms, instance)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'claimed', ?8, ?9)
+        "INSERT INTO effects (effect_id, tool_id, call_id, run_id, node_id, attempt, keying, state, at_ms, instance, reader)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'claimed', ?8, ?9, ?10)
          ON CONFLICT (effect_id) DO NOTHING",
-        params![c.effect_id, c.tool_id, c.call_id, c.run.run_id, c.run.node_id, c.run.attempt, c.keying, c.at_ms, c.instance],
+        params![c.effect_id, c.tool_id, c.call_id, c.run.run_id, c.run.node_id, c.run.attempt, c.keying, c.at_ms, c.instance, c.reader],
     )?;
     if inserted == 1 {
         return Ok(Claim::Claimed);
@@ -701,18 +851,25 @@ fn claim(tx: &rusqlite::Transaction<'_>, c: &EffectClaim) -> rusqlite::Result<Cl
     // process is gone (or its lease ran out). Compare-and-set on the row.
     let taken = exec(
         tx,
-        "UPDATE effects SET call_id = ?2, run_id = ?3, node_id = ?4, attempt = ?5, at_ms = ?6, instance = ?7
+        "UPDATE effects SET call_id = ?2, run_id = ?3, node_id = ?4, attempt = ?5, at_ms = ?6, instance = ?7, reader = ?9
          WHERE effect_id = ?1 AND released = 0 AND state = 'claimed' AND (instance != ?7 OR at_ms < ?8)",
-        params![c.effect_id, c.call_id, c.run.run_id, c.run.node_id, c.run.attempt, c.at_ms, c.instance, c.at_ms - CLAIM_LEASE_MS],
+        params![c.effect_id, c.call_id, c.run.run_id, c.run.node_id, c.run.attempt, c.at_ms, c.instance, c.at_ms - CLAIM_LEASE_MS, c.reader],
     )?;
     if taken == 1 {
         return Ok(Claim::Claimed);
     }
-    let (call_id, run_id): (String, Option<String>) = tx.query_row(
-        "SELECT call_id, run_id FROM effects WHERE effect_id = ?1",
+    let (call_id, run_id, reader): (String, Option<String>, Option<String>) = tx.query_row(
+        "SELECT call_id, run_id, reader FROM effects WHERE effect_id = ?1",
         params![c.effect_id],
-        |r| Ok((r.get(0)?, r.get(1)?)),
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
     )?;
+    // The effect is the tenant's (one charge per business key whoever asks), but what it
+    // returned is only for whoever may read it: the same principal in the same run. Anyone
+    // else learns only that it is done (and a row from before v5, with no reader, is no
+    // one's to read).
+    if reader.as_deref() != Some(c.reader.as_str()) || run_id != c.run.run_id {
+        return Ok(Claim::Foreign);
+    }
     // The result recorded for the claiming call, in the claiming call's own scope.
     let scope = run_id.map_or_else(|| "chat".to_owned(), |r| format!("run:{r}"));
     let result: Option<Vec<u8>> = tx
@@ -789,8 +946,8 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
         "INSERT INTO rounds (request_id, at_ms, api, model, stream, run_id, node_id, attempt,
             round_index, request_digest, completion, finish_reason, upstream_status, latency_ms,
             state, error, response, response_bytes, response_digest, response_truncated, channel,
-            channel_result, content_trust)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23)
+            channel_result, content_trust, client_request_id, response_redacted)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25)
          ON CONFLICT (request_id) DO NOTHING",
         params![
             r.request_id,
@@ -816,6 +973,8 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
             r.channel,
             r.channel_result,
             r.content_trust,
+            r.client_request_id,
+            r.response.redacted,
         ],
     )?;
     if let Some(link) = &r.response_link {

@@ -42,6 +42,8 @@ pub struct RunSummary {
     pub calls: i64,
     pub first_ms: i64,
     pub last_ms: i64,
+    /// Chat turns: the agent's `x-request-id` (a column, not a key: two turns may share it).
+    pub client_request_id: Option<String>,
 }
 
 /// What `turnguard policy learn` reads from the journal: the tools requests declared, the
@@ -117,7 +119,7 @@ impl JournalReader {
     ) -> Result<Option<ServedRecord>, JournalError> {
         self.with(|c| {
             c.query_row(
-                "SELECT request_digest, request_id, status, content_type, body, body_bytes, body_digest, truncated, calls, at_ms
+                "SELECT request_digest, request_id, status, content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted
                  FROM served WHERE run_id = ?1 AND node_id = ?2 AND attempt = ?3 AND round_index = ?4",
                 params![run, node, attempt, round],
                 |r| {
@@ -131,12 +133,13 @@ impl JournalReader {
                         request_id: r.get(1)?,
                         status: r.get(2)?,
                         content_type: r.get(3)?,
-                        body: Recorded {
-                            bytes: r.get::<_, Option<Vec<u8>>>(4)?.unwrap_or_default(),
-                            total_bytes: r.get::<_, i64>(5)? as u64,
-                            digest: r.get(6)?,
-                            truncated: r.get(7)?,
-                        },
+                        body: Recorded::stored(
+                            r.get::<_, Option<Vec<u8>>>(4)?.unwrap_or_default(),
+                            r.get::<_, i64>(5)? as u64,
+                            r.get(6)?,
+                            r.get(7)?,
+                            r.get(10)?,
+                        ),
                         calls: serde_json::from_str::<Vec<ServedCall>>(&calls).unwrap_or_default(),
                         claims: Vec::new(),
                         at_ms: r.get(9)?,
@@ -144,6 +147,19 @@ impl JournalReader {
                 },
             )
             .optional()
+        })
+    }
+
+    /// Whether a principal token with this claims fingerprint was presented on the data
+    /// plane (table `principal_tokens`): such a token never resolves an interrupt.
+    pub fn token_seen(&self, fingerprint: &str) -> Result<bool, JournalError> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT count(*) FROM principal_tokens WHERE fingerprint = ?1",
+                params![fingerprint],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| n > 0)
         })
     }
 
@@ -310,6 +326,7 @@ impl JournalReader {
                     calls: r.get(2)?,
                     first_ms: r.get(3)?,
                     last_ms: r.get(4)?,
+                    client_request_id: None,
                 })
             })?;
             rows.collect()
@@ -317,15 +334,17 @@ impl JournalReader {
     }
 
     /// Chat turns (agent requests without `Turnguard-Run`), most recent first, at most
-    /// `limit`: one per agent request, its repair rounds (`<request id>#repair-N`) counted
-    /// with it. `run_id` is `chat:<request id>`, the name `turnguard journal show` takes.
+    /// `limit`: one per agent request, its repair rounds (`<journal id>#repair-N`) counted
+    /// with it. `run_id` is `chat:<journal id>` (turnguard's own id), the name
+    /// `turnguard journal show` takes; `client_request_id` is the agent's `x-request-id`.
     pub fn chat_turns(&self, limit: usize) -> Result<Vec<RunSummary>, JournalError> {
         self.with(|c| {
             let mut st = c.prepare(
                 "SELECT CASE WHEN instr(r.request_id, '#repair-') > 0
                              THEN substr(r.request_id, 1, instr(r.request_id, '#repair-') - 1)
                              ELSE r.request_id END AS turn,
-                        count(DISTINCT r.id), count(t.id), min(r.at_ms), max(r.at_ms)
+                        count(DISTINCT r.id), count(t.id), min(r.at_ms), max(r.at_ms),
+                        max(r.client_request_id)
                  FROM rounds r LEFT JOIN tool_calls t ON t.request_id = r.request_id
                  WHERE r.run_id IS NULL GROUP BY turn ORDER BY max(r.at_ms) DESC LIMIT ?1",
             )?;
@@ -336,6 +355,7 @@ impl JournalReader {
                     calls: r.get(2)?,
                     first_ms: r.get(3)?,
                     last_ms: r.get(4)?,
+                    client_request_id: r.get(5)?,
                 })
             })?;
             rows.collect()
@@ -343,12 +363,13 @@ impl JournalReader {
     }
 
     /// Rounds and calls of a run for `turnguard journal show` (never raw arguments: the
-    /// redacted form only). `chat:<request id>` names a chat turn ([`Self::chat_turns`]):
-    /// that request's rounds and its repair rounds.
+    /// redacted form only). `chat:<id>` names a chat turn ([`Self::chat_turns`]) by its journal
+    /// id, or every chat turn whose agent sent `x-request-id: <id>`: their rounds and repair
+    /// rounds.
     pub fn show(&self, run: &str) -> Result<Vec<serde_json::Value>, JournalError> {
         let (filter, key) = match run.strip_prefix("chat:") {
             Some(request) => (
-                "r.run_id IS NULL AND (r.request_id = ?1 OR substr(r.request_id, 1, length(?1) + 8) = ?1 || '#repair-')",
+                "r.run_id IS NULL AND (r.request_id = ?1 OR r.client_request_id = ?1 OR substr(r.request_id, 1, length(?1) + 8) = ?1 || '#repair-')",
                 request,
             ),
             None => ("r.run_id = ?1", run),
@@ -356,7 +377,7 @@ impl JournalReader {
         self.with(|c| {
             let mut st = c.prepare(&format!(
                 "SELECT r.request_id, r.node_id, r.attempt, r.round_index, r.api, r.model, r.state, r.completion,
-                        r.upstream_status, r.at_ms
+                        r.upstream_status, r.at_ms, r.client_request_id
                  FROM rounds r WHERE {filter} ORDER BY r.at_ms, r.id"
             ))?;
             let rounds = st.query_map(params![key], |r| {
@@ -366,6 +387,7 @@ impl JournalReader {
                     "model": r.get::<_, Option<String>>(5)?, "state": r.get::<_, String>(6)?,
                     "completion": r.get::<_, Option<String>>(7)?, "upstreamStatus": r.get::<_, Option<i64>>(8)?,
                     "atMs": r.get::<_, i64>(9)?,
+                    "clientRequestId": r.get::<_, Option<String>>(10)?,
                 }))
             })?;
             let mut out: Vec<serde_json::Value> = rounds.collect::<rusqlite::Result<_>>()?;

@@ -3,7 +3,7 @@
 use rusqlite::Connection;
 
 /// The schema version this build writes. Each version's step is additive and runs once.
-pub const VERSION: i64 = 5;
+pub const VERSION: i64 = 6;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -29,6 +29,9 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     }
     if version < 5 {
         v5(conn)?;
+    }
+    if version < 6 {
+        v6(conn)?;
     }
     Ok(())
 }
@@ -236,11 +239,44 @@ fn v4(conn: &Connection) -> rusqlite::Result<()> {
     )
 }
 
+/// Issue 10 (records and audit, who may approve):
+/// - `rounds.request_id` is turnguard's own id from now on; the agent's `x-request-id` moves
+///   to `rounds.client_request_id` (a column, never a key: a reused id dropped the second
+///   round). Rows written before keep their id, copied into the new column without the
+///   `#repair-N` suffix.
+/// - `rounds.response_redacted`, `served.redacted`: the body kept is the redacted form (a
+///   miss for replay and recovery).
+/// - `effects.reader`: who may read an effect's recorded result (`person:<sub>` or `agent`;
+///   `NULL` for older rows: nobody).
+/// - `principal_tokens`: fingerprints of the tokens presented on the data plane, which never
+///   resolve an interrupt.
+fn v5(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         ALTER TABLE rounds ADD COLUMN client_request_id TEXT;
+         UPDATE rounds SET client_request_id = CASE
+             WHEN instr(request_id, '#repair-') > 0
+             THEN substr(request_id, 1, instr(request_id, '#repair-') - 1)
+             ELSE request_id END;
+         CREATE INDEX IF NOT EXISTS rounds_client ON rounds (client_request_id);
+         ALTER TABLE rounds ADD COLUMN response_redacted INTEGER NOT NULL DEFAULT 0;
+         ALTER TABLE served ADD COLUMN redacted INTEGER NOT NULL DEFAULT 0;
+         ALTER TABLE effects ADD COLUMN reader TEXT;
+         CREATE TABLE IF NOT EXISTS principal_tokens (
+            fingerprint TEXT PRIMARY KEY,
+            expires_at_ms INTEGER NOT NULL,
+            first_seen_ms INTEGER NOT NULL
+         );
+         PRAGMA user_version = 5;
+         COMMIT;",
+    )
+}
+
 /// The tools each agent request declared (`turnguard policy learn` reads them): one row per
 /// (request, tool name) with the digest of its declared parameter schema, and each distinct
 /// schema once, by digest (SHA-256 of its RFC 8785 form). A schema over
 /// [`super::MAX_DECLARED_SCHEMA_BYTES`] keeps its digest only (`schema` NULL).
-fn v5(conn: &Connection) -> rusqlite::Result<()> {
+fn v6(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(
         "BEGIN;
          CREATE TABLE IF NOT EXISTS tool_schemas (
@@ -259,7 +295,57 @@ fn v5(conn: &Connection) -> rusqlite::Result<()> {
             UNIQUE (request_id, name)
          );
          CREATE INDEX IF NOT EXISTS declared_tools_name ON declared_tools (name);
-         PRAGMA user_version = 5;
+         PRAGMA user_version = 6;
          COMMIT;",
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A journal written by the v4 schema opens: its rows are kept, the client's id column
+    /// is filled from the old key, and the new tables and columns exist.
+    #[test]
+    fn a_v4_journal_migrates_to_the_current_version() {
+        let conn = Connection::open_in_memory().unwrap();
+        for step in [v1, v2, v3, v4] {
+            step(&conn).unwrap();
+        }
+        conn.execute_batch(
+            "INSERT INTO rounds (request_id, at_ms, api, stream, round_index, request_digest,
+                latency_ms, state, response_bytes, response_digest, response_truncated)
+             VALUES ('client-1', 1, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0),
+                    ('client-1#repair-1', 1, 'openai_chat', 0, 1, 'd', 1, 'ok', 0, 'x', 0);
+             INSERT INTO effects (effect_id, tool_id, call_id, keying, state, at_ms)
+             VALUES ('t/e', 'tool', 'c', 'business-identity', 'completed', 1);",
+        )
+        .unwrap();
+        migrate(&conn).unwrap();
+        let v: i64 = conn
+            .pragma_query_value(None, "user_version", |r| r.get(0))
+            .unwrap();
+        assert_eq!(v, VERSION);
+        let ids: Vec<(String, String)> = conn
+            .prepare("SELECT request_id, client_request_id FROM rounds ORDER BY id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(
+            ids,
+            [
+                ("client-1".to_owned(), "client-1".to_owned()),
+                ("client-1#repair-1".to_owned(), "client-1".to_owned())
+            ]
+        );
+        let reader: Option<String> = conn
+            .query_row("SELECT reader FROM effects", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(reader, None, "an older effect has no reader");
+        conn.execute("INSERT INTO principal_tokens VALUES ('f', 1, 1)", [])
+            .unwrap();
+        migrate(&conn).unwrap();
+    }
 }

@@ -47,11 +47,16 @@ use crate::server::AppState;
 /// The agent identity in events and rules when no verified person acts.
 pub const AGENT_ID: &str = "agent";
 
-/// Who and what one data-plane request is: its id and its run identity headers.
+/// Who and what one data-plane request is: its ids and its run identity headers.
 #[derive(Debug, Clone)]
 pub struct RequestCtx {
-    /// `x-request-id` of the agent when it is sane, else a fresh UUID.
+    /// `x-request-id` of the agent when it is sane, else a fresh UUID: for logs, the
+    /// response header and the journal's `client_request_id` column — never a journal key
+    /// (a client may send one id twice).
     pub request_id: String,
+    /// turnguard's own id of this request (a fresh UUID): every journal key the request
+    /// writes (round ids, interrupt keys of chat turns, who used an approval) derives from it.
+    pub journal_id: String,
     /// Run identity from `Turnguard-Run` / `-Node` / `-Attempt` (DESIGN.md §2).
     pub run: RunKey,
     /// When the request arrived.
@@ -88,6 +93,7 @@ impl RequestCtx {
         };
         Self {
             request_id,
+            journal_id: uuid::Uuid::new_v4().to_string(),
             run,
             started: Instant::now(),
             at_ms: now_ms(),
@@ -141,12 +147,12 @@ pub enum Approval<'a> {
 }
 
 impl Session {
-    /// The journal id of the current model round (`<request-id>`, then `#repair-N`).
+    /// The journal id of the current model round (`<journal-id>`, then `#repair-N`).
     pub fn round_id(&self) -> String {
         if self.rounds <= 1 {
-            self.ctx.request_id.clone()
+            self.ctx.journal_id.clone()
         } else {
-            format!("{}#repair-{}", self.ctx.request_id, self.rounds - 1)
+            format!("{}#repair-{}", self.ctx.journal_id, self.rounds - 1)
         }
     }
 
@@ -269,7 +275,7 @@ impl Session {
             attempt,
             round_index: self.turn.round_index,
             request_digest: self.agent_digest.clone(),
-            request_id: self.ctx.request_id.clone(),
+            request_id: self.ctx.journal_id.clone(),
             status,
             content_type: content_type.to_owned(),
             body,
@@ -283,12 +289,17 @@ impl Session {
     }
 
     /// Admits one round: stages 1–8, effect claims at dispatch, surfacing — waiting for the
-    /// acting person's approval when held calls surface as `wait` ([`crate::approvals`]) —
-    /// then metrics and events.
-    pub async fn admit(&self, round: &[ChoiceEmissions]) -> Vec<ChoiceVerdict> {
+    /// acting person's approval when held calls surface as `wait` ([`crate::approvals`];
+    /// an approval is used only while `agent` is there to receive its calls) — then metrics
+    /// and events.
+    pub async fn admit(
+        &self,
+        round: &[ChoiceEmissions],
+        agent: &impl crate::approvals::AgentEnd,
+    ) -> Vec<ChoiceVerdict> {
         let mut verdicts = self.decide_round(round, Approval::Pending).await;
         if verdicts.iter().any(ChoiceVerdict::waiting) {
-            verdicts = crate::approvals::settle(self, round, &verdicts).await;
+            verdicts = crate::approvals::settle(self, round, &verdicts, agent).await;
         }
         self.account(round, &verdicts).await;
         verdicts
@@ -375,6 +386,11 @@ impl Session {
         let mut taken = Vec::new();
         let ids = self.call_ids();
         let tenant = &self.state.config.tenant;
+        // Who may read a claimed effect's recorded result (with the run).
+        let reader = self
+            .person
+            .as_ref()
+            .map_or_else(|| AGENT_ID.to_owned(), |p| format!("person:{p}"));
         for (i, call) in choice.calls.iter().enumerate() {
             if decisions[i].outcome != Outcome::Executed {
                 continue;
@@ -409,6 +425,7 @@ impl Session {
                 keying,
                 at_ms: now_ms(),
                 instance: crate::journal::instance_id().to_owned(),
+                reader: reader.clone(),
             };
             let d = &mut decisions[i];
             match self.state.journal.claim_effect(claim).await {
@@ -423,6 +440,14 @@ impl Session {
                         Some(r) => format!("turnguard: this effect already ran; its recorded result: {r}"),
                         None => "turnguard: this effect was already dispatched and its result is not recorded yet; it is not run again".into(),
                     };
+                }
+                // Claimed by another principal or run: their result is theirs to read.
+                Ok(Claim::Foreign) => {
+                    d.outcome = Outcome::SuppressedRepeat;
+                    d.stage = Stage::Dispatch;
+                    d.reason = "effect_already_claimed";
+                    d.message =
+                        "turnguard: this effect is already done; it is not run again".into();
                 }
                 Err(e) => {
                     d.outcome = Outcome::Refused;
@@ -529,13 +554,14 @@ impl Session {
         }
     }
 
+    /// An event of this request; its payload redacted (model-chosen names and ids included).
     fn event(&self, kind: &'static str, payload: Value) -> EventRecord {
         EventRecord {
-            request_id: self.ctx.request_id.clone(),
+            request_id: self.ctx.journal_id.clone(),
             run: self.ctx.run.clone(),
             at_ms: now_ms(),
             kind,
-            payload,
+            payload: self.policy.redactor.redact("", &payload).0,
         }
     }
 
@@ -607,13 +633,24 @@ async fn turn(
     req: Request<Body>,
 ) -> Result<(Response, bool), WireError> {
     let (parts, body) = req.into_parts();
-    let person = state
-        .identity
-        .person_of(&parts.headers)
-        .map_err(|e| WireError::Unauthenticated {
-            reason: e.to_string(),
-        })?
-        .map(|p| p.sub);
+    let person =
+        state
+            .identity
+            .person_of(&parts.headers)
+            .map_err(|e| WireError::Unauthenticated {
+                reason: e.to_string(),
+            })?;
+    // The agent holds this token: it is journaled before anything else so it never approves.
+    if let Some(token) = person.as_ref().and_then(|p| p.token.as_ref()) {
+        state
+            .identity
+            .remember(&state.journal, token)
+            .await
+            .map_err(|e| WireError::JournalUnavailable {
+                reason: e.to_string(),
+            })?;
+    }
+    let person = person.map(|p| p.sub);
     let raw = read_request(state, body).await?;
     let json = parse_json(&raw)?;
     let mut turn = provider::parse_request(api, &json)
@@ -695,7 +732,11 @@ async fn turn(
                     .get(header::CONTENT_TYPE)
                     .and_then(|v| v.to_str().ok())
                     .unwrap_or("application/json");
-                let kept = Recorded::of(&body, state.config.journal_max_record_bytes);
+                let kept = Recorded::redacted(
+                    &body,
+                    &session.policy.redactor,
+                    state.config.journal_max_record_bytes,
+                );
                 let kept = if secrets { kept.withheld() } else { kept };
                 session
                     .record_served(p.status.as_u16(), content_type, kept, calls, claims)
@@ -847,11 +888,14 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| {
-            v.trim_start()
-                .to_ascii_lowercase()
-                .starts_with("text/event-stream")
-        })
+        .is_some_and(is_event_content_type)
+}
+
+/// A `content-type` value of `text/event-stream`.
+fn is_event_content_type(v: &str) -> bool {
+    v.trim_start()
+        .to_ascii_lowercase()
+        .starts_with("text/event-stream")
 }
 
 /// Inside a run, a request that delegates MCP or A2A calls to the provider is refused before
@@ -904,13 +948,13 @@ async fn record_tool_results(
         .tool_results
         .iter()
         .map(|t| ToolResultRecord {
-            request_id: ctx.request_id.clone(),
+            request_id: ctx.journal_id.clone(),
             at_ms: ctx.at_ms,
             run: ctx.run.clone(),
             tool_call_id: t.tool_call_id.clone(),
-            tool_name: t.tool_name.clone(),
+            tool_name: t.tool_name.as_deref().map(|n| redactor.redact_text(n)),
             is_error: t.is_error,
-            content: Recorded::of(redactor.redact_text(&t.content).as_bytes(), cap),
+            content: Recorded::redacted(t.content.as_bytes(), redactor, cap),
         })
         .collect();
     match state.journal.record_tool_results(recs).await {
@@ -939,7 +983,7 @@ async fn record_tool_results(
 /// contract depends on it).
 async fn record_declared_tools(state: &AppState, ctx: &RequestCtx, turn: &Turn) {
     let rec = crate::journal::DeclaredToolsRecord {
-        request_id: ctx.request_id.clone(),
+        request_id: ctx.journal_id.clone(),
         at_ms: ctx.at_ms,
         run_id: ctx.run.run_id.clone(),
         api: turn.api.as_str(),
@@ -1027,7 +1071,7 @@ async fn surface_json(
         Err(_) => {
             let mut rec = round_record(session, base, "failed", &body);
             rec.error = Some("upstream response is not JSON".into());
-            record_round(&session.state, rec).await;
+            record_round(session, rec).await;
             return Err(WireError::UpstreamUnavailable {
                 upstream: turn.api.upstream().to_owned(),
                 reason: "the upstream answered 2xx with a body that is not JSON".into(),
@@ -1040,7 +1084,9 @@ async fn surface_json(
         .filter(|c| !c.calls.is_empty())
         .cloned()
         .collect();
-    let verdicts = session.admit(&with_calls).await;
+    let verdicts = session
+        .admit(&with_calls, &crate::approvals::InRequest)
+        .await;
     let mut rec = round_record(session, base, "ok", &body);
     if has_secrets(&verdicts) {
         rec.response = rec.response.withheld();
@@ -1084,7 +1130,7 @@ async fn surface_json(
             claims_of(&verdicts),
         )
     };
-    record_round(&session.state, rec).await;
+    record_round(session, rec).await;
     Ok(outcome)
 }
 
@@ -1183,6 +1229,7 @@ pub fn round_record(
     let ctx = &session.ctx;
     RoundRecord {
         request_id: base.round_id.clone(),
+        client_request_id: Some(ctx.request_id.clone()),
         at_ms: ctx.at_ms,
         api: session.turn.api.as_str(),
         model: session.turn.model.clone(),
@@ -1196,7 +1243,11 @@ pub fn round_record(
         latency_ms: ctx.started.elapsed().as_millis() as u64,
         state: round_state,
         error: None,
-        response: Recorded::of(response, session.state.config.journal_max_record_bytes),
+        response: Recorded::redacted(
+            response,
+            &session.policy.redactor,
+            session.state.config.journal_max_record_bytes,
+        ),
         calls: Vec::new(),
         response_link: None,
         channel: None,
@@ -1205,10 +1256,16 @@ pub fn round_record(
     }
 }
 
-/// Writes a round; a failure is counted and logged (the agent's response is already decided).
+/// Writes a round, its free text (call names, errors) redacted with the request's redactor
+/// like its body; a failure is counted and logged (the agent's response is already decided).
 /// A run node's round is committed durably before this returns (tool-turn contract §D); a
 /// chat turn's round is queued (replay and recovery do not apply to chat turns).
-pub async fn record_round(state: &AppState, rec: RoundRecord) {
+pub async fn record_round(session: &Session, mut rec: RoundRecord) {
+    rec.redact_text(&session.policy.redactor);
+    journal_round(&session.state, rec).await;
+}
+
+async fn journal_round(state: &AppState, rec: RoundRecord) {
     let request_id = rec.request_id.clone();
     let result = if rec.run.run_id.is_some() {
         state.journal.record_round(rec).await
@@ -1221,9 +1278,10 @@ pub async fn record_round(state: &AppState, rec: RoundRecord) {
 }
 
 fn record_upstream_error(session: &Session, base: &RoundBase) {
-    let rec = round_record(session, base, "upstream_error", b"");
+    let mut rec = round_record(session, base, "upstream_error", b"");
+    rec.redact_text(&session.policy.redactor);
     let state = Arc::clone(&session.state);
-    tokio::spawn(async move { record_round(&state, rec).await });
+    tokio::spawn(async move { journal_round(&state, rec).await });
 }
 
 /// Passes an emission-free endpoint (`GET /v1/models`, `POST /v1/embeddings`,

@@ -2,37 +2,73 @@
 //!
 //! - **Recovery** (`Turnguard-Mode: live`, the same run, node and attempt re-sending a round
 //!   it already got an answer for, same semantic digest): the recorded answer is served and
-//!   upstream is not called. A call released in that answer with no recorded result is *in
-//!   doubt*: it is released again only if re-runnable (`safetyTier` pure/read or
-//!   `replayPolicy` deterministic/idempotent); otherwise the request fails with
-//!   `turnguard.tool_outcome_unknown` (409). A new attempt is new execution: it never matches
-//!   a record (the attempt is part of the key), so a retry is not handed a recorded failure.
+//!   upstream is not called — but never with a call whose result is recorded: the agent ran
+//!   it already, and handing it back makes an agent that retries run it twice. The answer is
+//!   served with only the calls that have no recorded result; when none remain, the recorded
+//!   continuation (the same attempt's next recorded round, by the same rule) is served, and
+//!   without one the request goes live (effect claims keep a repeat from running again).
+//!   Tools run sequentially, so of the calls without a recorded result only the *first* is
+//!   *in doubt* (it may have run; the ones after it had not started): it is served again only
+//!   if re-runnable (`safetyTier` pure/read or `replayPolicy` deterministic/idempotent);
+//!   otherwise the request fails with `turnguard.tool_outcome_unknown` (409) naming it. A new
+//!   attempt is new execution: it never matches a record (the attempt is part of the key), so
+//!   a retry is not handed a recorded failure.
 //! - **Replay** (`Turnguard-Mode: replay`): every round is served from the record and
 //!   upstream is never called. Recorded calls are not released again: when every call of a
 //!   recorded answer has a recorded result, turnguard continues to the next recorded round by
 //!   itself, up to the first answer that needs the agent (a final answer, or re-runnable calls
-//!   without a recorded result). A side-effecting position without a record fails closed with
-//!   `replay_source_missing` (404) — never a synthesized success. The rounds served without
-//!   the agent are counted per (run, node) so the agent's next request lands on the right
-//!   recorded round.
-//! - A record kept only as a digest (over `journal_max_record_bytes`) is a miss.
+//!   without a recorded result), served without the calls whose results are recorded. A
+//!   side-effecting position without a record fails closed with `replay_source_missing`
+//!   (404) — never a synthesized success. The rounds served without the agent are counted per
+//!   (run, node) so the agent's next request lands on the right recorded round.
+//! - A record kept only as a digest (over `journal_max_record_bytes`, or a secret in a call's
+//!   arguments) or in redacted form is a miss.
+//! - Removing calls from a recorded answer is the adapters' own rewrite: a JSON answer through
+//!   [`provider::rewrite_response`], a recorded stream through the stream [`Pipeline`] (the
+//!   removed calls' events dropped, indices renumbered), as if admission had withheld them.
 //!
 //! Chat turns (no `Turnguard-Run`) are out of scope for both (§D).
 
+use std::collections::HashSet;
+
 use axum::body::Body;
 use axum::response::Response;
+use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::StatusCode;
+use serde_json::Value;
 
+use super::stream::{Finish, Pipeline};
 use super::{RunMode, Session};
 use crate::error::WireError;
-use crate::journal::{JournalError, ServedRecord};
+use crate::journal::{JournalError, JournalReader, ServedRecord};
 use crate::metrics::ReplayLabels;
+use crate::model::{ChoiceEmissions, ChoiceVerdict, Decision, Outcome, Stage, Surfacing};
+use crate::provider;
+
+/// Recorded rounds followed at most from one request (a continuation chain).
+const MAX_CHAIN: u32 = 1000;
 
 fn unavailable(e: JournalError) -> WireError {
     WireError::JournalUnavailable {
         reason: e.to_string(),
     }
+}
+
+fn internal(e: tokio::task::JoinError) -> WireError {
+    WireError::Internal {
+        reason: e.to_string(),
+    }
+}
+
+/// What recovery found for a re-sent round.
+enum Recovery {
+    /// Serve this record without these calls (their results are recorded).
+    Serve(Box<ServedRecord>, HashSet<String>),
+    /// The first call without a recorded result may have run and is not re-runnable.
+    OutcomeUnknown(String),
+    /// Nothing to serve (a digest-only or redacted record, or no recorded continuation).
+    Miss,
 }
 
 /// Serves the recorded answer when recovery or replay applies; `None` means go live.
@@ -66,41 +102,57 @@ pub async fn serve_recorded(
     };
     match mode {
         RunMode::Live => {
-            let found = tokio::task::spawn_blocking({
-                let (reader, run_id, node) = (reader.clone(), run_id.clone(), node.clone());
-                move || reader.served(&run_id, &node, attempt, round)
+            let found = tokio::task::spawn_blocking(move || {
+                let Some(rec) = reader
+                    .served(&run_id, &node, attempt, round)?
+                    .filter(|r| r.request_digest == digest)
+                else {
+                    return Ok(None);
+                };
+                recover(&reader, &run_id, &node, attempt, rec).map(Some)
             })
             .await
-            .map_err(|e| WireError::Internal {
-                reason: e.to_string(),
-            })?
+            .map_err(internal)?
             .map_err(unavailable)?;
-            let Some(rec) = found.filter(|r| r.request_digest == digest) else {
-                return Ok(None);
-            };
-            let in_doubt = in_doubt(&reader, &run_id, &rec).await?;
-            if let Some(names) = non_rerunnable(&in_doubt) {
-                count("recovery", "outcome_unknown");
-                return Err(WireError::ToolOutcomeUnknown { calls: names });
+            match found {
+                None => Ok(None),
+                Some(Recovery::OutcomeUnknown(name)) => {
+                    count("recovery", "outcome_unknown");
+                    Err(WireError::ToolOutcomeUnknown { calls: name })
+                }
+                Some(Recovery::Miss) => {
+                    count("recovery", "miss");
+                    Ok(None)
+                }
+                Some(Recovery::Serve(rec, recorded)) => match serve(session, &rec, &recorded) {
+                    Some(resp) => {
+                        count("recovery", "hit");
+                        Ok(Some(resp))
+                    }
+                    None => {
+                        count("recovery", "miss");
+                        Ok(None)
+                    }
+                },
             }
-            if rec.body.truncated {
-                count("recovery", "miss");
-                return Ok(None);
-            }
-            count("recovery", "hit");
-            Ok(Some(serve(&rec)))
         }
         RunMode::Replay => {
-            let reader2 = reader.clone();
             let (run2, node2) = (run_id.clone(), node.clone());
             let result =
-                tokio::task::spawn_blocking(move || replay_chain(&reader2, &run2, &node2, round))
+                tokio::task::spawn_blocking(move || replay_chain(&reader, &run2, &node2, round))
                     .await
-                    .map_err(|e| WireError::Internal {
-                        reason: e.to_string(),
-                    })?;
+                    .map_err(internal)?;
             match result {
-                Ok((rec, skipped_before, skipped_now)) => {
+                Ok((rec, recorded, skipped_before, skipped_now)) => {
+                    let Some(resp) = serve(session, &rec, &recorded) else {
+                        count("replay", "miss");
+                        return Err(WireError::ReplaySourceMissing {
+                            reason: format!(
+                                "round {} could not be served without its recorded calls",
+                                rec.round_index
+                            ),
+                        });
+                    };
                     if skipped_now > 0 {
                         session
                             .state
@@ -110,7 +162,7 @@ pub async fn serve_recorded(
                             .map_err(unavailable)?;
                     }
                     count("replay", "hit");
-                    Ok(Some(serve(&rec)))
+                    Ok(Some(resp))
                 }
                 Err(e) => {
                     count("replay", "miss");
@@ -121,30 +173,66 @@ pub async fn serve_recorded(
     }
 }
 
-/// Released calls of `rec` with no recorded result (a result kept only as a digest counts
-/// as absent).
-async fn in_doubt(
-    reader: &std::sync::Arc<crate::journal::JournalReader>,
+/// The calls of a served record, split by whether their results are recorded.
+struct Split {
+    /// Ids of the calls whose results are recorded (a result kept only as a digest counts as
+    /// absent).
+    recorded: HashSet<String>,
+    /// The others, in order: `(tool name, re-runnable)`.
+    unrecorded: Vec<(String, bool)>,
+}
+
+fn partition(reader: &JournalReader, run: &str, rec: &ServedRecord) -> Result<Split, JournalError> {
+    let mut split = Split {
+        recorded: HashSet::new(),
+        unrecorded: Vec::new(),
+    };
+    for c in &rec.calls {
+        if matches!(reader.tool_result(run, &c.call_id)?, Some(Some(_))) {
+            split.recorded.insert(c.call_id.clone());
+        } else {
+            split.unrecorded.push((c.tool_name.clone(), c.rerunnable));
+        }
+    }
+    Ok(split)
+}
+
+/// Same-attempt recovery from the record `first` of the re-sent round (see the module docs).
+fn recover(
+    reader: &JournalReader,
     run: &str,
-    rec: &ServedRecord,
-) -> Result<Vec<(String, bool)>, WireError> {
-    let reader = reader.clone();
-    let run = run.to_owned();
-    let calls = rec.calls.clone();
-    tokio::task::spawn_blocking(move || {
-        let mut out = Vec::new();
-        for c in calls {
-            if !matches!(reader.tool_result(&run, &c.call_id)?, Some(Some(_))) {
-                out.push((c.tool_name, c.rerunnable));
+    node: &str,
+    attempt: u32,
+    first: ServedRecord,
+) -> Result<Recovery, JournalError> {
+    let mut rec = first;
+    for _ in 0..MAX_CHAIN {
+        let Split {
+            recorded,
+            unrecorded,
+        } = partition(reader, run, &rec)?;
+        if !rec.calls.is_empty() && unrecorded.is_empty() {
+            // Every call of this answer ran: the answer that followed them is the one to serve.
+            match reader.served(run, node, attempt, rec.round_index + 1)? {
+                Some(next) => {
+                    rec = next;
+                    continue;
+                }
+                None => return Ok(Recovery::Miss),
             }
         }
-        Ok::<_, JournalError>(out)
-    })
-    .await
-    .map_err(|e| WireError::Internal {
-        reason: e.to_string(),
-    })?
-    .map_err(unavailable)
+        // Tools run sequentially: only the first call without a recorded result is in doubt.
+        if let Some((name, false)) = unrecorded.first() {
+            return Ok(Recovery::OutcomeUnknown(crate::admission::sanitize_label(
+                name,
+            )));
+        }
+        if !rec.body.servable() {
+            return Ok(Recovery::Miss);
+        }
+        return Ok(Recovery::Serve(Box::new(rec), recorded));
+    }
+    Ok(Recovery::Miss)
 }
 
 fn non_rerunnable(in_doubt: &[(String, bool)]) -> Option<String> {
@@ -163,13 +251,14 @@ fn non_rerunnable(in_doubt: &[(String, bool)]) -> Option<String> {
 }
 
 /// Follows recorded rounds from the agent's position to the first answer that needs the
-/// agent. Returns the answer, the rounds skipped before, and the rounds skipped now.
+/// agent. Returns the answer, its calls whose results are recorded, the rounds skipped
+/// before, and the rounds skipped now.
 fn replay_chain(
-    reader: &crate::journal::JournalReader,
+    reader: &JournalReader,
     run: &str,
     node: &str,
     agent_round: u32,
-) -> Result<(ServedRecord, u32, u32), WireError> {
+) -> Result<(ServedRecord, HashSet<String>, u32, u32), WireError> {
     let missing = |reason: String| WireError::ReplaySourceMissing { reason };
     let skipped_before = reader.replay_cursor(run, node).map_err(unavailable)?;
     let mut k = agent_round + skipped_before;
@@ -191,23 +280,18 @@ fn replay_chain(
                     "run `{run}` node `{node}` has no recorded round {k}"
                 ))
             })?;
-        if rec.body.truncated {
+        if !rec.body.servable() {
             return Err(missing(format!(
-                "round {k} was recorded only as a digest (over the record size limit, or its tool-call arguments carried a secret turnguard redacts)"
+                "round {k} was recorded only as a digest or in redacted form (over the record size limit, or it carried a secret turnguard redacts)"
             )));
         }
         if rec.calls.is_empty() {
-            return Ok((rec, skipped_before, skipped_now));
+            return Ok((rec, HashSet::new(), skipped_before, skipped_now));
         }
-        let mut unrecorded = Vec::new();
-        for c in &rec.calls {
-            if !matches!(
-                reader.tool_result(run, &c.call_id).map_err(unavailable)?,
-                Some(Some(_))
-            ) {
-                unrecorded.push((c.tool_name.clone(), c.rerunnable));
-            }
-        }
+        let Split {
+            recorded,
+            unrecorded,
+        } = partition(reader, run, &rec).map_err(unavailable)?;
         if unrecorded.is_empty() {
             // Every call of this answer has a recorded result: not released again.
             k += 1;
@@ -219,17 +303,96 @@ fn replay_chain(
                 "round {k} released side-effecting call(s) with no recorded result: {names}"
             )));
         }
-        return Ok((rec, skipped_before, skipped_now));
+        return Ok((rec, recorded, skipped_before, skipped_now));
     }
 }
 
-fn serve(rec: &ServedRecord) -> Response {
-    let mut resp = Response::new(Body::from(rec.body.bytes.clone()));
+/// The recorded answer as a response, without the calls in `recorded`; `None` when it cannot
+/// be rewritten (the record is then a miss).
+fn serve(session: &Session, rec: &ServedRecord, recorded: &HashSet<String>) -> Option<Response> {
+    let body = if recorded.is_empty() {
+        Bytes::from(rec.body.bytes.clone())
+    } else if super::is_event_content_type(&rec.content_type) {
+        without_calls_sse(session, &rec.body.bytes, recorded)?
+    } else {
+        without_calls_json(session, &rec.body.bytes, recorded)?
+    };
+    let mut resp = Response::new(Body::from(body));
     *resp.status_mut() = StatusCode::from_u16(rec.status).unwrap_or(StatusCode::OK);
     if let Ok(v) = HeaderValue::from_str(&rec.content_type) {
         resp.headers_mut().insert(header::CONTENT_TYPE, v);
     }
     resp.headers_mut()
         .insert("turnguard-served", HeaderValue::from_static("recorded"));
-    resp
+    Some(resp)
+}
+
+/// Verdicts that withhold (drop) the calls in `recorded` and release the others.
+fn verdicts_without(round: &[ChoiceEmissions], recorded: &HashSet<String>) -> Vec<ChoiceVerdict> {
+    round
+        .iter()
+        .map(|choice| {
+            let decisions: Vec<Decision> = choice
+                .calls
+                .iter()
+                .map(|c| {
+                    if recorded.contains(&c.id) {
+                        Decision::new(
+                            Outcome::SuppressedRepeat,
+                            Stage::Dispatch,
+                            "result_recorded",
+                            "the call's result is recorded: it is not handed back".into(),
+                        )
+                    } else {
+                        Decision::new(
+                            Outcome::Executed,
+                            Stage::Dispatch,
+                            "served_from_record",
+                            String::new(),
+                        )
+                    }
+                })
+                .collect();
+            let surfacing = if decisions.iter().all(Decision::released) {
+                Surfacing::Release
+            } else {
+                Surfacing::Drop
+            };
+            ChoiceVerdict {
+                choice: choice.choice,
+                decisions,
+                surfacing,
+                claims: Vec::new(),
+            }
+        })
+        .collect()
+}
+
+fn without_calls_json(session: &Session, body: &[u8], recorded: &HashSet<String>) -> Option<Bytes> {
+    let mut json: Value = serde_json::from_slice(body).ok()?;
+    let round = provider::parse_response(session.turn.api, &json, &session.turn);
+    let verdicts = verdicts_without(&round, recorded);
+    provider::rewrite_response(session.turn.api, &mut json, &verdicts);
+    Some(Bytes::from(json.to_string()))
+}
+
+fn without_calls_sse(session: &Session, body: &[u8], recorded: &HashSet<String>) -> Option<Bytes> {
+    let mut pipeline = Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
+    let mut out = Vec::new();
+    pipeline.feed(body).ok()?;
+    while let Some(round) = pipeline.advance(&mut out) {
+        let verdicts = verdicts_without(&round, recorded);
+        pipeline.release(round, verdicts, &mut out);
+    }
+    loop {
+        match pipeline.finish(None, &mut out) {
+            Finish::Decide(round) => {
+                let verdicts = verdicts_without(&round, recorded);
+                pipeline.release(round, verdicts, &mut out);
+            }
+            Finish::Ended("ok", _) => break,
+            Finish::Ended(..) => return None,
+        }
+    }
+    Some(out.concat().into())
 }

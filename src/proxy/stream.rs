@@ -431,15 +431,16 @@ impl Capture {
         }
     }
 
-    fn finish(self) -> crate::journal::Recorded {
+    /// The bytes received, redacted — decided or not, a cut stream too.
+    fn finish(self, redactor: &crate::policy::Redactor) -> crate::journal::Recorded {
         use sha2::Digest;
         let truncated = self.total > self.cap;
-        crate::journal::Recorded {
-            bytes: if truncated { Vec::new() } else { self.bytes },
-            total_bytes: self.total as u64,
-            digest: hex::encode(self.hasher.finalize()),
-            truncated,
-        }
+        crate::journal::Recorded::redacted_parts(
+            (!truncated).then_some(self.bytes),
+            self.total as u64,
+            hex::encode(self.hasher.finalize()),
+            redactor,
+        )
     }
 }
 
@@ -458,6 +459,8 @@ enum Next {
     Continue,
     Repair(Value, Splice),
     Stop,
+    /// The agent went away while the calls were decided: nothing is released.
+    Gone,
 }
 
 async fn run(
@@ -518,7 +521,7 @@ async fn run(
                 .collect();
             // Over the record cap the body is kept as a digest only, but the released calls are
             // still recorded, so a re-sent round finds them in doubt.
-            let body = agent.recorded();
+            let body = agent.recorded(&session.policy.redactor);
             let body = if secrets { body.withheld() } else { body };
             session
                 .record_served(200, "text/event-stream", body, calls, Vec::new())
@@ -582,20 +585,16 @@ struct ToAgent {
 }
 
 impl ToAgent {
-    /// What was sent, as a journal record (a digest only past the cap).
-    fn recorded(&self) -> crate::journal::Recorded {
+    /// What was sent, as a journal record, redacted (a digest only past the cap).
+    fn recorded(&self, redactor: &crate::policy::Redactor) -> crate::journal::Recorded {
         use sha2::Digest;
         let truncated = self.total > self.cap;
-        crate::journal::Recorded {
-            bytes: if truncated {
-                Vec::new()
-            } else {
-                self.sent.clone()
-            },
-            total_bytes: self.total as u64,
-            digest: hex::encode(self.hasher.clone().finalize()),
-            truncated,
-        }
+        crate::journal::Recorded::redacted_parts(
+            (!truncated).then(|| self.sent.clone()),
+            self.total as u64,
+            hex::encode(self.hasher.clone().finalize()),
+            redactor,
+        )
     }
 
     async fn send_all(&mut self, out: &mut Vec<Bytes>) -> bool {
@@ -702,6 +701,7 @@ async fn read_round(
                         RoundEnd::ClientGone
                     };
                 }
+                Next::Gone => return RoundEnd::ClientGone,
             }
         }
         if !agent.send_all(&mut out).await {
@@ -724,6 +724,7 @@ async fn read_round(
                         agent.send_all(&mut out).await;
                         return RoundEnd::Done("surfaced_error", None);
                     }
+                    Next::Gone => return RoundEnd::ClientGone,
                 }
             }
             Finish::Ended(state, error) => {
@@ -751,7 +752,9 @@ async fn decide(
     let every = Duration::from_millis(session.state.config.approval_keepalive_ms.max(10));
     let mut keepalive = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     let verdicts = {
-        let admit = session.admit(&round);
+        // The approval of a held round is used only while the agent is there (its channel
+        // open): a stream whose agent left stops waiting and uses nothing.
+        let admit = session.admit(&round, &agent.tx);
         tokio::pin!(admit);
         loop {
             tokio::select! {
@@ -773,6 +776,28 @@ async fn decide(
             api: session.turn.api.as_str().to_owned(),
         })
         .observe(started.elapsed().as_secs_f64());
+    if agent.tx.is_closed() {
+        // Nothing leaves: the claims of calls that would have been released are given back.
+        for (effect_id, call_id) in super::claims_of(&verdicts) {
+            if let Err(e) = session
+                .state
+                .journal
+                .release_claim(&effect_id, &call_id)
+                .await
+            {
+                tracing::error!(error = %e, "an effect claim could not be given back");
+            }
+        }
+        pipeline.fail(
+            round,
+            verdicts,
+            "turnguard.agent_gone",
+            "the agent left",
+            out,
+        );
+        out.clear();
+        return Next::Gone;
+    }
     if let Some(e) = verdicts.iter().find_map(|v| match &v.surfacing {
         Surfacing::Error(e) => Some(e.clone()),
         _ => None,
@@ -814,10 +839,11 @@ async fn record(
     secrets: bool,
 ) {
     let mut rec = round_record(session, base, state, &[]);
+    let received = capture.finish(&session.policy.redactor);
     rec.response = if secrets {
-        capture.finish().withheld()
+        received.withheld()
     } else {
-        capture.finish()
+        received
     };
     rec.error = error;
     let completions = pipeline.completions();
@@ -827,7 +853,7 @@ async fn record(
     }
     rec.calls = pipeline.call_records(&session.call_ids());
     rec.response_link = session.judged(pipeline.response_link(), &rec.calls);
-    record_round(&session.state, rec).await;
+    record_round(session, rec).await;
 }
 
 fn count(session: &Session, reason: &str) {

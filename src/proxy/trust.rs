@@ -93,7 +93,7 @@ pub async fn sticky(state: &AppState, ctx: &RequestCtx, turn: ContentTrust) -> C
     let untrusted = turn == ContentTrust::Untrusted;
     match state
         .journal
-        .run_untrusted(run, untrusted, &ctx.request_id, ctx.at_ms)
+        .run_untrusted(run, untrusted, &ctx.journal_id, ctx.at_ms)
         .await
     {
         Ok(true) => ContentTrust::Untrusted,

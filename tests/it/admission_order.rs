@@ -240,7 +240,7 @@ fn call_rows(db: &rusqlite::Connection, round: &str) -> Vec<(String, String, Str
     let mut st = db
         .prepare("SELECT call_id, outcome, stage, reason FROM tool_calls WHERE request_id = ?1 ORDER BY choice, ordinal")
         .unwrap();
-    st.query_map([round], |r| {
+    st.query_map([support::round_key(db, round)], |r| {
         Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
     })
     .unwrap()
@@ -253,7 +253,7 @@ fn events_of(db: &rusqlite::Connection, request_id: &str) -> Vec<(String, Value)
     let mut st = db
         .prepare("SELECT type, payload FROM events WHERE request_id = ?1 ORDER BY sequence")
         .unwrap();
-    st.query_map([request_id], |r| {
+    st.query_map([support::round_key(db, request_id)], |r| {
         Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
     })
     .unwrap()
@@ -267,7 +267,7 @@ fn events_of(db: &rusqlite::Connection, request_id: &str) -> Vec<(String, Value)
 fn args_hash_of(db: &rusqlite::Connection, round: &str, call_id: &str) -> Option<String> {
     db.query_row(
         "SELECT args_hash FROM tool_calls WHERE request_id = ?1 AND call_id = ?2",
-        [round, call_id],
+        [support::round_key(db, round).as_str(), call_id],
         |r| r.get(0),
     )
     .unwrap()
@@ -275,14 +275,15 @@ fn args_hash_of(db: &rusqlite::Connection, round: &str, call_id: &str) -> Option
 
 fn round_states(db: &rusqlite::Connection, prefix: &str) -> Vec<(String, String)> {
     let mut st = db
-        .prepare("SELECT request_id, state FROM rounds WHERE request_id = ?1 OR request_id LIKE ?2 ORDER BY id")
+        .prepare(&format!(
+            "SELECT {}, state FROM rounds WHERE client_request_id = ?1 ORDER BY id",
+            support::CLIENT_ROUND_LABEL
+        ))
         .unwrap();
-    st.query_map([prefix.to_owned(), format!("{prefix}#%")], |r| {
-        Ok((r.get(0)?, r.get(1)?))
-    })
-    .unwrap()
-    .map(Result::unwrap)
-    .collect()
+    st.query_map([prefix], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------

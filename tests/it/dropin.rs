@@ -785,7 +785,7 @@ async fn logs_and_the_journal_cli_show_what_turnguard_did() {
     let out = loop {
         let (code, out) = turnguard(&["journal", "runs", "--journal", journal.to_str().unwrap()]);
         assert_eq!(code, 0, "{out}");
-        if out.contains(&format!("chat:{request_id}")) {
+        if out.lines().any(|l| l.ends_with(&format!("\t{request_id}"))) {
             break out;
         }
         assert!(
@@ -796,10 +796,16 @@ async fn logs_and_the_journal_cli_show_what_turnguard_did() {
     };
     let row = out
         .lines()
-        .find(|l| l.starts_with(&format!("chat:{request_id}\t")))
+        .find(|l| l.ends_with(&format!("\t{request_id}")))
         .unwrap();
+    let cols: Vec<&str> = row.split('\t').collect();
     assert!(
-        row.starts_with(&format!("chat:{request_id}\t2\t1\t")),
+        cols[0].starts_with("chat:") && cols[0] != format!("chat:{request_id}"),
+        "a chat turn is listed by turnguard's own journal id, the agent's id beside it: {row}"
+    );
+    assert_eq!(
+        (cols[1], cols[2]),
+        ("2", "1"),
         "2 rounds (the repair round with it), 1 call: {row}"
     );
     let (code, out) = turnguard(&[

@@ -180,17 +180,18 @@ async fn start_mock(event_delay_ms: u64) -> mock_provider::MockHandle {
 
 fn round(journal: &Path, request_id: &str) -> (String, bool, Option<String>, i64) {
     let db = support::journal(journal);
+    let key = support::round_key(&db, request_id);
     let (state, stream, error): (String, bool, Option<String>) = db
         .query_row(
             "SELECT state, stream, error FROM rounds WHERE request_id = ?1",
-            [request_id],
+            [&key],
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
         )
         .unwrap_or_else(|e| panic!("no round for {request_id} in the journal: {e}"));
     let executed: i64 = db
         .query_row(
             "SELECT count(*) FROM tool_calls WHERE request_id = ?1 AND outcome = 'executed'",
-            [request_id],
+            [&key],
             |r| r.get(0),
         )
         .unwrap();
@@ -342,11 +343,12 @@ async fn past_the_drain_deadline_an_open_stream_is_cut_journaled_and_the_exit_is
 
     let (state, stream, error, executed) = round(&tg.journal(), "cut-me-1");
     assert_eq!((state.as_str(), stream, executed), ("failed", true, 0));
-    let withheld: i64 = support::journal(&tg.journal())
+    let db = support::journal(&tg.journal());
+    let withheld: i64 = db
         .query_row(
-            "SELECT count(*) FROM tool_calls WHERE request_id = 'cut-me-1'
+            "SELECT count(*) FROM tool_calls WHERE request_id = ?1
              AND outcome = 'invalid' AND stage = 'completion' AND reason = 'stream_cut'",
-            [],
+            [support::round_key(&db, "cut-me-1")],
             |r| r.get(0),
         )
         .unwrap();

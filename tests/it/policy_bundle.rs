@@ -870,10 +870,11 @@ async fn secrets_in_arguments_never_reach_the_journal_events_or_logs() {
         ("secret-json", "call_secret_json"),
         ("secret-sse", "call_secret_sse"),
     ] {
+        let key = support::round_key(&db, round);
         let (hash, redacted, outcome): (Option<String>, Option<String>, String) = db
             .query_row(
                 "SELECT args_hash, redacted_args, outcome FROM tool_calls WHERE request_id = ?1 AND call_id = ?2",
-                [round, call_id],
+                [key.as_str(), call_id],
                 |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
             )
             .unwrap_or_else(|e| panic!("{round}/{call_id} not journaled: {e}"));
@@ -890,7 +891,7 @@ async fn secrets_in_arguments_never_reach_the_journal_events_or_logs() {
             .query_row(
                 "SELECT json_extract(payload, '$.argsHash') FROM events WHERE request_id = ?1 AND type = 'agent.tool-called'
                  AND json_extract(payload, '$.callId') = ?2",
-                [round, call_id],
+                [key.as_str(), call_id],
                 |r| r.get(0),
             )
             .unwrap_or_else(|e| panic!("{round}: no agent.tool-called event: {e}"));
@@ -939,8 +940,8 @@ async fn a_bearer_token_in_rfc6750_form_is_redacted() {
     let db = support::journal(&journal);
     let redacted: String = db
         .query_row(
-            "SELECT redacted_args FROM tool_calls WHERE request_id = 'rfc6750'",
-            [],
+            "SELECT redacted_args FROM tool_calls WHERE request_id = ?1",
+            [support::round_key(&db, "rfc6750")],
             |r| r.get(0),
         )
         .unwrap();

@@ -259,7 +259,7 @@ fn call_rows(db: &rusqlite::Connection, round: &str) -> Vec<(String, String, Str
     let mut st = db
         .prepare("SELECT call_id, outcome, stage, reason FROM tool_calls WHERE request_id = ?1 ORDER BY choice, ordinal")
         .unwrap();
-    st.query_map([round], |r| {
+    st.query_map([support::round_key(db, round)], |r| {
         Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
     })
     .unwrap()
@@ -459,7 +459,7 @@ async fn response_chain_trust_comes_from_turnguards_own_journal() {
     // Each stored response is recorded with its contentTrust (untrusted: provider-executed
     // output, or the turn that produced it was untrusted).
     let mut st = db
-        .prepare("SELECT response_id, previous_response_id, provider_executed, content_trust FROM responses ORDER BY at_ms, request_id")
+        .prepare("SELECT response_id, previous_response_id, provider_executed, content_trust FROM responses ORDER BY at_ms, rowid")
         .unwrap();
     let rows: Vec<(String, Option<String>, bool, Option<String>)> = st
         .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))

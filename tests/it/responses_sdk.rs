@@ -154,7 +154,7 @@ async fn official_sdk_responses_get_the_same_result_through_turnguard() {
     let dir = harness.stop().await;
     let db = support::journal(&dir.path().join("journal.db"));
     let rounds: BTreeMap<String, (String, bool, String, Option<String>)> = db
-        .prepare("SELECT request_id, api, stream, state, completion FROM rounds")
+        .prepare("SELECT client_request_id, api, stream, state, completion FROM rounds")
         .unwrap()
         .query_map([], |r| {
             Ok((r.get(0)?, (r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
@@ -165,7 +165,7 @@ async fn official_sdk_responses_get_the_same_result_through_turnguard() {
     let calls_of = |request_id: &str| -> Vec<(String, String, String, String, String)> {
         db.prepare("SELECT call_id, name, outcome, stage, reason FROM tool_calls WHERE request_id = ?1 ORDER BY choice, ordinal")
             .unwrap()
-            .query_map([request_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+            .query_map([support::round_key(&db, request_id)], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
             .unwrap()
             .map(Result::unwrap)
             .collect()
@@ -174,7 +174,7 @@ async fn official_sdk_responses_get_the_same_result_through_turnguard() {
     // first round that saw an id keeps it (insert-if-absent).
     let link_of = |response_id: &str| -> Option<(String, Option<String>, bool, String)> {
         db.query_row(
-            "SELECT request_id, status, provider_executed, provider_items FROM responses WHERE response_id = ?1",
+            "SELECT r.client_request_id, p.status, p.provider_executed, p.provider_items FROM responses p JOIN rounds r USING (request_id) WHERE p.response_id = ?1",
             [response_id],
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
         )

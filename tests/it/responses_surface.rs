@@ -163,7 +163,7 @@ async fn a_truncated_function_call_is_never_released_even_when_its_arguments_par
     for id in ["trunc-stream", "trunc-json"] {
         let row: (String, String, String, String) = db
             .query_row(
-                "SELECT r.completion, c.outcome, c.stage, c.reason FROM rounds r JOIN tool_calls c USING (request_id) WHERE request_id = ?1",
+                "SELECT r.completion, c.outcome, c.stage, c.reason FROM rounds r JOIN tool_calls c USING (request_id) WHERE r.client_request_id = ?1",
                 [id],
                 |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
             )
@@ -291,7 +291,7 @@ async fn tool_results_and_the_response_chain_are_journaled() {
     );
     let round_index: i64 = db
         .query_row(
-            "SELECT round_index FROM rounds WHERE request_id = 'chain-2'",
+            "SELECT round_index FROM rounds WHERE client_request_id = 'chain-2'",
             [],
             |r| r.get(0),
         )
@@ -302,7 +302,7 @@ async fn tool_results_and_the_response_chain_are_journaled() {
          call) in the input"
     );
     let mut stmt = db
-        .prepare("SELECT request_id, response_id, previous_response_id, run_id, status, provider_executed, provider_items FROM responses ORDER BY at_ms, request_id")
+        .prepare("SELECT r.client_request_id, response_id, previous_response_id, p.run_id, status, provider_executed, provider_items FROM responses p JOIN rounds r USING (request_id) ORDER BY p.at_ms, p.rowid")
         .unwrap();
     let rows: Vec<(
         String,
@@ -644,7 +644,10 @@ async fn an_invalid_call_is_repaired_and_the_repair_round_continues_the_agents_s
     let dir = h.stop().await;
     let db = support::journal(&dir.path().join("journal.db"));
     let rounds: Vec<(String, String)> = db
-        .prepare("SELECT request_id, state FROM rounds ORDER BY request_id")
+        .prepare(&format!(
+            "SELECT {}, state FROM rounds ORDER BY id",
+            support::CLIENT_ROUND_LABEL
+        ))
         .unwrap()
         .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
         .unwrap()
@@ -762,7 +765,7 @@ async fn a_turn_continuing_a_stored_response_is_untrusted() {
     let decision = |id: &str| -> (String, String, String) {
         db.query_row(
             "SELECT outcome, stage, reason FROM tool_calls WHERE request_id = ?1",
-            [id],
+            [support::round_key(&db, id)],
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
         )
         .unwrap()
@@ -774,8 +777,8 @@ async fn a_turn_continuing_a_stored_response_is_untrusted() {
     assert_eq!(decision("t-3").0, "executed");
     let (prev, provider_executed): (String, bool) = db
         .query_row(
-            "SELECT r2.previous_response_id, r1.provider_executed FROM responses r2 JOIN responses r1 ON r1.response_id = r2.previous_response_id WHERE r2.request_id = 't-2'",
-            [],
+            "SELECT r2.previous_response_id, r1.provider_executed FROM responses r2 JOIN responses r1 ON r1.response_id = r2.previous_response_id WHERE r2.request_id = ?1",
+            [support::round_key(&db, "t-2")],
             |r| Ok((r.get(0)?, r.get(1)?)),
         )
         .unwrap();

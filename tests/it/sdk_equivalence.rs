@@ -186,7 +186,9 @@ async fn official_sdks_get_the_same_result_through_turnguard_for_every_fixture()
     // One round per proxied request: the direct calls never reach turnguard.
     let mut rounds: BTreeMap<String, Round> = BTreeMap::new();
     let mut stmt = db
-        .prepare("SELECT request_id, api, stream, state, completion, upstream_status FROM rounds")
+        .prepare(
+            "SELECT client_request_id, api, stream, state, completion, upstream_status FROM rounds",
+        )
         .expect("rounds query");
     let rows = stmt
         .query_map([], |r| {
@@ -208,7 +210,7 @@ async fn official_sdks_get_the_same_result_through_turnguard_for_every_fixture()
         round_count += 1;
         expect!(
             rounds.insert(id.clone(), round).is_none(),
-            "journal: two rounds with request_id {id}"
+            "journal: two rounds sent as x-request-id {id}"
         );
     }
     expect!(
@@ -220,7 +222,7 @@ async fn official_sdks_get_the_same_result_through_turnguard_for_every_fixture()
 
     let mut calls: BTreeMap<String, Vec<CallRow>> = BTreeMap::new();
     let mut stmt = db
-        .prepare("SELECT request_id, call_id, name, outcome, stage, reason FROM tool_calls ORDER BY request_id, choice, ordinal")
+        .prepare("SELECT r.client_request_id, c.call_id, c.name, c.outcome, c.stage, c.reason FROM tool_calls c JOIN rounds r USING (request_id) ORDER BY r.client_request_id, c.choice, c.ordinal")
         .expect("tool_calls query");
     let rows = stmt
         .query_map([], |r| {

@@ -15,8 +15,9 @@ the events the SDK's stream helper emitted. Truncated fixtures are the exception
 turnguard the agent must get no tool call, a `[turnguard]` text and a normal stop, and otherwise
 the same message (id, model, usage, ...).
 
-Each proxied request carries `x-request-id: sdk-eq:<api>/<file>`, which turnguard uses as the
-journal's `request_id`, so the caller can find each fixture's round.
+Each proxied request carries `x-request-id: sdk-eq:<api>/<file>`, which turnguard keeps as the
+round's `client_request_id` (the journal's keys are its own), so the caller can find each
+fixture's round.
 
 Prints `ok <api>/<file>` or `FAIL <api>/<file>: <path>: <difference>` per fixture and exits 1 on
 any failure (2 when no fixture is found or the arguments are wrong).

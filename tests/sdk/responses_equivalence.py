@@ -29,8 +29,8 @@ turnguard's `tests/fixtures`. Cases, one output line each (`ok NAME` or `FAIL NA
   the second round into the agent's stream; the SDK must parse one response (helper and raw),
   with round 1's id and reasoning item, round 2's items after it, and no call.
 
-Each proxied request carries `x-request-id: sdk-eq:<case>[#raw]`, which turnguard uses as the
-journal's `request_id`. Exits 1 on any failure, 2 on bad arguments or missing fixtures.
+Each proxied request carries `x-request-id: sdk-eq:<case>[#raw]`, which turnguard keeps as the
+round's `client_request_id`. Exits 1 on any failure, 2 on bad arguments or missing fixtures.
 """
 
 from __future__ import annotations

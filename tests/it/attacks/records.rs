@@ -1,1 +1,732 @@
 //! Attacks on this leg: see [`super`] for the attacker and the rule.
+//!
+//! What turnguard writes down: a secret the model, a tool or the agent puts anywhere in a round
+//! is never journaled in clear; a client-chosen id never decides which record is kept; one
+//! principal's recorded tool result never reaches another; recovery never hands back a call
+//! whose result is recorded (tool-turn contract §B stage 7, §D; OpenWOP idempotency.md).
+//! Bundle: `tests/fixtures/policy-run` (a re-runnable `lookup_order`, a `charge` with business
+//! key `/chargeId`, a `send_receipt` write; built-in redaction on).
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use turnguard::config::Config;
+use turnguard::mock_provider::Script;
+
+use crate::support;
+use support::approvals::{token, AUD, ISS, SECRET};
+use support::runs::*;
+use support::{own_fixtures, Harness};
+
+const BUNDLE: &str = "policy-run";
+
+/// Every file of the journal (database, WAL) is free of `needle`; on failure, names the tables
+/// and columns that hold it.
+fn assert_journal_free_of(dir: &Path, needle: &str, what: &str) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if !name.starts_with("journal.db") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let found = bytes.windows(needle.len()).any(|w| w == needle.as_bytes());
+        if !found {
+            continue;
+        }
+        let db = support::journal(&dir.join("journal.db"));
+        let mut holders = Vec::new();
+        let tables: Vec<String> = db
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        for t in tables {
+            let cols: Vec<String> = db
+                .prepare(&format!("SELECT name FROM pragma_table_info('{t}')"))
+                .unwrap()
+                .query_map([], |r| r.get(0))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            for c in cols {
+                let n: i64 = db
+                    .query_row(
+                        &format!("SELECT count(*) FROM {t} WHERE instr(CAST({c} AS BLOB), CAST(?1 AS BLOB)) > 0"),
+                        [needle],
+                        |r| r.get(0),
+                    )
+                    .unwrap();
+                if n > 0 {
+                    holders.push(format!("{t}.{c}"));
+                }
+            }
+        }
+        panic!("{what} is in the journal in clear ({name}; {holders:?})");
+    }
+}
+
+/// The policy-run bundle copied into a temporary directory with `edit` applied to its
+/// `turnguard.toml`.
+fn bundle_with(edit: impl Fn(String) -> String) -> tempfile::TempDir {
+    fn copy(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            let target = to.join(e.file_name());
+            if e.file_type().unwrap().is_dir() {
+                copy(&e.path(), &target);
+            } else {
+                std::fs::copy(e.path(), target).unwrap();
+            }
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    copy(&own_fixtures().join(BUNDLE), dir.path());
+    let toml = dir.path().join("turnguard.toml");
+    let text = std::fs::read_to_string(&toml).unwrap();
+    std::fs::write(&toml, edit(text)).unwrap();
+    dir
+}
+
+/// The run bundle (or `bundle`) with an HS256 identity provider, so requests carry a
+/// verified principal.
+async fn start_with_identity(bundle: Option<&Path>) -> (Harness, tempfile::TempDir) {
+    let keys = tempfile::tempdir().unwrap();
+    let secret = keys.path().join("hs256.secret");
+    std::fs::write(&secret, SECRET).unwrap();
+    let policy = bundle.map_or_else(|| own_fixtures().join(BUNDLE), Path::to_owned);
+    let h = support::start_with(Script::default(), move |c: &mut Config| {
+        c.policy = policy;
+        c.identity_issuer = Some(ISS.into());
+        c.identity_audience = Some(AUD.into());
+        c.identity_hs256_secret_file = Some(secret);
+    })
+    .await;
+    (h, keys)
+}
+
+/// Waits until the relay of a streamed round has journaled it (the relay records after the
+/// agent's stream ended).
+fn wait_rounds(h: &Harness, run: &str, n: i64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let db = support::journal(&h.journal());
+        let got: i64 = db
+            .query_row(
+                "SELECT count(*) FROM rounds WHERE run_id = ?1",
+                [run],
+                |r| r.get(0),
+            )
+            .unwrap();
+        if got >= n || Instant::now() > deadline {
+            return;
+        }
+        drop(db);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn chat_chunk(delta: Value, finish: Value) -> String {
+    let v = json!({"id": "chatcmpl-sec", "object": "chat.completion.chunk", "created": 1_782_955_817,
+        "model": "gpt-test", "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]});
+    format!("data: {v}")
+}
+
+/// Issue 10 item 9: a key inside the model's text, inside arguments that do not parse, or
+/// inside provider-executed tool output was stored verbatim in `rounds.response` and
+/// `served.body`; a stream cut while calls were held stored its raw bytes (keys and bearer
+/// tokens included) because nothing had been decided; a key split across two stream deltas
+/// was never seen whole. Redaction applies to every byte written, parsed or not, decided or
+/// not.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_secret_reaches_the_journal_in_clear() {
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    let in_text = "sk-proj-TEXTaaaaaaaaaaaaaaaaaaaaaaaa0001";
+    let in_bad_args = "sk-proj-ARGSbbbbbbbbbbbbbbbbbbbbbbbb0002";
+    let in_provider_result = "sk-proj-TOOLcccccccccccccccccccccccc0003";
+    let in_agent_result = "sk-proj-RSLTdddddddddddddddddddddddd0004";
+    let in_cut_stream = "Bearer CUTeeeeeeeeeeeeeeeeeeeeeeee0005";
+    let split_head = "sk-proj-SPLITffffffff";
+    let split_tail = "ffffffffffffffff0006";
+
+    // Round 0 (non-stream): the key is in the model's text beside a valid call.
+    let mut text_and_call = answer_calls(
+        "chatcmpl-s0",
+        vec![call("call_l0", "lookup_order", json!({"orderId": "o-1"}))],
+    );
+    text_and_call["choices"][0]["message"]["content"] =
+        json!(format!("Your key is {in_text}, looking the order up."));
+    // Round 1 (non-stream): the key is inside arguments that do not parse.
+    let bad_args = json!({
+        "id": "call_c1", "type": "function",
+        "function": {"name": "charge", "arguments": format!("{{\"chargeId\": \"ch-s1\", \"card\": \"{in_bad_args}\"")}
+    });
+    h.script(&json!({"responses": [
+        {"json": text_and_call},
+        {"json": answer_calls("chatcmpl-s1", vec![bad_args])},
+    ]}))
+    .await;
+    let mut agent = Agent::new(&h, "run-secrets", "Look up o-1, then charge it.");
+    let r0 = agent.send().await;
+    assert_eq!(r0.status, 200, "{}", r0.text_body());
+    assert!(
+        r0.text_body().contains(in_text),
+        "the agent gets its answer"
+    );
+    agent.accept(&r0);
+    agent.result(
+        "call_l0",
+        &format!("{{\"orderId\":\"o-1\",\"apiKey\":\"{in_agent_result}\"}}"),
+    );
+    let r1 = agent.send().await;
+    assert_eq!(r1.status, 200, "{}", r1.text_body());
+
+    // Round 2 (Anthropic, non-stream): the key is inside a provider-executed tool result.
+    h.script(&json!({"responses": [{"json": {
+        "id": "msg_sec", "type": "message", "role": "assistant", "model": "claude-test",
+        "content": [
+            {"type": "server_tool_use", "id": "srvtoolu_s", "name": "web_search", "input": {"query": "keys"}},
+            {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_s", "content": [
+                {"type": "web_search_result", "title": format!("leaked {in_provider_result}"), "url": "https://example.test", "encrypted_content": "x"}
+            ]},
+            {"type": "text", "text": "Found it."}
+        ],
+        "stop_reason": "end_turn", "stop_sequence": null,
+        "usage": {"input_tokens": 10, "output_tokens": 10}
+    }}]}))
+    .await;
+    let (status, _, body) = support::call(
+        "POST",
+        &format!("{}/v1/messages", h.url()),
+        &[
+            ("turnguard-run", "run-secrets-a".into()),
+            ("anthropic-version", "2023-06-01".into()),
+        ],
+        Some(&json!({"model": "claude-test", "max_tokens": 256,
+            "messages": [{"role": "user", "content": "Search."}]})),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+
+    // A stream cut while a call is held: a bearer token in the text before it.
+    let mut cut = vec![
+        chat_chunk(json!({"role": "assistant", "content": ""}), Value::Null),
+        chat_chunk(
+            json!({"content": format!("Use {in_cut_stream} for the API. ")}),
+            Value::Null,
+        ),
+        chat_chunk(
+            json!({"tool_calls": [{"index": 0, "id": "call_cut", "type": "function", "function": {"name": "lookup_order", "arguments": ""}}]}),
+            Value::Null,
+        ),
+        chat_chunk(
+            json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"orderId\": \"o-2\"}"}}]}),
+            Value::Null,
+        ),
+    ];
+    let cut_at = cut.len();
+    cut.push(chat_chunk(json!({}), json!("tool_calls")));
+    cut.push("data: [DONE]".into());
+    // A key split across two text deltas of a complete stream.
+    let split = vec![
+        chat_chunk(json!({"role": "assistant", "content": ""}), Value::Null),
+        chat_chunk(
+            json!({"content": format!("Key: {split_head}")}),
+            Value::Null,
+        ),
+        chat_chunk(
+            json!({"content": format!("{split_tail} done.")}),
+            Value::Null,
+        ),
+        chat_chunk(json!({}), json!("stop")),
+        "data: [DONE]".into(),
+    ];
+    h.script(&json!({"responses": [
+        {"sse": cut, "cut_after_events": cut_at},
+        {"sse": split},
+    ]}))
+    .await;
+    for run in ["run-secrets-cut", "run-secrets-split"] {
+        let a = Agent::new(&h, run, "Stream it.");
+        let mut body = a.body();
+        body["stream"] = json!(true);
+        let r = a.send_body(&body).await;
+        assert_eq!(r.status, 200);
+        wait_rounds(&h, run, 1);
+    }
+
+    let dir = h.stop().await;
+    for (needle, what) in [
+        (in_text, "a key in the model's text"),
+        (in_bad_args, "a key in arguments that do not parse"),
+        (in_provider_result, "a key in provider-executed tool output"),
+        (in_agent_result, "a key in the agent's tool result"),
+        (
+            "CUTeeeeeeeeeeeeeeeeeeeeeeee0005",
+            "a bearer token in a stream cut while a call was held",
+        ),
+        (split_head, "the first half of a key split across deltas"),
+        (split_tail, "the second half of a key split across deltas"),
+    ] {
+        assert_journal_free_of(dir.path(), needle, what);
+    }
+    // The rounds are all there, kept as redacted text or a digest.
+    let db = support::journal(&dir.path().join("journal.db"));
+    let rounds: i64 = db
+        .query_row(
+            "SELECT count(*) FROM rounds WHERE run_id LIKE 'run-secrets%'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(rounds, 5);
+    let kept: String = db
+        .query_row(
+            "SELECT CAST(response AS TEXT) FROM rounds WHERE run_id = 'run-secrets' AND round_index = 0",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(
+        kept.contains("[REDACTED:api-key]") && kept.contains("looking the order up"),
+        "the text around the key is kept: {kept}"
+    );
+}
+
+/// Issue 10 item 10: a reused `x-request-id` silently dropped the second round's calls (the
+/// journal keyed rounds by the client's id, `ON CONFLICT DO NOTHING`). The journal's keys are
+/// turnguard's own; the client's id is a column.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reused_request_id_loses_no_round() {
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    model_says(
+        &h,
+        &[
+            answer_calls(
+                "chatcmpl-i0",
+                vec![call("call_i0", "lookup_order", json!({"orderId": "o-i"}))],
+            ),
+            answer_calls(
+                "chatcmpl-i1",
+                vec![call(
+                    "call_i1",
+                    "send_receipt",
+                    json!({"to": "a@example.test", "body": "paid"}),
+                )],
+            ),
+            answer_text("chatcmpl-i2", "first chat turn"),
+            answer_text("chatcmpl-i3", "second chat turn"),
+        ],
+    )
+    .await;
+    let mut agent = Agent::new(&h, "run-reqid", "Look up o-i and send the receipt.")
+        .header("x-request-id", "client-chose-this");
+    let r0 = agent.send().await;
+    assert_eq!(r0.call_names(), ["lookup_order"], "{}", r0.text_body());
+    agent.accept(&r0);
+    agent.result("call_i0", r#"{"orderId":"o-i"}"#);
+    let r1 = agent.send().await;
+    assert_eq!(r1.call_names(), ["send_receipt"], "{}", r1.text_body());
+    for r in [&r0, &r1] {
+        assert_eq!(
+            r.headers.get("x-request-id").unwrap(),
+            "client-chose-this",
+            "the agent's id is echoed"
+        );
+    }
+    // Two chat turns (no run) reusing one id.
+    for _ in 0..2 {
+        let (status, _, _) = support::post_raw(
+            &format!("{}/v1/chat/completions", h.url()),
+            json!({"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]})
+                .to_string()
+                .into(),
+            &[("x-request-id", "chat-reused")],
+        )
+        .await;
+        assert_eq!(status, 200);
+    }
+    let dir = h.stop().await;
+    let db = support::journal(&dir.path().join("journal.db"));
+    let calls: Vec<String> = db
+        .prepare("SELECT c.call_id FROM tool_calls c JOIN rounds r USING (request_id) WHERE r.run_id = 'run-reqid' ORDER BY c.id")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        calls,
+        ["call_i0", "call_i1"],
+        "the second round's calls were dropped from the audit"
+    );
+    for client in ["client-chose-this", "chat-reused"] {
+        let (n, distinct): (i64, i64) = db
+            .query_row(
+                "SELECT count(*), count(DISTINCT request_id) FROM rounds WHERE client_request_id = ?1",
+                [client],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!(
+            (n, distinct),
+            (2, 2),
+            "two rounds under `{client}`, each with its own key"
+        );
+    }
+}
+
+/// Issue 10 item 11: a second principal's call with the same business key got the first
+/// principal's recorded tool result (balance, IBAN) in the host-authored text — in the
+/// end-turn message and in repair rounds. Effects are scoped to the tenant and to whoever may
+/// read them; a collision says only "already done".
+#[tokio::test(flavor = "multi_thread")]
+async fn a_business_key_never_hands_one_principal_anothers_result() {
+    const IBAN: &str = "DE89370400440532013000";
+    const BALANCE: &str = "4711.93";
+    let repair = bundle_with(|t| {
+        t.replace(
+            "suppressed_repeat = \"end-turn\"",
+            "suppressed_repeat = \"repair\"",
+        )
+    });
+    for (bundle, how) in [(None, "end-turn"), (Some(repair.path()), "repair")] {
+        let (h, _keys) = start_with_identity(bundle).await;
+        let charge = json!({"chargeId": "ch-shared", "amount": 12});
+        // A repair round asks the model once more after each suppressed repeat.
+        let mut answers = vec![
+            answer_calls(
+                "chatcmpl-a0",
+                vec![call("call_a", "charge", charge.clone())],
+            ),
+            answer_text("chatcmpl-a1", "Charged."),
+            answer_calls(
+                "chatcmpl-b0",
+                vec![call("call_b", "charge", charge.clone())],
+            ),
+        ];
+        if how == "repair" {
+            answers.push(answer_text("chatcmpl-b1", "It was already done."));
+        }
+        answers.push(answer_calls(
+            "chatcmpl-a2",
+            vec![call("call_a2", "charge", charge.clone())],
+        ));
+        if how == "repair" {
+            answers.push(answer_text("chatcmpl-a3", "Charged, as before."));
+        }
+        model_says(&h, &answers).await;
+        // Alice's charge runs; its result (her balance and IBAN) is recorded.
+        let mut alice = Agent::new(&h, "run-alice", "Charge 12.")
+            .header("turnguard-principal-token", &token("alice", json!({})));
+        let a0 = alice.send().await;
+        assert_eq!(a0.call_names(), ["charge"], "{}", a0.text_body());
+        alice.accept(&a0);
+        alice.result(
+            "call_a",
+            &format!(r#"{{"charged":true,"balance":"{BALANCE}","iban":"{IBAN}"}}"#),
+        );
+        assert_eq!(alice.send().await.status, 200);
+
+        // Bob's model asks for the same charge (same business key) in his own run.
+        let before_bob = upstream_calls(&h).await;
+        let bob = Agent::new(&h, "run-bob", "Charge 12.")
+            .header("turnguard-principal-token", &token("bob", json!({})));
+        let b = bob.send().await;
+        assert_eq!(b.status, 200, "{}", b.text_body());
+        assert!(b.calls().is_empty(), "not run again: {}", b.text_body());
+        let upstream: String = h.mock_requests().await[before_bob..]
+            .iter()
+            .map(Value::to_string)
+            .collect();
+        for (leak, name) in [(IBAN, "IBAN"), (BALANCE, "balance")] {
+            assert!(
+                !b.text_body().contains(leak),
+                "{how}: alice's {name} was handed to bob: {}",
+                b.text_body()
+            );
+            assert!(
+                !upstream.contains(leak),
+                "{how}: alice's {name} went upstream in bob's repair round"
+            );
+        }
+        if how == "end-turn" {
+            assert!(
+                b.text().unwrap_or_default().contains("already done"),
+                "the collision says only that it is done: {}",
+                b.text_body()
+            );
+        }
+        // Alice herself, retrying her node (a new attempt of her run), may read her result.
+        let retry = Agent::new(&h, "run-alice", "Charge 12.")
+            .attempt(2)
+            .header("turnguard-principal-token", &token("alice", json!({})));
+        let a2 = retry.send().await;
+        assert_eq!(a2.status, 200, "{}", a2.text_body());
+        assert!(a2.calls().is_empty());
+        if how == "end-turn" {
+            assert!(
+                a2.text_body().contains(IBAN),
+                "the principal who ran it reads its result: {}",
+                a2.text_body()
+            );
+        }
+        h.stop().await;
+    }
+}
+
+/// Issue 10 item 14: re-sending a recorded round after its results were submitted served the
+/// recorded answer with the same `send_receipt` call again — an agent that retries sends a
+/// second receipt. A recorded round is served only with the calls that have no recorded
+/// result, or, when none remain, the recorded continuation.
+#[tokio::test(flavor = "multi_thread")]
+async fn recovery_never_hands_back_a_call_whose_result_is_recorded() {
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    let receipt = json!({"to": "a@example.test", "body": "paid"});
+    model_says(
+        &h,
+        &[
+            answer_calls(
+                "chatcmpl-k0",
+                vec![call("call_rcpt", "send_receipt", receipt.clone())],
+            ),
+            answer_text("chatcmpl-k1", "Receipt sent."),
+            answer_calls(
+                "chatcmpl-m0",
+                vec![
+                    call("call_rcpt2", "send_receipt", receipt.clone()),
+                    call("call_look2", "lookup_order", json!({"orderId": "o-m"})),
+                ],
+            ),
+            answer_text("chatcmpl-m1", "Receipt sent; looking."),
+        ],
+    )
+    .await;
+    // Every call of the round has a recorded result: the continuation is served.
+    let mut agent = Agent::new(&h, "run-recorded", "Send the receipt.");
+    let round0 = agent.clone();
+    let r0 = agent.send().await;
+    assert_eq!(r0.call_names(), ["send_receipt"], "{}", r0.text_body());
+    agent.accept(&r0);
+    agent.result("call_rcpt", r#"{"sent":true}"#);
+    let r1 = agent.send().await;
+    assert_eq!(r1.text().as_deref(), Some("Receipt sent."));
+    let upstream = upstream_calls(&h).await;
+    let again = round0.send().await;
+    assert_eq!(again.status, 200, "{}", again.text_body());
+    assert!(
+        again.call_names().is_empty(),
+        "the recorded send_receipt was handed back although its result is recorded: {}",
+        again.text_body()
+    );
+    assert!(again.served_from_record());
+    assert_eq!(again.body, r1.body, "the recorded continuation");
+    assert_eq!(upstream_calls(&h).await, upstream, "no model call");
+
+    // One of two calls has a recorded result: only the other is served.
+    let mut agent = Agent::new(&h, "run-recorded-2", "Send the receipt and look it up.");
+    let round0 = agent.clone();
+    let m0 = agent.send().await;
+    assert_eq!(
+        m0.call_names(),
+        ["send_receipt", "lookup_order"],
+        "{}",
+        m0.text_body()
+    );
+    agent.accept(&m0);
+    agent.result("call_rcpt2", r#"{"sent":true}"#);
+    assert_eq!(agent.send().await.status, 200);
+    let again = round0.send().await;
+    assert_eq!(again.status, 200, "{}", again.text_body());
+    assert!(again.served_from_record());
+    assert_eq!(
+        again.calls(),
+        vec![(
+            "call_look2".to_owned(),
+            "lookup_order".to_owned(),
+            json!({"orderId": "o-m"})
+        )],
+        "only the call without a recorded result: {}",
+        again.text_body()
+    );
+    h.stop().await;
+}
+
+/// The same for a streamed round: the recorded stream is served without the call whose result
+/// is recorded, and stays a valid stream (one tool call at index 0, one `[DONE]`).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_recorded_stream_is_served_without_its_recorded_calls() {
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    let chunk = |delta: Value, finish: Value| chat_chunk(delta, finish);
+    let call_delta = |i: u32, id: &str, name: &str, args: &Value| {
+        vec![
+            chunk(
+                json!({"tool_calls": [{"index": i, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+                Value::Null,
+            ),
+            chunk(
+                json!({"tool_calls": [{"index": i, "function": {"arguments": args.to_string()}}]}),
+                Value::Null,
+            ),
+        ]
+    };
+    let mut events = vec![chunk(
+        json!({"role": "assistant", "content": null}),
+        Value::Null,
+    )];
+    events.extend(call_delta(
+        0,
+        "call_srcpt",
+        "send_receipt",
+        &json!({"to": "a@example.test", "body": "paid"}),
+    ));
+    events.extend(call_delta(
+        1,
+        "call_slook",
+        "lookup_order",
+        &json!({"orderId": "o-s"}),
+    ));
+    events.push(chunk(json!({}), json!("tool_calls")));
+    events.push("data: [DONE]".into());
+    h.script(&json!({"responses": [{"sse": events}, {"json": answer_text("chatcmpl-s1", "ok")}]}))
+        .await;
+    let mut agent = Agent::new(&h, "run-recorded-stream", "Send and look up.");
+    let mut body = agent.body();
+    body["stream"] = json!(true);
+    let first = agent.send_body(&body).await;
+    assert_eq!(first.status, 200);
+    assert!(first.text_body().contains("call_srcpt"));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while served_rows(&h, "run-recorded-stream").is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The receipt's result is recorded (the agent ran it, then its next request failed).
+    agent
+        .messages
+        .push(json!({"role": "assistant", "content": null, "tool_calls": [
+            call("call_srcpt", "send_receipt", json!({"to": "a@example.test", "body": "paid"})),
+            call("call_slook", "lookup_order", json!({"orderId": "o-s"})),
+        ]}));
+    agent.result("call_srcpt", r#"{"sent":true}"#);
+    assert_eq!(agent.send().await.status, 200);
+    let again = Agent::new(&h, "run-recorded-stream", "Send and look up.")
+        .send_body(&body)
+        .await;
+    assert_eq!(again.status, 200, "{}", again.text_body());
+    assert!(again.served_from_record());
+    let text = again.text_body();
+    assert!(
+        !text.contains("call_srcpt"),
+        "the recorded send_receipt was streamed again: {text}"
+    );
+    let data = support::sse_data(&again.body);
+    let starts: Vec<(u64, String)> = data
+        .iter()
+        .filter_map(|d| d.pointer("/choices/0/delta/tool_calls/0"))
+        .filter(|c| c.get("id").is_some())
+        .map(|c| {
+            (
+                c["index"].as_u64().unwrap(),
+                c["function"]["name"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(starts, [(0, "lookup_order".to_owned())], "{text}");
+    assert_eq!(text.matches("data: [DONE]").count(), 1, "{text}");
+    // The official SDK parses the rewritten stream into the one remaining call.
+    let upstream = upstream_calls(&h).await;
+    let out = support::run_sdk_script(
+        "chat_stream.py",
+        &[
+            "--turnguard".into(),
+            h.url().into(),
+            "--run".into(),
+            "run-recorded-stream".into(),
+            "--request".into(),
+            body.to_string().into(),
+        ],
+        Duration::from_secs(120),
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let parsed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        parsed["tool_calls"],
+        json!([{"index": 0, "id": "call_slook", "name": "lookup_order", "arguments": "{\"orderId\":\"o-s\"}"}]),
+        "{parsed}"
+    );
+    assert_eq!(parsed["finish_reason"], "tool_calls");
+    assert_eq!(upstream_calls(&h).await, upstream, "served from the record");
+    h.stop().await;
+}
+
+/// Issue 10 item 14: in a round with one call in doubt, a re-runnable sibling was blocked by the
+/// 409. Tools run sequentially, so the first unrecorded call of a recorded round is the only
+/// call in doubt (tool-turn contract §D).
+#[tokio::test(flavor = "multi_thread")]
+async fn only_the_first_unrecorded_call_is_in_doubt() {
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    model_says(
+        &h,
+        &[
+            answer_calls(
+                "chatcmpl-d0",
+                vec![
+                    call("call_dl", "lookup_order", json!({"orderId": "o-d"})),
+                    call(
+                        "call_dr",
+                        "send_receipt",
+                        json!({"to": "a@example.test", "body": "paid"}),
+                    ),
+                ],
+            ),
+            answer_calls(
+                "chatcmpl-e0",
+                vec![
+                    call(
+                        "call_er",
+                        "send_receipt",
+                        json!({"to": "a@example.test", "body": "paid"}),
+                    ),
+                    call("call_el", "lookup_order", json!({"orderId": "o-e"})),
+                ],
+            ),
+        ],
+    )
+    .await;
+    // The read comes first and has no result: only it is in doubt, and it is re-runnable —
+    // the write after it never ran (the read had not returned).
+    let agent = Agent::new(&h, "run-doubt", "Look up and send.");
+    let first = agent.send().await;
+    assert_eq!(first.call_names(), ["lookup_order", "send_receipt"]);
+    let again = agent.send().await;
+    assert_eq!(
+        again.status,
+        200,
+        "a re-runnable first call in doubt blocked the round: {}",
+        again.text_body()
+    );
+    assert!(again.served_from_record());
+    assert_eq!(again.body, first.body);
+
+    // The write comes first: it is the call in doubt, and the 409 names it alone.
+    let agent = Agent::new(&h, "run-doubt-2", "Send and look up.");
+    let first = agent.send().await;
+    assert_eq!(first.call_names(), ["send_receipt", "lookup_order"]);
+    let again = agent.send().await;
+    assert_openwop_error(&again, 409, "turnguard.tool_outcome_unknown");
+    let message = again.json["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("send_receipt") && !message.contains("lookup_order"),
+        "{message}"
+    );
+    h.stop().await;
+}

@@ -7,6 +7,9 @@
     clippy::disallowed_methods
 )] // test code
 
+pub mod approvals;
+pub mod runs;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -81,7 +84,17 @@ pub async fn start_with_policy(script: Script, bundle: &str) -> Harness {
 
 /// Like [`start`], with a chance to adjust the config.
 pub async fn start_with(script: Script, tweak: impl FnOnce(&mut Config)) -> Harness {
-    let dir = tempfile::tempdir().expect("tempdir");
+    start_in(tempfile::tempdir().expect("tempdir"), script, tweak).await
+}
+
+/// Like [`start_with`], on the journal in `dir` (`dir/journal.db`): with the directory a
+/// stopped harness handed back ([`Harness::stop`]), this is a restart — a new turnguard
+/// process state (and a new mock) on the same journal.
+pub async fn start_in(
+    dir: tempfile::TempDir,
+    script: Script,
+    tweak: impl FnOnce(&mut Config),
+) -> Harness {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind mock");
@@ -272,3 +285,31 @@ pub fn journal(path: &Path) -> rusqlite::Connection {
     rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
         .expect("journal opens")
 }
+
+/// turnguard's own journal id of the round an agent sent with `x-request-id: <client>` (its
+/// first round; `<client>#repair-N` names the repair rounds of the same request). The journal
+/// keys every record by its own ids and keeps the client's in `rounds.client_request_id`.
+pub fn round_key(db: &rusqlite::Connection, client: &str) -> String {
+    use rusqlite::OptionalExtension;
+    let (base, suffix) = match client.find("#repair-") {
+        Some(i) => (&client[..i], &client[i..]),
+        None => (client, ""),
+    };
+    let id: Option<String> = db
+        .query_row(
+            "SELECT request_id FROM rounds WHERE client_request_id = ?1
+             AND instr(request_id, '#repair-') = 0 ORDER BY id LIMIT 1",
+            [base],
+            |r| r.get(0),
+        )
+        .optional()
+        .unwrap();
+    match id {
+        Some(id) => format!("{id}{suffix}"),
+        None => format!("(no round sent as {client})"),
+    }
+}
+
+/// SQL for a round's label as the agent named it: `client_request_id`, plus `#repair-N` for a
+/// repair round (use in `SELECT … FROM rounds`).
+pub const CLIENT_ROUND_LABEL: &str = "client_request_id || CASE WHEN instr(request_id, '#repair-') > 0 THEN substr(request_id, instr(request_id, '#repair-')) ELSE '' END";
