@@ -67,6 +67,12 @@ pub struct Script {
     /// Directory relative `file` paths resolve against.
     #[serde(default)]
     pub base_dir: Option<PathBuf>,
+    /// Check what the real Anthropic API checks with extended thinking on: a Messages request
+    /// with `thinking.type` `enabled` or `adaptive` whose last assistant message has a
+    /// `tool_use` block but does not start with a `thinking` / `redacted_thinking` block is
+    /// answered 400 `invalid_request_error` (no step is used up).
+    #[serde(default)]
+    pub strict_thinking: bool,
 }
 
 /// One scripted response.
@@ -366,16 +372,34 @@ async fn serve_step(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response 
         raw: &raw,
         body: &parsed,
     };
-    let chosen = next_step(&m, &seen);
+    let strict = m.script.lock().is_ok_and(|s| s.strict_thinking);
+    let refusal = if strict && ApiShape::of_path(&path) == Some(ApiShape::Messages) {
+        thinking_violation(&parsed)
+    } else {
+        None
+    };
+    let chosen = if refusal.is_some() {
+        None
+    } else {
+        next_step(&m, &seen)
+    };
     if let Ok(mut r) = m.requests.lock() {
         let mut entry = json!({"method": parts.method.as_str(), "path": path, "headers": headers, "body": parsed});
         if let Some(o) = entry.as_object_mut() {
-            match &chosen {
-                Some((step, _)) => o.insert("step".into(), json!(step.name)),
-                None => o.insert("unanswered".into(), json!(true)),
+            match (&chosen, &refusal) {
+                (_, Some(reason)) => o.insert("rejected".into(), json!(reason)),
+                (Some((step, _)), None) => o.insert("step".into(), json!(step.name)),
+                (None, None) => o.insert("unanswered".into(), json!(true)),
             };
         }
         r.push(entry);
+    }
+    if let Some(reason) = refusal {
+        return (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"type": "error", "error": {"type": "invalid_request_error", "message": reason}})),
+        )
+            .into_response();
     }
     let Some((step, base)) = chosen else {
         return mock_error(
@@ -484,6 +508,36 @@ async fn serve_step(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response 
     resp
 }
 
+/// The Anthropic API's check with extended thinking on (see [`Script::strict_thinking`]): the
+/// message it answers with, or `None` when the request passes.
+fn thinking_violation(body: &Value) -> Option<String> {
+    let mode = body.pointer("/thinking/type").and_then(Value::as_str);
+    if !matches!(mode, Some("enabled" | "adaptive")) {
+        return None;
+    }
+    let messages = body.get("messages").and_then(Value::as_array)?;
+    let (index, last) = messages
+        .iter()
+        .enumerate()
+        .rev()
+        .find(|(_, m)| m.get("role").and_then(Value::as_str) == Some("assistant"))?;
+    let blocks = last.get("content").and_then(Value::as_array)?;
+    let kind = |b: &Value| b.get("type").and_then(Value::as_str).unwrap_or_default().to_owned();
+    if !blocks.iter().any(|b| kind(b) == "tool_use") {
+        return None;
+    }
+    let first = blocks.first().map(kind).unwrap_or_default();
+    if first == "thinking" || first == "redacted_thinking" {
+        return None;
+    }
+    Some(format!(
+        "messages.{index}.content.0.type: Expected `thinking` or `redacted_thinking`, but found \
+         `{first}`. When `thinking` is enabled, a final `assistant` message must start with a \
+         thinking block (preceeding the lastmost set of `tool_use` and `tool_result` blocks). \
+         We recommend you include thinking blocks from previous turns."
+    ))
+}
+
 /// Splits an `.sse` fixture into its events, byte for byte (a trailing partial event is kept
 /// as the last piece).
 fn split_events(bytes: &[u8]) -> Vec<Bytes> {
@@ -570,6 +624,27 @@ mod tests {
         assert_eq!(pick(&m, &body).as_deref(), Some("a"));
         assert_eq!(pick(&m, &body).as_deref(), Some("a"));
         assert_eq!(pick(&m, &json!({"m": "side"})).as_deref(), Some("s"));
+    }
+
+    #[test]
+    fn strict_thinking_wants_the_thinking_block_back() {
+        let ok = json!({"thinking": {"type": "adaptive"}, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
+                                              {"type": "tool_use", "id": "1", "name": "Bash", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "1", "content": "x"}]}]});
+        assert_eq!(thinking_violation(&ok), None);
+        let mut dropped = ok.clone();
+        if let Some(blocks) = dropped.pointer_mut("/messages/1/content").and_then(Value::as_array_mut) {
+            blocks.remove(0);
+        }
+        let reason = thinking_violation(&dropped).expect("refused");
+        assert!(reason.starts_with("messages.1.content.0.type"), "{reason}");
+        let mut off = dropped.clone();
+        if let Some(o) = off.as_object_mut() {
+            o.remove("thinking");
+        }
+        assert_eq!(thinking_violation(&off), None, "thinking off: no check");
     }
 
     #[test]

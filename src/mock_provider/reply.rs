@@ -301,16 +301,13 @@ impl Ctx<'_> {
             (None, c.to_string())
         };
         let mut out = Vec::new();
-        let content = if self.plan.text.is_some() {
-            json!("")
-        } else {
-            Value::Null
-        };
-        out.push(chunk(
-            json!({"role": "assistant", "content": content, "refusal": null}),
-            None,
-        ));
+        // The role chunk: alone before text (`content: ""`), merged with the first tool call
+        // when the answer starts with one (FX stream-tool-call-single-include-usage.sse).
         if let Some(text) = &self.plan.text {
+            out.push(chunk(
+                json!({"role": "assistant", "content": "", "refusal": null}),
+                None,
+            ));
             for p in pieces(text) {
                 out.push(chunk(json!({"content": p}), None));
             }
@@ -323,7 +320,12 @@ impl Ctx<'_> {
                 json!({"index": i, "id": self.call_id(i), "type": "function",
                        "function": {"name": c.name, "arguments": ""}})
             };
-            out.push(chunk(json!({"tool_calls": [head]}), None));
+            let delta = if i == 0 && self.plan.text.is_none() {
+                json!({"role": "assistant", "content": null, "tool_calls": [head], "refusal": null})
+            } else {
+                json!({"tool_calls": [head]})
+            };
+            out.push(chunk(delta, None));
             for p in pieces(raw) {
                 let d = if c.is_custom() {
                     json!({"index": i, "custom": {"input": p}})
@@ -332,6 +334,12 @@ impl Ctx<'_> {
                 };
                 out.push(chunk(json!({"tool_calls": [d]}), None));
             }
+        }
+        if self.plan.text.is_none() && self.plan.calls.is_empty() {
+            out.push(chunk(
+                json!({"role": "assistant", "content": "", "refusal": null}),
+                None,
+            ));
         }
         out.push(chunk(json!({}), Some(self.chat_finish())));
         if include_usage {
