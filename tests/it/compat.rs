@@ -597,12 +597,8 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn claude_code() {
-    let trip = Tripwire::start().await;
-    let mut outcomes = Vec::new();
-
-    // Bash, then Write, then Read, in one session.
+/// Bash, then Write, then Read, in one session, with the bundle in `bundle`.
+async fn claude_bash_write_read(trip: &Tripwire, case: &str, bundle: PathBuf) -> Outcome {
     let ws = tempfile::tempdir().expect("workspace");
     let dir = ws.path().display().to_string();
     let final_text = "Bash, Write and Read all ran.";
@@ -619,12 +615,12 @@ async fn claude_code() {
         cli_step("final", json!({"reasoning": "Done.", "text": final_text})),
         side_step(),
     ];
-    let h = support::start_with_policy(
+    let h = support::start_with(
         mock_script(json!({"responses": steps, "strict_thinking": true})),
-        BUNDLE,
+        move |c| c.policy = bundle,
     )
     .await;
-    let (out, stderr) = claude(&h, &trip, ws.path(), "Run the three tools.").await;
+    let (out, stderr) = claude(&h, trip, ws.path(), "Run the three tools.").await;
     let requests = h.mock_requests().await;
     let main = main_requests(&requests, "/v1/messages");
     let mut p = claude_result_problems(&out, &stderr, final_text);
@@ -645,12 +641,25 @@ async fn claude_code() {
     if main.len() != 4 {
         p.push(format!("the mock got {} main-loop request(s), want 4", main.len()));
     }
-    outcomes.push(Outcome::new(
-        "bash-write-read",
+    h.stop().await;
+    Outcome::new(
+        case,
         p,
         "Bash, Write and Read ran; the final answer arrived".into(),
-    ));
-    h.stop().await;
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code() {
+    let trip = Tripwire::start().await;
+    let mut outcomes = vec![
+        claude_bash_write_read(&trip, "bash-write-read", support::own_fixtures().join(BUNDLE))
+            .await,
+        // The same with the repository's shipped default bundle (`policy/`), as a new user
+        // runs it: no catalog for Claude Code's tools.
+        claude_bash_write_read(&trip, "bash-write-read-default-policy", root().join("policy"))
+            .await,
+    ];
 
     // A Bash call cut by max_tokens: withheld, repaired, the session ends with the answer.
     let ws = tempfile::tempdir().expect("workspace");
@@ -696,7 +705,7 @@ async fn claude_code() {
 
 /// Writes `$HOME/.codex/config.toml` pointing Codex at turnguard, with its non-essential
 /// traffic off (issue 12, "Running the CLIs offline").
-fn codex_home(h: &support::Harness) -> tempfile::TempDir {
+fn codex_home(h: &support::Harness, websockets: bool) -> tempfile::TempDir {
     let home = tempfile::tempdir().expect("home");
     let dir = home.path().join(".codex");
     std::fs::create_dir_all(&dir).expect("codex home");
@@ -711,6 +720,7 @@ name = "turnguard"
 base_url = "{}/v1"
 env_key = "OPENAI_API_KEY"
 wire_api = "responses"
+supports_websockets = {}
 
 [features]
 plugins = false
@@ -720,7 +730,8 @@ remote_plugin = false
 [analytics]
 enabled = false
 "#,
-        h.url()
+        h.url(),
+        websockets
     );
     std::fs::write(dir.join("config.toml"), config).expect("codex config");
     home
@@ -770,8 +781,27 @@ impl CodexRun {
 }
 
 async fn codex(h: &support::Harness, trip: &Tripwire, ws: &Path, model: Option<&str>) -> CodexRun {
-    let home = codex_home(h);
+    codex_with(h, trip, ws, model, false).await
+}
+
+/// [`codex`], optionally with the provider's Responses WebSocket transport on
+/// (`supports_websockets = true`). Codex's WebSocket connector dials the proxy even for a
+/// `NO_PROXY` host, so with WebSockets on the proxy variables are left out (the CLI's
+/// non-essential traffic stays off by its own settings).
+async fn codex_with(
+    h: &support::Harness,
+    trip: &Tripwire,
+    ws: &Path,
+    model: Option<&str>,
+    websockets: bool,
+) -> CodexRun {
+    let home = codex_home(h, websockets);
     let mut cmd = command(&node_bin("codex"), home.path(), trip);
+    if websockets {
+        for var in ["HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"] {
+            cmd.env_remove(var);
+        }
+    }
     cmd.current_dir(ws)
         .env("CODEX_HOME", home.path().join(".codex"))
         .env("OPENAI_API_KEY", "sk-compat")
@@ -885,11 +915,59 @@ async fn codex_truncated(trip: &Tripwire, lite: bool, model: Option<&str>) -> Ou
     if main.len() != 2 {
         p.push(format!("the mock got {} main-loop request(s), want 2", main.len()));
     }
+    if lite {
+        // The repair round must send the withheld call back as what it was: a
+        // `custom_tool_call` (and its `custom_tool_call_output`), never a `function_call`.
+        let retyped: Vec<String> = main
+            .get(1)
+            .and_then(|r| r.pointer("/body/input"))
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter(|i| {
+                i.get("type").and_then(Value::as_str) == Some("function_call")
+                    && i.get("name").and_then(Value::as_str) == Some("exec")
+            })
+            .map(|i| truncate(&i.to_string(), 200))
+            .collect();
+        if !retyped.is_empty() {
+            p.push(format!(
+                "the repair round sent the custom `exec` call back as a function_call: {retyped:?}"
+            ));
+        }
+    }
     h.stop().await;
     Outcome::new(
         "truncated",
         p,
         "the cut call never ran; the repair round's answer arrived".into(),
+    )
+}
+
+/// With the WebSocket transport on, Codex first sends `GET /v1/responses` with
+/// `Upgrade: websocket`; the answer must make it fall back to HTTP at once (no reconnects).
+async fn codex_websocket_fallback(trip: &Tripwire) -> Outcome {
+    let final_text = "Answered over HTTP.";
+    let steps = vec![cli_step("final", json!({"text": final_text})), side_step()];
+    let h = support::start_with_policy(mock_script(json!({"responses": steps})), BUNDLE).await;
+    let ws = tempfile::tempdir().expect("workspace");
+    let run = codex_with(&h, trip, ws.path(), None, true).await;
+    let requests = h.mock_requests().await;
+    let mut p: Vec<String> = run
+        .failures()
+        .into_iter()
+        .map(|f| format!("Codex retried the WebSocket handshake: {f}"))
+        .collect();
+    let all: Vec<&Value> = requests.iter().collect();
+    p.extend(unanswered(&all));
+    if run.final_text() != final_text {
+        p.push(format!("codex's final message is {:?}, want {final_text:?}", truncate(&run.final_text(), 300)));
+    }
+    h.stop().await;
+    Outcome::new(
+        "websocket-fallback",
+        p,
+        "the WebSocket handshake was declined; Codex fell back to HTTP at once".into(),
     )
 }
 
@@ -902,6 +980,7 @@ async fn codex_lite() {
     let outcomes = vec![
         codex_exec_exec_patch(&trip, true, None).await,
         codex_truncated(&trip, true, None).await,
+        codex_websocket_fallback(&trip).await,
     ];
     report("codex", "Codex CLI (`codex exec`), default model (lite shape)", &outcomes, &trip.hits());
 }
