@@ -27,6 +27,10 @@
 //! and `cut_after_events` (the connection is broken after that many events).
 //! Relative `file` paths resolve against `base_dir`, else the script file's directory.
 //!
+//! Script keys besides `responses`: `repeat` (start again once only sticky steps are left),
+//! `base_dir`, and `strict_thinking` (refuse, as the Anthropic API does, a Messages request with
+//! thinking on whose last assistant `tool_use` message does not start with its thinking block).
+//!
 //! Control endpoints: `GET /_mock/requests` (every request received, in order, with headers
 //! and JSON body), `POST /_mock/script` (replace the script), `POST /_mock/step`,
 //! `POST /_mock/reset` (forget the request log).
