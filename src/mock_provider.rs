@@ -526,7 +526,12 @@ fn thinking_violation(body: &Value) -> Option<String> {
         .rev()
         .find(|(_, m)| m.get("role").and_then(Value::as_str) == Some("assistant"))?;
     let blocks = last.get("content").and_then(Value::as_array)?;
-    let kind = |b: &Value| b.get("type").and_then(Value::as_str).unwrap_or_default().to_owned();
+    let kind = |b: &Value| {
+        b.get("type")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
     if !blocks.iter().any(|b| kind(b) == "tool_use") {
         return None;
     }
@@ -639,7 +644,10 @@ mod tests {
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "1", "content": "x"}]}]});
         assert_eq!(thinking_violation(&ok), None);
         let mut dropped = ok.clone();
-        if let Some(blocks) = dropped.pointer_mut("/messages/1/content").and_then(Value::as_array_mut) {
+        if let Some(blocks) = dropped
+            .pointer_mut("/messages/1/content")
+            .and_then(Value::as_array_mut)
+        {
             blocks.remove(0);
         }
         let reason = thinking_violation(&dropped).expect("refused");

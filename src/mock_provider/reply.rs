@@ -115,7 +115,12 @@ pub fn render(reply: &Reply, api: ApiShape, request: &Value, n: u64) -> Rendered
     let model = reply
         .model
         .clone()
-        .or_else(|| request.get("model").and_then(Value::as_str).map(str::to_owned))
+        .or_else(|| {
+            request
+                .get("model")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
         .unwrap_or_else(|| "mock-model".to_owned());
     let plan = Plan::new(reply);
     let r = Ctx {
@@ -312,7 +317,13 @@ impl Ctx<'_> {
                 out.push(chunk(json!({"content": p}), None));
             }
         }
-        for (i, (c, raw)) in self.reply.tool_calls.iter().zip(&self.plan.calls).enumerate() {
+        for (i, (c, raw)) in self
+            .reply
+            .tool_calls
+            .iter()
+            .zip(&self.plan.calls)
+            .enumerate()
+        {
             let head = if c.is_custom() {
                 json!({"index": i, "id": self.call_id(i), "type": "custom",
                        "custom": {"name": c.name, "input": ""}})
@@ -379,20 +390,27 @@ impl Ctx<'_> {
     fn messages_json(&self) -> Value {
         let mut content = Vec::new();
         if let Some(r) = &self.reply.reasoning {
-            content
-                .push(json!({"type": "thinking", "thinking": r, "signature": self.signature()}));
+            content.push(json!({"type": "thinking", "thinking": r, "signature": self.signature()}));
         }
         if let Some(t) = &self.plan.text {
             content.push(json!({"type": "text", "text": t}));
         }
-        for (i, (c, raw)) in self.reply.tool_calls.iter().zip(&self.plan.calls).enumerate() {
+        for (i, (c, raw)) in self
+            .reply
+            .tool_calls
+            .iter()
+            .zip(&self.plan.calls)
+            .enumerate()
+        {
             // A cut call's input cannot be parsed; the API reports what it has as an object.
             let input = serde_json::from_str::<Value>(raw)
                 .ok()
                 .filter(Value::is_object)
                 .unwrap_or_else(|| json!({}));
-            content.push(json!({"type": "tool_use", "id": self.tool_use_id(i), "name": c.name,
-                                "input": input}));
+            content.push(
+                json!({"type": "tool_use", "id": self.tool_use_id(i), "name": c.name,
+                                "input": input}),
+            );
         }
         json!({
             "id": format!("msg_mock{}", self.n),
@@ -448,7 +466,13 @@ impl Ctx<'_> {
             }
             index += 1;
         }
-        for (i, (c, raw)) in self.reply.tool_calls.iter().zip(&self.plan.calls).enumerate() {
+        for (i, (c, raw)) in self
+            .reply
+            .tool_calls
+            .iter()
+            .zip(&self.plan.calls)
+            .enumerate()
+        {
             ev(json!({"type": "content_block_start", "index": index,
                       "content_block": {"type": "tool_use", "id": self.tool_use_id(i),
                                         "name": c.name, "input": {}}}));
@@ -486,8 +510,10 @@ impl Ctx<'_> {
             } else {
                 json!([])
             };
-            items.push(json!({"id": format!("rs_mock{}", self.n), "type": "reasoning",
-                              "summary": summary}));
+            items.push(
+                json!({"id": format!("rs_mock{}", self.n), "type": "reasoning",
+                              "summary": summary}),
+            );
         }
         if let Some(t) = &self.plan.text {
             let (status, content) = if done {
@@ -498,10 +524,18 @@ impl Ctx<'_> {
             } else {
                 ("in_progress", json!([]))
             };
-            items.push(json!({"id": format!("msg_mock{}", self.n), "type": "message",
-                              "status": status, "role": "assistant", "content": content}));
+            items.push(
+                json!({"id": format!("msg_mock{}", self.n), "type": "message",
+                              "status": status, "role": "assistant", "content": content}),
+            );
         }
-        for (i, (c, raw)) in self.reply.tool_calls.iter().zip(&self.plan.calls).enumerate() {
+        for (i, (c, raw)) in self
+            .reply
+            .tool_calls
+            .iter()
+            .zip(&self.plan.calls)
+            .enumerate()
+        {
             let status = match (done, self.plan.cut_call == Some(i)) {
                 (false, _) => "in_progress",
                 (true, true) => "incomplete",
@@ -597,8 +631,10 @@ impl Ctx<'_> {
                 .and_then(Value::as_str)
                 .unwrap_or_default()
                 .to_owned();
-            ev(json!({"type": "response.output_item.added", "output_index": index,
-                      "item": first}));
+            ev(
+                json!({"type": "response.output_item.added", "output_index": index,
+                      "item": first}),
+            );
             match kind.as_str() {
                 "reasoning" => {
                     if let Some(r) = &self.reply.reasoning {
@@ -623,20 +659,28 @@ impl Ctx<'_> {
                 "message" => {
                     let text = self.plan.text.clone().unwrap_or_default();
                     let empty = json!({"type": "output_text", "text": "", "annotations": []});
-                    ev(json!({"type": "response.content_part.added", "item_id": item_id,
-                              "output_index": index, "content_index": 0, "part": empty}));
+                    ev(
+                        json!({"type": "response.content_part.added", "item_id": item_id,
+                              "output_index": index, "content_index": 0, "part": empty}),
+                    );
                     for p in pieces(&text) {
-                        ev(json!({"type": "response.output_text.delta", "item_id": item_id,
+                        ev(
+                            json!({"type": "response.output_text.delta", "item_id": item_id,
                                   "output_index": index, "content_index": 0, "delta": p,
-                                  "logprobs": []}));
+                                  "logprobs": []}),
+                        );
                     }
-                    ev(json!({"type": "response.output_text.done", "item_id": item_id,
+                    ev(
+                        json!({"type": "response.output_text.done", "item_id": item_id,
                               "output_index": index, "content_index": 0, "text": text,
-                              "logprobs": []}));
-                    ev(json!({"type": "response.content_part.done", "item_id": item_id,
+                              "logprobs": []}),
+                    );
+                    ev(
+                        json!({"type": "response.content_part.done", "item_id": item_id,
                               "output_index": index, "content_index": 0,
                               "part": {"type": "output_text", "text": text,
-                                       "annotations": []}}));
+                                       "annotations": []}}),
+                    );
                 }
                 _ => {
                     let Some((c, raw)) = calls.next() else {
@@ -656,15 +700,21 @@ impl Ctx<'_> {
                         )
                     };
                     for p in pieces(raw) {
-                        ev(json!({"type": delta, "item_id": item_id, "output_index": index,
-                                  "delta": p}));
+                        ev(
+                            json!({"type": delta, "item_id": item_id, "output_index": index,
+                                  "delta": p}),
+                        );
                     }
-                    ev(json!({"type": finished, "item_id": item_id, "output_index": index,
-                              key: raw}));
+                    ev(
+                        json!({"type": finished, "item_id": item_id, "output_index": index,
+                              key: raw}),
+                    );
                 }
             }
-            ev(json!({"type": "response.output_item.done", "output_index": index,
-                      "item": last}));
+            ev(
+                json!({"type": "response.output_item.done", "output_index": index,
+                      "item": last}),
+            );
         }
         let terminal = if self.reply.truncated {
             "response.incomplete"
@@ -714,7 +764,10 @@ mod tests {
             Some(ApiShape::Chat)
         );
         assert_eq!(ApiShape::of_path("/v1/messages"), Some(ApiShape::Messages));
-        assert_eq!(ApiShape::of_path("/v1/responses"), Some(ApiShape::Responses));
+        assert_eq!(
+            ApiShape::of_path("/v1/responses"),
+            Some(ApiShape::Responses)
+        );
         assert_eq!(ApiShape::of_path("/v1/messages/count_tokens"), None);
     }
 
@@ -758,11 +811,11 @@ mod tests {
         );
         let stream = json!({"model": "m", "stream": true});
         let msgs = data(&render(&call_reply(true), ApiShape::Messages, &stream, 1));
-        let stop = msgs
-            .iter()
-            .find(|e| e["type"] == "message_delta")
-            .unwrap();
-        assert_eq!(stop.pointer("/delta/stop_reason"), Some(&json!("max_tokens")));
+        let stop = msgs.iter().find(|e| e["type"] == "message_delta").unwrap();
+        assert_eq!(
+            stop.pointer("/delta/stop_reason"),
+            Some(&json!("max_tokens"))
+        );
         let stops = msgs
             .iter()
             .filter(|e| e["type"] == "content_block_stop")

@@ -268,7 +268,9 @@ async fn run(mut cmd: tokio::process::Command, what: &str) -> (String, String) {
 /// Fails unless `npm ci` has installed the Node clients (README, "Tests"; `.ci/run` does it).
 fn node_modules_installed() {
     assert!(
-        compat_dir().join("node/node_modules/.package-lock.json").exists(),
+        compat_dir()
+            .join("node/node_modules/.package-lock.json")
+            .exists(),
         "the compatibility suite needs its Node clients: run `npm ci` in tests/compat/node \
          (README, 'Tests'; .ci/run does it)"
     );
@@ -290,7 +292,9 @@ fn unanswered(requests: &[&Value]) -> Vec<String> {
         .iter()
         .filter_map(|r| {
             if let Some(reason) = r.get("rejected").and_then(Value::as_str) {
-                Some(format!("the mock (as the real API) refused a request: {reason}"))
+                Some(format!(
+                    "the mock (as the real API) refused a request: {reason}"
+                ))
             } else if r.get("unanswered").is_some() {
                 Some(format!(
                     "the mock got a request no step answers ({} {})",
@@ -350,11 +354,19 @@ fn sdk_steps(case: &str) -> Vec<Value> {
             step(3, json!({"text": FINAL})),
         ],
         "truncated" => vec![
-            step(1, json!({"tool_calls": [weather_call()], "truncated": true})),
+            step(
+                1,
+                json!({"tool_calls": [weather_call()], "truncated": true}),
+            ),
             step(2, json!({"text": REPAIRED})),
         ],
         "error" => (1..=3)
-            .map(|n| step(n, json!({"tool_calls": [weather_call()], "truncated": true})))
+            .map(|n| {
+                step(
+                    n,
+                    json!({"tool_calls": [weather_call()], "truncated": true}),
+                )
+            })
             .collect(),
         other => panic!("unknown SDK case {other}"),
     }
@@ -373,12 +385,7 @@ fn results_of(stdout: &str) -> BTreeMap<String, Value> {
 /// Judges one SDK case from what the client printed and what the mock received for it.
 fn judge_sdk(case: &str, result: Option<&Value>, requests: &[&Value], stderr: &str) -> Outcome {
     let Some(r) = result else {
-        let tail: String = stderr
-            .lines()
-            .rev()
-            .take(5)
-            .collect::<Vec<_>>()
-            .join(" | ");
+        let tail: String = stderr.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
         return Outcome::new(
             case,
             vec![format!("the client printed no result (stderr: {tail})")],
@@ -432,7 +439,9 @@ fn judge_sdk(case: &str, result: Option<&Value>, requests: &[&Value], stderr: &s
         ));
     }
     let detail = match kind {
-        "loop" => "ran get_weather then save_note (a gated write), final answer received".to_owned(),
+        "loop" => {
+            "ran get_weather then save_note (a gated write), final answer received".to_owned()
+        }
         "truncated" => "no call ran; turnguard's repair round answered".to_owned(),
         _ => format!("error readable: {}", truncate(error, 160)),
     };
@@ -580,7 +589,10 @@ async fn claude(h: &support::Harness, trip: &Tripwire, ws: &Path, prompt: &str) 
 /// Problems with Claude Code's result: an error, or a final answer other than `want`.
 fn claude_result_problems(out: &Value, stderr: &str, want: &str) -> Vec<String> {
     let mut p = Vec::new();
-    let result = out.get("result").and_then(Value::as_str).unwrap_or_default();
+    let result = out
+        .get("result")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
     if out.get("is_error").and_then(Value::as_bool) != Some(false) {
         p.push(format!(
             "claude reported an error: {} (stderr: {})",
@@ -588,7 +600,10 @@ fn claude_result_problems(out: &Value, stderr: &str, want: &str) -> Vec<String> 
             truncate(stderr.trim(), 200)
         ));
     } else if result.trim() != want {
-        p.push(format!("claude's result is {:?}, want {want:?}", truncate(result, 300)));
+        p.push(format!(
+            "claude's result is {:?}, want {want:?}",
+            truncate(result, 300)
+        ));
     }
     p
 }
@@ -603,15 +618,24 @@ async fn claude_bash_write_read(trip: &Tripwire, case: &str, bundle: PathBuf) ->
     let dir = ws.path().display().to_string();
     let final_text = "Bash, Write and Read all ran.";
     let steps = vec![
-        cli_step("bash", json!({"reasoning": "Run the command first.", "text": "Running a command.",
+        cli_step(
+            "bash",
+            json!({"reasoning": "Run the command first.", "text": "Running a command.",
             "tool_calls": [{"name": "Bash", "arguments": {
                 "command": format!("echo compat-bash-ok > {dir}/from-bash.txt && cat {dir}/from-bash.txt"),
-                "description": "Write a marker file"}}]})),
-        cli_step("write", json!({"reasoning": "Now write the notes.",
+                "description": "Write a marker file"}}]}),
+        ),
+        cli_step(
+            "write",
+            json!({"reasoning": "Now write the notes.",
             "tool_calls": [{"name": "Write", "arguments": {
-                "file_path": format!("{dir}/notes.txt"), "content": "compat-write-ok\n"}}]})),
-        cli_step("read", json!({"reasoning": "Read them back.",
-            "tool_calls": [{"name": "Read", "arguments": {"file_path": format!("{dir}/notes.txt")}}]})),
+                "file_path": format!("{dir}/notes.txt"), "content": "compat-write-ok\n"}}]}),
+        ),
+        cli_step(
+            "read",
+            json!({"reasoning": "Read them back.",
+            "tool_calls": [{"name": "Read", "arguments": {"file_path": format!("{dir}/notes.txt")}}]}),
+        ),
         cli_step("final", json!({"reasoning": "Done.", "text": final_text})),
         side_step(),
     ];
@@ -632,14 +656,18 @@ async fn claude_bash_write_read(trip: &Tripwire, case: &str, bundle: PathBuf) ->
     if read(&ws.path().join("notes.txt")) != "compat-write-ok\n" {
         p.push("Write did not run (notes.txt missing)".into());
     }
-    let read_back = main
-        .get(3)
-        .is_some_and(|r| r.get("body").is_some_and(|b| b.to_string().contains("compat-write-ok")));
+    let read_back = main.get(3).is_some_and(|r| {
+        r.get("body")
+            .is_some_and(|b| b.to_string().contains("compat-write-ok"))
+    });
     if !read_back {
         p.push("the model never got Read's result".into());
     }
     if main.len() != 4 {
-        p.push(format!("the mock got {} main-loop request(s), want 4", main.len()));
+        p.push(format!(
+            "the mock got {} main-loop request(s), want 4",
+            main.len()
+        ));
     }
     h.stop().await;
     Outcome::new(
@@ -653,12 +681,20 @@ async fn claude_bash_write_read(trip: &Tripwire, case: &str, bundle: PathBuf) ->
 async fn claude_code() {
     let trip = Tripwire::start().await;
     let mut outcomes = vec![
-        claude_bash_write_read(&trip, "bash-write-read", support::own_fixtures().join(BUNDLE))
-            .await,
+        claude_bash_write_read(
+            &trip,
+            "bash-write-read",
+            support::own_fixtures().join(BUNDLE),
+        )
+        .await,
         // The same with the repository's shipped default bundle (`policy/`), as a new user
         // runs it: no catalog for Claude Code's tools.
-        claude_bash_write_read(&trip, "bash-write-read-default-policy", root().join("policy"))
-            .await,
+        claude_bash_write_read(
+            &trip,
+            "bash-write-read-default-policy",
+            root().join("policy"),
+        )
+        .await,
     ];
 
     // A Bash call cut by max_tokens: withheld, repaired, the session ends with the answer.
@@ -666,11 +702,17 @@ async fn claude_code() {
     let marker = ws.path().join("must-not-exist.txt");
     let repaired = "I could not finish that command.";
     let steps = vec![
-        cli_step("cut", json!({"reasoning": "Run it.", "truncated": true,
+        cli_step(
+            "cut",
+            json!({"reasoning": "Run it.", "truncated": true,
             "tool_calls": [{"name": "Bash", "arguments": {
                 "command": format!("echo ran > {}", marker.display()),
-                "description": "Write a marker file"}}]})),
-        cli_step("repaired", json!({"reasoning": "It was cut.", "text": repaired})),
+                "description": "Write a marker file"}}]}),
+        ),
+        cli_step(
+            "repaired",
+            json!({"reasoning": "It was cut.", "text": repaired}),
+        ),
         side_step(),
     ];
     let h = support::start_with_policy(
@@ -688,7 +730,10 @@ async fn claude_code() {
         p.push("the truncated Bash call ran".into());
     }
     if main.len() != 2 {
-        p.push(format!("the mock got {} main-loop request(s), want 2", main.len()));
+        p.push(format!(
+            "the mock got {} main-loop request(s), want 2",
+            main.len()
+        ));
     }
     outcomes.push(Outcome::new(
         "truncated",
@@ -697,7 +742,12 @@ async fn claude_code() {
     ));
     h.stop().await;
 
-    report("claude-code", "Claude Code (`claude -p`)", &outcomes, &trip.hits());
+    report(
+        "claude-code",
+        "Claude Code (`claude -p`)",
+        &outcomes,
+        &trip.hits(),
+    );
 }
 
 // ------------------------------------------------------------------------------------------
@@ -798,7 +848,14 @@ async fn codex_with(
     let home = codex_home(h, websockets);
     let mut cmd = command(&node_bin("codex"), home.path(), trip);
     if websockets {
-        for var in ["HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"] {
+        for var in [
+            "HTTP_PROXY",
+            "HTTPS_PROXY",
+            "ALL_PROXY",
+            "http_proxy",
+            "https_proxy",
+            "all_proxy",
+        ] {
             cmd.env_remove(var);
         }
     }
@@ -832,8 +889,7 @@ fn codex_call(lite: bool, shell: &str) -> Value {
     }
 }
 
-const PATCH: &str =
-    "*** Begin Patch\n*** Add File: patched.txt\n+compat-patch-ok\n*** End Patch\n";
+const PATCH: &str = "*** Begin Patch\n*** Add File: patched.txt\n+compat-patch-ok\n*** End Patch\n";
 
 fn codex_patch_call(lite: bool) -> Value {
     if lite {
@@ -849,8 +905,14 @@ fn codex_patch_call(lite: bool) -> Value {
 async fn codex_exec_exec_patch(trip: &Tripwire, lite: bool, model: Option<&str>) -> Outcome {
     let final_text = "Two commands and a patch ran.";
     let steps = vec![
-        cli_step("exec1", json!({"tool_calls": [codex_call(lite, "echo compat-exec-one > one.txt && cat one.txt")]})),
-        cli_step("exec2", json!({"tool_calls": [codex_call(lite, "echo compat-exec-two && ls")]})),
+        cli_step(
+            "exec1",
+            json!({"tool_calls": [codex_call(lite, "echo compat-exec-one > one.txt && cat one.txt")]}),
+        ),
+        cli_step(
+            "exec2",
+            json!({"tool_calls": [codex_call(lite, "echo compat-exec-two && ls")]}),
+        ),
         cli_step("patch", json!({"tool_calls": [codex_patch_call(lite)]})),
         cli_step("final", json!({"text": final_text})),
         side_step(),
@@ -864,14 +926,18 @@ async fn codex_exec_exec_patch(trip: &Tripwire, lite: bool, model: Option<&str>)
     let all: Vec<&Value> = requests.iter().collect();
     p.extend(unanswered(&all));
     if run.final_text() != final_text {
-        p.push(format!("codex's final message is {:?}, want {final_text:?}", truncate(&run.final_text(), 300)));
+        p.push(format!(
+            "codex's final message is {:?}, want {final_text:?}",
+            truncate(&run.final_text(), 300)
+        ));
     }
     if read(&ws.path().join("one.txt")).trim() != "compat-exec-one" {
         p.push("the first command did not run".into());
     }
-    let second_ran = main
-        .get(2)
-        .is_some_and(|r| r.get("body").is_some_and(|b| b.to_string().contains("compat-exec-two")));
+    let second_ran = main.get(2).is_some_and(|r| {
+        r.get("body")
+            .is_some_and(|b| b.to_string().contains("compat-exec-two"))
+    });
     if !second_ran {
         p.push("the second command's output never reached the model".into());
     }
@@ -879,7 +945,10 @@ async fn codex_exec_exec_patch(trip: &Tripwire, lite: bool, model: Option<&str>)
         p.push("apply_patch did not run (patched.txt missing)".into());
     }
     if main.len() != 4 {
-        p.push(format!("the mock got {} main-loop request(s), want 4", main.len()));
+        p.push(format!(
+            "the mock got {} main-loop request(s), want 4",
+            main.len()
+        ));
     }
     h.stop().await;
     Outcome::new(
@@ -893,8 +962,11 @@ async fn codex_exec_exec_patch(trip: &Tripwire, lite: bool, model: Option<&str>)
 async fn codex_truncated(trip: &Tripwire, lite: bool, model: Option<&str>) -> Outcome {
     let repaired = "I could not finish that command.";
     let steps = vec![
-        cli_step("cut", json!({"truncated": true,
-            "tool_calls": [codex_call(lite, "echo ran > must-not-exist.txt")]})),
+        cli_step(
+            "cut",
+            json!({"truncated": true,
+            "tool_calls": [codex_call(lite, "echo ran > must-not-exist.txt")]}),
+        ),
         cli_step("repaired", json!({"text": repaired})),
         side_step(),
     ];
@@ -907,13 +979,19 @@ async fn codex_truncated(trip: &Tripwire, lite: bool, model: Option<&str>) -> Ou
     let all: Vec<&Value> = requests.iter().collect();
     p.extend(unanswered(&all));
     if run.final_text() != repaired {
-        p.push(format!("codex's final message is {:?}, want {repaired:?}", truncate(&run.final_text(), 300)));
+        p.push(format!(
+            "codex's final message is {:?}, want {repaired:?}",
+            truncate(&run.final_text(), 300)
+        ));
     }
     if ws.path().join("must-not-exist.txt").exists() {
         p.push("the truncated call ran".into());
     }
     if main.len() != 2 {
-        p.push(format!("the mock got {} main-loop request(s), want 2", main.len()));
+        p.push(format!(
+            "the mock got {} main-loop request(s), want 2",
+            main.len()
+        ));
     }
     if lite {
         // The repair round must send the withheld call back as what it was: a
@@ -961,7 +1039,10 @@ async fn codex_websocket_fallback(trip: &Tripwire) -> Outcome {
     let all: Vec<&Value> = requests.iter().collect();
     p.extend(unanswered(&all));
     if run.final_text() != final_text {
-        p.push(format!("codex's final message is {:?}, want {final_text:?}", truncate(&run.final_text(), 300)));
+        p.push(format!(
+            "codex's final message is {:?}, want {final_text:?}",
+            truncate(&run.final_text(), 300)
+        ));
     }
     h.stop().await;
     Outcome::new(
@@ -982,7 +1063,12 @@ async fn codex_lite() {
         codex_truncated(&trip, true, None).await,
         codex_websocket_fallback(&trip).await,
     ];
-    report("codex", "Codex CLI (`codex exec`), default model (lite shape)", &outcomes, &trip.hits());
+    report(
+        "codex",
+        "Codex CLI (`codex exec`), default model (lite shape)",
+        &outcomes,
+        &trip.hits(),
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
