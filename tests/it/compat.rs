@@ -20,8 +20,9 @@
 //! turn off their non-essential traffic. A connection to the tripwire fails the test: nothing
 //! may try to reach the internet. The mock must have answered every request it got.
 //!
-//! Each test writes its client's outcome per case to `tests/compat/results/<client>.json`
-//! (the README table is rendered from those files by `tests/compat/render.py`). A case that
+//! Each test writes its client's outcome per case to `target/compat/results/<client>.json`
+//! (the README table and `tests/compat/RESULTS.md` are rendered from those files by
+//! `tests/compat/render.py`). A case that
 //! fails must be listed in `tests/compat/expected-failures.txt` with the finding
 //! (`tests/compat/FINDINGS.md`) that explains it; a listed case that passes fails the test, so
 //! the list stays honest.
@@ -91,6 +92,15 @@ impl Outcome {
     }
 }
 
+/// Where each run writes `<client>.json`: `$TURNGUARD_COMPAT_RESULTS`, else
+/// `target/compat/results` (read by `tests/compat/render.py`; never in the source tree, so a
+/// test run leaves the checkout clean).
+fn results_dir() -> PathBuf {
+    std::env::var_os("TURNGUARD_COMPAT_RESULTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target/compat/results"))
+}
+
 /// `tests/compat/expected-failures.txt`: `(client, case) → finding`.
 fn expected_failures() -> BTreeMap<(String, String), String> {
     let path = compat_dir().join("expected-failures.txt");
@@ -152,7 +162,7 @@ fn report(client: &str, label: &str, outcomes: &[Outcome], escapes: &[String]) {
             "{client}: tried to reach the network past the loopback: {escapes:?}"
         ));
     }
-    let results = compat_dir().join("results");
+    let results = results_dir();
     std::fs::create_dir_all(&results).expect("results dir");
     let body = json!({"client": client, "label": label, "cases": cases});
     std::fs::write(
@@ -1083,5 +1093,25 @@ async fn codex_classic() {
         "Codex CLI (`codex exec -m gpt-5.1-codex`), classic shape",
         &outcomes,
         &trip.hits(),
+    );
+}
+
+/// The tripwire sees a client that tries to leave the loopback: a request through the proxy
+/// variables `command` sets is recorded (so the suite's "nothing escaped" check can fail).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tripwire_records_an_escape_attempt() {
+    let trip = Tripwire::start().await;
+    let home = tempfile::tempdir().expect("home");
+    let mut cmd = command(&support::python(), home.path(), &trip);
+    cmd.args([
+        "-c",
+        "import urllib.request\ntry:\n    urllib.request.urlopen('http://api.example.invalid/v1/models', timeout=10)\nexcept Exception as e:\n    print(type(e).__name__)",
+    ]);
+    let (stdout, _) = run(cmd, "python").await;
+    let hits = trip.hits();
+    assert_eq!(
+        hits,
+        vec!["GET http://api.example.invalid/v1/models HTTP/1.1".to_owned()],
+        "stdout: {stdout}"
     );
 }
