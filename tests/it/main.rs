@@ -6,6 +6,7 @@
 mod admission_order;
 mod attacks;
 mod channels;
+mod compat;
 mod crash_recovery;
 mod deploy_files;
 mod dropin;
