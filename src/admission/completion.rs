@@ -1,24 +1,40 @@
 //! Stage 1, **completion** (tool-turn contract §B): a call from a truncated or refused output
 //! is never released, even when its arguments happen to parse; the batch is suspect.
+//!
+//! What a withheld call becomes depends on why (§B: "a refusal is not retried"):
+//! - **truncated** (`truncated`): the token limit cut the output; asking the model again (a
+//!   repair round) may succeed;
+//! - **refused** (`refused_completion`): the model or provider refused; never retried, it
+//!   surfaces at once (OpenWOP `envelope_refusal` when surfaced as an error);
+//! - **context exhausted** (`context_window_exceeded`): the transcript and the output filled
+//!   the context window; a repair round only makes the transcript longer, so it surfaces at
+//!   once (`envelope_truncation_unrecoverable`).
+//!
+//! How each state is read from the provider's signals (every finish-reason name, usage
+//! against the request's limit) is the adapters' `classify` (`crate::provider`); what cannot
+//! be known is documented there.
 
 use crate::model::{Completion, CompletionState, Decision, Outcome, Stage};
 
 /// `Some(invalid)` unless the choice ended cleanly.
 pub fn check(completion: &Completion) -> Option<Decision> {
+    let reason = super::sanitize_label(&completion.reason);
     let (reason, message) = match completion.state {
         CompletionState::Clean => return None,
         CompletionState::Truncated => (
             "truncated",
             format!(
-                "the model output was cut by the token limit ({}) before the call was known to be complete",
-                super::sanitize_label(&completion.reason)
+                "the model output was cut by the token limit ({reason}) before the call was known to be complete"
             ),
         ),
         CompletionState::Refused => (
             "refused_completion",
+            format!("the model output ended in a refusal ({reason}); a refusal is not retried"),
+        ),
+        CompletionState::ContextExhausted => (
+            "context_window_exceeded",
             format!(
-                "the model output ended in a refusal ({})",
-                super::sanitize_label(&completion.reason)
+                "the model's context window is full ({reason}); the call was cut and asking again cannot fit"
             ),
         ),
     };
@@ -28,4 +44,30 @@ pub fn check(completion: &Completion) -> Option<Decision> {
         reason,
         message,
     ))
+}
+
+/// Whether a withheld call (or text answer) with this reason may be repaired: everything but
+/// a refusal and context exhaustion.
+pub fn repairable(reason: &str) -> bool {
+    !matches!(reason, "refused_completion" | "context_window_exceeded")
+}
+
+/// The OpenWOP code a completion-stage reason surfaces with as an error (422), when it has
+/// its own: `envelope_refusal`, `envelope_truncation_unrecoverable`.
+pub fn error_code(reason: &str) -> Option<&'static str> {
+    match reason {
+        "refused_completion" => Some("envelope_refusal"),
+        "context_window_exceeded" => Some("envelope_truncation_unrecoverable"),
+        _ => None,
+    }
+}
+
+/// The OpenWOP code of a text answer the structured / prompted channel refused, by its
+/// reason (`crate::admission::channel`): truncation and context exhaustion are
+/// `envelope_truncation_unrecoverable`, anything else `envelope_invalid`.
+pub fn channel_error_code(reason: &str) -> &'static str {
+    match reason {
+        "truncated" | "context_window_exceeded" => "envelope_truncation_unrecoverable",
+        _ => "envelope_invalid",
+    }
 }

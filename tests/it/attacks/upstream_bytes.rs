@@ -113,10 +113,15 @@ async fn exchange(
     (status, headers, String::from_utf8_lossy(&resp).into_owned())
 }
 
+/// A tool-call structure naming the evil tool (the end-turn explanation may name it).
+fn carries_call(body: &str) -> bool {
+    body.contains(&format!("\"name\":\"{EVIL}\""))
+}
+
 /// The agent's stream never carried the evil call and ended with the provider's error event.
 fn assert_withheld_with_error(body: &str, what: &str) {
     assert!(
-        !body.contains(EVIL),
+        !carries_call(body),
         "{what}: the call left the stream unadmitted:\n{body}"
     );
     assert!(
@@ -192,14 +197,14 @@ async fn a_compressed_upstream_body_is_decoded_or_refused() {
         "the agent gets what turnguard read, not a coded body: {headers:?}"
     );
     assert!(
-        !body.contains(EVIL),
+        !carries_call(&body),
         "the decoded call was admitted and withheld: {body}"
     );
     assert!(
         body.contains("[turnguard]"),
         "the turn ended with the explanation: {body}"
     );
-    assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+    assert!(body.ends_with("data: [DONE]\n\n"), "{body:?}");
 
     // Deflate (zlib) the same way, non-stream.
     let resp = json!({"id": "chatcmpl-x", "object": "chat.completion", "created": 1, "model": "m",
@@ -235,7 +240,7 @@ async fn a_compressed_upstream_body_is_decoded_or_refused() {
         "headers": {"content-encoding": "br"}});
     let (status, _, body) = exchange(&h, "/v1/chat/completions", step, &chat_request(true)).await;
     assert_eq!(status, 502, "{body}");
-    assert!(!body.contains(EVIL), "{body}");
+    assert!(!carries_call(&body), "{body}");
     assert!(body.contains("br"), "the error names the coding: {body}");
     h.stop().await;
 }
@@ -276,7 +281,7 @@ async fn nothing_unclassified_follows_the_terminal_event() {
     .await;
     assert_eq!(status, 200);
     assert!(
-        !body.contains(EVIL),
+        !carries_call(&body),
         "an event only the end of input completed was forwarded raw:\n{body}"
     );
     assert!(body.contains("Sunny."), "{body}");
@@ -368,7 +373,7 @@ async fn every_call_is_identified_uniquely_or_the_turn_fails_closed() {
         &chat_request(false),
     )
     .await;
-    assert!(!body.contains(EVIL), "{body}");
+    assert!(!carries_call(&body), "{body}");
     assert_eq!(status, 502, "{body}");
     h.stop().await;
 }
@@ -390,7 +395,7 @@ async fn hostile_json_shapes_never_kill_the_relay() {
     ]});
     let (status, _, body) = exchange(&h, "/v1/messages", step, &messages_request(true)).await;
     assert_eq!(status, 200);
-    assert!(!body.contains(EVIL), "{body}");
+    assert!(!carries_call(&body), "{body}");
     assert!(
         body.contains("event: error") || body.contains("message_stop"),
         "the stream ended properly, not cut by a panic:\n{body}"
