@@ -466,8 +466,8 @@ impl Session {
                     "agentId": AGENT_ID, "toolName": tool_name, "callId": call_id,
                     "principal": principal, "transport": "native"
                 });
-                if let Some(h) = &d.args_hash {
-                    called["argsHash"] = json!(h);
+                if let (Some(h), Some(o)) = (&d.args_hash, called.as_object_mut()) {
+                    o.insert("argsHash".into(), json!(h));
                 }
                 events.push(self.event("agent.tool-called", called));
                 let status = match (d.outcome, d.reason) {
@@ -488,11 +488,22 @@ impl Session {
                 };
                 if let Some((status, code)) = status {
                     let mut returned = json!({"agentId": AGENT_ID, "toolName": tool_name, "callId": call_id, "status": status});
-                    if let Some(code) = code {
-                        returned["error"] = json!({"code": code, "message": admission::explain(d)});
+                    let extra = if let Some(code) = code {
+                        Some((
+                            "error",
+                            json!({"code": code, "message": admission::explain(d)}),
+                        ))
                     } else if d.outcome == Outcome::SuppressedRepeat {
                         // Not run again: the recorded result was supplied (content-free here).
-                        returned["outcome"] = json!({"suppressedRepeat": true, "recordedResultDigest": hex_sha256(d.message.as_bytes())});
+                        Some((
+                            "outcome",
+                            json!({"suppressedRepeat": true, "recordedResultDigest": hex_sha256(d.message.as_bytes())}),
+                        ))
+                    } else {
+                        None
+                    };
+                    if let (Some((k, v)), Some(o)) = (extra, returned.as_object_mut()) {
+                        o.insert(k.into(), v);
                     }
                     events.push(self.event("agent.tool-returned", returned));
                 }
