@@ -694,6 +694,9 @@ struct CallAcc {
     /// `(name, arguments)` of each complete form seen, in arrival order:
     /// `….arguments.done`, `output_item.done`, the terminal event's `output`.
     finals: Vec<(Option<String>, String)>,
+    /// The `call_id` of each complete item form seen (`output_item.done`, terminal `output`):
+    /// the id the agent answers with.
+    final_ids: Vec<Option<String>>,
 }
 
 impl CallAcc {
@@ -724,6 +727,8 @@ impl CallAcc {
         }
         self.finals
             .push((Some(call_name(item)), call_arguments(item)));
+        self.final_ids
+            .push(str_of(item, "call_id").map(str::to_owned));
     }
 
     /// The call as the agent executes it: the last complete form (the terminal event's
@@ -749,6 +754,10 @@ impl CallAcc {
                 .finals
                 .iter()
                 .all(|(n, a)| *a == call.arguments && n.as_ref().is_none_or(|n| *n == call.name))
+            && self
+                .final_ids
+                .iter()
+                .all(|id| id.as_ref().is_none_or(|id| *id == call.id))
     }
 }
 

@@ -9,6 +9,7 @@ mod channels;
 mod crash_recovery;
 mod deploy_files;
 mod field_inputs;
+mod fuzz;
 mod ops_edge;
 mod ops_shutdown;
 mod policy_bundle;
