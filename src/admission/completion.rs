@@ -10,9 +10,17 @@
 //!   the context window; a repair round only makes the transcript longer, so it surfaces at
 //!   once (`envelope_truncation_unrecoverable`).
 //!
-//! How each state is read from the provider's signals (every finish-reason name, usage
-//! against the request's limit) is the adapters' `classify` (`crate::provider`); what cannot
-//! be known is documented there.
+//! How each state is read from the provider's signals is the adapters' `classify`
+//! (`crate::provider`): truncation is truncation under every name (`length`, `max_tokens`,
+//! `max_output_tokens`, `model_length`, and any finish reason that is not a known normal end),
+//! and a normal finish whose usage reached the request's limit is truncated too (a Chat stream
+//! that sets a limit is asked for its usage chunk: `crate::provider::prepare_upstream`).
+//!
+//! What cannot be known, and what turnguard does then:
+//! - the request sets a limit, the finish is normal, and the server reports no usage: whether
+//!   the limit cut the call is unknown — withheld as truncated (`usage_missing`);
+//! - the request sets no limit and the server reports a normal finish for a call its own
+//!   output limit cut: nothing in the response says so — believed (set a limit to be told).
 
 use crate::model::{Completion, CompletionState, Decision, Outcome, Stage};
 

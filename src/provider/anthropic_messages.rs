@@ -200,8 +200,10 @@ fn judge_source(turn: &mut Turn, block: &Value, at: &str) {
         Some("content") => {
             if let Some(Value::Array(inner)) = block.pointer("/source/content") {
                 let at = format!("{at}.source.content");
-                // Inline content has no calls and no results: nothing to fail on.
-                let _ = judge_blocks(turn, inner, &at, &mut CallNames::default(), false);
+                // Inline content carries no tool results; one that does is not recognised.
+                if judge_blocks(turn, inner, &at, &mut CallNames::default(), false).is_err() {
+                    turn.untrusted(UntrustedKind::Unrecognised, at);
+                }
             }
         }
         Some("url" | "file") => turn.untrusted(UntrustedKind::ProviderFetched, at.to_owned()),

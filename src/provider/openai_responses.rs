@@ -695,7 +695,7 @@ struct CallAcc {
     /// `….arguments.done`, `output_item.done`, the terminal event's `output`.
     finals: Vec<(Option<String>, String)>,
     /// The `call_id` of each complete item form seen (`output_item.done`, terminal `output`):
-    /// the id the agent answers with.
+    /// the id the agent answers with. A form without it (or with another) is inconsistent.
     final_ids: Vec<Option<String>>,
 }
 
@@ -757,7 +757,7 @@ impl CallAcc {
             && self
                 .final_ids
                 .iter()
-                .all(|id| id.as_ref().is_none_or(|id| *id == call.id))
+                .all(|id| id.as_deref() == Some(call.id.as_str()))
     }
 }
 

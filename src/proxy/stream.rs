@@ -391,8 +391,15 @@ impl Pipeline {
     }
 
     /// The provider-stored response this stream produced (Responses only), for the journal.
+    /// A broken stream's response is recorded without a final status, so a request that
+    /// continues it is untrusted (the chain rule's `not_completed`).
     pub fn response_link(&self) -> Option<crate::model::ResponseLink> {
-        self.adapter.response_link()
+        self.adapter.response_link().map(|mut link| {
+            if self.broken.is_some() {
+                link.status = None;
+            }
+            link
+        })
     }
 
     /// Journal rows for every call: decided ones with their verdicts, calls still held when

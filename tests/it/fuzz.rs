@@ -884,3 +884,28 @@ fn the_stream_templates_release_the_declared_call() {
         assert!(text.contains("[turnguard]"), "{api:?}: {text}");
     }
 }
+
+/// Found by `bench/fuzz.sh` (seed 14227395305187386185): a Responses `output_item.done`
+/// whose item has `call_id: null` was forwarded while admission had released the call under
+/// the id the `output_item.added` announced. Every form of a call must carry the same
+/// `call_id`, or the call is withheld.
+#[test]
+fn a_responses_call_whose_forms_disagree_on_its_id_is_withheld() {
+    for call_id in [Value::Null, json!("call_other")] {
+        let mut events = template(Api::OpenAiResponses, false);
+        for (_, v) in events.iter_mut() {
+            if v["type"] == "response.output_item.done" && v["item"]["id"] == "fc_w" {
+                v["item"]["call_id"] = call_id.clone();
+            }
+        }
+        let bytes: Vec<u8> = events
+            .iter()
+            .flat_map(|(name, v)| {
+                format!("event: {}\ndata: {v}\n\n", name.unwrap_or_default()).into_bytes()
+            })
+            .collect();
+        let (out, released) = relay(Api::OpenAiResponses, &[bytes]);
+        assert!(released.is_empty(), "{call_id}: {released:?}");
+        assert_eq!(check_forwarded(&out, &released), Ok(()), "{call_id}");
+    }
+}

@@ -605,3 +605,66 @@ async fn truncation_is_truncation_under_every_name() {
     assert!(!body.contains("call_w"), "no usage: withheld: {body}");
     h.stop().await;
 }
+
+/// Items 7 and 8 through the official SDKs: what the agent would execute. A chunk serde
+/// refuses (the Python SDK parses `NaN`) and two blocks on one index (the SDK appends both):
+/// the SDK assembles no call to the undeclared tool and raises turnguard's error.
+#[tokio::test]
+async fn the_official_sdks_never_assemble_an_unadmitted_call() {
+    let h = support::start(Script::default()).await;
+    let nan = format!(
+        "{},\"x\":NaN}}",
+        chat_call_chunk("call_evil", EVIL, "{}").trim_end_matches('}')
+    );
+    let mut duplicated = vec![
+        message_start(),
+        tool_use_start(json!(0), "toolu_evil", EVIL),
+        tool_use_start(json!(0), "toolu_w", "get_weather"),
+        block_delta(0, "{}"),
+        block_stop(0),
+    ];
+    duplicated.extend(message_end("tool_use"));
+    let cases = [
+        (
+            "chat",
+            json!({"sse": [format!("data: {nan}"), format!("data: {}", chat_finish("tool_calls")), "data: [DONE]"]}),
+            chat_request(true),
+        ),
+        (
+            "messages",
+            json!({"sse": duplicated}),
+            messages_request(true),
+        ),
+    ];
+    for (api, step, request) in cases {
+        h.script(&json!({"responses": [step]})).await;
+        let out = support::run_sdk_script(
+            "stream_calls.py",
+            &[
+                "--url".into(),
+                h.url().into(),
+                "--api".into(),
+                api.into(),
+                "--request".into(),
+                request.to_string().into(),
+            ],
+            std::time::Duration::from_secs(60),
+        )
+        .await;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let got: Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|_| {
+            panic!("{api}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr))
+        });
+        assert!(
+            !got["calls"].as_array().unwrap().iter().any(|c| c == EVIL),
+            "{api}: the SDK assembled the unadmitted call: {got}"
+        );
+        assert!(
+            got["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("turnguard")),
+            "{api}: the SDK raised turnguard's error: {got}"
+        );
+    }
+    h.stop().await;
+}
