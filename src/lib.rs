@@ -47,4 +47,5 @@ pub mod recipes;
 pub mod reload;
 pub mod server;
 pub mod shutdown;
+mod source_lints;
 pub mod sse;

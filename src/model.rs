@@ -95,12 +95,15 @@ pub struct Turn {
     /// Names of the tool calls already in the transcript, in order (with a
     /// `previous_response_id`, the provider-held ones first: [`Turn::continue_chain`]).
     pub prior_calls: Vec<String>,
-    /// The transcript carries provider-executed tool output (Anthropic
-    /// `web_search_tool_result` …), or the request lets the provider run such a tool in this
-    /// turn (Anthropic `web_search_*` / `web_fetch_*` / `code_execution_*` tools, Chat
-    /// `web_search_options`), whose output the model may read before it calls a tool: always
-    /// untrusted (tool-turn contract §C, §F).
-    pub provider_output_seen: bool,
+    /// Inputs of the request that make the turn untrusted, each with where it is
+    /// (tool-turn contract §C: the meet of the inputs; DESIGN.md §9: any input turnguard does
+    /// not recognise is untrusted). Empty: every input the request shows is the person's, the
+    /// system's, or a tool result judged by its catalog tool.
+    pub untrusted_inputs: Vec<UntrustedInput>,
+    /// Chat only: turnguard asked the upstream for the usage chunk the agent did not ask for
+    /// (`stream_options.include_usage`), so it can tell a call cut by the token limit from a
+    /// complete one; that chunk is turnguard's own and is not forwarded.
+    pub usage_for_turnguard: bool,
     /// Responses only: `previous_response_id`. The provider holds the earlier turns of the
     /// conversation, which the proxy cannot see in this request; their trust can only come
     /// from turnguard's own journal of that response chain (the trust rule is in
@@ -136,6 +139,57 @@ impl Turn {
     pub fn declared(&self, name: &str) -> Option<&DeclaredTool> {
         self.tools.iter().find(|t| t.name == name)
     }
+
+    /// Notes an input that makes the turn untrusted; `at` names it by its request path
+    /// (`messages[2].role`).
+    pub fn untrusted(&mut self, kind: UntrustedKind, at: impl Into<String>) {
+        self.untrusted_inputs.push(UntrustedInput {
+            kind,
+            at: at.into(),
+        });
+    }
+}
+
+/// Why an input makes its turn untrusted (tool-turn contract §C, §F; DESIGN.md §9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UntrustedKind {
+    /// Provider-executed tool output in the transcript (Anthropic `web_search_tool_result`,
+    /// Responses `web_search_call` …), or a request that lets the provider run a tool or an
+    /// MCP server in this very turn (Anthropic server tools and `mcp_servers`, Responses
+    /// built-in tools, Chat `web_search_options`): the model may read its output before it
+    /// calls a tool.
+    ProviderOutput,
+    /// Content the provider fetches or holds for the model, which turnguard never sees: a URL
+    /// (`image_url`, a `url` source, `file_url`), a file id, a stored item or prompt, a
+    /// Conversations API `conversation`.
+    ProviderFetched,
+    /// One tool-call id names two calls of the transcript: which call a result answers (and
+    /// so which tool's `content_trust` it takes) is ambiguous.
+    DuplicateCallId,
+    /// A role, item, block or part type turnguard does not recognise: never skipped.
+    Unrecognised,
+}
+
+impl UntrustedKind {
+    /// Label used in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ProviderOutput => "provider_output",
+            Self::ProviderFetched => "provider_fetched",
+            Self::DuplicateCallId => "duplicate_call_id",
+            Self::Unrecognised => "unrecognised_input",
+        }
+    }
+}
+
+/// One input that makes a turn untrusted: why, and where in the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UntrustedInput {
+    /// Why.
+    pub kind: UntrustedKind,
+    /// The request path (`messages[2].content[1]`), with any name taken from the request
+    /// sanitized.
+    pub at: String,
 }
 
 /// How the model's output ended (tool-turn contract §B stage 1).
@@ -145,8 +199,12 @@ pub enum CompletionState {
     Clean,
     /// The output hit a token limit; anything open at that point is cut.
     Truncated,
-    /// The model or provider refused.
+    /// The model or provider refused. Never retried (tool-turn contract §B).
     Refused,
+    /// The transcript and the output filled the model's context window (Anthropic
+    /// `model_context_window_exceeded`): truncated, and asking again with a longer transcript
+    /// cannot help, so it is never repaired.
+    ContextExhausted,
 }
 
 impl CompletionState {
@@ -156,6 +214,7 @@ impl CompletionState {
             Self::Clean => "clean",
             Self::Truncated => "truncated",
             Self::Refused => "refused",
+            Self::ContextExhausted => "context_exhausted",
         }
     }
 }
@@ -188,6 +247,35 @@ pub struct ToolCall {
     pub name: String,
     /// The arguments exactly as emitted (the concatenation of all deltas), JSON text.
     pub arguments: String,
+}
+
+/// Checks that a response identifies every choice and every call uniquely (DESIGN.md §9:
+/// one emission, one decision): no two choices share an index, and no two calls of a choice
+/// share a non-empty id. Otherwise a verdict could be applied to another choice's or call's
+/// emission.
+///
+/// Errors: what was ambiguous, for the provider-shaped error and the journal.
+pub fn check_identities(round: &[ChoiceEmissions]) -> Result<(), String> {
+    let mut choices = std::collections::BTreeSet::new();
+    for c in round {
+        if !choices.insert(c.choice) {
+            return Err(format!(
+                "two choices of the response share index {}",
+                c.choice
+            ));
+        }
+        let mut ids = std::collections::BTreeSet::new();
+        for call in c.calls.iter().filter(|call| !call.id.is_empty()) {
+            if !ids.insert(call.id.as_str()) {
+                return Err(format!(
+                    "two tool calls of choice {} share the id `{}`",
+                    c.choice,
+                    crate::admission::sanitize_label(&call.id)
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Everything one choice emitted that admission decides on.

@@ -88,6 +88,7 @@ pub fn admit_pair(
         repairs_left: policy.settings.limits.repair_rounds,
     };
     let out = provider::parse_response(api, response, &turn)
+        .map_err(|e| format!("the response does not identify each call uniquely: {e}"))?
         .into_iter()
         .filter(|c| !c.calls.is_empty())
         .map(|c| {

@@ -6,8 +6,14 @@
 //! finds event boundaries and reads the `event` and `data` fields, keeping each block's raw
 //! bytes. It accepts `\n`, `\r\n` and `\r` line endings and multi-line `data:`; any split of
 //! the input into chunks yields the same blocks.
+//!
+//! [`Event::classify`] is the one gate between framing and the provider adapters: a block
+//! reaches an adapter only as an [`Event`] whose payload turnguard read — no `data` (a
+//! comment or keep-alive), the `[DONE]` sentinel, or a JSON object — so nothing is ever
+//! forwarded that was not parsed (DESIGN.md §9, "upstream").
 
 use bytes::{Bytes, BytesMut};
+use serde_json::Value;
 
 /// One SSE block: the raw bytes through its terminating blank line, and its fields.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -149,6 +155,100 @@ fn parse_block(raw: Bytes) -> SseBlock {
         }
     }
     SseBlock { raw, event, data }
+}
+
+/// What a block carries, as turnguard read it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Payload {
+    /// No `data` field: a comment (`: keep-alive`) or only `event` / `id` / `retry` fields.
+    /// A client dispatches nothing for it.
+    None,
+    /// `data: [DONE]`, Chat's end sentinel (the official SDKs stop at data that starts with
+    /// `[DONE]`, wire-formats.md §1.4).
+    Done,
+    /// A JSON object (the event).
+    Json(Value),
+}
+
+/// A block whose payload turnguard read: the only form in which an upstream block reaches a
+/// provider adapter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    /// The block, raw bytes kept for byte-faithful forwarding.
+    pub block: SseBlock,
+    /// Its payload.
+    pub payload: Payload,
+}
+
+/// A block turnguard cannot read, and so never forwards: the stream ends with the provider's
+/// error shape instead (DESIGN.md §9).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the upstream sent an event turnguard cannot read: {0}")]
+pub struct Unreadable(pub String);
+
+impl Event {
+    /// Reads a block: its bytes must be UTF-8 (what a client decodes is what turnguard read),
+    /// and its `data`, when there is one, must be `[DONE]` or a JSON object that serde_json
+    /// accepts. JSON that other parsers accept but serde_json refuses (`NaN`, `1e400`, a lone
+    /// surrogate, nesting past 128 levels) is unreadable, never passed through as "not JSON".
+    ///
+    /// Errors: [`Unreadable`], naming what was wrong (never the bytes).
+    pub fn classify(block: SseBlock) -> Result<Self, Unreadable> {
+        if std::str::from_utf8(&block.raw).is_err() {
+            return Err(Unreadable("an event that is not UTF-8".into()));
+        }
+        let payload = match block.data.as_deref() {
+            None => Payload::None,
+            Some(d) if d.starts_with("[DONE]") => Payload::Done,
+            Some(d) => match serde_json::from_str::<Value>(d) {
+                Ok(v) if v.is_object() => Payload::Json(v),
+                Ok(_) => return Err(Unreadable("event data that is not a JSON object".into())),
+                Err(e) => {
+                    return Err(Unreadable(format!(
+                        "event data that is not JSON turnguard can parse ({})",
+                        json_error_kind(&e)
+                    )))
+                }
+            },
+        };
+        Ok(Self { block, payload })
+    }
+
+    /// The event's JSON, when it has one.
+    pub fn json(&self) -> Option<&Value> {
+        match &self.payload {
+            Payload::Json(v) => Some(v),
+            Payload::None | Payload::Done => None,
+        }
+    }
+
+    /// The JSON `type` field, when the event has one (Messages, Responses).
+    pub fn kind(&self) -> Option<&str> {
+        self.json()
+            .and_then(|v| v.get("type"))
+            .and_then(Value::as_str)
+    }
+
+    /// The same event with its JSON replaced and re-encoded (the `event:` line kept).
+    pub fn with_json(self, json: Value) -> Self {
+        let data = json.to_string();
+        let raw = encode(self.block.event.as_deref(), &data);
+        Self {
+            block: SseBlock {
+                raw,
+                event: self.block.event,
+                data: Some(data),
+            },
+            payload: Payload::Json(json),
+        }
+    }
+}
+
+/// A short, content-free description of a JSON parse error.
+fn json_error_kind(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    // serde_json's messages name the problem and the position, never the input.
+    text.chars().take(120).collect()
 }
 
 /// Serializes one event as `event: NAME\n` (when given) + `data: JSON\n\n`.

@@ -74,6 +74,15 @@ pub fn check(
                 ),
             }
         }
+        CompletionState::ContextExhausted => {
+            return ChannelVerdict::Invalid {
+                reason: "context_window_exceeded",
+                message: format!(
+                    "the model's context window is full ({}); asking again cannot fit",
+                    super::sanitize_label(&completion.reason)
+                ),
+            }
+        }
         CompletionState::Clean => {}
     }
     let Some(text) = text else {

@@ -362,6 +362,11 @@ pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
     }
     let o = &ctx.policy.settings.outcomes;
     let surface_of = |d: &Decision| match d.outcome {
+        // A refusal and context exhaustion are never repaired (§B): they surface at once.
+        Outcome::Invalid if !completion::repairable(d.reason) => match o.invalid_after_repairs {
+            Surface::Repair => Surface::Error,
+            s => s,
+        },
         Outcome::Invalid if ctx.repairs_left > 0 => o.invalid,
         Outcome::Invalid => match o.invalid_after_repairs {
             Surface::Repair => Surface::Error,
@@ -505,6 +510,9 @@ pub fn refuse_held(decisions: &mut [Decision], reason: &'static str, why: &str) 
 pub fn error_for(d: &Decision) -> SurfacedError {
     let (status, code) = match (d.outcome, d.reason) {
         (_, "rate_limited") => (429, "rate_limited"),
+        (Outcome::Invalid, r) if completion::error_code(r).is_some() => {
+            (422, completion::error_code(r).unwrap_or("envelope_invalid"))
+        }
         (Outcome::Refused, r) if is_approval_refusal(r) => (422, "approval_rejected"),
         (_, "clarification_rounds_exceeded") => (422, "loop_limit_exceeded"),
         (Outcome::Invalid, _) => (422, "envelope_invalid"),

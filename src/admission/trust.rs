@@ -1,7 +1,10 @@
 //! Stage 4, **trust** (tool-turn contract §C). A turn's `contentTrust` is the meet of its
 //! inputs: system/developer and the acting person's messages are trusted; a tool result takes
 //! the `contentTrust` its catalog descriptor declares (unknown tool: untrusted, fail closed);
-//! provider-executed tool output is always untrusted. Any trust value inside model output or
+//! provider-executed tool output is always untrusted; and every input the adapter could not
+//! judge — a role or item type it does not recognise, content the provider fetches or holds
+//! (a URL, a file id), a tool-call id used for two calls — is untrusted
+//! ([`crate::model::Turn::untrusted_inputs`]; DESIGN.md §9). Any trust value inside model output or
 //! tool arguments is ignored: trust is derived here, from the catalog, only.
 //!
 //! A Responses request that continues a stored response (`previous_response_id = P`) has
@@ -21,7 +24,7 @@ use crate::policy::{CatalogTool, CompiledPolicy};
 /// named response back, see [`chain_fault`]; empty when the journal was not asked — offline —
 /// or knows nothing, which is untrusted).
 pub fn of_turn(turn: &Turn, policy: &CompiledPolicy, history: &[ChainLink]) -> ContentTrust {
-    if turn.provider_output_seen {
+    if !turn.untrusted_inputs.is_empty() {
         return ContentTrust::Untrusted;
     }
     if let Some(previous) = &turn.previous_response_id {

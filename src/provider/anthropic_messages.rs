@@ -13,11 +13,16 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use serde_json::{json, Value};
 
+use super::CallNames;
 use crate::model::{
     Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
-    ToolCall, ToolResultSeen, Turn,
+    ToolCall, ToolResultSeen, Turn, UntrustedKind,
 };
-use crate::sse::{self, SseBlock};
+use crate::sse::{self, Event, Payload};
+
+/// Anthropic-defined tools the client runs (`bash_*`, `text_editor_*`, `computer_*`,
+/// `memory_*`): client tools like untyped ones.
+const CLIENT_TOOL_PREFIXES: [&str; 4] = ["bash_", "text_editor_", "computer_", "memory_"];
 
 /// Reads a Messages request body.
 ///
@@ -28,26 +33,33 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         .get("messages")
         .and_then(Value::as_array)
         .ok_or("`messages` must be an array")?;
-    let mut tools = Vec::new();
-    let mut provider_output_seen = false;
+    let mut turn = Turn {
+        api: Api::AnthropicMessages,
+        model: obj.get("model").and_then(Value::as_str).map(str::to_owned),
+        stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
+        tools: Vec::new(),
+        tool_results: Vec::new(),
+        max_output_tokens: obj.get("max_tokens").and_then(Value::as_u64),
+        include_usage: true,
+        round_index: 0,
+        prior_calls: Vec::new(),
+        untrusted_inputs: Vec::new(),
+        usage_for_turnguard: false,
+        previous_response_id: None,
+        provider_delegations: Vec::new(),
+    };
     if let Some(list) = obj.get("tools") {
         let list = list.as_array().ok_or("`tools` must be an array")?;
         for (i, t) in list.iter().enumerate() {
-            // Client tools have no `type` (or `custom`), and Anthropic-defined tools the client
-            // runs (`bash_*`, `text_editor_*`, `computer_*`, `memory_*`) are client tools too;
-            // other typed ones are server tools the provider runs.
+            // Client tools have no `type` (or `custom`); Anthropic-defined tools the client
+            // runs are client tools too; every other typed tool is a server tool the provider
+            // runs in this very turn: the model may read its output before it calls a tool,
+            // so the turn is untrusted (§C, §F).
             match t.get("type").and_then(Value::as_str) {
                 None | Some("custom") => {}
-                Some(ty)
-                    if ["bash_", "text_editor_", "computer_", "memory_"]
-                        .iter()
-                        .any(|p| ty.starts_with(p)) => {}
-                Some(ty) => {
-                    // A server tool the provider runs in this very turn: the model may read
-                    // its output before it calls a tool, so the turn is untrusted (§C, §F).
-                    provider_output_seen |= ["web_search", "web_fetch", "code_execution"]
-                        .iter()
-                        .any(|p| ty.starts_with(p));
+                Some(ty) if CLIENT_TOOL_PREFIXES.iter().any(|p| ty.starts_with(p)) => {}
+                Some(_) => {
+                    turn.untrusted(UntrustedKind::ProviderOutput, format!("tools[{i}]"));
                     continue;
                 }
             }
@@ -55,103 +67,182 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                 .get("name")
                 .and_then(Value::as_str)
                 .ok_or_else(|| format!("`tools[{i}].name` must be a string"))?;
-            tools.push(DeclaredTool {
+            turn.tools.push(DeclaredTool {
                 name: name.to_owned(),
                 schema: t.get("input_schema").cloned(),
             });
         }
     }
-    let mut names: BTreeMap<String, String> = BTreeMap::new();
-    let mut prior_calls = Vec::new();
-    let mut tool_results = Vec::new();
-    let mut round_index = 0u32;
+    // §F: MCP servers the provider calls itself, in this very turn: their output is untrusted
+    // input, and inside a run the request is refused (`provider_delegations`).
+    if obj
+        .get("mcp_servers")
+        .and_then(Value::as_array)
+        .is_some_and(|a| !a.is_empty())
+    {
+        turn.provider_delegations.push("`mcp_servers`".to_owned());
+        turn.untrusted(UntrustedKind::ProviderOutput, "mcp_servers");
+    }
+    if let Some(Value::Array(system)) = obj.get("system") {
+        judge_blocks(
+            &mut turn,
+            system,
+            "system",
+            &mut CallNames::default(),
+            false,
+        )?;
+    }
+    let mut calls = CallNames::default();
     for (i, m) in messages.iter().enumerate() {
         let role = m
             .get("role")
             .and_then(Value::as_str)
             .ok_or_else(|| format!("`messages[{i}].role` must be a string"))?;
-        let blocks = m.get("content").and_then(Value::as_array);
-        if role == "assistant" {
-            round_index = round_index.saturating_add(1);
-        }
-        for b in blocks.into_iter().flatten() {
-            match b.get("type").and_then(Value::as_str) {
-                Some("tool_use") if role == "assistant" => {
-                    if let (Some(id), Some(name)) = (
-                        b.get("id").and_then(Value::as_str),
-                        b.get("name").and_then(Value::as_str),
-                    ) {
-                        names.insert(id.to_owned(), name.to_owned());
-                    }
-                    if let Some(name) = b.get("name").and_then(Value::as_str) {
-                        prior_calls.push(name.to_owned());
-                    }
-                }
-                Some("tool_result") => {
-                    let id = b
-                        .get("tool_use_id")
-                        .and_then(Value::as_str)
-                        .ok_or_else(|| {
-                            format!(
-                                "`messages[{i}]` has a tool_result without a string `tool_use_id`"
-                            )
-                        })?;
-                    tool_results.push(ToolResultSeen {
-                        tool_call_id: id.to_owned(),
-                        tool_name: names.get(id).cloned(),
-                        content: b.get("content").cloned().unwrap_or(Value::Null).to_string(),
-                        is_error: b.get("is_error").and_then(Value::as_bool) == Some(true),
-                    });
-                }
-                // Provider-executed tool output (`web_search_tool_result`, `web_fetch_tool_result`,
-                // `code_execution_tool_result` …): always untrusted (tool-turn contract §F).
-                Some(t) if t.ends_with("_tool_result") => provider_output_seen = true,
-                _ => {}
+        let assistant = match role {
+            "assistant" => true,
+            // A mid-conversation system turn (Claude Code sends them: "system-controlled,
+            // unlike function results") is the host's own, like the top-level `system`.
+            "user" | "system" => false,
+            other => {
+                // A role turnguard does not know is untrusted, never skipped (DESIGN.md §9).
+                turn.untrusted(
+                    UntrustedKind::Unrecognised,
+                    format!(
+                        "messages[{i}].role `{}`",
+                        crate::admission::sanitize_label(other)
+                    ),
+                );
+                false
             }
+        };
+        if assistant {
+            turn.round_index = turn.round_index.saturating_add(1);
+        }
+        match m.get("content") {
+            None | Some(Value::Null) | Some(Value::String(_)) => {}
+            Some(Value::Array(blocks)) => {
+                let at = format!("messages[{i}].content");
+                judge_blocks(&mut turn, blocks, &at, &mut calls, assistant)?;
+            }
+            Some(_) => turn.untrusted(
+                UntrustedKind::Unrecognised,
+                format!("messages[{i}].content"),
+            ),
         }
     }
-    Ok(Turn {
-        api: Api::AnthropicMessages,
-        model: obj.get("model").and_then(Value::as_str).map(str::to_owned),
-        stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
-        tools,
-        tool_results,
-        max_output_tokens: obj.get("max_tokens").and_then(Value::as_u64),
-        include_usage: true,
-        round_index,
-        prior_calls,
-        provider_output_seen,
-        previous_response_id: None,
-        // §F: MCP servers the provider would call itself (`mcp_servers`).
-        provider_delegations: obj
-            .get("mcp_servers")
-            .and_then(Value::as_array)
-            .filter(|a| !a.is_empty())
-            .map(|_| vec!["`mcp_servers`".to_owned()])
-            .unwrap_or_default(),
-    })
+    Ok(turn)
 }
 
-/// Classifies how the message ended. `used` is the final `usage.output_tokens`.
+/// Reads content blocks: calls (`tool_use` in an assistant turn; every `*_tool_use` id is a
+/// call id, unique per transcript), tool results, and the trust of each block. Provider tool
+/// output (`*_tool_result`, `server_tool_use`, `mcp_tool_use`) is
+/// [`UntrustedKind::ProviderOutput`]; an image or document the provider fetches (`url`
+/// source) or holds (`file` source, `container_upload`) is [`UntrustedKind::ProviderFetched`],
+/// inside a tool result too; a block type turnguard does not know is
+/// [`UntrustedKind::Unrecognised`].
+///
+/// Errors: a `tool_result` without a string `tool_use_id` (the request is malformed).
+fn judge_blocks(
+    turn: &mut Turn,
+    blocks: &[Value],
+    at: &str,
+    calls: &mut CallNames,
+    assistant: bool,
+) -> Result<(), String> {
+    for (k, b) in blocks.iter().enumerate() {
+        let at = format!("{at}[{k}]");
+        let ty = b.get("type").and_then(Value::as_str).unwrap_or_default();
+        match ty {
+            "text" | "thinking" | "redacted_thinking" | "search_result" => {}
+            "image" | "document" => judge_source(turn, b, &at),
+            "tool_use" if assistant => {
+                let name = b.get("name").and_then(Value::as_str);
+                if let Some(name) = name {
+                    turn.prior_calls.push(name.to_owned());
+                }
+                if let Some(id) = b.get("id").and_then(Value::as_str) {
+                    calls.add(turn, id, name, || format!("{at}.id"));
+                }
+            }
+            "tool_result" => {
+                let id = b
+                    .get("tool_use_id")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| {
+                        format!("`{at}` is a tool_result without a string `tool_use_id`")
+                    })?;
+                turn.tool_results.push(ToolResultSeen {
+                    tool_call_id: id.to_owned(),
+                    tool_name: calls.name_of(id),
+                    content: b.get("content").cloned().unwrap_or(Value::Null).to_string(),
+                    is_error: b.get("is_error").and_then(Value::as_bool) == Some(true),
+                });
+                if let Some(Value::Array(inner)) = b.get("content") {
+                    judge_blocks(turn, inner, &format!("{at}.content"), calls, false)?;
+                }
+            }
+            t if is_provider_block(t) => {
+                if let Some(id) = b.get("id").and_then(Value::as_str) {
+                    calls.add(turn, id, None, || format!("{at}.id"));
+                }
+                turn.untrusted(UntrustedKind::ProviderOutput, at);
+            }
+            "container_upload" => turn.untrusted(UntrustedKind::ProviderFetched, at),
+            _ => turn.untrusted(UntrustedKind::Unrecognised, at),
+        }
+    }
+    Ok(())
+}
+
+/// An `image` / `document` block: inline sources (`base64`, `text`, `content`) are the
+/// message's own; a `url` or `file` source is fetched or held by the provider.
+fn judge_source(turn: &mut Turn, block: &Value, at: &str) {
+    match block.pointer("/source/type").and_then(Value::as_str) {
+        Some("base64" | "text") => {}
+        Some("content") => {
+            if let Some(Value::Array(inner)) = block.pointer("/source/content") {
+                let at = format!("{at}.source.content");
+                // Inline content carries no tool results; one that does is not recognised.
+                if judge_blocks(turn, inner, &at, &mut CallNames::default(), false).is_err() {
+                    turn.untrusted(UntrustedKind::Unrecognised, at);
+                }
+            }
+        }
+        Some("url" | "file") => turn.untrusted(UntrustedKind::ProviderFetched, at.to_owned()),
+        _ => turn.untrusted(UntrustedKind::Unrecognised, at.to_owned()),
+    }
+}
+
+/// Classifies how the message ended (tool-turn contract §B stage 1). `used` is the final
+/// `usage.output_tokens` (the `message_delta` values are final, wire-formats.md §21).
+///
+/// `end_turn`, `tool_use` and `stop_sequence` end normally (unless the usage reached the
+/// limit); `refusal` is refused; `max_tokens` is truncated and
+/// `model_context_window_exceeded` is [`CompletionState::ContextExhausted`]; `pause_turn`
+/// (a server-tool turn the client must continue) and any value turnguard does not know are
+/// not known to be complete: truncated.
 pub fn classify(stop_reason: Option<&str>, used: Option<u64>, max: Option<u64>) -> Completion {
     let completion = Completion::new;
     match stop_reason {
         None => completion(CompletionState::Truncated, "missing_stop_reason"),
         Some("refusal") => completion(CompletionState::Refused, "refusal"),
-        Some(r @ ("max_tokens" | "model_context_window_exceeded")) => {
-            completion(CompletionState::Truncated, r)
+        Some(r @ "model_context_window_exceeded") => {
+            completion(CompletionState::ContextExhausted, r)
         }
-        Some(r) => match (used, max) {
+        Some(r @ ("end_turn" | "tool_use" | "stop_sequence")) => match (used, max) {
             (Some(u), Some(m)) if u >= m => {
                 completion(CompletionState::Truncated, "max_tokens_reached")
             }
             _ => completion(CompletionState::Clean, r),
         },
+        Some(r) => completion(CompletionState::Truncated, r),
     }
 }
 
 /// Reads the emissions of a non-stream response (one choice, index 0).
-pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
+///
+/// Errors: two `tool_use` blocks share an id.
+pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
     let calls = body
         .get("content")
         .and_then(Value::as_array)
@@ -188,7 +279,7 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
         .flatten()
         .filter_map(|b| b.get("type").and_then(Value::as_str))
         .any(is_provider_block);
-    vec![ChoiceEmissions {
+    let out = vec![ChoiceEmissions {
         choice: 0,
         text,
         provider_output,
@@ -198,7 +289,9 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
             turn.max_output_tokens,
         ),
         calls,
-    }]
+    }];
+    crate::model::check_identities(&out)?;
+    Ok(out)
 }
 
 /// Applies verdicts to a non-stream response: withheld `tool_use` blocks are removed; an
@@ -221,7 +314,7 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
                 .release_args(call)
                 .and_then(|a| serde_json::from_str::<Value>(a).ok())
             {
-                b["input"] = input;
+                set(b, "input", input);
             }
         }
         let mut call = 0;
@@ -237,9 +330,16 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
         }
     }
     if verdict.end_turn().is_some() {
-        body["stop_reason"] = json!("end_turn");
+        set(body, "stop_reason", json!("end_turn"));
     }
     true
+}
+
+/// Sets `key` of `v` when `v` is an object (indexing a `Value` that is not one panics).
+fn set(v: &mut Value, key: &str, value: Value) {
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert(key.to_owned(), value);
+    }
 }
 
 /// Appends the repair turn: an assistant message with the withheld `tool_use` blocks
@@ -272,16 +372,22 @@ pub fn append_repair(body: &mut Value, choice: &ChoiceEmissions, items: &[Repair
     messages.push(json!({"role": "user", "content": results}));
 }
 
-/// A content block the provider's own tools produced (`server_tool_use`,
-/// `web_search_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result` …).
+/// A content block the provider's own tools produced (`server_tool_use`, `mcp_tool_use`,
+/// `web_search_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result`,
+/// `mcp_tool_result` …). The one test for provider output: request, response and stream
+/// judge a block by it (tool-turn contract §C, §F).
 fn is_provider_block(ty: &str) -> bool {
-    ty == "server_tool_use" || (ty.ends_with("_tool_result") && ty != "tool_result")
+    ty == "server_tool_use"
+        || ty == "mcp_tool_use"
+        || (ty.ends_with("_tool_result") && ty != "tool_result")
 }
 
 #[derive(Debug)]
 struct Block {
     /// A client `tool_use` block (server tools are the provider's and are not admitted here).
     call: Option<ToolCall>,
+    /// `content_block_stop` was seen.
+    stopped: bool,
 }
 
 #[derive(Debug)]
@@ -297,6 +403,9 @@ struct Held {
 pub struct MessagesStream {
     max_output_tokens: Option<u64>,
     blocks: BTreeMap<u64, Block>,
+    /// The index the next `content_block_start` must carry (blocks are numbered 0, 1, 2 …;
+    /// a repair round continues after the blocks the agent already has).
+    next_index: u64,
     /// Index of the first held block; blocks before it were forwarded.
     first_held: Option<u64>,
     held: Vec<Held>,
@@ -305,17 +414,27 @@ pub struct MessagesStream {
     delta_seen: bool,
     stop_seen: bool,
     decided: bool,
+    /// The completion the held calls were decided with.
+    decided_completion: Option<Completion>,
     failed: bool,
     /// A provider-executed block was seen in this message.
     provider_output: bool,
+    violation: Option<String>,
 }
 
 impl MessagesStream {
     /// State for one response to `turn`.
     pub fn new(turn: &Turn) -> Self {
+        Self::continuing(turn, 0)
+    }
+
+    /// State for a repair round whose blocks are numbered from `offset` (after the
+    /// [`crate::provider::Splice`] renumbered them).
+    pub fn continuing(turn: &Turn, offset: u64) -> Self {
         Self {
             max_output_tokens: turn.max_output_tokens,
             blocks: BTreeMap::new(),
+            next_index: offset,
             first_held: None,
             held: Vec::new(),
             stop_reason: None,
@@ -323,8 +442,10 @@ impl MessagesStream {
             delta_seen: false,
             stop_seen: false,
             decided: false,
+            decided_completion: None,
             failed: false,
             provider_output: false,
+            violation: None,
         }
     }
 
@@ -337,112 +458,195 @@ impl MessagesStream {
         self.holding()
     }
 
-    /// Takes one SSE block; bytes to forward now are appended to `out`.
-    pub fn push(&mut self, block: SseBlock, out: &mut Vec<Bytes>) {
-        let parsed = block
-            .data
-            .as_deref()
-            .and_then(|d| serde_json::from_str::<Value>(d).ok());
-        let kind = parsed
-            .as_ref()
-            .and_then(|v| v.get("type"))
+    /// The stream broke its own structure (see [`Self::push`]); nothing more is forwarded.
+    pub fn violation(&self) -> Option<&str> {
+        self.violation.as_deref()
+    }
+
+    fn violate(&mut self, why: String) {
+        self.violation.get_or_insert(why);
+    }
+
+    /// Takes one event; bytes to forward now are appended to `out`.
+    ///
+    /// Fails closed (sets [`Self::violation`], forwards nothing of the event) on a structure
+    /// that does not identify each block uniquely, or that contradicts what was decided: an
+    /// event without a `type` or whose `event:` line names another type, a
+    /// `content_block_*` whose `index` is missing, not an integer or negative, a block start
+    /// out of sequence (the SDK appends blocks in arrival order and indexes deltas by
+    /// `index`, so a repeated or skipped index would put one call's bytes under another's
+    /// verdict), a delta or stop for a block that is not open, a block after the
+    /// `message_delta`, a `message_delta` whose `delta` is not an object or that changes the
+    /// completion after the decision point, or any event after `message_stop`.
+    pub fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
+        if self.violation.is_some() {
+            return;
+        }
+        let Event { block, payload } = event;
+        let parsed = match payload {
+            Payload::None | Payload::Done => {
+                // A comment or keep-alive: nothing a client dispatches.
+                self.forward(block.raw, block.event, None, None, out);
+                return;
+            }
+            Payload::Json(v) => v,
+        };
+        let Some(kind) = parsed
+            .get("type")
             .and_then(Value::as_str)
             .map(str::to_owned)
-            .or_else(|| block.event.clone());
-        let index = parsed
-            .as_ref()
-            .and_then(|v| v.get("index"))
-            .and_then(Value::as_u64);
-        match kind.as_deref() {
-            Some("ping") | None => {
+        else {
+            return self.violate("an event without a string `type`".into());
+        };
+        if block.event.as_deref().is_some_and(|e| e != kind) {
+            return self.violate(format!(
+                "an `event:` line that names another type than the data's `{}`",
+                crate::admission::sanitize_label(&kind)
+            ));
+        }
+        if self.stop_seen && kind != "ping" {
+            return self.violate("an event after `message_stop`".into());
+        }
+        let index = match parsed.get("index") {
+            None => None,
+            Some(v) => match v.as_u64() {
+                Some(ix) => Some(ix),
+                None => {
+                    return self.violate("an `index` that is not a non-negative integer".into())
+                }
+            },
+        };
+        match kind.as_str() {
+            "ping" => {
                 out.push(block.raw);
                 return;
             }
-            Some("error") => {
+            "error" => {
                 self.failed = true;
                 self.held.clear();
                 self.decided = true;
                 out.push(block.raw);
                 return;
             }
-            Some("content_block_start") => {
-                let cb = parsed.as_ref().and_then(|v| v.get("content_block"));
-                let is_call =
-                    cb.and_then(|b| b.get("type")).and_then(Value::as_str) == Some("tool_use");
-                if let Some(ix) = index {
-                    let call = is_call.then(|| ToolCall {
-                        id: cb
-                            .and_then(|b| b.get("id"))
-                            .and_then(Value::as_str)
-                            .unwrap_or_default()
-                            .to_owned(),
-                        name: cb
-                            .and_then(|b| b.get("name"))
-                            .and_then(Value::as_str)
-                            .unwrap_or_default()
-                            .to_owned(),
-                        arguments: String::new(),
-                    });
-                    self.blocks.insert(ix, Block { call });
-                    if is_call && self.decided {
-                        // Fail closed: a call after the decision point is dropped, not released.
-                        return;
-                    }
-                    if is_call && self.first_held.is_none() {
-                        self.first_held = Some(ix);
-                    }
+            "content_block_start" => {
+                let Some(ix) = index else {
+                    return self.violate("a `content_block_start` without an `index`".into());
+                };
+                if ix != self.next_index {
+                    return self.violate(format!(
+                        "a `content_block_start` with index {ix} where {} was expected",
+                        self.next_index
+                    ));
+                }
+                if self.delta_seen {
+                    return self.violate("a content block after the `message_delta`".into());
+                }
+                let Some(cb) = parsed.get("content_block").filter(|b| b.is_object()) else {
+                    return self
+                        .violate("a `content_block_start` without a `content_block`".into());
+                };
+                let ty = cb.get("type").and_then(Value::as_str).unwrap_or_default();
+                if is_provider_block(ty) {
+                    // Provider-run tool output the model reads in this very message: its calls
+                    // are decided as untrusted, as `parse_response` decides them.
+                    self.provider_output = true;
+                }
+                let call = (ty == "tool_use").then(|| ToolCall {
+                    id: cb
+                        .get("id")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned(),
+                    name: cb
+                        .get("name")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned(),
+                    arguments: String::new(),
+                });
+                let is_call = call.is_some();
+                self.next_index = ix.saturating_add(1);
+                self.blocks.insert(
+                    ix,
+                    Block {
+                        call,
+                        stopped: false,
+                    },
+                );
+                if is_call && self.first_held.is_none() {
+                    self.first_held = Some(ix);
                 }
             }
-            Some("content_block_delta") => {
-                if let (Some(ix), Some(p)) = (
-                    index,
+            "content_block_delta" | "content_block_stop" => {
+                let Some(ix) = index else {
+                    return self.violate(format!("a `{kind}` without an `index`"));
+                };
+                let Some(b) = self.blocks.get_mut(&ix).filter(|b| !b.stopped) else {
+                    return self.violate(format!("a `{kind}` for block {ix}, which is not open"));
+                };
+                if kind == "content_block_stop" {
+                    b.stopped = true;
+                } else if let (Some(call), Some(p)) = (
+                    b.call.as_mut(),
                     parsed
-                        .as_ref()
-                        .and_then(|v| v.pointer("/delta/partial_json"))
+                        .pointer("/delta/partial_json")
                         .and_then(Value::as_str),
                 ) {
-                    if let Some(Block { call: Some(call) }) = self.blocks.get_mut(&ix) {
-                        if self.decided {
-                            return;
-                        }
-                        call.arguments.push_str(p);
-                    }
+                    call.arguments.push_str(p);
                 }
             }
-            Some("message_delta") => {
-                self.delta_seen = true;
-                if let Some(r) = parsed
-                    .as_ref()
-                    .and_then(|v| v.pointer("/delta/stop_reason"))
-                    .and_then(Value::as_str)
-                {
+            "message_delta" => {
+                if parsed.get("delta").is_some_and(|d| !d.is_object()) {
+                    return self.violate("a `message_delta` whose `delta` is not an object".into());
+                }
+                if let Some(r) = parsed.pointer("/delta/stop_reason").and_then(Value::as_str) {
                     self.stop_reason = Some(r.to_owned());
                 }
                 if let Some(t) = parsed
-                    .as_ref()
-                    .and_then(|v| v.pointer("/usage/output_tokens"))
+                    .pointer("/usage/output_tokens")
                     .and_then(Value::as_u64)
                 {
                     self.output_tokens = Some(t);
                 }
+                self.delta_seen = true;
+                if self
+                    .decided_completion
+                    .as_ref()
+                    .is_some_and(|c| *c != self.completion())
+                {
+                    return self.violate(
+                        "a `message_delta` after the decision point that changes the completion"
+                            .into(),
+                    );
+                }
             }
-            Some("message_stop") => self.stop_seen = true,
-            Some(_) => {}
+            "message_start" if !self.blocks.is_empty() || self.delta_seen => {
+                return self.violate("a second `message_start`".into());
+            }
+            "message_stop" => self.stop_seen = true,
+            _ => {}
         }
-        if self.decided
-            && index.is_some_and(|ix| matches!(self.blocks.get(&ix), Some(Block { call: Some(_) })))
-        {
-            return; // events of a call that arrived after the decision point
-        }
+        self.forward(block.raw, block.event, Some(parsed), index, out);
+    }
+
+    /// Holds an event while calls are held, else forwards it.
+    fn forward(
+        &mut self,
+        raw: Bytes,
+        name: Option<String>,
+        json: Option<Value>,
+        index: Option<u64>,
+        out: &mut Vec<Bytes>,
+    ) {
         if self.holding() {
             self.held.push(Held {
-                raw: block.raw,
-                name: block.event,
-                json: parsed,
+                raw,
+                name,
+                json,
                 index,
             });
         } else {
-            out.push(block.raw);
+            out.push(raw);
         }
     }
 
@@ -500,6 +704,7 @@ impl MessagesStream {
     /// Emits the held events with the verdicts applied; later events flow through.
     pub fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
         self.decided = true;
+        self.decided_completion = Some(self.completion());
         let held = std::mem::take(&mut self.held);
         let Some(verdict) = verdicts
             .first()
@@ -561,7 +766,7 @@ impl MessagesStream {
                     Some(None) => continue,
                     Some(Some(new)) if *new != ix => {
                         if let Some(v) = h.json.as_mut() {
-                            v["index"] = json!(new);
+                            set(v, "index", json!(new));
                             out.push(sse::encode(h.name.as_deref(), &v.to_string()));
                             continue;
                         }
@@ -583,7 +788,11 @@ impl MessagesStream {
                 }
                 if kind == Some("message_delta") {
                     if let Some(v) = h.json.as_mut() {
-                        v["delta"]["stop_reason"] = json!("end_turn");
+                        // `push` refused a `message_delta` whose `delta` is not an object.
+                        if let Some(obj) = v.as_object_mut() {
+                            let delta = obj.entry("delta").or_insert_with(|| json!({}));
+                            set(delta, "stop_reason", json!("end_turn"));
+                        }
                         out.push(sse::encode(
                             h.name.as_deref().or(Some("message_delta")),
                             &v.to_string(),

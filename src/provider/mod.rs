@@ -9,9 +9,43 @@ use bytes::Bytes;
 use serde_json::Value;
 
 use crate::model::{
-    Api, ChoiceEmissions, ChoiceVerdict, Completion, RepairItem, ResponseLink, Turn,
+    Api, ChoiceEmissions, ChoiceVerdict, Completion, RepairItem, ResponseLink, Turn, UntrustedKind,
 };
-use crate::sse::SseBlock;
+use crate::sse::Event;
+
+/// The call ids of a transcript and the tool each names. An id used for two calls names no
+/// tool (which call a result answers is ambiguous) and makes the turn untrusted
+/// ([`UntrustedKind::DuplicateCallId`]; tool-call ids are unique per transcript).
+#[derive(Debug, Default)]
+pub(crate) struct CallNames {
+    names: std::collections::HashMap<String, Option<String>>,
+}
+
+impl CallNames {
+    /// Notes call `id` (named `name`); `at` names it for the record when it is a duplicate.
+    pub(crate) fn add(
+        &mut self,
+        turn: &mut Turn,
+        id: &str,
+        name: Option<&str>,
+        at: impl FnOnce() -> String,
+    ) {
+        match self.names.get_mut(id) {
+            Some(seen) => {
+                *seen = None;
+                turn.untrusted(UntrustedKind::DuplicateCallId, at());
+            }
+            None => {
+                self.names.insert(id.to_owned(), name.map(str::to_owned));
+            }
+        }
+    }
+
+    /// The tool the call `id` names, when exactly one call has that id.
+    pub(crate) fn name_of(&self, id: &str) -> Option<String> {
+        self.names.get(id).cloned().flatten()
+    }
+}
 
 /// Reads a request body of `api` into a [`Turn`].
 ///
@@ -25,11 +59,25 @@ pub fn parse_request(api: Api, body: &Value) -> Result<Turn, String> {
 }
 
 /// Reads a non-stream response body into one [`ChoiceEmissions`] per choice.
-pub fn parse_response(api: Api, body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
+///
+/// Errors: the response does not identify each choice and call uniquely
+/// ([`crate::model::check_identities`]; DESIGN.md §9): the round fails closed.
+pub fn parse_response(api: Api, body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
     match api {
         Api::OpenAiChat => openai_chat::parse_response(body, turn),
         Api::AnthropicMessages => anthropic_messages::parse_response(body, turn),
         Api::OpenAiResponses => openai_responses::parse_response(body, turn),
+    }
+}
+
+/// Prepares the request body sent upstream for what the completion stage must know: a Chat
+/// stream with a token limit asks for its usage chunk (see
+/// [`openai_chat::prepare_upstream`]). The agent's own request (its digest, its record) is
+/// not changed.
+pub fn prepare_upstream(body: &mut Value, turn: &mut Turn) {
+    match turn.api {
+        Api::OpenAiChat => openai_chat::prepare_upstream(body, turn),
+        Api::AnthropicMessages | Api::OpenAiResponses => {}
     }
 }
 
@@ -110,9 +158,12 @@ impl StreamAdapter {
     pub fn new(turn: &Turn, splice: Option<&Splice>) -> Self {
         match turn.api {
             Api::OpenAiChat => Self::OpenAiChat(openai_chat::ChatStream::new(turn)),
-            Api::AnthropicMessages => {
-                Self::AnthropicMessages(anthropic_messages::MessagesStream::new(turn))
-            }
+            Api::AnthropicMessages => Self::AnthropicMessages(match splice {
+                Some(Splice::AnthropicMessages { offset }) => {
+                    anthropic_messages::MessagesStream::continuing(turn, *offset)
+                }
+                _ => anthropic_messages::MessagesStream::new(turn),
+            }),
             Api::OpenAiResponses => Self::OpenAiResponses(Box::new(match splice {
                 Some(Splice::OpenAiResponses(s)) => {
                     openai_responses::ResponsesStream::continuing(turn, s)
@@ -122,12 +173,23 @@ impl StreamAdapter {
         }
     }
 
-    /// Takes one SSE block; what may be forwarded now is appended to `out`.
-    pub fn push(&mut self, block: SseBlock, out: &mut Vec<Bytes>) {
+    /// Takes one classified event; what may be forwarded now is appended to `out`.
+    pub fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
         match self {
-            Self::OpenAiChat(s) => s.push(block, out),
-            Self::AnthropicMessages(s) => s.push(block, out),
-            Self::OpenAiResponses(s) => s.push(block, out),
+            Self::OpenAiChat(s) => s.push(event, out),
+            Self::AnthropicMessages(s) => s.push(event, out),
+            Self::OpenAiResponses(s) => s.push(event, out),
+        }
+    }
+
+    /// The stream broke its structure in a way that does not identify each call uniquely or
+    /// contradicts what was decided (each adapter's `push` lists its rules): nothing more is
+    /// forwarded and the stream ends with the provider-shaped error.
+    pub fn violation(&self) -> Option<&str> {
+        match self {
+            Self::OpenAiChat(s) => s.violation(),
+            Self::AnthropicMessages(s) => s.violation(),
+            Self::OpenAiResponses(s) => s.violation(),
         }
     }
 
@@ -255,20 +317,15 @@ pub enum Splice {
 }
 
 impl Splice {
-    /// Rewrites one block of the repair round, or drops it (`None`).
-    pub fn apply(&self, block: SseBlock) -> Option<SseBlock> {
-        if matches!(self, Self::OpenAiResponses(_)) {
-            return Some(block);
-        }
-        let Some(data) = block.data.as_deref() else {
-            return Some(block);
+    /// Rewrites one event of the repair round, or drops it (`None`).
+    pub fn apply(&self, event: Event) -> Option<Event> {
+        let Some(v) = event.json() else {
+            return Some(event);
         };
-        let Ok(mut v) = serde_json::from_str::<Value>(data) else {
-            return Some(block);
-        };
-        let changed = match *self {
-            Self::OpenAiResponses(_) => false,
+        match *self {
+            Self::OpenAiResponses(_) => Some(event),
             Self::OpenAiChat => {
+                let mut v = v.clone();
                 let mut changed = false;
                 for c in v
                     .get_mut("choices")
@@ -280,30 +337,23 @@ impl Splice {
                         changed |= d.remove("role").is_some();
                     }
                 }
-                changed
+                Some(if changed { event.with_json(v) } else { event })
             }
             Self::AnthropicMessages { offset } => {
-                if v.get("type").and_then(Value::as_str) == Some("message_start") {
+                if event.kind() == Some("message_start") {
                     return None;
                 }
                 match v.get("index").and_then(Value::as_u64) {
                     Some(ix) if offset > 0 => {
-                        v["index"] = Value::from(ix + offset);
-                        true
+                        let mut v = v.clone();
+                        if let Some(obj) = v.as_object_mut() {
+                            obj.insert("index".into(), Value::from(ix.saturating_add(offset)));
+                        }
+                        Some(event.with_json(v))
                     }
-                    _ => false,
+                    _ => Some(event),
                 }
             }
-        };
-        if !changed {
-            return Some(block);
         }
-        let data = v.to_string();
-        let raw = crate::sse::encode(block.event.as_deref(), &data);
-        Some(SseBlock {
-            raw,
-            event: block.event,
-            data: Some(data),
-        })
     }
 }

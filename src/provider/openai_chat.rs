@@ -13,11 +13,12 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use serde_json::{json, Map, Value};
 
+use super::CallNames;
 use crate::model::{
     Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
-    ToolCall, ToolResultSeen, Turn,
+    ToolCall, ToolResultSeen, Turn, UntrustedKind,
 };
-use crate::sse::{self, SseBlock};
+use crate::sse::{self, Event, Payload};
 
 /// Reads a Chat Completions request body.
 ///
@@ -29,11 +30,19 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         .and_then(Value::as_array)
         .ok_or("`messages` must be an array")?;
     let mut tools = Vec::new();
+    let mut unknown_tools = Vec::new();
     if let Some(list) = obj.get("tools") {
         let list = list.as_array().ok_or("`tools` must be an array")?;
         for (i, t) in list.iter().enumerate() {
-            if t.get("type").and_then(Value::as_str) != Some("function") {
-                continue;
+            match t.get("type").and_then(Value::as_str) {
+                Some("function") => {}
+                // Client-executed free-form tools: calls to them are undeclared for admission
+                // (withheld at the name stage).
+                Some("custom") => continue,
+                _ => {
+                    unknown_tools.push(i);
+                    continue;
+                }
             }
             let f = t
                 .get("function")
@@ -58,39 +67,66 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
             }
         }
     }
-    let mut names: BTreeMap<String, String> = BTreeMap::new();
-    let mut prior_calls = Vec::new();
-    let mut tool_results = Vec::new();
-    let mut round_index = 0u32;
+    let mut turn = Turn {
+        api: Api::OpenAiChat,
+        model: obj.get("model").and_then(Value::as_str).map(str::to_owned),
+        stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
+        tools,
+        tool_results: Vec::new(),
+        max_output_tokens: obj
+            .get("max_completion_tokens")
+            .and_then(Value::as_u64)
+            .or_else(|| obj.get("max_tokens").and_then(Value::as_u64)),
+        include_usage: body
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            == Some(true),
+        round_index: 0,
+        prior_calls: Vec::new(),
+        untrusted_inputs: Vec::new(),
+        usage_for_turnguard: false,
+        previous_response_id: None,
+        provider_delegations: Vec::new(),
+    };
+    for i in unknown_tools {
+        turn.untrusted(UntrustedKind::Unrecognised, format!("tools[{i}].type"));
+    }
+    if obj.contains_key("web_search_options") {
+        // The provider searches the web in this very turn (§C, §F).
+        turn.untrusted(UntrustedKind::ProviderOutput, "web_search_options");
+    }
+    let mut calls = CallNames::default();
     for (i, m) in messages.iter().enumerate() {
         let role = m
             .get("role")
             .and_then(Value::as_str)
             .ok_or_else(|| format!("`messages[{i}].role` must be a string"))?;
         match role {
+            "system" | "developer" | "user" => {}
             "assistant" => {
-                round_index = round_index.saturating_add(1);
-                for c in m
+                turn.round_index = turn.round_index.saturating_add(1);
+                for (k, c) in m
                     .get("tool_calls")
                     .and_then(Value::as_array)
                     .into_iter()
                     .flatten()
+                    .enumerate()
                 {
-                    if let (Some(id), Some(name)) = (
-                        c.get("id").and_then(Value::as_str),
-                        c.pointer("/function/name").and_then(Value::as_str),
-                    ) {
-                        names.insert(id.to_owned(), name.to_owned());
+                    let name = c.pointer("/function/name").and_then(Value::as_str);
+                    if let Some(name) = name {
+                        turn.prior_calls.push(name.to_owned());
                     }
-                    if let Some(name) = c.pointer("/function/name").and_then(Value::as_str) {
-                        prior_calls.push(name.to_owned());
+                    if let Some(id) = c.get("id").and_then(Value::as_str) {
+                        calls.add(&mut turn, id, name, || {
+                            format!("messages[{i}].tool_calls[{k}].id")
+                        });
                     }
                 }
             }
             "function" => {
                 // The legacy functions API: a result without a call id, named by `name`.
                 let name = m.get("name").and_then(Value::as_str).unwrap_or_default();
-                tool_results.push(ToolResultSeen {
+                turn.tool_results.push(ToolResultSeen {
                     tool_call_id: format!("function:{name}"),
                     tool_name: (!name.is_empty()).then(|| name.to_owned()),
                     content: m.get("content").cloned().unwrap_or(Value::Null).to_string(),
@@ -103,46 +139,116 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                     .and_then(Value::as_str)
                     .ok_or_else(|| format!("`messages[{i}].tool_call_id` must be a string"))?;
                 let content = m.get("content").cloned().unwrap_or(Value::Null);
-                tool_results.push(ToolResultSeen {
+                turn.tool_results.push(ToolResultSeen {
                     tool_call_id: id.to_owned(),
-                    tool_name: names.get(id).cloned(),
+                    tool_name: calls.name_of(id),
                     content: content.to_string(),
                     is_error: false,
                 });
             }
-            _ => {}
+            other => {
+                // A role turnguard does not know is untrusted, never skipped (DESIGN.md §9).
+                turn.untrusted(
+                    UntrustedKind::Unrecognised,
+                    format!(
+                        "messages[{i}].role `{}`",
+                        crate::admission::sanitize_label(other)
+                    ),
+                );
+            }
         }
+        judge_content(
+            &mut turn,
+            m.get("content"),
+            &format!("messages[{i}].content"),
+        );
     }
-    let max_output_tokens = obj
-        .get("max_completion_tokens")
-        .and_then(Value::as_u64)
-        .or_else(|| obj.get("max_tokens").and_then(Value::as_u64));
-    let stream = obj.get("stream").and_then(Value::as_bool) == Some(true);
-    let include_usage = body
-        .pointer("/stream_options/include_usage")
-        .and_then(Value::as_bool)
-        == Some(true);
-    Ok(Turn {
-        api: Api::OpenAiChat,
-        model: obj.get("model").and_then(Value::as_str).map(str::to_owned),
-        stream,
-        tools,
-        tool_results,
-        max_output_tokens,
-        include_usage,
-        round_index,
-        prior_calls,
-        // `web_search_options`: the provider searches the web in this very turn (§C, §F).
-        provider_output_seen: obj.contains_key("web_search_options"),
-        previous_response_id: None,
-        provider_delegations: Vec::new(),
-    })
+    Ok(turn)
 }
 
-/// Classifies how a choice ended. `used` is `usage.completion_tokens`.
+/// Judges a message's `content` (string, null, or an array of parts): text, inline images
+/// (`data:` URLs), inline audio and inline files are the message's own; an `image_url` with
+/// any other URL or a `file` by `file_id` is content the provider fetches or holds
+/// ([`UntrustedKind::ProviderFetched`]); a part type turnguard does not know is
+/// [`UntrustedKind::Unrecognised`].
+fn judge_content(turn: &mut Turn, content: Option<&Value>, at: &str) {
+    let parts = match content {
+        None | Some(Value::Null) | Some(Value::String(_)) => return,
+        Some(Value::Array(parts)) => parts,
+        Some(_) => {
+            turn.untrusted(UntrustedKind::Unrecognised, at.to_owned());
+            return;
+        }
+    };
+    for (k, p) in parts.iter().enumerate() {
+        let at = || format!("{at}[{k}]");
+        match p.get("type").and_then(Value::as_str) {
+            Some("text" | "refusal" | "input_audio") => {}
+            Some("image_url") => {
+                let url = p
+                    .pointer("/image_url/url")
+                    .or_else(|| p.get("image_url"))
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                if !url.starts_with("data:") {
+                    turn.untrusted(UntrustedKind::ProviderFetched, at());
+                }
+            }
+            Some("file") => {
+                let inline = p
+                    .pointer("/file/file_data")
+                    .and_then(Value::as_str)
+                    .is_some();
+                if !inline || p.pointer("/file/file_id").is_some() {
+                    turn.untrusted(UntrustedKind::ProviderFetched, at());
+                }
+            }
+            _ => turn.untrusted(UntrustedKind::Unrecognised, at()),
+        }
+    }
+}
+
+/// `finish_reason` values that end a choice normally: OpenAI's (`stop`, `tool_calls`, the
+/// legacy `function_call`) and those OpenAI-compatible servers send for the same
+/// (`eos`, `eos_token`, `stop_sequence`, `end_turn`, `tool_use`).
+const CLEAN_FINISHES: [&str; 8] = [
+    "stop",
+    "tool_calls",
+    "function_call",
+    "eos",
+    "eos_token",
+    "stop_sequence",
+    "end_turn",
+    "tool_use",
+];
+
+/// `finish_reason` values that mean a refusal or a filter.
+const REFUSED_FINISHES: [&str; 3] = ["content_filter", "refusal", "safety"];
+
+/// `finish_reason` values that mean the context window (prompt plus output) is full.
+const CONTEXT_FINISHES: [&str; 3] = [
+    "model_context_window_exceeded",
+    "context_length_exceeded",
+    "context_window_exceeded",
+];
+
+/// Classifies how a choice ended (tool-turn contract §B stage 1). `used` is
+/// `usage.completion_tokens`, `max` the request's token limit.
 ///
-/// Truncation reported as `tool_calls`/`stop` while the usage reached the request's limit is
-/// still truncation (vLLM streaming did this; wire-formats.md §15).
+/// Truncation is truncation under every name, and from every signal:
+/// - a `finish_reason` that is not a known normal end is not known to be complete:
+///   `length`, `max_tokens`, `max_output_tokens` (compatible servers), `model_length`
+///   (Mistral) and any value turnguard does not know are truncated; a context-window
+///   reason is [`CompletionState::ContextExhausted`]; `content_filter` / a refusal is refused;
+/// - a normal finish whose usage reached the limit is truncated (vLLM streaming reported
+///   `tool_calls` for calls cut by `max_tokens`; wire-formats.md §15);
+/// - a normal finish while the request set a limit and no usage was reported is truncated
+///   (`usage_missing`): whether the limit cut the call cannot be known. turnguard asks a
+///   stream for its usage chunk itself ([`prepare_upstream`]), so this is a server that
+///   reports no usage at all.
+///
+/// What cannot be known: with no token limit in the request, a server that reports a normal
+/// finish for a call cut by the model's own output limit.
 pub fn classify(
     finish_reason: Option<&str>,
     refused: bool,
@@ -155,14 +261,40 @@ pub fn classify(
     }
     match finish_reason {
         None => completion(CompletionState::Truncated, "missing_finish_reason"),
-        Some("length") => completion(CompletionState::Truncated, "length"),
-        Some("content_filter") => completion(CompletionState::Refused, "content_filter"),
-        Some(r) => match (used, max) {
+        Some(r) if REFUSED_FINISHES.contains(&r) => completion(CompletionState::Refused, r),
+        Some(r) if CONTEXT_FINISHES.contains(&r) => {
+            completion(CompletionState::ContextExhausted, r)
+        }
+        Some(r) if CLEAN_FINISHES.contains(&r) => match (used, max) {
             (Some(u), Some(m)) if u >= m => {
                 completion(CompletionState::Truncated, "max_tokens_reached")
             }
+            (None, Some(_)) => completion(CompletionState::Truncated, "usage_missing"),
             _ => completion(CompletionState::Clean, r),
         },
+        Some(r) => completion(CompletionState::Truncated, r),
+    }
+}
+
+/// Prepares a Chat request for the upstream: a stream with a token limit whose agent did not
+/// ask for usage gets `stream_options.include_usage = true`, so the completion stage can tell
+/// a call cut by the limit from a complete one even when the provider says `tool_calls`; the
+/// usage chunk is then turnguard's own and is not forwarded ([`Turn::usage_for_turnguard`]).
+pub fn prepare_upstream(body: &mut Value, turn: &mut Turn) {
+    if !turn.stream || turn.include_usage || turn.max_output_tokens.is_none() {
+        return;
+    }
+    let Some(obj) = body.as_object_mut() else {
+        return;
+    };
+    let options = obj.entry("stream_options").or_insert_with(|| json!({}));
+    if !options.is_object() {
+        *options = json!({});
+    }
+    if let Some(options) = options.as_object_mut() {
+        options.insert("include_usage".into(), Value::Bool(true));
+        turn.include_usage = true;
+        turn.usage_for_turnguard = true;
     }
 }
 
@@ -188,22 +320,23 @@ fn call_from_message(c: &Value) -> ToolCall {
 }
 
 /// Reads the emissions of a non-stream response, one entry per choice.
-pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
+///
+/// Errors: the response does not identify each choice uniquely (a choice without a
+/// non-negative integer `index`, or two choices with one): a verdict could otherwise reach
+/// another choice's calls (DESIGN.md §9).
+pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
     let used = body
         .pointer("/usage/completion_tokens")
         .and_then(Value::as_u64);
     let mut out = Vec::new();
-    for (pos, choice) in body
+    for choice in body
         .get("choices")
         .and_then(Value::as_array)
         .into_iter()
         .flatten()
-        .enumerate()
     {
-        let index = choice
-            .get("index")
-            .and_then(Value::as_u64)
-            .unwrap_or(pos as u64) as u32;
+        let index = choice_index(choice)
+            .ok_or("a choice of the response has no non-negative integer `index`")?;
         let message = choice.get("message").unwrap_or(&Value::Null);
         let mut calls: Vec<ToolCall> = message
             .get("tool_calls")
@@ -234,7 +367,8 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
             calls,
         });
     }
-    out
+    crate::model::check_identities(&out)?;
+    Ok(out)
 }
 
 /// Applies verdicts to a non-stream response: withheld calls are removed; an ended turn also
@@ -244,11 +378,11 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
     let Some(choices) = body.get_mut("choices").and_then(Value::as_array_mut) else {
         return false;
     };
-    for (pos, choice) in choices.iter_mut().enumerate() {
-        let index = choice
-            .get("index")
-            .and_then(Value::as_u64)
-            .unwrap_or(pos as u64) as u32;
+    for choice in choices.iter_mut() {
+        // `parse_response` refused a response without unique integer indices.
+        let Some(index) = choice_index(choice) else {
+            continue;
+        };
         let Some(verdict) = verdicts.iter().find(|v| v.choice == index) else {
             continue;
         };
@@ -264,7 +398,7 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
             if let Some(list) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
                 for (n, call) in list.iter_mut().enumerate() {
                     if let Some(args) = verdict.release_args(n) {
-                        call["function"]["arguments"] = json!(args);
+                        set_arguments(call, args);
                     }
                 }
                 let mut i = 0;
@@ -288,7 +422,7 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
             }
         }
         if verdict.end_turn().is_some() {
-            choice["finish_reason"] = json!("stop");
+            set(choice, "finish_reason", json!("stop"));
         }
         changed = true;
     }
@@ -359,14 +493,26 @@ struct Held {
 #[derive(Debug)]
 pub struct ChatStream {
     max_output_tokens: Option<u64>,
+    /// A usage chunk follows (`stream_options.include_usage`) and the request set a token
+    /// limit: the completion is known only with it (or at `[DONE]`).
     needs_usage: bool,
+    /// The usage chunk is turnguard's own request ([`Turn::usage_for_turnguard`]): it is not
+    /// forwarded.
+    own_usage: bool,
     choices: BTreeMap<u32, ChoiceAcc>,
     held: Vec<Held>,
+    /// The largest `usage.completion_tokens` seen (fail closed: more tokens, closer to the
+    /// limit).
     usage_tokens: Option<u64>,
     usage_seen: bool,
+    /// The usage chunk (`choices: []` with a filled `usage`) arrived: usage is final.
+    usage_final: bool,
     done_seen: bool,
     decided: bool,
+    /// `usage_tokens` when the held calls were decided.
+    decided_tokens: Option<u64>,
     failed: bool,
+    violation: Option<String>,
 }
 
 impl ChatStream {
@@ -375,13 +521,17 @@ impl ChatStream {
         Self {
             max_output_tokens: turn.max_output_tokens,
             needs_usage: turn.include_usage && turn.max_output_tokens.is_some(),
+            own_usage: turn.usage_for_turnguard,
             choices: BTreeMap::new(),
             held: Vec::new(),
             usage_tokens: None,
             usage_seen: false,
+            usage_final: false,
             done_seen: false,
             decided: false,
+            decided_tokens: None,
             failed: false,
+            violation: None,
         }
     }
 
@@ -399,43 +549,86 @@ impl ChatStream {
         self.holding()
     }
 
-    /// Takes one SSE block; bytes to forward now are appended to `out`.
-    pub fn push(&mut self, block: SseBlock, out: &mut Vec<Bytes>) {
-        let Some(data) = block.data.as_deref() else {
-            out.push(block.raw); // comment / keep-alive
-            return;
-        };
-        if data.trim() == "[DONE]" {
-            self.done_seen = true;
-            if self.holding() {
-                self.held.push(Held {
-                    raw: block.raw,
-                    json: None,
-                    entries: Vec::new(),
-                });
-            } else {
-                out.push(block.raw);
-            }
+    /// The stream broke its own structure (see [`Self::push`]); nothing more is forwarded.
+    pub fn violation(&self) -> Option<&str> {
+        self.violation.as_deref()
+    }
+
+    fn violate(&mut self, why: String) {
+        self.violation.get_or_insert(why);
+    }
+
+    /// Takes one event; bytes to forward now are appended to `out`.
+    ///
+    /// Fails closed (sets [`Self::violation`], forwards nothing of the event) on a structure
+    /// that does not identify each call uniquely or that contradicts what was decided: a
+    /// choice without an integer `index` or twice in one chunk, a `tool_calls` entry without a
+    /// non-negative integer `index`, a `delta` that is not an object, a second `finish_reason`
+    /// for a choice, a usage that reports more tokens after the decision than the decision
+    /// read, or an event after `[DONE]`.
+    pub fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
+        if self.violation.is_some() {
             return;
         }
-        let Ok(mut chunk) = serde_json::from_str::<Value>(data) else {
-            // Not JSON: nothing to admit in it; keep order behind anything held.
-            self.push_other(block.raw, out);
-            return;
+        let raw = event.block.raw;
+        let mut chunk = match event.payload {
+            Payload::None => {
+                out.push(raw); // comment / keep-alive
+                return;
+            }
+            Payload::Done => {
+                self.done_seen = true;
+                if self.holding() {
+                    self.held.push(Held {
+                        raw,
+                        json: None,
+                        entries: Vec::new(),
+                    });
+                } else {
+                    out.push(raw);
+                }
+                return;
+            }
+            Payload::Json(v) => v,
         };
+        if self.done_seen {
+            return self.violate("an event after `[DONE]`".into());
+        }
         if chunk.get("error").is_some_and(|e| !e.is_null()) {
             // A provider error mid-stream: nothing held is released.
             self.failed = true;
             self.held.clear();
-            out.push(block.raw);
+            out.push(raw);
             return;
         }
+        if let Err(why) = self.check_structure(&chunk) {
+            return self.violate(why);
+        }
+        let usage_only = chunk
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(Vec::is_empty);
         if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
+            let tokens = u.get("completion_tokens").and_then(Value::as_u64);
+            // Usage decides only when the request set a limit; then the decision waited for
+            // the usage chunk (or `[DONE]`), so a later, larger count contradicts it.
+            if self.decided && self.needs_usage && tokens > self.decided_tokens {
+                return self.violate(
+                    "a usage after the decision point reports more tokens than the decision read"
+                        .into(),
+                );
+            }
             self.usage_seen = true;
-            self.usage_tokens = u.get("completion_tokens").and_then(Value::as_u64);
+            self.usage_tokens = self.usage_tokens.max(tokens);
+            if usage_only {
+                self.usage_final = true;
+                if self.own_usage {
+                    return; // turnguard asked for it; the agent did not
+                }
+            }
         }
         let Some(choices) = chunk.get("choices").and_then(Value::as_array) else {
-            self.push_other(block.raw, out);
+            self.push_other(raw, out);
             return;
         };
         let has_calls = choices.iter().any(|c| {
@@ -455,7 +648,7 @@ impl ChatStream {
         let mut entries = Vec::new();
         let mut finishes_held_choice = false;
         for (cpos, c) in choices.iter().enumerate() {
-            let index = c.get("index").and_then(Value::as_u64).unwrap_or(0) as u32;
+            let index = choice_index(c).unwrap_or_default();
             let acc = self.choices.entry(index).or_default();
             if c.pointer("/delta/role").is_some_and(|r| !r.is_null()) {
                 acc.role_seen = true;
@@ -472,7 +665,7 @@ impl ChatStream {
                 .flatten()
                 .enumerate()
             {
-                let wire_index = e.get("index").and_then(Value::as_u64).unwrap_or(0);
+                let wire_index = e.get("index").and_then(Value::as_u64).unwrap_or_default();
                 let id = e
                     .get("id")
                     .and_then(Value::as_str)
@@ -482,7 +675,10 @@ impl ChatStream {
                 // send parallel calls all on index 0): keep them apart, never glue them.
                 let slot = match (current, id) {
                     (Some(p), Some(id))
-                        if !acc.calls[p].call.id.is_empty() && acc.calls[p].call.id != id =>
+                        if acc
+                            .calls
+                            .get(p)
+                            .is_some_and(|a| !a.call.id.is_empty() && a.call.id != id) =>
                     {
                         None
                     }
@@ -502,7 +698,9 @@ impl ChatStream {
                         acc.calls.len() - 1
                     }
                 };
-                let call = &mut acc.calls[slot].call;
+                let Some(CallAcc { call, .. }) = acc.calls.get_mut(slot) else {
+                    continue;
+                };
                 if let Some(id) = id {
                     if call.id.is_empty() {
                         call.id = id.to_owned();
@@ -528,12 +726,13 @@ impl ChatStream {
                         },
                     });
                 }
-                let call = &mut acc.calls[0].call;
-                if let Some(n) = fc.get("name").and_then(Value::as_str) {
-                    call.name.push_str(n);
-                }
-                if let Some(a) = fc.get("arguments").and_then(Value::as_str) {
-                    call.arguments.push_str(a);
+                if let Some(CallAcc { call, .. }) = acc.calls.first_mut() {
+                    if let Some(n) = fc.get("name").and_then(Value::as_str) {
+                        call.name.push_str(n);
+                    }
+                    if let Some(a) = fc.get("arguments").and_then(Value::as_str) {
+                        call.arguments.push_str(a);
+                    }
                 }
             }
             if let Some(r) = c.get("finish_reason").and_then(Value::as_str) {
@@ -559,14 +758,69 @@ impl ChatStream {
                 });
             } else {
                 self.held.push(Held {
-                    raw: block.raw,
+                    raw,
                     json: Some(chunk),
                     entries,
                 });
             }
         } else {
-            self.push_other(block.raw, out);
+            self.push_other(raw, out);
         }
+    }
+
+    /// The structural rules of one chunk (see [`Self::push`]).
+    fn check_structure(&self, chunk: &Value) -> Result<(), String> {
+        let Some(choices) = chunk.get("choices") else {
+            return Ok(());
+        };
+        let Some(choices) = choices.as_array() else {
+            return Err("`choices` that is not an array".into());
+        };
+        let mut seen = std::collections::BTreeSet::new();
+        for c in choices {
+            let Some(index) = choice_index(c) else {
+                return Err("a choice without a non-negative integer `index`".into());
+            };
+            if !seen.insert(index) {
+                return Err(format!("choice {index} twice in one chunk"));
+            }
+            if c.get("delta").is_some_and(|d| !d.is_object()) {
+                return Err(format!("a `delta` of choice {index} that is not an object"));
+            }
+            if let Some(list) = c.pointer("/delta/tool_calls").filter(|l| !l.is_null()) {
+                let Some(list) = list.as_array() else {
+                    return Err(format!(
+                        "`tool_calls` of choice {index} that is not an array"
+                    ));
+                };
+                if list
+                    .iter()
+                    .any(|e| !e.is_object() || e.get("index").and_then(Value::as_u64).is_none())
+                {
+                    return Err(format!(
+                        "a tool call of choice {index} without a non-negative integer `index`"
+                    ));
+                }
+            }
+            match c.get("finish_reason") {
+                None | Some(Value::Null) => {}
+                Some(Value::String(_)) => {
+                    if self
+                        .choices
+                        .get(&index)
+                        .is_some_and(|a| a.finish_reason.is_some())
+                    {
+                        return Err(format!("a second `finish_reason` for choice {index}"));
+                    }
+                }
+                Some(_) => {
+                    return Err(format!(
+                        "a `finish_reason` of choice {index} that is not a string"
+                    ))
+                }
+            }
+        }
+        Ok(())
     }
 
     /// A chunk with nothing to admit: forwarded now, unless it belongs after a held finish
@@ -584,9 +838,11 @@ impl ChatStream {
         }
     }
 
-    /// The completion state of every choice with calls is known.
+    /// The completion state of every choice with calls is known: each has its finish reason
+    /// and, when the request set a token limit and usage follows, the usage chunk arrived (or
+    /// the stream ended with `[DONE]`).
     pub fn ready(&self) -> bool {
-        if !self.holding() || self.failed {
+        if !self.holding() || self.failed || self.violation.is_some() {
             return false;
         }
         if self.done_seen {
@@ -597,7 +853,7 @@ impl ChatStream {
             .values()
             .filter(|c| !c.calls.is_empty())
             .all(|c| c.finish_reason.is_some());
-        all_finished && (!self.needs_usage || self.usage_seen)
+        all_finished && (!self.needs_usage || self.usage_final)
     }
 
     /// Every choice's finish reason is known (a stream that ends now is not cut).
@@ -656,6 +912,7 @@ impl ChatStream {
     /// Emits the held chunks with the verdicts applied; later chunks flow through.
     pub fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
         self.decided = true;
+        self.decided_tokens = self.usage_tokens;
         // Per choice: released flag per call, and the index each released call is emitted at.
         let mut plan: BTreeMap<u32, (Vec<Option<u64>>, Option<&str>)> = BTreeMap::new();
         // Calls whose arguments are replaced: the first delta carries them all, the rest go.
@@ -699,11 +956,15 @@ impl ChatStream {
             if let Some(choices) = chunk.get_mut("choices").and_then(Value::as_array_mut) {
                 let mut drop_positions = Vec::new();
                 for (cpos, c) in choices.iter_mut().enumerate() {
-                    let index = c.get("index").and_then(Value::as_u64).unwrap_or(0) as u32;
-                    let Some((emitted, end_turn)) = plan.get(&index) else {
+                    // Every held chunk passed `check_structure`: its choices have indices.
+                    let Some(index) = choice_index(c) else {
                         continue;
                     };
-                    let acc = &self.choices[&index];
+                    let (Some((emitted, end_turn)), Some(acc)) =
+                        (plan.get(&index), self.choices.get(&index))
+                    else {
+                        continue;
+                    };
                     if let Some(list) = c
                         .pointer_mut("/delta/tool_calls")
                         .and_then(Value::as_array_mut)
@@ -724,10 +985,10 @@ impl ChatStream {
                                         if !replaced_once.insert((index, s)) {
                                             continue; // later fragments of a replaced call
                                         }
-                                        e["function"]["arguments"] = json!(args);
+                                        set_arguments(&mut e, args);
                                     }
-                                    if acc.calls[s].wire_index != ix {
-                                        e["index"] = json!(ix);
+                                    if acc.calls.get(s).is_some_and(|a| a.wire_index != ix) {
+                                        set(&mut e, "index", json!(ix));
                                         changed = true;
                                     }
                                     keep.push(e);
@@ -757,7 +1018,7 @@ impl ChatStream {
                     if has_finish {
                         if let Some(text) = end_turn {
                             texts.push((index, text, !acc.role_seen));
-                            c["finish_reason"] = json!("stop");
+                            set(c, "finish_reason", json!("stop"));
                             changed = true;
                         }
                     } else if c
@@ -816,6 +1077,13 @@ impl ChatStream {
     }
 }
 
+/// A choice's `index`, when it is a non-negative integer that fits a choice number.
+fn choice_index(c: &Value) -> Option<u32> {
+    c.get("index")
+        .and_then(Value::as_u64)
+        .and_then(|i| u32::try_from(i).ok())
+}
+
 fn carries_text(chunk: &Value) -> bool {
     chunk
         .get("choices")
@@ -849,9 +1117,29 @@ fn strip_calls(chunk: &mut Value) {
 fn remove_finish(chunk: &mut Value) {
     for c in choices_mut(chunk) {
         if c.get("finish_reason").is_some() {
-            c["finish_reason"] = Value::Null;
+            set(c, "finish_reason", Value::Null);
         }
     }
+}
+
+/// Sets `key` of `v` when `v` is an object (indexing a `Value` that is not one panics).
+fn set(v: &mut Value, key: &str, value: Value) {
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert(key.to_owned(), value);
+    }
+}
+
+/// Sets `function.arguments` of a tool-call entry, making `function` an object when the
+/// upstream sent something else there.
+fn set_arguments(call: &mut Value, args: &str) {
+    let Some(obj) = call.as_object_mut() else {
+        return;
+    };
+    let function = obj.entry("function").or_insert_with(|| json!({}));
+    if !function.is_object() {
+        *function = json!({});
+    }
+    set(function, "arguments", json!(args));
 }
 
 fn keep_only_calls_and_finish(chunk: &mut Value) {

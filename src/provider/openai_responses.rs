@@ -58,11 +58,12 @@ use bytes::Bytes;
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
+use super::CallNames;
 use crate::model::{
     Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
-    ResponseLink, ToolCall, ToolResultSeen, Turn,
+    ResponseLink, ToolCall, ToolResultSeen, Turn, UntrustedKind,
 };
-use crate::sse::{self, SseBlock};
+use crate::sse::{self, Event, Payload};
 
 /// Output item types the agent (client) executes: each is a call admission decides.
 const CLIENT_CALLS: [&str; 6] = [
@@ -112,6 +113,38 @@ fn str_of<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
     v.get(key).and_then(Value::as_str)
 }
 
+/// Sets `key` of `v` when `v` is an object (indexing a `Value` that is not one panics).
+fn set(v: &mut Value, key: &str, value: Value) {
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert(key.to_owned(), value);
+    }
+}
+
+/// Tool types the agent (client) runs: `function`, free-form `custom` tools and the
+/// client-executed built-ins. Every other tool type is one the provider runs itself
+/// (`web_search*`, `file_search`, `code_interpreter`, `image_generation`, `mcp` …, and any
+/// type turnguard does not know): its output reaches the model in this very turn.
+const CLIENT_TOOLS: [&str; 6] = [
+    "function",
+    "custom",
+    "local_shell",
+    "shell",
+    "apply_patch",
+    "computer_use_preview",
+];
+
+/// Output item types the provider executed or holds that an agent may echo back in `input`.
+const PROVIDER_ITEMS: [&str; 8] = [
+    "web_search_call",
+    "file_search_call",
+    "code_interpreter_call",
+    "image_generation_call",
+    "mcp_call",
+    "mcp_list_tools",
+    "mcp_approval_request",
+    "item_reference",
+];
+
 /// Reads a Responses request body.
 ///
 /// Errors: a human-readable reason naming the offending field.
@@ -122,48 +155,67 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         Some(Value::Array(items)) => items,
         Some(_) => return Err("`input` must be a string or an array of items".into()),
     };
-    let mut tools = Vec::new();
-    let mut provider_delegations = Vec::new();
-    if let Some(list) = obj.get("tools").filter(|v| !v.is_null()) {
-        let list = list.as_array().ok_or("`tools` must be an array")?;
-        for (i, t) in list.iter().enumerate() {
-            match str_of(t, "type") {
-                Some("function") => {
-                    let name = str_of(t, "name")
-                        .ok_or_else(|| format!("`tools[{i}].name` must be a string"))?;
-                    tools.push(DeclaredTool {
-                        name: name.to_owned(),
-                        schema: t.get("parameters").filter(|p| !p.is_null()).cloned(),
-                    });
-                }
-                // The provider would call an MCP server (or a connector) itself, on the
-                // agent's behalf (contract §F).
-                Some("mcp") => {
-                    let label = str_of(t, "server_label")
-                        .or_else(|| str_of(t, "connector_id"))
-                        .map(crate::admission::sanitize_label)
-                        .unwrap_or_else(|| "(unlabelled)".into());
-                    provider_delegations.push(format!("tools[{i}] (mcp, server_label {label})"));
-                }
-                _ => {}
-            }
-        }
-    }
     let previous_response_id = match obj.get("previous_response_id") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
         Some(_) => return Err("`previous_response_id` must be a string".into()),
     };
-    let mut names: HashMap<String, String> = HashMap::new();
-    let mut prior_calls = Vec::new();
+    let mut turn = Turn {
+        api: Api::OpenAiResponses,
+        model: str_of(body, "model").map(str::to_owned),
+        stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
+        tools: Vec::new(),
+        tool_results: Vec::new(),
+        max_output_tokens: obj.get("max_output_tokens").and_then(Value::as_u64),
+        include_usage: true,
+        round_index: 0,
+        prior_calls: Vec::new(),
+        untrusted_inputs: Vec::new(),
+        usage_for_turnguard: false,
+        previous_response_id,
+        provider_delegations: Vec::new(),
+    };
+    if let Some(list) = obj.get("tools").filter(|v| !v.is_null()) {
+        let list = list.as_array().ok_or("`tools` must be an array")?;
+        for (i, t) in list.iter().enumerate() {
+            let ty = str_of(t, "type").unwrap_or_default();
+            if ty == "function" {
+                let name = str_of(t, "name")
+                    .ok_or_else(|| format!("`tools[{i}].name` must be a string"))?;
+                turn.tools.push(DeclaredTool {
+                    name: name.to_owned(),
+                    schema: t.get("parameters").filter(|p| !p.is_null()).cloned(),
+                });
+            }
+            if ty == "mcp" {
+                // The provider would call an MCP server (or a connector) itself, on the
+                // agent's behalf (contract §F).
+                let label = str_of(t, "server_label")
+                    .or_else(|| str_of(t, "connector_id"))
+                    .map(crate::admission::sanitize_label)
+                    .unwrap_or_else(|| "(unlabelled)".into());
+                turn.provider_delegations
+                    .push(format!("tools[{i}] (mcp, server_label {label})"));
+            }
+            if !CLIENT_TOOLS.contains(&ty) && !ty.starts_with("computer") {
+                // A tool the provider runs in this very turn: the model may read its output
+                // before it calls a tool (§C, §F).
+                turn.untrusted(UntrustedKind::ProviderOutput, format!("tools[{i}]"));
+            }
+        }
+    }
     // The provider holds the turns before `previous_response_id`, which this request does not
     // show: the trust stage judges them from turnguard's journal of that response chain
     // (`crate::admission::trust::chain_fault`). A Conversations API `conversation` also holds
     // earlier turns on the provider, but turnguard journals no conversation, so that history
-    // is always unknown: untrusted (fail closed).
-    let mut provider_output_seen = obj.get("conversation").is_some_and(|c| !c.is_null());
-    let mut tool_results = Vec::new();
-    let mut round_index = 0u32;
+    // is always unknown: untrusted (fail closed). So is a stored `prompt`, which turnguard
+    // never sees.
+    for held in ["conversation", "prompt"] {
+        if obj.get(held).is_some_and(|c| !c.is_null()) {
+            turn.untrusted(UntrustedKind::ProviderFetched, held);
+        }
+    }
+    let mut calls = CallNames::default();
     let mut in_model_turn = false;
     for (i, item) in items.iter().enumerate() {
         if !item.is_object() {
@@ -178,53 +230,111 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
             t => !t.ends_with("_output") && kind_of(t) != Kind::Model,
         };
         if from_model && !in_model_turn {
-            round_index = round_index.saturating_add(1);
+            turn.round_index = turn.round_index.saturating_add(1);
         }
         in_model_turn = from_model;
-        if kind_of(ty) == Kind::Call {
-            let name = str_of(item, "name").unwrap_or(ty);
-            prior_calls.push(name.to_owned());
-            if let Some(call_id) = str_of(item, "call_id") {
-                names.insert(call_id.to_owned(), name.to_owned());
+        let at = || format!("input[{i}]");
+        match ty {
+            "message" => {
+                match str_of(item, "role") {
+                    Some("user" | "system" | "developer" | "assistant") => {}
+                    other => turn.untrusted(
+                        UntrustedKind::Unrecognised,
+                        format!(
+                            "input[{i}].role `{}`",
+                            crate::admission::sanitize_label(other.unwrap_or_default())
+                        ),
+                    ),
+                }
+                judge_parts(
+                    &mut turn,
+                    item.get("content"),
+                    &format!("input[{i}].content"),
+                );
             }
-        }
-        // Provider-executed items echoed back (`web_search_call`, `mcp_call` …) and references
-        // to stored items the proxy cannot read (`item_reference`): untrusted (contract §F).
-        if kind_of(ty) == Kind::Provider
-            && !ty.ends_with("_output")
-            && ty != "mcp_approval_response"
-        {
-            provider_output_seen = true;
-        }
-        if ty.ends_with("_call_output") {
-            let call_id = str_of(item, "call_id")
-                .ok_or_else(|| format!("`input[{i}]` ({ty}) needs a string `call_id`"))?;
-            tool_results.push(ToolResultSeen {
-                tool_call_id: call_id.to_owned(),
-                tool_name: names.get(call_id).cloned(),
-                content: item
-                    .get("output")
-                    .cloned()
-                    .unwrap_or(Value::Null)
-                    .to_string(),
-                is_error: false,
-            });
+            "reasoning" => {}
+            t if kind_of(t) == Kind::Call => {
+                let name = str_of(item, "name").unwrap_or(t);
+                turn.prior_calls.push(name.to_owned());
+                if let Some(call_id) = str_of(item, "call_id") {
+                    calls.add(&mut turn, call_id, Some(name), || {
+                        format!("input[{i}].call_id")
+                    });
+                }
+            }
+            t if t
+                .strip_suffix("_output")
+                .is_some_and(|call| CLIENT_CALLS.contains(&call)) =>
+            {
+                let call_id = str_of(item, "call_id")
+                    .ok_or_else(|| format!("`input[{i}]` ({t}) needs a string `call_id`"))?;
+                turn.tool_results.push(ToolResultSeen {
+                    tool_call_id: call_id.to_owned(),
+                    tool_name: calls.name_of(call_id),
+                    content: item
+                        .get("output")
+                        .cloned()
+                        .unwrap_or(Value::Null)
+                        .to_string(),
+                    is_error: false,
+                });
+                if let Some(Value::Array(_)) = item.get("output") {
+                    judge_parts(&mut turn, item.get("output"), &format!("input[{i}].output"));
+                }
+            }
+            // Provider-executed items echoed back (`web_search_call`, `mcp_call` …), references
+            // to stored items the proxy cannot read (`item_reference`), and an approval that
+            // lets the provider run an MCP call: untrusted (contract §F).
+            t if PROVIDER_ITEMS.contains(&t) || t == "mcp_approval_response" => {
+                turn.untrusted(UntrustedKind::ProviderOutput, at());
+            }
+            // Anything else is an item turnguard does not know: untrusted, never skipped.
+            t => turn.untrusted(
+                UntrustedKind::Unrecognised,
+                format!("input[{i}].type `{}`", crate::admission::sanitize_label(t)),
+            ),
         }
     }
-    Ok(Turn {
-        api: Api::OpenAiResponses,
-        model: str_of(body, "model").map(str::to_owned),
-        stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
-        tools,
-        tool_results,
-        max_output_tokens: obj.get("max_output_tokens").and_then(Value::as_u64),
-        include_usage: true,
-        round_index,
-        prior_calls,
-        provider_output_seen,
-        previous_response_id,
-        provider_delegations,
-    })
+    Ok(turn)
+}
+
+/// Judges a message's `content` (or a call output's `output`): a string or text parts are the
+/// item's own; an `input_image` or `input_file` is the item's own only inline (`data:` URL,
+/// `file_data`); by URL or file id the provider fetches or holds it
+/// ([`UntrustedKind::ProviderFetched`]); a part type turnguard does not know is
+/// [`UntrustedKind::Unrecognised`].
+fn judge_parts(turn: &mut Turn, content: Option<&Value>, at: &str) {
+    let parts = match content {
+        None | Some(Value::Null) | Some(Value::String(_)) => return,
+        Some(Value::Array(parts)) => parts,
+        Some(_) => {
+            turn.untrusted(UntrustedKind::Unrecognised, at.to_owned());
+            return;
+        }
+    };
+    for (k, p) in parts.iter().enumerate() {
+        let at = || format!("{at}[{k}]");
+        match str_of(p, "type") {
+            Some("input_text" | "output_text" | "refusal" | "text" | "summary_text") => {}
+            Some("input_audio") => {}
+            Some("input_image") => {
+                let inline = str_of(p, "image_url").is_some_and(|u| u.starts_with("data:"));
+                if !inline || p.get("file_id").is_some_and(|f| !f.is_null()) {
+                    turn.untrusted(UntrustedKind::ProviderFetched, at());
+                }
+            }
+            Some("input_file") => {
+                let inline = str_of(p, "file_data").is_some();
+                let fetched = ["file_url", "file_id"]
+                    .iter()
+                    .any(|k| p.get(*k).is_some_and(|v| !v.is_null()));
+                if !inline || fetched {
+                    turn.untrusted(UntrustedKind::ProviderFetched, at());
+                }
+            }
+            _ => turn.untrusted(UntrustedKind::Unrecognised, at()),
+        }
+    }
 }
 
 /// Classifies how a response ended (wire-formats.md §30, §5): `completed` is clean unless
@@ -381,18 +491,22 @@ pub fn append_text_repair(body: &mut Value, answer: &str, feedback: &str) {
 }
 
 /// Reads the emissions of a non-stream response (one choice, index 0).
-pub fn parse_response(body: &Value, turn: &Turn) -> Vec<ChoiceEmissions> {
+///
+/// Errors: two client calls share a `call_id`.
+pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
     let calls = output_items(body)
         .filter(|i| kind_of(item_type(i)) == Kind::Call)
         .map(call_from_item)
         .collect();
-    vec![ChoiceEmissions {
+    let out = vec![ChoiceEmissions {
         choice: 0,
         text: output_text(body),
         provider_output: output_items(body).any(|i| kind_of(item_type(i)) == Kind::Provider),
         completion: completion_of_response(body, false, turn.max_output_tokens),
         calls,
-    }]
+    }];
+    crate::model::check_identities(&out)?;
+    Ok(out)
 }
 
 /// The journal's record of a (non-stream) response the provider stores.
@@ -476,8 +590,8 @@ fn rewrite_output(
         }
     }
     if text.is_some() && str_of(response, "status") == Some("incomplete") {
-        response["status"] = json!("completed");
-        response["incomplete_details"] = Value::Null;
+        set(response, "status", json!("completed"));
+        set(response, "incomplete_details", Value::Null);
         changed = true;
     }
     changed
@@ -500,7 +614,7 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
                 continue;
             }
             if let Some(args) = verdict.release_args(k) {
-                item["arguments"] = json!(args);
+                set(item, "arguments", json!(args));
                 replaced = true;
             }
             k += 1;
@@ -580,6 +694,9 @@ struct CallAcc {
     /// `(name, arguments)` of each complete form seen, in arrival order:
     /// `….arguments.done`, `output_item.done`, the terminal event's `output`.
     finals: Vec<(Option<String>, String)>,
+    /// The `call_id` of each complete item form seen (`output_item.done`, terminal `output`):
+    /// the id the agent answers with. A form without it (or with another) is inconsistent.
+    final_ids: Vec<Option<String>>,
 }
 
 impl CallAcc {
@@ -610,6 +727,8 @@ impl CallAcc {
         }
         self.finals
             .push((Some(call_name(item)), call_arguments(item)));
+        self.final_ids
+            .push(str_of(item, "call_id").map(str::to_owned));
     }
 
     /// The call as the agent executes it: the last complete form (the terminal event's
@@ -635,6 +754,10 @@ impl CallAcc {
                 .finals
                 .iter()
                 .all(|(n, a)| *a == call.arguments && n.as_ref().is_none_or(|n| *n == call.name))
+            && self
+                .final_ids
+                .iter()
+                .all(|id| id.as_deref() == Some(call.id.as_str()))
     }
 }
 
@@ -716,6 +839,9 @@ pub struct ResponsesStream {
     refused: bool,
     failed: bool,
     decided: bool,
+    /// The terminal (or an `error`) event was seen: nothing may follow.
+    ended: bool,
+    violation: Option<String>,
     /// Upstream blocks carry `event:` lines (they do on OpenAI; kept as received).
     event_lines: bool,
     seq: Sequence,
@@ -745,6 +871,8 @@ impl ResponsesStream {
             refused: false,
             failed: false,
             decided: false,
+            ended: false,
+            violation: None,
             event_lines: true,
             seq: Sequence::default(),
             provider_items: Vec::new(),
@@ -780,11 +908,11 @@ impl ResponsesStream {
             return false;
         }
         if let Some(ix) = j.get("output_index").and_then(Value::as_u64) {
-            j["output_index"] = json!(ix + sp.next_index);
+            set(j, "output_index", json!(ix.saturating_add(sp.next_index)));
         }
         if let Some(response) = j.get_mut("response").filter(|r| r.is_object()) {
             if let Some(id) = &sp.response_id {
-                response["id"] = json!(id);
+                set(response, "id", json!(id));
             }
             if let Some(output) = response.get_mut("output").and_then(Value::as_array_mut) {
                 let mut all = sp.sent.clone();
@@ -871,51 +999,81 @@ impl ResponsesStream {
         item.call.as_mut()
     }
 
-    /// Takes one SSE block; bytes to forward now are appended to `out`.
-    pub fn push(&mut self, block: SseBlock, out: &mut Vec<Bytes>) {
-        let Some(data) = block.data.as_deref() else {
-            out.push(block.raw); // comment / keep-alive: no sequence number, nothing to hold
+    /// The stream broke its structure (see [`Self::push`]); nothing more is forwarded.
+    pub fn violation(&self) -> Option<&str> {
+        self.violation.as_deref()
+    }
+
+    fn violate(&mut self, why: String) {
+        self.violation.get_or_insert(why);
+    }
+
+    /// Takes one event; bytes to forward now are appended to `out`.
+    ///
+    /// Fails closed (sets [`Self::violation`], forwards nothing of the event) on a structure
+    /// that does not identify each item uniquely or that follows the end: an event without a
+    /// `type` or whose `event:` line names another type, an `output_item.added` without an
+    /// integer `output_index` or on an index already used, one item id on two indices, and
+    /// any event after the terminal event (a second `response.completed` would replace the
+    /// output the agent's SDK returns).
+    pub fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
+        if self.violation.is_some() {
             return;
+        }
+        let Event { block, payload } = event;
+        let mut json = match payload {
+            Payload::None | Payload::Done => {
+                out.push(block.raw); // comment / keep-alive: no sequence number, nothing to hold
+                return;
+            }
+            Payload::Json(v) => v,
         };
         self.event_lines = block.event.is_some();
-        let mut json = serde_json::from_str::<Value>(data)
-            .ok()
-            .filter(Value::is_object);
-        if json
-            .as_ref()
-            .is_some_and(|j| j.get("sequence_number").is_some())
-        {
+        if json.get("sequence_number").is_some() {
             self.seq.seen = true;
         }
-        let kind = json
-            .as_ref()
-            .and_then(|j| str_of(j, "type"))
-            .map(str::to_owned)
-            .or_else(|| block.event.clone())
-            .unwrap_or_default();
+        let Some(kind) = str_of(&json, "type").map(str::to_owned) else {
+            return self.violate("an event without a string `type`".into());
+        };
+        if block.event.as_deref().is_some_and(|e| e != kind) {
+            return self.violate(format!(
+                "an `event:` line that names another type than the data's `{}`",
+                crate::admission::sanitize_label(&kind)
+            ));
+        }
+        if self.ended {
+            return self.violate(format!(
+                "`{}` after the terminal event",
+                crate::admission::sanitize_label(&kind)
+            ));
+        }
         let dirty = self.splice.is_some();
-        if let Some(j) = json.as_mut() {
-            if self.splice.is_some() {
-                // The provider's own id of this round, for the journal.
-                if let Some(id) = j.pointer("/response/id").and_then(Value::as_str) {
-                    self.provider_response_id
-                        .get_or_insert_with(|| id.to_owned());
-                }
-            }
-            if !self.splice_event(&kind, j) {
-                return;
+        if self.splice.is_some() {
+            // The provider's own id of this round, for the journal.
+            if let Some(id) = json.pointer("/response/id").and_then(Value::as_str) {
+                self.provider_response_id
+                    .get_or_insert_with(|| id.to_owned());
             }
         }
-        if let Some(j) = &json {
-            if !self.observe(&kind, j) {
-                self.seq.dropped(Some(j));
-                return;
-            }
+        if !self.splice_event(&kind, &mut json) {
+            return;
+        }
+        let keep = self.observe(&kind, &json);
+        if self.violation.is_some() {
+            return;
+        }
+        if !keep {
+            self.seq.dropped(Some(&json));
+            return;
+        }
+        if TERMINAL.contains(&kind.as_str()) {
+            self.ended = true;
         }
         if kind == "error" {
             // A provider error mid-stream: nothing held is released.
             self.failed = true;
             self.decided = true;
+            self.ended = true;
             for h in std::mem::take(&mut self.held) {
                 self.seq.dropped(h.json.as_ref());
             }
@@ -923,7 +1081,7 @@ impl ResponsesStream {
         let held = Held {
             raw: block.raw,
             event: block.event,
-            json,
+            json: Some(json),
             dirty,
         };
         if self.pending() {
@@ -945,8 +1103,23 @@ impl ResponsesStream {
                     .map(str::to_owned);
             }
             "response.output_item.added" => {
-                let ix = self.index_of(j);
+                let Some(ix) = j.get("output_index").and_then(Value::as_u64) else {
+                    self.violate(
+                        "a `response.output_item.added` without an integer `output_index`".into(),
+                    );
+                    return false;
+                };
+                if self.items.contains_key(&ix) {
+                    self.violate(format!("a second item added at output_index {ix}"));
+                    return false;
+                }
                 let item = j.get("item").unwrap_or(&Value::Null);
+                if let Some(other) = str_of(item, "id").and_then(|id| self.by_id.get(id).copied()) {
+                    if other != ix {
+                        self.violate(format!("one item id at output_index {other} and {ix}"));
+                        return false;
+                    }
+                }
                 let ty = item_type(item);
                 let kind = kind_of(ty);
                 if kind == Kind::Provider {
@@ -1078,7 +1251,7 @@ impl ResponsesStream {
         if let Some(n) = json.get("sequence_number").and_then(Value::as_u64) {
             let new = self.seq.next(n);
             if new != n {
-                json["sequence_number"] = json!(new);
+                set(&mut json, "sequence_number", json!(new));
                 changed = true;
             }
         }
@@ -1264,7 +1437,7 @@ impl ResponsesStream {
             let mut changed = false;
             if let Some(ix) = ix {
                 if new_index(ix) != ix {
-                    json["output_index"] = json!(new_index(ix));
+                    set(json, "output_index", json!(new_index(ix)));
                     changed = true;
                 }
             }
@@ -1281,7 +1454,7 @@ impl ResponsesStream {
                         rewrite_output(response, &|_, item| is_withheld(item), text.as_deref());
                 }
                 if kind == "response.incomplete" && text.is_some() {
-                    json["type"] = json!("response.completed");
+                    set(json, "type", json!("response.completed"));
                     changed = true;
                 }
             }
@@ -1297,8 +1470,8 @@ impl ResponsesStream {
     fn emit_host_message(&mut self, ix: u64, text: &str, out: &mut Vec<Bytes>) {
         let id = host_message_id(self.response_id.as_deref());
         let mut in_progress = host_message(&id, text);
-        in_progress["status"] = json!("in_progress");
-        in_progress["content"] = json!([]);
+        set(&mut in_progress, "status", json!("in_progress"));
+        set(&mut in_progress, "content", json!([]));
         let empty_part = host_text_part("");
         let part = host_text_part(text);
         let events = [
@@ -1543,10 +1716,10 @@ mod tests {
         // A stored chain is judged by the trust stage from the journal, not here; a
         // conversation's history is never journaled, so it is provider-held and untrusted.
         let chained = parse_request(&json!({"input": "hi", "previous_response_id": "resp_1"}));
-        assert!(!chained.unwrap().provider_output_seen);
+        assert!(chained.unwrap().untrusted_inputs.is_empty());
         for conversation in [json!("conv_1"), json!({"id": "conv_1"})] {
             let t = parse_request(&json!({"input": "hi", "conversation": conversation})).unwrap();
-            assert!(t.provider_output_seen);
+            assert!(!t.untrusted_inputs.is_empty());
         }
     }
 
@@ -1562,7 +1735,7 @@ mod tests {
             ]
         });
         let turn = parse_request(&json!({"input": "x"})).unwrap();
-        let round = parse_response(&body, &turn);
+        let round = parse_response(&body, &turn).unwrap();
         let calls: Vec<(&str, &str, &str)> = round[0]
             .calls
             .iter()

@@ -509,8 +509,8 @@ impl Session {
                     "agentId": AGENT_ID, "toolName": tool_name, "callId": call_id,
                     "principal": principal, "transport": "native"
                 });
-                if let Some(h) = &d.args_hash {
-                    called["argsHash"] = json!(h);
+                if let (Some(h), Some(o)) = (&d.args_hash, called.as_object_mut()) {
+                    o.insert("argsHash".into(), json!(h));
                 }
                 events.push(self.event("agent.tool-called", called));
                 let status = match (d.outcome, d.reason) {
@@ -531,11 +531,22 @@ impl Session {
                 };
                 if let Some((status, code)) = status {
                     let mut returned = json!({"agentId": AGENT_ID, "toolName": tool_name, "callId": call_id, "status": status});
-                    if let Some(code) = code {
-                        returned["error"] = json!({"code": code, "message": admission::explain(d)});
+                    let extra = if let Some(code) = code {
+                        Some((
+                            "error",
+                            json!({"code": code, "message": admission::explain(d)}),
+                        ))
                     } else if d.outcome == Outcome::SuppressedRepeat {
                         // Not run again: the recorded result was supplied (content-free here).
-                        returned["outcome"] = json!({"suppressedRepeat": true, "recordedResultDigest": hex_sha256(d.message.as_bytes())});
+                        Some((
+                            "outcome",
+                            json!({"suppressedRepeat": true, "recordedResultDigest": hex_sha256(d.message.as_bytes())}),
+                        ))
+                    } else {
+                        None
+                    };
+                    if let (Some((k, v)), Some(o)) = (extra, returned.as_object_mut()) {
+                        o.insert(k.into(), v);
                     }
                     events.push(self.event("agent.tool-returned", returned));
                 }
@@ -680,6 +691,8 @@ async fn turn(
 
     let agent_digest = crate::recipes::semantic_request_digest(api, &json);
     let mode = run_mode(&parts.headers)?;
+    let mut json = json;
+    provider::prepare_upstream(&mut json, &mut turn);
     let mut session = Session {
         agent_digest,
         channel,
@@ -714,17 +727,28 @@ async fn turn(
             *out.headers_mut() = upstream::response_headers(&p.headers, true);
             return Ok((out, false));
         }
+        // A body turnguard cannot decode is refused before any of it reaches the agent.
+        let coding = upstream::content_coding(resp.headers()).map_err(|reason| {
+            record_upstream_error(&session, &base);
+            WireError::UpstreamUnavailable {
+                upstream: api.upstream().to_owned(),
+                reason,
+            }
+        })?;
         if is_event_stream(resp.headers()) {
-            return Ok((stream::relay(session, base, resp), true));
+            return Ok((stream::relay(session, base, resp, coding), true));
         }
         let (p, b) = resp.into_parts();
         let body_started = Instant::now();
         let body = read_capped(b, state.config.max_response_bytes).await;
         crate::edge::upstream_waited(body_started, body_started.elapsed());
-        let body = body.map_err(|e| WireError::UpstreamUnavailable {
-            upstream: api.upstream().to_owned(),
-            reason: format!("response body: {e}"),
-        })?;
+        let body = body
+            .map_err(|e| e.to_string())
+            .and_then(|b| upstream::decode_body(coding, b, state.config.max_response_bytes))
+            .map_err(|e| WireError::UpstreamUnavailable {
+                upstream: api.upstream().to_owned(),
+                reason: format!("response body: {e}"),
+            })?;
         match surface_json(&session, &base, body).await? {
             JsonRound::Respond(body, calls, secrets, claims) => {
                 let content_type = p
@@ -825,10 +849,10 @@ fn channel_of(
 /// and details inside ([`crate::error::Surface`]); `Retry-After` for 429.
 pub fn surfaced_error(e: &SurfacedError, surface: Surface) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::FORBIDDEN);
-    let mut details = json!({ "source": "turnguard" });
-    if let Some(secs) = e.retry_after_secs {
-        details["retryAfterSeconds"] = json!(secs);
-    }
+    let details = match e.retry_after_secs {
+        Some(secs) => json!({ "source": "turnguard", "retryAfterSeconds": secs }),
+        None => json!({ "source": "turnguard" }),
+    };
     crate::error::Authored {
         status,
         code: e.code,
@@ -1078,7 +1102,20 @@ async fn surface_json(
             });
         }
     };
-    let round = provider::parse_response(turn.api, &json, turn);
+    let round = match provider::parse_response(turn.api, &json, turn) {
+        Ok(round) => round,
+        Err(why) => {
+            // One emission, one decision: a response that does not identify each choice and
+            // call uniquely is not decided call by call; it fails closed.
+            let mut rec = round_record(session, base, "failed", &body);
+            rec.error = Some(why.clone());
+            record_round(session, rec).await;
+            return Err(WireError::UpstreamUnavailable {
+                upstream: turn.api.upstream().to_owned(),
+                reason: format!("the upstream response is ambiguous: {why}"),
+            });
+        }
+    };
     let with_calls: Vec<ChoiceEmissions> = round
         .iter()
         .filter(|c| !c.calls.is_empty())
@@ -1164,7 +1201,9 @@ impl Session {
         let ChannelVerdict::Invalid { reason, message } = verdict else {
             return None;
         };
-        if self.repairs_left > 0 && n_choices(&self.body) == 1 {
+        // Context exhaustion is not repaired: a longer transcript cannot fit either.
+        let repairable = admission::completion::repairable(reason);
+        if repairable && self.repairs_left > 0 && n_choices(&self.body) == 1 {
             rec.state = "repaired";
             let mut next = self.body.clone();
             let feedback = format!(
@@ -1179,11 +1218,7 @@ impl Session {
             return Some(JsonRound::Repair(next));
         }
         rec.state = "surfaced_error";
-        let code = if reason == "truncated" {
-            "envelope_truncation_unrecoverable"
-        } else {
-            "envelope_invalid"
-        };
+        let code = admission::completion::channel_error_code(reason);
         Some(JsonRound::Error(SurfacedError {
             status: 422,
             code,

@@ -370,7 +370,9 @@ fn verdicts_without(round: &[ChoiceEmissions], recorded: &HashSet<String>) -> Ve
 
 fn without_calls_json(session: &Session, body: &[u8], recorded: &HashSet<String>) -> Option<Bytes> {
     let mut json: Value = serde_json::from_slice(body).ok()?;
-    let round = provider::parse_response(session.turn.api, &json, &session.turn);
+    // A recorded answer was parsed when it was decided; one that no longer parses is not
+    // served (fail closed: the caller treats `None` as a miss).
+    let round = provider::parse_response(session.turn.api, &json, &session.turn).ok()?;
     let verdicts = verdicts_without(&round, recorded);
     provider::rewrite_response(session.turn.api, &mut json, &verdicts);
     Some(Bytes::from(json.to_string()))

@@ -28,39 +28,54 @@ use crate::metrics::{ApiLabels, ReasonLabels};
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Surfacing, Turn};
 use crate::provider::{Splice, StreamAdapter};
 use crate::server::AppState;
-use crate::sse::{SseBlock, SseFramer};
+use crate::sse::{Event, Payload, SseBlock, SseFramer};
 
 /// Chunks buffered toward a slow agent before the relay waits (back-pressure).
 const OUT_QUEUE: usize = 64;
 
-/// Starts relaying `resp` to the agent and returns the agent's response at once.
-pub fn relay(session: Session, base: RoundBase, resp: http::Response<Incoming>) -> Response {
+/// Starts relaying `resp` (whose body is coded as `coding`) to the agent and returns the
+/// agent's response at once.
+pub fn relay(
+    session: Session,
+    base: RoundBase,
+    resp: http::Response<Incoming>,
+    coding: upstream::ContentCoding,
+) -> Response {
     let (parts, body) = resp.into_parts();
     let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(OUT_QUEUE);
     // The edge's timing lives in this (the handler's) task; the relay runs in its own.
     let timing = crate::edge::current();
-    tokio::spawn(run(session, base, body, tx, timing));
+    tokio::spawn(run(session, base, body, coding, tx, timing));
     let mut out = Response::new(Body::from_stream(ReceiverStream::new(rx)));
     *out.status_mut() = parts.status;
     *out.headers_mut() = upstream::response_headers(&parts.headers, false);
     out
 }
 
-/// The pure part of a relay: framing, the adapter's hold-and-release, and the decision
-/// points. Fed upstream bytes, it appends what the agent receives to `out` and stops at each
-/// decision point so the caller can admit the held calls.
+/// The pure part of a relay: decoding, framing, classification, the adapter's
+/// hold-and-release, and the decision points. Fed upstream bytes, it appends what the agent
+/// receives to `out` and stops at each decision point so the caller can admit the held calls.
+///
+/// The rule it keeps (DESIGN.md §9, "upstream"): after the first byte, what reaches `out` is
+/// an event that [`Event::classify`] read and the adapter admitted, a known sentinel
+/// (`[DONE]`, a comment), or — last — the provider-shaped error. An unreadable event, a
+/// structure that does not identify each call uniquely, or anything after the terminal event
+/// breaks the stream ([`Pipeline::broken`]): nothing more is forwarded and
+/// [`Pipeline::finish`] ends it with the error.
 pub struct Pipeline {
+    decoder: upstream::Decoder,
     framer: SseFramer,
     adapter: StreamAdapter,
     queue: VecDeque<SseBlock>,
     splice: Option<Splice>,
     framer_drained: bool,
-    tail: Bytes,
     /// Bytes received while calls were held, and the most that may be (bounded memory).
     held_bytes: usize,
     hold_cap: usize,
     /// The structured / prompted channel check of a text answer (§A), if the request has one.
     channel: Option<ChannelCheck>,
+    /// Why the stream broke, once it did.
+    broken: Option<String>,
     /// Each decision point's emissions and verdicts, in order.
     pub decided: Vec<(Vec<ChoiceEmissions>, Vec<ChoiceVerdict>)>,
 }
@@ -77,17 +92,31 @@ impl Pipeline {
     /// A pipeline for one streamed response to `turn`; `splice` for a repair round.
     pub fn new(turn: &Turn, max_event_bytes: usize, splice: Option<Splice>) -> Self {
         Self {
+            decoder: upstream::Decoder::new(upstream::ContentCoding::Identity),
             framer: SseFramer::new(max_event_bytes),
             adapter: StreamAdapter::new(turn, splice.as_ref()),
             queue: VecDeque::new(),
             splice,
             framer_drained: false,
-            tail: Bytes::new(),
             held_bytes: 0,
             hold_cap: usize::MAX,
             channel: None,
+            broken: None,
             decided: Vec::new(),
         }
+    }
+
+    /// Decodes the upstream bytes as `coding` (its `Content-Encoding`) before framing them;
+    /// every cap applies to the decoded bytes.
+    pub fn with_coding(mut self, coding: upstream::ContentCoding) -> Self {
+        self.decoder = upstream::Decoder::new(coding);
+        self
+    }
+
+    /// Why the stream broke (an unreadable event, an ambiguous or contradicting structure),
+    /// once it did: stop feeding and [`Pipeline::finish`] it.
+    pub fn broken(&self) -> Option<&str> {
+        self.broken.as_deref()
     }
 
     /// Validates the text answer against `spec` before the stream's terminal event is
@@ -116,51 +145,81 @@ impl Pipeline {
             .and_then(|c| c.result.clone().map(|r| (c.spec.channel.as_str(), r)))
     }
 
-    /// Caps what may arrive while tool-call events are held (bytes).
+    /// Caps what may arrive while tool-call events are held (decoded bytes).
     pub fn with_hold_cap(mut self, cap: usize) -> Self {
         self.hold_cap = cap;
         self
     }
 
-    /// Takes the next upstream bytes. Errors: the event-size cap or the hold cap was passed.
+    /// Takes the next upstream bytes. Errors: the body does not decode, or the event-size
+    /// cap or the hold cap was passed (decoded bytes).
     pub fn feed(&mut self, data: &[u8]) -> Result<(), String> {
-        if self.adapter.pending() {
-            self.held_bytes += data.len();
-            if self.held_bytes > self.hold_cap {
-                return Err(format!(
-                    "more than {} bytes arrived while tool calls were held",
-                    self.hold_cap
-                ));
-            }
-        } else {
-            self.held_bytes = 0;
+        if self.broken.is_some() {
+            return Ok(());
         }
-        let blocks = self.framer.push(data).map_err(|e| e.to_string())?;
-        self.queue.extend(blocks);
-        Ok(())
+        let pending = self.adapter.pending();
+        let (framer, queue, held_bytes, hold_cap) = (
+            &mut self.framer,
+            &mut self.queue,
+            &mut self.held_bytes,
+            self.hold_cap,
+        );
+        if !pending {
+            *held_bytes = 0;
+        }
+        let mut sink = |piece: &[u8]| -> Result<(), String> {
+            if pending {
+                *held_bytes = held_bytes.saturating_add(piece.len());
+                if *held_bytes > hold_cap {
+                    return Err(format!(
+                        "more than {hold_cap} bytes arrived while tool calls were held (--max-response-bytes)"
+                    ));
+                }
+            }
+            queue.extend(framer.push(piece).map_err(|e| e.to_string())?);
+            Ok(())
+        };
+        self.decoder.push(data, &mut sink)
     }
 
     /// Processes queued events until a decision point (`Some(round)`: admit it, then
-    /// [`Pipeline::release`]) or until the queue is empty.
+    /// [`Pipeline::release`]) or until the queue is empty or the stream broke.
     pub fn advance(&mut self, out: &mut Vec<Bytes>) -> Option<Vec<ChoiceEmissions>> {
-        while let Some(block) = self.queue.pop_front() {
-            let block = match &self.splice {
-                Some(s) => match s.apply(block) {
-                    Some(b) => b,
+        while self.broken.is_none() {
+            let block = self.queue.pop_front()?;
+            let event = match Event::classify(block) {
+                Ok(e) => e,
+                Err(e) => {
+                    self.broken = Some(e.to_string());
+                    return None;
+                }
+            };
+            let event = match &self.splice {
+                Some(s) => match s.apply(event) {
+                    Some(e) => e,
                     None => continue,
                 },
-                None => block,
+                None => event,
             };
             if let Some(check) = self.channel.as_mut() {
-                check.observe(&block);
-                if check.is_terminal(&block) {
-                    check.terminal = Some(block);
+                check.observe(&event);
+                if check.is_terminal(&event) {
+                    check.terminal = Some(event);
                     continue;
                 }
             }
-            self.adapter.push(block, out);
+            self.adapter.push(event, out);
+            if let Some(why) = self.adapter.violation() {
+                self.broken = Some(format!("the upstream stream broke its structure: {why}"));
+                return None;
+            }
             if self.adapter.ready() {
-                return Some(self.adapter.round());
+                let round = self.adapter.round();
+                if let Err(why) = crate::model::check_identities(&round) {
+                    self.broken = Some(why);
+                    return None;
+                }
+                return Some(round);
             }
         }
         None
@@ -195,11 +254,7 @@ impl Pipeline {
             }
             ChannelVerdict::Invalid { reason, message } => {
                 check.result = Some(reason.to_owned());
-                let code = if reason == "truncated" {
-                    "envelope_truncation_unrecoverable"
-                } else {
-                    "envelope_invalid"
-                };
+                let code = crate::admission::completion::channel_error_code(reason);
                 self.adapter.fail(
                     code,
                     &format!(
@@ -248,9 +303,49 @@ impl Pipeline {
         self.decided.push((round, verdicts));
     }
 
-    /// The upstream body ended (`cut = None`) or failed (`cut = Some(reason)`). Call after
-    /// [`Pipeline::advance`] returned `None`.
+    /// The upstream body ended (`cut = None`) or failed (`cut = Some(reason)`), or the stream
+    /// broke ([`Pipeline::broken`]). Call after [`Pipeline::advance`] returned `None`.
+    ///
+    /// Blocks that only the end of the input completes go through the adapter like any other
+    /// (after the terminal event they break the stream); bytes that never formed a block are
+    /// not an event and are not forwarded.
     pub fn finish(&mut self, cut: Option<String>, out: &mut Vec<Bytes>) -> Finish {
+        if let Some(reason) = self.broken.clone() {
+            self.adapter.cut(&reason, out);
+            return Finish::Ended("failed", Some(reason));
+        }
+        if cut.is_none() && !self.framer_drained {
+            self.framer_drained = true;
+            let mut queue = std::mem::take(&mut self.queue);
+            let (framer, broken) = (&mut self.framer, &mut self.broken);
+            let mut sink = |piece: &[u8]| -> Result<(), String> {
+                queue.extend(framer.push(piece).map_err(|e| e.to_string())?);
+                Ok(())
+            };
+            if let Err(why) = self.decoder.finish(&mut sink) {
+                *broken = Some(why);
+            }
+            let (blocks, rest) = self.framer.finish();
+            queue.extend(blocks);
+            self.queue = queue;
+            if !rest.iter().all(u8::is_ascii_whitespace) {
+                tracing::debug!(
+                    bytes = rest.len(),
+                    "the upstream stream ended inside an event; its bytes are not forwarded"
+                );
+            }
+        }
+        if cut.is_none() {
+            // Whatever is still queued (after a decision point, or completed by the end of
+            // the input) goes through the adapter.
+            if let Some(round) = self.advance(out) {
+                return Finish::Decide(round);
+            }
+            if let Some(reason) = self.broken.clone() {
+                self.adapter.cut(&reason, out);
+                return Finish::Ended("failed", Some(reason));
+            }
+        }
         if cut.is_none()
             && self.channel.as_ref().is_some_and(|c| c.terminal.is_some())
             && !self.adapter.pending()
@@ -266,14 +361,6 @@ impl Pipeline {
                 if self.adapter.pending() {
                     return Finish::Decide(self.adapter.round());
                 }
-                let (blocks, rest) = self.framer.finish();
-                // Completed only by the end of input after the terminal event: unchanged bytes.
-                out.extend(blocks.into_iter().map(|b| b.raw));
-                for r in [std::mem::take(&mut self.tail), rest] {
-                    if !r.is_empty() {
-                        out.push(r);
-                    }
-                }
                 if self.adapter.failed() {
                     Finish::Ended(
                         "upstream_error",
@@ -282,17 +369,6 @@ impl Pipeline {
                 } else {
                     Finish::Ended("ok", None)
                 }
-            }
-            None if !self.framer_drained => {
-                // Blocks only the end of input completes go through the adapter first.
-                self.framer_drained = true;
-                let (blocks, rest) = self.framer.finish();
-                self.queue.extend(blocks);
-                self.tail = rest;
-                if let Some(round) = self.advance(out) {
-                    return Finish::Decide(round);
-                }
-                self.finish(None, out)
             }
             None => {
                 self.adapter
@@ -315,8 +391,15 @@ impl Pipeline {
     }
 
     /// The provider-stored response this stream produced (Responses only), for the journal.
+    /// A broken stream's response is recorded without a final status, so a request that
+    /// continues it is untrusted (the chain rule's `not_completed`).
     pub fn response_link(&self) -> Option<crate::model::ResponseLink> {
-        self.adapter.response_link()
+        self.adapter.response_link().map(|mut link| {
+            if self.broken.is_some() {
+                link.status = None;
+            }
+            link
+        })
     }
 
     /// Journal rows for every call: decided ones with their verdicts, calls still held when
@@ -344,7 +427,7 @@ struct ChannelCheck {
     spec: ChannelSpec,
     schemas: std::sync::Arc<SchemaCache>,
     text: String,
-    terminal: Option<SseBlock>,
+    terminal: Option<Event>,
     result: Option<String>,
 }
 
@@ -354,27 +437,22 @@ const MAX_CHANNEL_TEXT: usize = 1 << 20;
 impl ChannelCheck {
     /// Accumulates answer text from Chat `delta.content`, Messages `text_delta` and
     /// Responses `response.output_text.delta` events.
-    fn observe(&mut self, block: &SseBlock) {
-        let Some(v) = block
-            .data
-            .as_deref()
-            .and_then(|d| serde_json::from_str::<serde_json::Value>(d).ok())
-        else {
+    fn observe(&mut self, event: &Event) {
+        let Some(v) = event.json() else {
             return;
         };
         let piece = v
             .pointer("/choices/0/delta/content")
-            .and_then(serde_json::Value::as_str)
+            .and_then(Value::as_str)
             .or_else(|| {
-                (v.pointer("/delta/type").and_then(serde_json::Value::as_str) == Some("text_delta"))
-                    .then(|| v.pointer("/delta/text").and_then(serde_json::Value::as_str))
+                (v.pointer("/delta/type").and_then(Value::as_str) == Some("text_delta"))
+                    .then(|| v.pointer("/delta/text").and_then(Value::as_str))
                     .flatten()
             })
             .or_else(|| {
-                (v.get("type").and_then(serde_json::Value::as_str)
-                    == Some("response.output_text.delta"))
-                .then(|| v.get("delta").and_then(serde_json::Value::as_str))
-                .flatten()
+                (event.kind() == Some("response.output_text.delta"))
+                    .then(|| v.get("delta").and_then(Value::as_str))
+                    .flatten()
             });
         if let Some(p) = piece {
             if self.text.len() + p.len() <= MAX_CHANNEL_TEXT {
@@ -384,22 +462,14 @@ impl ChannelCheck {
     }
 
     /// The event that ends a response: Chat `[DONE]`, Messages `message_stop`, Responses
-    /// `response.completed` / `response.incomplete`.
-    fn is_terminal(&self, block: &SseBlock) -> bool {
-        let data = block.data.as_deref().unwrap_or_default().trim();
-        data == "[DONE]"
+    /// `response.completed` / `response.incomplete` (by the data's `type`, which the adapters
+    /// require to agree with the `event:` line).
+    fn is_terminal(&self, event: &Event) -> bool {
+        matches!(event.payload, Payload::Done)
             || matches!(
-                block.event.as_deref(),
+                event.kind(),
                 Some("message_stop" | "response.completed" | "response.incomplete")
             )
-            || serde_json::from_str::<serde_json::Value>(data)
-                .ok()
-                .is_some_and(|v| {
-                    matches!(
-                        v.get("type").and_then(serde_json::Value::as_str),
-                        Some("message_stop" | "response.completed" | "response.incomplete")
-                    )
-                })
     }
 }
 
@@ -467,6 +537,7 @@ async fn run(
     mut session: Session,
     mut base: RoundBase,
     mut body: Incoming,
+    mut coding: upstream::ContentCoding,
     tx: mpsc::Sender<Result<Bytes, Infallible>>,
     timing: Option<Arc<crate::edge::Timing>>,
 ) {
@@ -488,6 +559,7 @@ async fn run(
     loop {
         let mut pipeline =
             Pipeline::new(&session.turn, session.state.config.max_event_bytes, splice)
+                .with_coding(coding)
                 .with_hold_cap(session.state.config.max_response_bytes)
                 .with_channel(
                     session.channel.clone(),
@@ -533,11 +605,24 @@ async fn run(
         session.body = next;
         session.count_repair();
         let mut out = Vec::new();
-        match session.send().await {
-            Ok(resp) if resp.status().is_success() && super::is_event_stream(resp.headers()) => {
+        let sent = session.send().await;
+        let next_coding = sent
+            .as_ref()
+            .ok()
+            .map(|r| upstream::content_coding(r.headers()));
+        match sent {
+            Ok(resp)
+                if resp.status().is_success()
+                    && super::is_event_stream(resp.headers())
+                    && matches!(next_coding, Some(Ok(_))) =>
+            {
                 base = session.base(resp.status().as_u16());
                 body = resp.into_body();
                 splice = Some(how);
+                coding = match next_coding {
+                    Some(Ok(c)) => c,
+                    _ => upstream::ContentCoding::Identity,
+                };
             }
             Ok(resp) => {
                 let status = resp.status().as_u16();
@@ -550,7 +635,9 @@ async fn run(
                     .take(80)
                     .collect::<String>();
                 count(&session, "repair_round_failed");
-                let why = if resp.status().is_success() {
+                let why = if let Some(Err(e)) = &next_coding {
+                    e.clone()
+                } else if resp.status().is_success() {
                     format!("the repair round's answer is not an event stream (HTTP {status}, content-type {content_type})")
                 } else {
                     format!("the repair round failed upstream with HTTP {status}")
@@ -703,6 +790,11 @@ async fn read_round(
                 }
                 Next::Gone => return RoundEnd::ClientGone,
             }
+        }
+        if let Some(why) = pipeline.broken() {
+            // Nothing more of this upstream body is read or forwarded: `finish` ends the
+            // agent's stream with the provider-shaped error.
+            break Some(why.to_owned());
         }
         if !agent.send_all(&mut out).await {
             return RoundEnd::ClientGone;
@@ -865,4 +957,45 @@ fn count(session: &Session, reason: &str) {
             reason: reason.to_owned(),
         })
         .inc();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn a_gzip_stream_is_decoded_to_its_end() {
+        let turn = crate::provider::parse_request(
+            crate::model::Api::OpenAiChat,
+            &serde_json::json!({"model": "m", "stream": true, "messages": []}),
+        )
+        .unwrap();
+        let sse = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"finish_reason\":null}]}\n\ndata: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        enc.write_all(sse).unwrap();
+        let coded = enc.finish().unwrap();
+        let mut p = Pipeline::new(&turn, 1 << 20, None).with_coding(upstream::ContentCoding::Gzip);
+        let mut out = Vec::new();
+        // Split as the mock provider serves a file: by what looks like SSE blocks.
+        let mut f = SseFramer::new(usize::MAX);
+        let mut pieces: Vec<Bytes> = f.push(&coded).unwrap().into_iter().map(|b| b.raw).collect();
+        let (blocks, rest) = f.finish();
+        pieces.extend(blocks.into_iter().map(|b| b.raw));
+        pieces.push(rest);
+        eprintln!("{} pieces", pieces.len());
+        for piece in pieces {
+            p.feed(&piece).unwrap();
+            assert!(p.advance(&mut out).is_none());
+        }
+        assert!(matches!(
+            p.finish(None, &mut out),
+            Finish::Ended("ok", None)
+        ));
+        let joined: Vec<u8> = out.iter().flat_map(|b| b.to_vec()).collect();
+        assert_eq!(
+            String::from_utf8_lossy(&joined),
+            String::from_utf8_lossy(sse)
+        );
+    }
 }

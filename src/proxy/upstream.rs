@@ -100,7 +100,8 @@ pub fn request_headers(incoming: &HeaderMap, parse_response: bool) -> HeaderMap 
 }
 
 /// The upstream's response headers as sent to the agent: hop-by-hop fields removed, and
-/// `content-length` removed when the body may change.
+/// `content-length` and `content-encoding` removed when the body may change (turnguard parsed
+/// it, decoded when it was coded: the agent gets identity bytes).
 pub fn response_headers(upstream: &HeaderMap, keep_length: bool) -> HeaderMap {
     let listed = connection_listed(upstream);
     let mut out = HeaderMap::with_capacity(upstream.len());
@@ -108,7 +109,7 @@ pub fn response_headers(upstream: &HeaderMap, keep_length: bool) -> HeaderMap {
         let n = name.as_str();
         if is_hop_by_hop(name)
             || listed.iter().any(|l| l == n)
-            || (!keep_length && n == "content-length")
+            || (!keep_length && (n == "content-length" || n == "content-encoding"))
         {
             continue;
         }
@@ -193,4 +194,255 @@ pub async fn send(
         })
         .observe(started.elapsed().as_secs_f64());
     Ok(resp)
+}
+
+/// The `Content-Encoding` of an upstream body turnguard parses. turnguard asks for
+/// `identity`, but an upstream (or a box in front of it) may compress anyway; a body is
+/// classified only after it is decoded, and the size caps apply to the decoded bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContentCoding {
+    /// No coding (absent or `identity`).
+    Identity,
+    /// `gzip` / `x-gzip` (RFC 9110 §8.4.1.3; multi-member streams included).
+    Gzip,
+    /// `deflate`: the zlib format (RFC 9110 §8.4.1.2).
+    Deflate,
+}
+
+/// Reads the `Content-Encoding` of a response turnguard will parse.
+///
+/// Errors: any other coding (`br`, `zstd`, a stack of codings …): turnguard cannot read the
+/// body, so it refuses it (502) rather than relay bytes it did not classify.
+pub fn content_coding(headers: &HeaderMap) -> Result<ContentCoding, String> {
+    let mut codings = Vec::new();
+    for v in headers.get_all(header::CONTENT_ENCODING) {
+        let v = v
+            .to_str()
+            .map_err(|_| "a Content-Encoding that is not ASCII".to_owned())?;
+        codings.extend(
+            v.split(',')
+                .map(|c| c.trim().to_ascii_lowercase())
+                .filter(|c| !c.is_empty() && c != "identity"),
+        );
+    }
+    match codings.as_slice() {
+        [] => Ok(ContentCoding::Identity),
+        [one] if one == "gzip" || one == "x-gzip" => Ok(ContentCoding::Gzip),
+        [one] if one == "deflate" => Ok(ContentCoding::Deflate),
+        other => Err(format!(
+            "the upstream answered with Content-Encoding `{}`, which turnguard cannot decode (it asks for identity; gzip and deflate are decoded)",
+            other
+                .join(", ")
+                .chars()
+                .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | ',' | ' ' | '_'))
+                .take(80)
+                .collect::<String>()
+        )),
+    }
+}
+
+/// Compressed bytes fed to the decoder at a time: at most ~1032× this comes out of one step
+/// (deflate's largest ratio), so a compression bomb never expands unchecked.
+const DECODE_STEP: usize = 1024;
+
+/// An incremental decoder for one body (flate2).
+pub struct Decoder {
+    inner: DecoderInner,
+}
+
+enum DecoderInner {
+    Identity,
+    Gzip(Box<flate2::write::MultiGzDecoder<Vec<u8>>>),
+    Deflate(Box<flate2::write::ZlibDecoder<Vec<u8>>>),
+}
+
+impl std::fmt::Debug for Decoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.inner {
+            DecoderInner::Identity => "identity",
+            DecoderInner::Gzip(_) => "gzip",
+            DecoderInner::Deflate(_) => "deflate",
+        };
+        f.debug_struct("Decoder").field("coding", &kind).finish()
+    }
+}
+
+impl Decoder {
+    /// A decoder for `coding`.
+    pub fn new(coding: ContentCoding) -> Self {
+        let inner = match coding {
+            ContentCoding::Identity => DecoderInner::Identity,
+            ContentCoding::Gzip => {
+                DecoderInner::Gzip(Box::new(flate2::write::MultiGzDecoder::new(Vec::new())))
+            }
+            ContentCoding::Deflate => {
+                DecoderInner::Deflate(Box::new(flate2::write::ZlibDecoder::new(Vec::new())))
+            }
+        };
+        Self { inner }
+    }
+
+    /// Decodes `data`, handing the decoded bytes to `sink` in pieces (each from at most
+    /// [`DECODE_STEP`] compressed bytes), so the caller bounds what it keeps.
+    ///
+    /// Errors: the bytes are not valid for the coding, or `sink` refused a piece.
+    pub fn push(
+        &mut self,
+        data: &[u8],
+        sink: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+    ) -> Result<(), String> {
+        use std::io::Write;
+        match &mut self.inner {
+            DecoderInner::Identity => sink(data),
+            DecoderInner::Gzip(d) => {
+                for piece in data.chunks(DECODE_STEP) {
+                    d.write_all(piece)
+                        .map_err(|e| format!("the gzip body does not decode: {e}"))?;
+                    let out = std::mem::take(d.get_mut());
+                    if !out.is_empty() {
+                        sink(&out)?;
+                    }
+                }
+                Ok(())
+            }
+            DecoderInner::Deflate(d) => {
+                for piece in data.chunks(DECODE_STEP) {
+                    d.write_all(piece)
+                        .map_err(|e| format!("the deflate body does not decode: {e}"))?;
+                    let out = std::mem::take(d.get_mut());
+                    if !out.is_empty() {
+                        sink(&out)?;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The end of the body: the decoded bytes still buffered.
+    ///
+    /// Errors: the coded stream is not complete.
+    pub fn finish(
+        &mut self,
+        sink: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+    ) -> Result<(), String> {
+        match &mut self.inner {
+            DecoderInner::Identity => Ok(()),
+            DecoderInner::Gzip(d) => {
+                d.try_finish()
+                    .map_err(|e| format!("the gzip body ends early: {e}"))?;
+                let out = std::mem::take(d.get_mut());
+                if out.is_empty() {
+                    Ok(())
+                } else {
+                    sink(&out)
+                }
+            }
+            DecoderInner::Deflate(d) => {
+                d.try_finish()
+                    .map_err(|e| format!("the deflate body ends early: {e}"))?;
+                let out = std::mem::take(d.get_mut());
+                if out.is_empty() {
+                    Ok(())
+                } else {
+                    sink(&out)
+                }
+            }
+        }
+    }
+}
+
+/// Decodes a whole (capped) non-stream body; the cap applies to the decoded bytes.
+///
+/// Errors: the body does not decode, or decodes to more than `cap` bytes (the error names the
+/// cap and its flag, `--max-response-bytes`).
+pub fn decode_body(coding: ContentCoding, body: Bytes, cap: usize) -> Result<Bytes, String> {
+    if coding == ContentCoding::Identity {
+        return Ok(body);
+    }
+    let mut decoder = Decoder::new(coding);
+    let mut out: Vec<u8> = Vec::new();
+    let mut sink = |piece: &[u8]| {
+        if out.len() + piece.len() > cap {
+            return Err(format!(
+                "the decoded response body exceeds the {cap}-byte limit (--max-response-bytes)"
+            ));
+        }
+        out.extend_from_slice(piece);
+        Ok(())
+    };
+    decoder.push(&body, &mut sink)?;
+    decoder.finish(&mut sink)?;
+    Ok(Bytes::from(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn gzip(bytes: &[u8]) -> Vec<u8> {
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        enc.write_all(bytes).unwrap();
+        enc.finish().unwrap()
+    }
+
+    #[test]
+    fn coded_bodies_decode_in_pieces_and_whole() {
+        let text: Vec<u8> = (0..50_000u32)
+            .flat_map(|i| format!("data: {i}\n\n").into_bytes())
+            .collect();
+        for (coding, coded) in [
+            (ContentCoding::Gzip, gzip(&text)),
+            (ContentCoding::Deflate, {
+                let mut enc =
+                    flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+                enc.write_all(&text).unwrap();
+                enc.finish().unwrap()
+            }),
+        ] {
+            assert_eq!(
+                &decode_body(coding, Bytes::from(coded.clone()), usize::MAX).unwrap()[..],
+                &text[..]
+            );
+            assert!(
+                decode_body(coding, Bytes::from(coded.clone()), 1000).is_err(),
+                "the cap applies to decoded bytes"
+            );
+            let mut d = Decoder::new(coding);
+            let mut out = Vec::new();
+            for piece in coded.chunks(7) {
+                d.push(piece, &mut |p| {
+                    out.extend_from_slice(p);
+                    Ok(())
+                })
+                .unwrap();
+            }
+            d.finish(&mut |p| {
+                out.extend_from_slice(p);
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(out, text);
+        }
+    }
+
+    #[test]
+    fn only_identity_gzip_and_deflate_are_read() {
+        let h = |v: &str| {
+            let mut m = HeaderMap::new();
+            m.insert(header::CONTENT_ENCODING, HeaderValue::from_str(v).unwrap());
+            content_coding(&m)
+        };
+        assert_eq!(
+            content_coding(&HeaderMap::new()),
+            Ok(ContentCoding::Identity)
+        );
+        assert_eq!(h("identity"), Ok(ContentCoding::Identity));
+        assert_eq!(h("GZIP"), Ok(ContentCoding::Gzip));
+        assert_eq!(h("deflate"), Ok(ContentCoding::Deflate));
+        for bad in ["br", "zstd", "gzip, gzip", "compress"] {
+            assert!(h(bad).is_err(), "{bad}");
+        }
+    }
 }

@@ -46,7 +46,8 @@ fn turn(api: Api) -> Turn {
         include_usage: true,
         round_index: 0,
         prior_calls: Vec::new(),
-        provider_output_seen: false,
+        untrusted_inputs: Vec::new(),
+        usage_for_turnguard: false,
         previous_response_id: None,
         provider_delegations: Vec::new(),
     }

@@ -1,0 +1,131 @@
+//! Lints the compiler and clippy cannot express, run as unit tests over the crate's own
+//! source (issue 11: "no indexing that can panic on bytes from outside").
+//!
+//! Indexing a `serde_json::Value` with a key (`v["delta"]`) reads `Null` when the key is
+//! missing, but writing through it (`v["delta"]["stop_reason"] = …`) panics when `v` is an
+//! array, a string, a number or a bool, and indexing a map with a missing key
+//! (`map[&key]`) panics always. A panic in the relay task kills it before the round is
+//! journaled. Clippy cannot see operator indexing on `Value`, so this test scans the
+//! non-test part of every file under `src/` for an index by a string literal (`x["…"]`)
+//! or by a reference (`x[&…]`), and fails when a file has more than its baseline. Use
+//! `.get()`, `.get_mut()`, `.pointer()`, or insert into `as_object_mut()`.
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::path::Path;
+
+    /// Files that still index turnguard's *own* JSON (built with `json!` or read back from
+    /// its journal, never upstream or agent bytes), by count. The count may only go down;
+    /// every other file must have none.
+    const BASELINE: [(&str, usize); 7] = [
+        ("src/admin.rs", 6),
+        ("src/approvals.rs", 11),
+        ("src/error.rs", 6),
+        ("src/journal/interrupts.rs", 2),
+        ("src/journal/mod.rs", 2),
+        ("src/journal/reader.rs", 2),
+        ("src/policy/rules.rs", 2),
+    ];
+
+    /// The code of a file before its test module, without comments and raw strings.
+    fn code_of(text: &str) -> String {
+        let text = text.split("#[cfg(test)]").next().unwrap_or_default();
+        let mut out = String::with_capacity(text.len());
+        let mut rest = text;
+        // Raw strings (`r#"…"#`, regexes) may hold `["` as data.
+        while let Some(start) = rest.find("r#\"") {
+            out.push_str(&rest[..start]);
+            rest = rest[start + 3..]
+                .split_once("\"#")
+                .map_or("", |(_, after)| after);
+        }
+        out.push_str(rest);
+        out.lines()
+            .map(|l| l.split("//").next().unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Occurrences of an index by a string literal or by a reference: `x["`, `)["`, `]["`,
+    /// `x[&` (rustfmt never puts a space between an expression and its index).
+    fn indexings(code: &str) -> Vec<String> {
+        let bytes = code.as_bytes();
+        let mut found = Vec::new();
+        for (i, w) in bytes.windows(2).enumerate() {
+            let opens = w[0] == b'[' && (w[1] == b'"' || w[1] == b'&');
+            let before = i.checked_sub(1).and_then(|j| bytes.get(j)).copied();
+            let indexes = before
+                .is_some_and(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b')' | b']'));
+            if opens && indexes {
+                let line_start = code[..i].rfind('\n').map_or(0, |p| p + 1);
+                let line_end = code[i..].find('\n').map_or(code.len(), |p| i + p);
+                found.push(code[line_start..line_end].trim().to_owned());
+            }
+        }
+        found
+    }
+
+    fn rs_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let p = entry.path();
+            if p.is_dir() {
+                rs_files(&p, out);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                out.push(p);
+            }
+        }
+    }
+
+    #[test]
+    fn no_key_indexing_outside_the_baseline() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut files = Vec::new();
+        rs_files(&root.join("src"), &mut files);
+        assert!(files.len() > 20, "the scan found the source tree");
+        let baseline: BTreeMap<&str, usize> = BASELINE.into_iter().collect();
+        let mut failures = Vec::new();
+        for path in files {
+            let rel = path
+                .strip_prefix(root)
+                .map(|p| p.to_string_lossy().replace('\\', "/"))
+                .unwrap_or_default();
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let found = indexings(&code_of(&text));
+            let allowed = baseline.get(rel.as_str()).copied().unwrap_or(0);
+            if found.len() > allowed {
+                failures.push(format!(
+                    "{rel}: {} key indexing(s), {allowed} allowed:\n  {}",
+                    found.len(),
+                    found.join("\n  ")
+                ));
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    #[test]
+    fn the_scan_sees_what_it_must_and_nothing_else() {
+        let bad = [
+            r#"v["delta"]["stop_reason"] = json!("end_turn");"#,
+            r#"let acc = &self.choices[&index];"#,
+            r#"e["function"]["arguments"] = json!(args);"#,
+            r#"f(x)["k"]"#,
+        ];
+        for b in bad {
+            assert!(!indexings(&code_of(b)).is_empty(), "missed: {b}");
+        }
+        let fine = [
+            r#"const A: [&str; 2] = ["a", "b"];"#,
+            r#"for x in ["a", "b"] {}"#,
+            r#"json!({"k": ["a"]})"#,
+            r##"let r = regex(r#"key["'\s]"#);"##,
+            "// v[\"x\"] in a comment",
+            r#"matches!(v, ["a", ..])"#,
+            r#"&buf[..]"#,
+        ];
+        for f in fine {
+            assert!(indexings(&code_of(f)).is_empty(), "false positive: {f}");
+        }
+    }
+}
