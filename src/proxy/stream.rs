@@ -128,7 +128,7 @@ impl Pipeline {
             self.held_bytes += data.len();
             if self.held_bytes > self.hold_cap {
                 return Err(format!(
-                    "more than {} bytes arrived while tool calls were held",
+                    "more than {} bytes arrived while tool calls were held (max_response_bytes; raise it with --max-response-bytes)",
                     self.hold_cap
                 ));
             }

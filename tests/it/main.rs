@@ -8,6 +8,7 @@ mod attacks;
 mod channels;
 mod crash_recovery;
 mod deploy_files;
+mod faults;
 mod field_inputs;
 mod ops_edge;
 mod ops_shutdown;

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde_json::{json, Value};
-use support::{fixtures, get, own_fixtures, post_raw, Harness};
+use support::{fixtures, own_fixtures, post_raw, Harness};
 use turnguard::mock_provider::Script;
 
 const BUNDLE: &str = "policy-run";
@@ -328,7 +328,7 @@ fn effect_rows(h: &Harness, run: &str) -> Vec<(String, String, String, String, i
 }
 
 async fn admin_json(h: &Harness, path: &str) -> Value {
-    let (status, body) = get(&format!("{}{path}", h.admin_url())).await;
+    let (status, body) = h.admin_get(path).await;
     assert_eq!(status, 200, "{path}: {}", String::from_utf8_lossy(&body));
     serde_json::from_slice(&body).unwrap()
 }

@@ -7,6 +7,8 @@
     clippy::disallowed_methods
 )] // test code
 
+pub mod faulty;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -18,6 +20,10 @@ use serde_json::Value;
 use turnguard::config::{Config, ServeArgs};
 use turnguard::mock_provider::{self, MockHandle, Script};
 use turnguard::server::{self, Running};
+
+/// The admin token every harness is started with (`admin_token_file`): run data on the admin
+/// plane needs it (or a verified person's bearer token).
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789abcdef";
 
 /// A running pair: the mock provider and turnguard in front of it.
 pub struct Harness {
@@ -42,6 +48,17 @@ impl Harness {
     /// The journal file.
     pub fn journal(&self) -> PathBuf {
         self.dir.path().join("journal.db")
+    }
+    /// `GET` an admin-plane path with the admin token; returns status and body.
+    pub async fn admin_get(&self, path: &str) -> (u16, Bytes) {
+        let (status, _, body) = call(
+            "GET",
+            &format!("{}{path}", self.admin_url()),
+            &[("authorization", format!("Bearer {ADMIN_TOKEN}"))],
+            None,
+        )
+        .await;
+        (status, body)
     }
     /// Replaces the mock's script.
     pub async fn script(&self, script: &Value) {
@@ -98,7 +115,10 @@ pub async fn start_with(script: Script, tweak: impl FnOnce(&mut Config)) -> Harn
         ],
         ..Default::default()
     };
+    let token = dir.path().join("admin.token");
+    std::fs::write(&token, ADMIN_TOKEN).expect("admin token file");
     let mut config = Config::resolve(&flags, &|_| None).expect("config");
+    config.admin_token_file = Some(token);
     tweak(&mut config);
     let tg = server::start(config).await.expect("turnguard starts");
     Harness { tg, mock, dir }
