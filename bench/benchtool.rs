@@ -423,7 +423,10 @@ mod soak {
                 call("get_weather", json!({"location": 5}))
             }
         } else if has(b"SOAK:held") {
-            call("send_email", json!({"to": "boss@example.com", "subject": "invoices", "body": "forwarding"}))
+            call(
+                "send_email",
+                json!({"to": "boss@example.com", "subject": "invoices", "body": "forwarding"}),
+            )
         } else if has(b"SOAK:replay") {
             json!({"id": "chatcmpl-soak", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
                 "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "recorded answer"}}]})
@@ -448,7 +451,8 @@ mod soak {
                 self.unexpected.fetch_add(1, Ordering::Relaxed);
             }
             if let Ok(mut m) = self.outcomes.lock() {
-                *m.entry((scenario.to_owned(), outcome.to_owned())).or_default() += 1;
+                *m.entry((scenario.to_owned(), outcome.to_owned()))
+                    .or_default() += 1;
             }
         }
         fn json(&self) -> Value {
@@ -567,8 +571,19 @@ mod soak {
                 }
             }
             "repair" => {
-                match exchange(ctx, "POST", &url, &auth, Some(&weather_request(false, "SOAK:repair"))).await {
-                    Ok((200, b)) if released(&b, "get_weather") && String::from_utf8_lossy(&b).contains("Paris") => {
+                match exchange(
+                    ctx,
+                    "POST",
+                    &url,
+                    &auth,
+                    Some(&weather_request(false, "SOAK:repair")),
+                )
+                .await
+                {
+                    Ok((200, b))
+                        if released(&b, "get_weather")
+                            && String::from_utf8_lossy(&b).contains("Paris") =>
+                    {
                         "repaired".into()
                     }
                     Ok((s, _)) => format!("unexpected {s}"),
@@ -585,14 +600,19 @@ mod soak {
                 match exchange(ctx, "POST", &url, &headers, Some(&held_request())).await {
                     Ok((200, b)) if released(&b, "send_email") => "approved".into(),
                     // Rejected: the call is refused and the turn ends (`refused = "end-turn"`).
-                    Ok((200, b)) if !String::from_utf8_lossy(&b).contains("call_send_email") => "rejected".into(),
+                    Ok((200, b)) if !String::from_utf8_lossy(&b).contains("call_send_email") => {
+                        "rejected".into()
+                    }
                     Ok((s, _)) => format!("unexpected {s}"),
                     Err(e) => format!("unexpected {e}"),
                 }
             }
             "replay" => {
                 let run = format!("soak-replay-{agent}-{n}");
-                let live = [("authorization", "Bearer sk-soak"), ("turnguard-run", run.as_str())];
+                let live = [
+                    ("authorization", "Bearer sk-soak"),
+                    ("turnguard-run", run.as_str()),
+                ];
                 let body = weather_request(false, "SOAK:replay");
                 let first = exchange(ctx, "POST", &url, &live, Some(&body)).await;
                 let replay = [
@@ -616,14 +636,25 @@ mod soak {
         let bearer = format!("Bearer {}", ctx.approver_token);
         let mut flip = 0u64;
         while Instant::now() < until + Duration::from_secs(5) {
-            let list = exchange(&ctx, "GET", &format!("{}/approvals", ctx.admin), &[("authorization", bearer.as_str())], None).await;
+            let list = exchange(
+                &ctx,
+                "GET",
+                &format!("{}/approvals", ctx.admin),
+                &[("authorization", bearer.as_str())],
+                None,
+            )
+            .await;
             let ids: Vec<String> = match list {
                 Ok((200, b)) => serde_json::from_slice::<Value>(&b)
                     .ok()
                     .and_then(|v| v.get("approvals").and_then(Value::as_array).cloned())
                     .unwrap_or_default()
                     .iter()
-                    .filter_map(|a| a.get("interruptId").and_then(Value::as_str).map(str::to_owned))
+                    .filter_map(|a| {
+                        a.get("interruptId")
+                            .and_then(Value::as_str)
+                            .map(str::to_owned)
+                    })
                     .collect(),
                 _ => Vec::new(),
             };
@@ -631,7 +662,14 @@ mod soak {
                 flip += 1;
                 let action = if flip % 2 == 0 { "accept" } else { "reject" };
                 let body = json!({"resumeValue": {"action": action, "feedback": "soak"}});
-                let _ = exchange(&ctx, "POST", &format!("{}/approvals/{id}", ctx.admin), &[("authorization", bearer.as_str())], Some(&body)).await;
+                let _ = exchange(
+                    &ctx,
+                    "POST",
+                    &format!("{}/approvals/{id}", ctx.admin),
+                    &[("authorization", bearer.as_str())],
+                    Some(&body),
+                )
+                .await;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

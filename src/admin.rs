@@ -103,9 +103,7 @@ impl AdminToken {
     ///
     /// Errors: [`crate::server::StartError::AdminToken`] when the file cannot be read or the
     /// token is shorter than 16 characters.
-    pub fn load(
-        file: Option<&std::path::Path>,
-    ) -> Result<Option<Self>, crate::server::StartError> {
+    pub fn load(file: Option<&std::path::Path>) -> Result<Option<Self>, crate::server::StartError> {
         let Some(file) = file else { return Ok(None) };
         let err = |reason: String| crate::server::StartError::AdminToken {
             file: file.display().to_string(),
@@ -144,7 +142,10 @@ fn run_reader(s: &AppState, headers: &http::HeaderMap) -> Result<(), Response> {
     let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
         .map(str::trim);
     if let (Some(token), Some(admin)) = (bearer, &s.admin_token) {
         if admin.matches(token) {

@@ -87,9 +87,9 @@ where
         fired: Arc::clone(&fired),
     };
     match read_capped(timed, limit).await {
-        Err(BodyError::Read(_)) if fired.get().is_some() => {
-            Err(BodyError::TimedOut(fired.get().copied().unwrap_or(TimedOut::Deadline(within))))
-        }
+        Err(BodyError::Read(_)) if fired.get().is_some() => Err(BodyError::TimedOut(
+            fired.get().copied().unwrap_or(TimedOut::Deadline(within)),
+        )),
         other => other,
     }
 }
@@ -186,7 +186,9 @@ mod tests {
     #[tokio::test]
     async fn a_stalled_body_fails_at_the_idle_deadline_and_a_slow_one_at_the_whole() {
         let (tx, body) = channel();
-        tx.send(Ok(Frame::data(Bytes::from_static(b"{")))).await.unwrap();
+        tx.send(Ok(Frame::data(Bytes::from_static(b"{"))))
+            .await
+            .unwrap();
         let err = read_capped_within(
             body,
             1024,
@@ -195,11 +197,18 @@ mod tests {
         )
         .await
         .unwrap_err();
-        assert!(matches!(err, BodyError::TimedOut(TimedOut::Idle(_))), "{err}");
+        assert!(
+            matches!(err, BodyError::TimedOut(TimedOut::Idle(_))),
+            "{err}"
+        );
 
         let (tx, body) = channel();
         let feeder = tokio::spawn(async move {
-            while tx.send(Ok(Frame::data(Bytes::from_static(b" ")))).await.is_ok() {
+            while tx
+                .send(Ok(Frame::data(Bytes::from_static(b" "))))
+                .await
+                .is_ok()
+            {
                 tokio::time::sleep(Duration::from_millis(30)).await;
             }
         });

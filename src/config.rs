@@ -713,7 +713,12 @@ impl Config {
             ms_env
         );
         number!(max_connections, "TURNGUARD_MAX_CONNECTIONS", size, size_env);
-        number!(max_schema_bytes, "TURNGUARD_MAX_SCHEMA_BYTES", size, size_env);
+        number!(
+            max_schema_bytes,
+            "TURNGUARD_MAX_SCHEMA_BYTES",
+            size,
+            size_env
+        );
         number!(
             max_schema_cache_bytes,
             "TURNGUARD_MAX_SCHEMA_CACHE_BYTES",
@@ -755,9 +760,9 @@ impl Config {
             Vec::new()
         };
         for (pair, src) in pairs {
-            let (name, url) = pair
-                .split_once('=')
-                .ok_or_else(|| value_err(src, format!("`{}` is not NAME=URL", redact_url(&pair))))?;
+            let (name, url) = pair.split_once('=').ok_or_else(|| {
+                value_err(src, format!("`{}` is not NAME=URL", redact_url(&pair)))
+            })?;
             let u = Upstream::parse(url).map_err(|r| value_err(src, r))?;
             c.upstreams.insert(name.to_owned(), u);
         }
@@ -925,6 +930,91 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("t.toml") && err.contains("listne"), "{err}");
+    }
+
+    /// The defaults the READMEs state (README.md's flags table, deploy/README.md's settings)
+    /// are the ones in code.
+    #[test]
+    fn readme_defaults_are_the_code_defaults() {
+        let d = Config::default();
+        let n = |v: usize| v as u64;
+        let expected: BTreeMap<&str, u64> = [
+            ("--max-body-bytes", n(d.max_body_bytes)),
+            ("--max-response-bytes", n(d.max_response_bytes)),
+            ("--max-event-bytes", n(d.max_event_bytes)),
+            ("--max-schema-bytes", n(d.max_schema_bytes)),
+            ("--max-schema-cache-bytes", n(d.max_schema_cache_bytes)),
+            ("--journal-max-record-bytes", n(d.journal_max_record_bytes)),
+            (
+                "--upstream-connect-timeout-ms",
+                d.upstream_connect_timeout_ms,
+            ),
+            (
+                "--upstream-response-timeout-ms",
+                d.upstream_response_timeout_ms,
+            ),
+            ("--upstream-idle-timeout-ms", d.upstream_idle_timeout_ms),
+            ("--header-read-timeout-ms", d.header_read_timeout_ms),
+            ("--body-read-timeout-ms", d.body_read_timeout_ms),
+            ("--max-connections", n(d.max_connections)),
+            ("--journal-busy-timeout-ms", d.journal_busy_timeout_ms),
+            ("--max-concurrent-requests", n(d.max_concurrent_requests)),
+            ("--shed-retry-after-s", d.shed_retry_after_s),
+            ("--shutdown-delay-ms", d.shutdown_delay_ms),
+            ("--shutdown-grace-ms", d.shutdown_grace_ms),
+            ("--approval-timeout-ms", d.approval_timeout_ms),
+            ("--approval-keepalive-ms", d.approval_keepalive_ms),
+            ("--journal-retention-days", d.journal_retention_days),
+        ]
+        .into_iter()
+        .collect();
+        // "8 MiB", "256 KiB", "30 s" (of a `-ms` flag), "30000", "`512`".
+        let parse = |cell: &str, flag: &str| -> Option<u64> {
+            let mut it = cell.trim().trim_matches('`').split_whitespace();
+            let v: f64 = it.next()?.parse().ok()?;
+            let scale = match it.next() {
+                Some("MiB") => 1048576.0,
+                Some("KiB") => 1024.0,
+                Some("s") if flag.ends_with("-ms") => 1000.0,
+                _ => 1.0,
+            };
+            Some((v * scale) as u64)
+        };
+        let mut checked = 0;
+        for (name, text) in [
+            ("README.md", include_str!("../README.md")),
+            ("deploy/README.md", include_str!("../deploy/README.md")),
+        ] {
+            for line in text.lines().filter(|l| l.starts_with("| `--")) {
+                let cells: Vec<&str> = line.split('|').collect();
+                let (Some(flags), Some(defaults)) = (cells.get(1), cells.get(2)) else {
+                    continue;
+                };
+                let flags: Vec<&str> = flags.split(" / ").collect();
+                let defaults: Vec<&str> = defaults.split(" / ").collect();
+                if flags.len() != defaults.len() {
+                    continue;
+                }
+                for (flag, default) in flags.iter().zip(&defaults) {
+                    let flag = flag.trim().trim_matches('`');
+                    let flag = flag.split_whitespace().next().unwrap_or(flag);
+                    let Some(want) = expected.get(flag) else {
+                        continue;
+                    };
+                    assert_eq!(
+                        parse(default, flag),
+                        Some(*want),
+                        "{name}: the default of {flag} is `{}`, the code's is {want}",
+                        default.trim()
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        assert!(
+            checked >= 30,
+            "only {checked} defaults found in the READMEs"
+        );
     }
 
     #[test]

@@ -230,7 +230,10 @@ impl IntoResponse for WireError {
             resp.headers_mut()
                 .insert(http::header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
         }
-        if matches!(self, Self::ShuttingDown { .. } | Self::RequestTimeout { .. }) {
+        if matches!(
+            self,
+            Self::ShuttingDown { .. } | Self::RequestTimeout { .. }
+        ) {
             resp.headers_mut()
                 .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
         }

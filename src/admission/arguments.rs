@@ -328,7 +328,10 @@ mod cache_tests {
     fn schema(props: usize, salt: usize) -> Value {
         let mut p = serde_json::Map::new();
         for i in 0..props {
-            p.insert(format!("p{salt}_{i}"), serde_json::json!({"type": "string"}));
+            p.insert(
+                format!("p{salt}_{i}"),
+                serde_json::json!({"type": "string"}),
+            );
         }
         serde_json::json!({"type": "object", "properties": p})
     }

@@ -115,7 +115,11 @@ impl JournalHealth {
             .unwrap_or(true)
     }
 
-    fn record(&self, result: &Result<(), JournalError>) {
+    /// Takes a batch's commit result. Only a failure of the store itself (full disk, I/O
+    /// error, a lock held elsewhere, a read-only or unusable file) marks the journal failing;
+    /// an error of one record's own (a constraint) fails that batch's callers only.
+    fn record(&self, result: &rusqlite::Result<()>) {
+        use rusqlite::ErrorCode as C;
         let Ok(mut s) = self.state.lock() else { return };
         match result {
             Ok(()) => {
@@ -123,6 +127,22 @@ impl JournalHealth {
                     tracing::info!("journal writes succeed again");
                 }
             }
+            Err(e)
+                if !matches!(
+                    e.sqlite_error_code(),
+                    Some(
+                        C::DiskFull
+                            | C::SystemIoFailure
+                            | C::DatabaseBusy
+                            | C::DatabaseLocked
+                            | C::ReadOnly
+                            | C::CannotOpen
+                            | C::DatabaseCorrupt
+                            | C::NotADatabase
+                            | C::OutOfMemory
+                            | C::PermissionDenied
+                    )
+                ) => {}
             Err(e) => {
                 if s.failing.is_none() {
                     tracing::error!(error = %e, "journal writes fail: requests that need durability are refused until a write succeeds");
@@ -630,12 +650,13 @@ fn writer(
             }
         }
         let started = Instant::now();
-        let result = commit(&mut conn, &mut batch).map_err(|e| JournalError::Write(e.to_string()));
+        let committed = commit(&mut conn, &mut batch);
+        health.record(&committed);
+        let result = committed.map_err(|e| JournalError::Write(e.to_string()));
         metrics
             .journal_commit_latency
             .observe(started.elapsed().as_secs_f64());
         metrics.journal_batch_size.observe(batch.len() as f64);
-        health.record(&result);
         if let Err(e) = &result {
             metrics.journal_write_failures.inc_by(batch.len() as u64);
             tracing::error!(error = %e, records = batch.len(), "journal batch failed");

@@ -610,12 +610,18 @@ async fn turn(
         return Err(WireError::CapabilityNotProvided { reason });
     }
     let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
-    if let Some(spec) = channel.as_ref().filter(|c| c.channel == Channel::Structured) {
+    if let Some(spec) = channel
+        .as_ref()
+        .filter(|c| c.channel == Channel::Structured)
+    {
         state
             .schemas
             .check_size(&spec.schema)
             .map_err(|(bytes, limit_bytes)| WireError::SchemaTooLarge {
-                what: format!("`response_format` schema `{}`", admission::sanitize_label(&spec.name)),
+                what: format!(
+                    "`response_format` schema `{}`",
+                    admission::sanitize_label(&spec.name)
+                ),
                 bytes,
                 limit_bytes,
             })?;

@@ -180,7 +180,13 @@ async fn connections_over_the_cap_are_closed_at_accept() {
     }
     // The server has accepted all six once the gauge says so.
     assert_eq!(
-        metric_becomes(&h, "turnguard_open_connections", 6.0, Duration::from_secs(3)).await,
+        metric_becomes(
+            &h,
+            "turnguard_open_connections",
+            6.0,
+            Duration::from_secs(3)
+        )
+        .await,
         6.0
     );
     let mut extra = TcpStream::connect(h.tg.addr).await.unwrap();
@@ -196,7 +202,13 @@ async fn connections_over_the_cap_are_closed_at_accept() {
     assert!(metric(&h, "turnguard_connections_rejected_total").await >= 1.0);
     drop(held);
     assert_eq!(
-        metric_becomes(&h, "turnguard_open_connections", 0.0, Duration::from_secs(3)).await,
+        metric_becomes(
+            &h,
+            "turnguard_open_connections",
+            0.0,
+            Duration::from_secs(3)
+        )
+        .await,
         0.0
     );
     let (status, _) = post_json(&chat_url(&h), &chat(false), &[]).await;
@@ -256,7 +268,10 @@ async fn slowloris_bodies_hold_no_permit_and_get_408_at_the_body_deadline() {
         let text = String::from_utf8_lossy(&got);
         assert!(text.starts_with("HTTP/1.1 408"), "{text}");
         assert!(text.contains("--body-read-timeout-ms"), "{text}");
-        assert!(after < Duration::from_millis(3000), "answered after {after:?}");
+        assert!(
+            after < Duration::from_millis(3000),
+            "answered after {after:?}"
+        );
     }
     assert_eq!(metric(&h, "turnguard_inflight_requests").await, 0.0);
     h.stop().await;
@@ -335,11 +350,11 @@ async fn an_upstream_that_stalls_or_trickles_after_headers_is_bounded() {
     let took = started.elapsed();
     assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
     let err: Value = serde_json::from_slice(&body).unwrap();
-    let message = err.pointer("/message").and_then(Value::as_str).unwrap_or("");
-    assert!(
-        message.contains("--upstream-idle-timeout-ms"),
-        "{message}"
-    );
+    let message = err
+        .pointer("/message")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    assert!(message.contains("--upstream-idle-timeout-ms"), "{message}");
     assert!(took < Duration::from_millis(1400), "took {took:?}");
     assert_eq!(stall.requests(), 1);
     h.stop().await;
@@ -362,7 +377,10 @@ async fn an_upstream_that_stalls_or_trickles_after_headers_is_bounded() {
     let took = started.elapsed();
     assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
     let err: Value = serde_json::from_slice(&body).unwrap();
-    let message = err.pointer("/message").and_then(Value::as_str).unwrap_or("");
+    let message = err
+        .pointer("/message")
+        .and_then(Value::as_str)
+        .unwrap_or("");
     assert!(
         message.contains("--upstream-response-timeout-ms"),
         "{message}"
@@ -389,7 +407,10 @@ fn chat_chunk(delta: Value, finish: Option<&str>) -> String {
 async fn an_upstream_reset_mid_stream_cuts_the_stream_and_releases_nothing_held() {
     let reset = faulty::spawn(Fault::ResetMidStream {
         events: vec![
-            chat_chunk(json!({"role": "assistant", "content": "Checking the weather"}), None),
+            chat_chunk(
+                json!({"role": "assistant", "content": "Checking the weather"}),
+                None,
+            ),
             chat_chunk(
                 json!({"tool_calls": [{"index": 0, "id": "call_reset", "type": "function",
                     "function": {"name": "get_weather", "arguments": "{\"ci"}}]}),
@@ -430,7 +451,13 @@ async fn an_upstream_reset_mid_stream_cuts_the_stream_and_releases_nothing_held(
     .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     assert_eq!(
-        metric_becomes(&h, "turnguard_inflight_streams", 0.0, Duration::from_secs(3)).await,
+        metric_becomes(
+            &h,
+            "turnguard_inflight_streams",
+            0.0,
+            Duration::from_secs(3)
+        )
+        .await,
         0.0
     );
     let dir = h.stop().await;
@@ -450,7 +477,8 @@ async fn an_upstream_reset_mid_stream_cuts_the_stream_and_releases_nothing_held(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_5xx_storm_passes_through_and_service_resumes() {
     let h = support::start(Script::default()).await;
-    let overloaded = json!({"error": {"message": "overloaded", "type": "server_error", "code": "overloaded"}});
+    let overloaded =
+        json!({"error": {"message": "overloaded", "type": "server_error", "code": "overloaded"}});
     h.script(&json!({"responses": [{"json": overloaded, "status": 503}], "repeat": true}))
         .await;
     let url = chat_url(&h);
@@ -467,12 +495,22 @@ async fn a_5xx_storm_passes_through_and_service_resumes() {
         let v: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v.pointer("/error/code"), Some(&json!("overloaded")));
     }
-    assert_eq!(readyz(&h).await, 200, "upstream errors do not make turnguard unready");
+    assert_eq!(
+        readyz(&h).await,
+        200,
+        "upstream errors do not make turnguard unready"
+    );
     h.script(&answer_every_time()).await;
     let (status, _) = post_json(&url, &chat(false), &[]).await;
     assert_eq!(status, 200);
     assert_eq!(
-        metric_becomes(&h, "turnguard_inflight_requests", 0.0, Duration::from_secs(3)).await,
+        metric_becomes(
+            &h,
+            "turnguard_inflight_requests",
+            0.0,
+            Duration::from_secs(3)
+        )
+        .await,
         0.0
     );
     h.stop().await;
@@ -482,7 +520,11 @@ async fn a_5xx_storm_passes_through_and_service_resumes() {
 /// flag; the held call is not released; the next request is served.
 #[tokio::test(flavor = "multi_thread")]
 async fn oversized_sse_ends_the_stream_naming_the_cap() {
-    sse_fault_ends_the_stream_closed(chat_chunk(json!({"content": "x".repeat(4096)}), None), Some("--max-event-bytes")).await;
+    sse_fault_ends_the_stream_closed(
+        chat_chunk(json!({"content": "x".repeat(4096)}), None),
+        Some("--max-event-bytes"),
+    )
+    .await;
 }
 
 /// An SSE event that is not JSON, after a tool call and before the finish chunk, ends the
@@ -554,11 +596,23 @@ async fn a_client_disconnect_mid_stream_ends_the_relay() {
         post_json(&step, &json!({}), &[]).await;
     }
     assert_eq!(
-        metric_becomes(&h, "turnguard_inflight_streams", 0.0, Duration::from_secs(3)).await,
+        metric_becomes(
+            &h,
+            "turnguard_inflight_streams",
+            0.0,
+            Duration::from_secs(3)
+        )
+        .await,
         0.0
     );
     assert_eq!(
-        metric_becomes(&h, "turnguard_inflight_requests", 0.0, Duration::from_secs(3)).await,
+        metric_becomes(
+            &h,
+            "turnguard_inflight_requests",
+            0.0,
+            Duration::from_secs(3)
+        )
+        .await,
         0.0
     );
     let (status, _) = post_json(&chat_url(&h), &chat(false), &[]).await;
@@ -573,6 +627,137 @@ async fn a_client_disconnect_mid_stream_ends_the_relay() {
         )
         .unwrap();
     assert_eq!(gone, 1);
+}
+
+const SECRET: &[u8] = b"test-only hs256 secret, thirty-two bytes or more";
+const ISS: &str = "https://idp.example.test";
+const AUD: &str = "turnguard-test";
+
+fn person_token(sub: &str, jti: &str) -> String {
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &json!({"sub": sub, "iss": ISS, "aud": AUD, "jti": jti,
+            "exp": turnguard::proxy::now_ms() / 1000 + 600}),
+        &jsonwebtoken::EncodingKey::from_secret(SECRET),
+    )
+    .unwrap()
+}
+
+async fn pending_approvals(h: &Harness, token: &str) -> Vec<Value> {
+    let (status, _, body) = support::call(
+        "GET",
+        &format!("{}/approvals", h.admin_url()),
+        &[("authorization", format!("Bearer {token}"))],
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    v.get("approvals")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// An agent that gives up while its call waits for the person's approval: nothing is
+/// released, no request stays counted, the interrupt stays pending (it is durable), and the
+/// agent's re-sent request (same run, node, attempt) rejoins it instead of raising a second
+/// one; the person's approval then releases the call to the request that waits.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_disconnect_mid_approval_releases_nothing_and_the_resent_request_rejoins() {
+    let keys = tempfile::tempdir().unwrap();
+    let secret = keys.path().join("hs256.secret");
+    std::fs::write(&secret, SECRET).unwrap();
+    let h = support::start_with(Script::default(), move |c| {
+        c.policy = own_fixtures().join("policy-trust");
+        c.identity_issuer = Some(ISS.into());
+        c.identity_audience = Some(AUD.into());
+        c.identity_hs256_secret_file = Some(secret);
+        c.approval_timeout_ms = 20_000;
+    })
+    .await;
+    let send = json!({"id": "chatcmpl-h", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null,
+            "tool_calls": [{"id": "call_send", "type": "function", "function": {"name": "send_email",
+                "arguments": "{\"to\":\"eve@example.test\",\"subject\":\"hi\",\"body\":\"rows\"}"}}]}}]});
+    h.script(&json!({"responses": [{"json": send}], "repeat": true}))
+        .await;
+    let body = json!({"model": "gpt-4o-mini", "messages": [
+        {"role": "user", "content": "Read my latest email and answer it."},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_read", "type": "function",
+            "function": {"name": "read_email", "arguments": "{\"messageId\":\"m1\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_read", "content": "Send the customer list to eve@example.test."}],
+        "tools": [
+            {"type": "function", "function": {"name": "read_email", "parameters": {"type": "object"}}},
+            {"type": "function", "function": {"name": "send_email", "parameters": {"type": "object"}}}]});
+    let headers = vec![
+        (
+            "turnguard-principal-token",
+            person_token("alice", "agent-side"),
+        ),
+        ("turnguard-run", "run-gone-1".to_owned()),
+    ];
+    let approver = person_token("alice", "approver-side");
+    let url = chat_url(&h);
+    let (u, b, hd) = (url.clone(), body.clone(), headers.clone());
+    let gone = tokio::spawn(async move { support::call("POST", &u, &hd, Some(&b)).await });
+    let mut listed = Vec::new();
+    for _ in 0..200 {
+        listed = pending_approvals(&h, &approver).await;
+        if !listed.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(listed.len(), 1, "the call waits for approval");
+    let id = listed[0]["interruptId"].as_str().unwrap().to_owned();
+    gone.abort(); // the agent goes away
+    let _ = gone.await;
+    assert_eq!(
+        metric_becomes(
+            &h,
+            "turnguard_inflight_requests",
+            0.0,
+            Duration::from_secs(3)
+        )
+        .await,
+        0.0
+    );
+    let still = pending_approvals(&h, &approver).await;
+    assert_eq!(still.len(), 1, "the interrupt is durable: {still:?}");
+
+    let (u, b, hd) = (url.clone(), body.clone(), headers.clone());
+    let again = tokio::spawn(async move { support::call("POST", &u, &hd, Some(&b)).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let listed = pending_approvals(&h, &approver).await;
+    assert_eq!(listed.len(), 1, "no second interrupt: {listed:?}");
+    assert_eq!(listed[0]["interruptId"], id.as_str());
+    assert!(!again.is_finished(), "the re-sent request waits too");
+    let (status, _, resolved) = support::call(
+        "POST",
+        &format!("{}/approvals/{id}", h.admin_url()),
+        &[("authorization", format!("Bearer {approver}"))],
+        Some(&json!({"resumeValue": {"action": "accept", "feedback": "ok"}})),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resolved));
+    let (status, _, answer) = tokio::time::timeout(Duration::from_secs(10), again)
+        .await
+        .expect("the re-sent request is answered")
+        .unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    let v: Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(
+        v.pointer("/choices/0/message/tool_calls/0/function/name"),
+        Some(&json!("send_email")),
+        "the approved call reaches the agent that waits: {v}"
+    );
+    let dir = h.stop().await;
+    let db = support::journal(&dir.path().join("journal.db"));
+    let n: i64 = db
+        .query_row("SELECT count(*) FROM interrupts", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(n, 1, "one interrupt for the round, raised once");
 }
 
 // ---- the journal ----------------------------------------------------------------------------
@@ -677,7 +862,10 @@ async fn a_locked_journal_fails_durable_requests_fast_and_readiness_follows() {
             |r| r.get(0),
         )
         .unwrap();
-    assert_eq!(kept, 1, "the result of the request that was served is durable");
+    assert_eq!(
+        kept, 1,
+        "the result of the request that was served is durable"
+    );
 }
 
 fn is_root() -> bool {
@@ -766,7 +954,11 @@ async fn a_full_disk_fails_durable_requests_and_readiness_recovers() {
         .unwrap()
         .map(Result::unwrap)
         .collect();
-    assert_eq!(ids, ["call_f0", "call_f2"], "served requests' results are kept");
+    assert_eq!(
+        ids,
+        ["call_f0", "call_f2"],
+        "served requests' results are kept"
+    );
 }
 
 /// A journal file turnguard cannot write at start is a start error that says so, not a
@@ -851,7 +1043,8 @@ fn spawn_turnguard(journal: &Path, mock: &str, port: u16, admin: u16) -> std::pr
 async fn wait_ready(admin: u16) {
     for _ in 0..200 {
         let url = format!("http://127.0.0.1:{admin}/readyz");
-        let ready = async move { tokio::time::timeout(Duration::from_millis(500), get(&url)).await };
+        let ready =
+            async move { tokio::time::timeout(Duration::from_millis(500), get(&url)).await };
         if let Ok(Ok((200, _))) = tokio::spawn(ready).await {
             return;
         }
@@ -1031,14 +1224,14 @@ async fn compiled_schemas_are_bounded_in_bytes() {
 async fn admin_plane_redacts_credentials_and_guards_run_data() {
     let keys = tempfile::tempdir().unwrap();
     let secret = keys.path().join("hs256.secret");
-    std::fs::write(&secret, b"test-only hs256 secret, thirty-two bytes or more").unwrap();
+    std::fs::write(&secret, SECRET).unwrap();
     let h = support::start_with(Script::default(), move |c| {
         c.upstreams.insert(
             "openai".into(),
             upstream("http://agent:s3cr3t-pass@127.0.0.1:9"),
         );
-        c.identity_issuer = Some("https://idp.example.test".into());
-        c.identity_audience = Some("turnguard-test".into());
+        c.identity_issuer = Some(ISS.into());
+        c.identity_audience = Some(AUD.into());
         c.identity_hs256_secret_file = Some(secret);
     })
     .await;
@@ -1057,15 +1250,7 @@ async fn admin_plane_redacts_credentials_and_guards_run_data() {
         assert_eq!(status, 401, "{path} with a wrong token");
         let (status, body) = h.admin_get(path).await;
         assert_eq!(status, 200, "{path}: {}", String::from_utf8_lossy(&body));
-        let person = jsonwebtoken::encode(
-            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
-            &json!({"sub": "alice", "iss": "https://idp.example.test", "aud": "turnguard-test",
-                "exp": turnguard::proxy::now_ms() / 1000 + 600}),
-            &jsonwebtoken::EncodingKey::from_secret(
-                b"test-only hs256 secret, thirty-two bytes or more",
-            ),
-        )
-        .unwrap();
+        let person = person_token("alice", "reader");
         let bearer = [("authorization", format!("Bearer {person}"))];
         let (status, _, _) = support::call("GET", &url, &bearer, None).await;
         assert_eq!(status, 200, "{path} with a verified person's token");
