@@ -129,8 +129,9 @@ impl AdminToken {
     }
 }
 
-/// Run data needs the admin token or a verified, non-delegated bearer (module docs).
-fn run_reader(s: &AppState, headers: &http::HeaderMap) -> Result<(), Response> {
+/// Run data needs the admin token or a verified, non-delegated bearer (module docs): the
+/// refusal when the caller has neither, `None` when it may read.
+fn refuse_run_reader(s: &AppState, headers: &http::HeaderMap) -> Option<Response> {
     let unauthenticated = |message: &str| {
         let mut resp = envelope(StatusCode::UNAUTHORIZED, "unauthenticated", message);
         resp.headers_mut().insert(
@@ -149,27 +150,27 @@ fn run_reader(s: &AppState, headers: &http::HeaderMap) -> Result<(), Response> {
         .map(str::trim);
     if let (Some(token), Some(admin)) = (bearer, &s.admin_token) {
         if admin.matches(token) {
-            return Ok(());
+            return None;
         }
     }
     if s.admin_token.is_none() && !s.identity.configured() && !s.identity.dev_header() {
-        return Err(unauthenticated(
+        return Some(unauthenticated(
             "run data needs a bearer token: configure admin_token_file (--admin-token-file) or an identity provider (--identity-issuer and keys)",
         ));
     }
     match s.identity.approver_of(headers) {
-        Ok(p) if !p.delegated => Ok(()),
-        Ok(_) => Err(envelope(
+        Ok(p) if !p.delegated => None,
+        Ok(_) => Some(envelope(
             StatusCode::FORBIDDEN,
             "forbidden",
             "a delegated token (with an `act` claim) cannot read run data",
         )),
-        Err(crate::identity::TokenError::HeldByAgent) => Err(envelope(
+        Err(crate::identity::TokenError::HeldByAgent) => Some(envelope(
             StatusCode::FORBIDDEN,
             "forbidden",
             "a token the agent presented on the data plane cannot read run data",
         )),
-        Err(e) => Err(unauthenticated(&format!(
+        Err(e) => Some(unauthenticated(&format!(
             "run data needs the admin token or a verified bearer token: {e}"
         ))),
     }
@@ -319,8 +320,8 @@ async fn effects(
     Path(run_id): Path<String>,
     headers: http::HeaderMap,
 ) -> Response {
-    if let Err(resp) = run_reader(&s, &headers) {
-        return resp;
+    if let Some(refused) = refuse_run_reader(&s, &headers) {
+        return refused;
     }
     let reader = Arc::clone(&s.reader);
     let run = run_id.clone();
@@ -357,8 +358,8 @@ async fn events(
     Path(run_id): Path<String>,
     headers: http::HeaderMap,
 ) -> Response {
-    if let Err(resp) = run_reader(&s, &headers) {
-        return resp;
+    if let Some(refused) = refuse_run_reader(&s, &headers) {
+        return refused;
     }
     let reader = Arc::clone(&s.reader);
     let run = run_id.clone();

@@ -890,13 +890,13 @@ fn sh(cmd: &str, args: &[&str]) -> bool {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_disk_fails_durable_requests_and_readiness_recovers() {
     if !is_root() {
-        println!("skipped: the disk-full test mounts a tmpfs and needs root");
+        eprintln!("skipped: the disk-full test mounts a tmpfs and needs root");
         return;
     }
     let mnt = tempfile::tempdir().unwrap();
     let m = mnt.path().to_str().unwrap().to_owned();
     if !sh("mount", &["-t", "tmpfs", "-o", "size=4m", "tmpfs", &m]) {
-        println!("skipped: cannot mount a tmpfs here");
+        eprintln!("skipped: cannot mount a tmpfs here");
         return;
     }
     struct Unmount(String);
@@ -973,7 +973,7 @@ async fn an_unwritable_journal_is_a_start_error() {
     let unmount = if is_root() {
         if !(sh("mount", &["--bind", &d, &d]) && sh("mount", &["-o", "remount,ro,bind", &d])) {
             let _ = sh("umount", &[&d]);
-            println!("skipped: cannot bind-mount the journal read-only here");
+            eprintln!("skipped: cannot bind-mount the journal read-only here");
             return;
         }
         true
