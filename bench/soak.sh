@@ -73,7 +73,9 @@ while kill -0 "$DRIVER" 2>/dev/null; do
 try: v=json.loads(sys.argv[1]); print(v["requests"], v["unexpected"])
 except Exception: print(0, 0)' "$last")
   echo "$t,$rss,$jb,${req// /,}" >> "$OUT/samples.csv"
-  sleep 10
+  # On a 10 s grid from the start (the sampling itself takes time under load).
+  next=$(( (t / 10 + 1) * 10 ))
+  sleep "$(( next - ( $(date +%s) - start ) ))" 2>/dev/null || true
 done
 wait "$DRIVER" || true
 tail -n 1 "$OUT/driver.jsonl" > "$OUT/summary.json"
