@@ -1,6 +1,19 @@
 //! The admin plane (DESIGN.md §6), on its own listener (default `127.0.0.1:8788`, never the
 //! data-plane port): `/metrics`, `/healthz`, `/readyz`, `/config`, the tool catalog
 //! (`/tools`, `/tools/{toolId}`), `/capabilities`, and approvals ([`crate::approvals::routes`]).
+//!
+//! Who may read what (DESIGN.md §9, "admin client: run data and approvals need a verified
+//! bearer; nothing secret is shown"):
+//! - run data (`/runs/{runId}/events`, `/runs/{runId}/effects`) needs `Authorization: Bearer`
+//!   with either the admin token (`admin_token_file`) or a token the identity provider signed
+//!   (verified like an approver's: issuer, audience, keys; not delegated; never a token the
+//!   agent presented on the data plane). Without either configured, run data is 401 for
+//!   everyone (fail closed);
+//! - approvals authenticate in [`crate::approvals`];
+//! - `/metrics`, `/healthz`, `/readyz`, `/config`, `/tools`, `/capabilities` and
+//!   `/host/effect-seams` are open: they show no run data and no secret (credentials in
+//!   an upstream URL are redacted, the admin token and key files are shown by path only).
+//!   Bind the admin plane to loopback (the default) or a private interface.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -50,15 +63,116 @@ async fn healthz() -> Response {
     Json(json!({ "status": "ok" })).into_response()
 }
 
+/// Ready: both planes listen, no shutdown started, and the journal's durable writes succeed
+/// (a failing journal fails every request that needs durability, so it must not get traffic
+/// routed to it; readiness returns when a write succeeds again).
 async fn readyz(State(s): State<Arc<AppState>>) -> Response {
-    if s.ready.load(Ordering::SeqCst) {
-        Json(json!({ "status": "ready" })).into_response()
-    } else {
-        envelope(
+    if !s.ready.load(Ordering::SeqCst) {
+        return envelope(
             StatusCode::SERVICE_UNAVAILABLE,
             "runner_unavailable",
             "turnguard is not ready (starting or shutting down)",
-        )
+        );
+    }
+    if let Some(reason) = s.journal.health().failing() {
+        return envelope(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "runner_unavailable",
+            &format!("turnguard is not ready: the journal is failing durable writes ({reason})"),
+        );
+    }
+    Json(json!({ "status": "ready" })).into_response()
+}
+
+/// The admin token (`admin_token_file`): a bearer that may read run data. Kept as its
+/// SHA-256 only; compared digest to digest.
+#[derive(Clone)]
+pub struct AdminToken([u8; 32]);
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(***)")
+    }
+}
+
+/// The shortest admin token accepted, characters.
+const MIN_ADMIN_TOKEN: usize = 16;
+
+impl AdminToken {
+    /// Reads the token file (surrounding whitespace trimmed). `None` when no file is set.
+    ///
+    /// Errors: [`crate::server::StartError::AdminToken`] when the file cannot be read or the
+    /// token is shorter than 16 characters.
+    pub fn load(file: Option<&std::path::Path>) -> Result<Option<Self>, crate::server::StartError> {
+        let Some(file) = file else { return Ok(None) };
+        let err = |reason: String| crate::server::StartError::AdminToken {
+            file: file.display().to_string(),
+            reason,
+        };
+        let text = std::fs::read_to_string(file).map_err(|e| err(e.to_string()))?;
+        let token = text.trim();
+        if token.len() < MIN_ADMIN_TOKEN {
+            return Err(err(format!(
+                "the token must be at least {MIN_ADMIN_TOKEN} characters"
+            )));
+        }
+        Ok(Some(Self(Self::digest(token))))
+    }
+
+    fn digest(token: &str) -> [u8; 32] {
+        use sha2::{Digest, Sha256};
+        Sha256::digest(token.as_bytes()).into()
+    }
+
+    fn matches(&self, token: &str) -> bool {
+        Self::digest(token) == self.0
+    }
+}
+
+/// Run data needs the admin token or a verified, non-delegated bearer (module docs): the
+/// refusal when the caller has neither, `None` when it may read.
+fn refuse_run_reader(s: &AppState, headers: &http::HeaderMap) -> Option<Response> {
+    let unauthenticated = |message: &str| {
+        let mut resp = envelope(StatusCode::UNAUTHORIZED, "unauthenticated", message);
+        resp.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            http::HeaderValue::from_static("Bearer"),
+        );
+        resp
+    };
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim);
+    if let (Some(token), Some(admin)) = (bearer, &s.admin_token) {
+        if admin.matches(token) {
+            return None;
+        }
+    }
+    if s.admin_token.is_none() && !s.identity.configured() && !s.identity.dev_header() {
+        return Some(unauthenticated(
+            "run data needs a bearer token: configure admin_token_file (--admin-token-file) or an identity provider (--identity-issuer and keys)",
+        ));
+    }
+    match s.identity.approver_of(headers) {
+        Ok(p) if !p.delegated => None,
+        Ok(_) => Some(envelope(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "a delegated token (with an `act` claim) cannot read run data",
+        )),
+        Err(crate::identity::TokenError::HeldByAgent) => Some(envelope(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "a token the agent presented on the data plane cannot read run data",
+        )),
+        Err(e) => Some(unauthenticated(&format!(
+            "run data needs the admin token or a verified bearer token: {e}"
+        ))),
     }
 }
 
@@ -201,7 +315,14 @@ fn rfc3339(ms: i64) -> String {
 
 /// `GET /runs/{runId}/effects`: the effect ledger projection (OpenWOP
 /// effect-ledger-projection.schema.json), content-free.
-async fn effects(State(s): State<Arc<AppState>>, Path(run_id): Path<String>) -> Response {
+async fn effects(
+    State(s): State<Arc<AppState>>,
+    Path(run_id): Path<String>,
+    headers: http::HeaderMap,
+) -> Response {
+    if let Some(refused) = refuse_run_reader(&s, &headers) {
+        return refused;
+    }
     let reader = Arc::clone(&s.reader);
     let run = run_id.clone();
     let rows = tokio::task::spawn_blocking(move || reader.effects(&run)).await;
@@ -232,7 +353,14 @@ async fn effects(State(s): State<Arc<AppState>>, Path(run_id): Path<String>) -> 
 }
 
 /// `GET /runs/{runId}/events`: the run's OpenWOP events in sequence order.
-async fn events(State(s): State<Arc<AppState>>, Path(run_id): Path<String>) -> Response {
+async fn events(
+    State(s): State<Arc<AppState>>,
+    Path(run_id): Path<String>,
+    headers: http::HeaderMap,
+) -> Response {
+    if let Some(refused) = refuse_run_reader(&s, &headers) {
+        return refused;
+    }
     let reader = Arc::clone(&s.reader);
     let run = run_id.clone();
     match tokio::task::spawn_blocking(move || reader.events(&run)).await {

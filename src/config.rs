@@ -133,6 +133,35 @@ pub struct ServeArgs {
     /// [default: 15000].
     #[arg(long, value_name = "MS")]
     pub approval_keepalive_ms: Option<u64>,
+    /// Time a data-plane or admin client has to send a request's headers (and the longest an
+    /// idle keep-alive connection is kept), milliseconds; then the connection is closed
+    /// [default: 30000].
+    #[arg(long, value_name = "MS")]
+    pub header_read_timeout_ms: Option<u64>,
+    /// Time a client has to send a whole request body, milliseconds; then 408 [default: 30000].
+    #[arg(long, value_name = "MS")]
+    pub body_read_timeout_ms: Option<u64>,
+    /// Data-plane connections open at once; more are closed at accept. Keep it below the
+    /// process's file-descriptor limit (`ulimit -n`) [default: 1024].
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
+    /// Largest JSON Schema turnguard compiles (a declared tool schema, a `response_format`
+    /// schema), bytes of its JSON; a request declaring a larger one is 413 [default: 256 KiB].
+    #[arg(long, value_name = "BYTES")]
+    pub max_schema_bytes: Option<usize>,
+    /// Memory budget of the compiled-schema cache, bytes, estimated as 32 × each schema's
+    /// JSON size; least recently used schemas are evicted past it [default: 32 MiB].
+    #[arg(long, value_name = "BYTES")]
+    pub max_schema_cache_bytes: Option<usize>,
+    /// How long a journal write waits for a lock another process holds, milliseconds; then
+    /// the write fails [default: 1000].
+    #[arg(long, value_name = "MS")]
+    pub journal_busy_timeout_ms: Option<u64>,
+    /// File holding the admin token: `Authorization: Bearer <token>` then reads run data
+    /// (`/runs/{runId}/events`, `/runs/{runId}/effects`) on the admin plane (at least 16
+    /// characters; surrounding whitespace is trimmed).
+    #[arg(long, value_name = "FILE")]
+    pub admin_token_file: Option<PathBuf>,
 }
 
 /// The TOML file: the same keys as the flags, all optional, nothing else.
@@ -168,6 +197,13 @@ struct FileConfig {
     identity_dev_principal_header: Option<bool>,
     approval_timeout_ms: Option<u64>,
     approval_keepalive_ms: Option<u64>,
+    header_read_timeout_ms: Option<u64>,
+    body_read_timeout_ms: Option<u64>,
+    max_connections: Option<usize>,
+    max_schema_bytes: Option<usize>,
+    max_schema_cache_bytes: Option<usize>,
+    journal_busy_timeout_ms: Option<u64>,
+    admin_token_file: Option<PathBuf>,
 }
 
 /// Log output format.
@@ -180,7 +216,10 @@ pub enum LogFormat {
 
 /// A configured upstream: scheme, authority and optional path prefix; fixed at start (no
 /// client-chosen hosts, so no SSRF).
-#[derive(Debug, Clone, serde::Serialize)]
+///
+/// Credentials embedded in the URL (`user:pass@host`) are never shown: `Debug`, `Display`
+/// and `Serialize` (what `/config`, logs and errors use) replace the userinfo with `***`.
+#[derive(Clone)]
 pub struct Upstream {
     /// `http` or `https`.
     pub scheme: String,
@@ -191,21 +230,31 @@ pub struct Upstream {
 }
 
 impl Upstream {
+    /// `authority` with any userinfo replaced by `***` (`***@host:port`).
+    pub fn redacted_authority(&self) -> String {
+        match self.authority.rsplit_once('@') {
+            Some((_, host)) => format!("***@{host}"),
+            None => self.authority.clone(),
+        }
+    }
+
     /// Parses `http(s)://host[:port][/prefix]`.
     pub fn parse(url: &str) -> Result<Self, String> {
+        let shown = redact_url(url);
+        let url_shown = &shown;
         let uri: http::Uri = url
             .parse()
-            .map_err(|e| format!("`{url}` is not a URL: {e}"))?;
+            .map_err(|e| format!("`{url_shown}` is not a URL: {e}"))?;
         let scheme = uri.scheme_str().unwrap_or_default().to_owned();
         if scheme != "http" && scheme != "https" {
-            return Err(format!("`{url}`: the scheme must be http or https"));
+            return Err(format!("`{url_shown}`: the scheme must be http or https"));
         }
         let authority = uri
             .authority()
-            .ok_or_else(|| format!("`{url}` has no host"))?
+            .ok_or_else(|| format!("`{url_shown}` has no host"))?
             .to_string();
         if uri.query().is_some() {
-            return Err(format!("`{url}`: an upstream URL takes no query"));
+            return Err(format!("`{url_shown}`: an upstream URL takes no query"));
         }
         Ok(Self {
             scheme,
@@ -221,6 +270,39 @@ impl Upstream {
             .authority(self.authority.as_str())
             .path_and_query(format!("{}{}", self.prefix, path_and_query))
             .build()
+    }
+}
+
+impl std::fmt::Display for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}://{}{}",
+            self.scheme,
+            self.redacted_authority(),
+            self.prefix
+        )
+    }
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstream")
+            .field("scheme", &self.scheme)
+            .field("authority", &self.redacted_authority())
+            .field("prefix", &self.prefix)
+            .finish()
+    }
+}
+
+impl serde::Serialize for Upstream {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("Upstream", 3)?;
+        st.serialize_field("scheme", &self.scheme)?;
+        st.serialize_field("authority", &self.redacted_authority())?;
+        st.serialize_field("prefix", &self.prefix)?;
+        st.end()
     }
 }
 
@@ -275,6 +357,20 @@ pub struct Config {
     pub approval_timeout_ms: u64,
     /// SSE comment keep-alive interval while a streamed call waits, milliseconds.
     pub approval_keepalive_ms: u64,
+    /// Deadline for a client's request headers (and idle keep-alive), milliseconds.
+    pub header_read_timeout_ms: u64,
+    /// Deadline for a client's whole request body, milliseconds (408 past it).
+    pub body_read_timeout_ms: u64,
+    /// Data-plane connections open at once; more are closed at accept.
+    pub max_connections: usize,
+    /// Largest schema compiled, bytes of its JSON (413 for a request declaring a larger one).
+    pub max_schema_bytes: usize,
+    /// Estimated memory budget of the compiled-schema cache, bytes.
+    pub max_schema_cache_bytes: usize,
+    /// Journal writer's wait for a lock held elsewhere, milliseconds.
+    pub journal_busy_timeout_ms: u64,
+    /// Admin token file (the path is shown in `/config`, never the token).
+    pub admin_token_file: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -319,6 +415,13 @@ impl Default for Config {
             identity_dev_principal_header: false,
             approval_timeout_ms: 300_000,
             approval_keepalive_ms: 15_000,
+            header_read_timeout_ms: 30_000,
+            body_read_timeout_ms: 30_000,
+            max_connections: 1024,
+            max_schema_bytes: 256 << 10,
+            max_schema_cache_bytes: 32 << 20,
+            journal_busy_timeout_ms: 1_000,
+            admin_token_file: None,
         }
     }
 }
@@ -615,6 +718,44 @@ impl Config {
         );
         number!(shutdown_grace_ms, "TURNGUARD_SHUTDOWN_GRACE_MS", ms, ms_env);
 
+        // Hostile clients and memory bounds (issue 11).
+        number!(
+            header_read_timeout_ms,
+            "TURNGUARD_HEADER_READ_TIMEOUT_MS",
+            ms,
+            ms_env
+        );
+        number!(
+            body_read_timeout_ms,
+            "TURNGUARD_BODY_READ_TIMEOUT_MS",
+            ms,
+            ms_env
+        );
+        number!(max_connections, "TURNGUARD_MAX_CONNECTIONS", size, size_env);
+        number!(
+            max_schema_bytes,
+            "TURNGUARD_MAX_SCHEMA_BYTES",
+            size,
+            size_env
+        );
+        number!(
+            max_schema_cache_bytes,
+            "TURNGUARD_MAX_SCHEMA_CACHE_BYTES",
+            size,
+            size_env
+        );
+        number!(
+            journal_busy_timeout_ms,
+            "TURNGUARD_JOURNAL_BUSY_TIMEOUT_MS",
+            ms,
+            ms_env
+        );
+        optional!(
+            admin_token_file,
+            "TURNGUARD_ADMIN_TOKEN_FILE",
+            PathBuf::from
+        );
+
         // Upstreams: each layer overrides names it sets; defaults stay for the others.
         if let Some(map) = &file.upstream {
             for (name, url) in map {
@@ -638,13 +779,31 @@ impl Config {
             Vec::new()
         };
         for (pair, src) in pairs {
-            let (name, url) = pair
-                .split_once('=')
-                .ok_or_else(|| value_err(src, format!("`{pair}` is not NAME=URL")))?;
+            let (name, url) = pair.split_once('=').ok_or_else(|| {
+                value_err(src, format!("`{}` is not NAME=URL", redact_url(&pair)))
+            })?;
             let u = Upstream::parse(url).map_err(|r| value_err(src, r))?;
             c.upstreams.insert(name.to_owned(), u);
         }
         Ok(c)
+    }
+}
+
+/// `url` with the userinfo of its authority (`user:pass@`) replaced by `***@`, for messages.
+pub fn redact_url(url: &str) -> String {
+    let (scheme, rest) = match url.split_once("://") {
+        Some((s, r)) => (Some(s), r),
+        None => (None, url),
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let authority = match authority.rsplit_once('@') {
+        Some((_, host)) => format!("***@{host}"),
+        None => authority.to_owned(),
+    };
+    match scheme {
+        Some(s) => format!("{s}://{authority}{tail}"),
+        None => format!("{authority}{tail}"),
     }
 }
 
@@ -790,6 +949,102 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("t.toml") && err.contains("listne"), "{err}");
+    }
+
+    /// The defaults the READMEs state (README.md's flags table, deploy/README.md's settings)
+    /// are the ones in code.
+    #[test]
+    fn readme_defaults_are_the_code_defaults() {
+        let d = Config::default();
+        let n = |v: usize| v as u64;
+        let expected: BTreeMap<&str, u64> = [
+            ("--max-body-bytes", n(d.max_body_bytes)),
+            ("--max-response-bytes", n(d.max_response_bytes)),
+            ("--max-event-bytes", n(d.max_event_bytes)),
+            ("--max-schema-bytes", n(d.max_schema_bytes)),
+            ("--max-schema-cache-bytes", n(d.max_schema_cache_bytes)),
+            ("--journal-max-record-bytes", n(d.journal_max_record_bytes)),
+            (
+                "--upstream-connect-timeout-ms",
+                d.upstream_connect_timeout_ms,
+            ),
+            (
+                "--upstream-response-timeout-ms",
+                d.upstream_response_timeout_ms,
+            ),
+            ("--upstream-idle-timeout-ms", d.upstream_idle_timeout_ms),
+            ("--header-read-timeout-ms", d.header_read_timeout_ms),
+            ("--body-read-timeout-ms", d.body_read_timeout_ms),
+            ("--max-connections", n(d.max_connections)),
+            ("--journal-busy-timeout-ms", d.journal_busy_timeout_ms),
+            ("--max-concurrent-requests", n(d.max_concurrent_requests)),
+            ("--shed-retry-after-s", d.shed_retry_after_s),
+            ("--shutdown-delay-ms", d.shutdown_delay_ms),
+            ("--shutdown-grace-ms", d.shutdown_grace_ms),
+            ("--approval-timeout-ms", d.approval_timeout_ms),
+            ("--approval-keepalive-ms", d.approval_keepalive_ms),
+            ("--journal-retention-days", d.journal_retention_days),
+        ]
+        .into_iter()
+        .collect();
+        // "8 MiB", "256 KiB", "30 s" (of a `-ms` flag), "30000", "`512`".
+        let parse = |cell: &str, flag: &str| -> Option<u64> {
+            let mut it = cell.trim().trim_matches('`').split_whitespace();
+            let v: f64 = it.next()?.parse().ok()?;
+            let scale = match it.next() {
+                Some("MiB") => 1048576.0,
+                Some("KiB") => 1024.0,
+                Some("s") if flag.ends_with("-ms") => 1000.0,
+                _ => 1.0,
+            };
+            Some((v * scale) as u64)
+        };
+        let mut checked = 0;
+        for (name, text) in [
+            ("README.md", include_str!("../README.md")),
+            ("deploy/README.md", include_str!("../deploy/README.md")),
+        ] {
+            for line in text.lines().filter(|l| l.starts_with("| `--")) {
+                let cells: Vec<&str> = line.split('|').collect();
+                let (Some(flags), Some(defaults)) = (cells.get(1), cells.get(2)) else {
+                    continue;
+                };
+                let flags: Vec<&str> = flags.split(" / ").collect();
+                let defaults: Vec<&str> = defaults.split(" / ").collect();
+                if flags.len() != defaults.len() {
+                    continue;
+                }
+                for (flag, default) in flags.iter().zip(&defaults) {
+                    let flag = flag.trim().trim_matches('`');
+                    let flag = flag.split_whitespace().next().unwrap_or(flag);
+                    let Some(want) = expected.get(flag) else {
+                        continue;
+                    };
+                    assert_eq!(
+                        parse(default, flag),
+                        Some(*want),
+                        "{name}: the default of {flag} is `{}`, the code's is {want}",
+                        default.trim()
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        assert!(
+            checked >= 30,
+            "only {checked} defaults found in the READMEs"
+        );
+    }
+
+    #[test]
+    fn credentials_in_an_upstream_url_are_never_shown() {
+        let u = Upstream::parse("https://user:s3cret@proxy.example:8443/v1").unwrap();
+        assert_eq!(u.to_string(), "https://***@proxy.example:8443/v1");
+        assert!(!format!("{u:?}").contains("s3cret"));
+        assert!(!serde_json::to_string(&u).unwrap().contains("s3cret"));
+        let err = Upstream::parse("ftp://user:s3cret@h").unwrap_err();
+        assert!(!err.contains("s3cret") && err.contains("***@h"), "{err}");
+        assert_eq!(redact_url("http://h:1/p@x"), "http://h:1/p@x");
     }
 
     #[test]

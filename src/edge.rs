@@ -2,11 +2,15 @@
 //! data-plane route, for the generic concerns only (STYLE.md: "Tower layers only for generic
 //! concerns"):
 //!
-//! - **load shedding**: a global concurrency limit (`max_concurrent_requests`); a request over
-//!   it, or one arriving while turnguard drains after SIGTERM, is answered at once with 503,
-//!   `Retry-After` and the OpenWOP error body ([`WireError::Overloaded`],
-//!   [`WireError::ShuttingDown`]). The permit is held until the response body — a whole
-//!   stream — has been sent, so streams count against the limit for their whole life.
+//! - **load shedding**: a global concurrency limit (`max_concurrent_requests`). A request
+//!   arriving while turnguard drains after SIGTERM is answered at once with 503,
+//!   `Retry-After` and the OpenWOP error body ([`WireError::ShuttingDown`]). The concurrency
+//!   permit is taken only once the request body has been read ([`admit`], called by the
+//!   request path right after its capped, deadlined body read), so a client trickling its
+//!   body holds none (issue 11); past the limit the request is answered 503
+//!   ([`WireError::Overloaded`]) before any upstream work. The permit is held until the
+//!   response body — a whole stream — has been sent, so streams count against the limit for
+//!   their whole life.
 //! - **request identity**: `x-request-id` is kept when the agent sent a sane one (ASCII
 //!   graphic, ≤ 200 bytes), else replaced by a UUID, before the request path sees it; it is
 //!   echoed on every response and forwarded upstream. W3C `traceparent` / `tracestate` are
@@ -171,7 +175,63 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
         })
 }
 
-/// The middleware: shed or admit, identify, time, and log once (see the module docs).
+/// The concurrency permit of one request, taken by [`admit`] once its body is read and
+/// held until its response body ends (the edge's access log and the request path both keep
+/// this alive; the permit goes back when the last of them drops it).
+pub struct Admission {
+    edge: Arc<Edge>,
+    request_id: String,
+    permit: std::sync::Mutex<Option<OwnedSemaphorePermit>>,
+}
+
+/// Takes the concurrency permit of the request whose extensions these are, after its body
+/// was read. A request outside the edge (no [`Admission`] in its extensions) takes none.
+///
+/// Errors: [`WireError::Overloaded`] (503, `Retry-After`) when `max_concurrent_requests`
+/// requests already hold one; counted in `turnguard_shed_requests_total{reason="overloaded"}`.
+pub fn admit(extensions: &http::Extensions) -> Result<(), WireError> {
+    let Some(a) = extensions.get::<Arc<Admission>>() else {
+        return Ok(());
+    };
+    let Ok(mut slot) = a.permit.lock() else {
+        return Err(WireError::Internal {
+            reason: "the admission slot is poisoned".into(),
+        });
+    };
+    if slot.is_some() {
+        return Ok(());
+    }
+    match Arc::clone(&a.edge.permits).try_acquire_owned() {
+        Ok(p) => {
+            *slot = Some(p);
+            Ok(())
+        }
+        Err(_) => {
+            let config = &a.edge.state.config;
+            a.edge
+                .state
+                .metrics
+                .shed_requests
+                .get_or_create(&ShedLabels {
+                    reason: ShedReason::Overloaded.as_str().to_owned(),
+                })
+                .inc();
+            tracing::warn!(
+                target: "turnguard::access",
+                request_id = %a.request_id,
+                shed = ShedReason::Overloaded.as_str(),
+                limit = config.max_concurrent_requests,
+                "request shed"
+            );
+            Err(WireError::Overloaded {
+                limit: config.max_concurrent_requests,
+                retry_after_s: config.shed_retry_after_s,
+            })
+        }
+    }
+}
+
+/// The middleware: shed while draining, identify, time, and log once (see the module docs).
 pub async fn layer(State(edge): State<Arc<Edge>>, mut req: Request, next: Next) -> Response {
     let started = Instant::now();
     let api = api_of(req.uri().path());
@@ -180,52 +240,39 @@ pub async fn layer(State(edge): State<Arc<Edge>>, mut req: Request, next: Next) 
     let trace = trace_id(req.headers());
     let metrics = &edge.state.metrics;
 
-    let shed = if edge.state.lifecycle.draining() {
-        Some(ShedReason::ShuttingDown)
-    } else {
-        None
-    };
-    let permit = match shed {
-        Some(r) => Err(r),
-        None => Arc::clone(&edge.permits)
-            .try_acquire_owned()
-            .map_err(|_| ShedReason::Overloaded),
-    };
-    let permit = match permit {
-        Ok(p) => p,
-        Err(reason) => {
-            let retry_after_s = edge.state.config.shed_retry_after_s;
-            let err = match reason {
-                ShedReason::Overloaded => WireError::Overloaded {
-                    limit: edge.state.config.max_concurrent_requests,
-                    retry_after_s,
-                },
-                ShedReason::ShuttingDown => WireError::ShuttingDown { retry_after_s },
-            };
-            metrics
-                .shed_requests
-                .get_or_create(&ShedLabels {
-                    reason: reason.as_str().to_owned(),
-                })
-                .inc();
-            metrics.request(api, 503, false);
-            let mut resp = err.response(Surface::of_request(req.uri().path(), req.headers()));
-            set_request_id(resp.headers_mut(), &request_id);
-            tracing::warn!(
-                target: "turnguard::access",
-                request_id = %request_id,
-                api,
-                method = %method,
-                status = 503u16,
-                stream = false,
-                duration_ms = ms(started.elapsed()),
-                shed = reason.as_str(),
-                trace_id = trace.as_deref().unwrap_or(""),
-                "request shed"
-            );
-            return resp;
-        }
-    };
+    if edge.state.lifecycle.draining() {
+        let reason = ShedReason::ShuttingDown;
+        let retry_after_s = edge.state.config.shed_retry_after_s;
+        metrics
+            .shed_requests
+            .get_or_create(&ShedLabels {
+                reason: reason.as_str().to_owned(),
+            })
+            .inc();
+        metrics.request(api, 503, false);
+        let mut resp = WireError::ShuttingDown { retry_after_s }
+            .response(Surface::of_request(req.uri().path(), req.headers()));
+        set_request_id(resp.headers_mut(), &request_id);
+        tracing::warn!(
+            target: "turnguard::access",
+            request_id = %request_id,
+            api,
+            method = %method,
+            status = 503u16,
+            stream = false,
+            duration_ms = ms(started.elapsed()),
+            shed = reason.as_str(),
+            trace_id = trace.as_deref().unwrap_or(""),
+            "request shed"
+        );
+        return resp;
+    }
+    let admission = Arc::new(Admission {
+        edge: Arc::clone(&edge),
+        request_id: request_id.clone(),
+        permit: std::sync::Mutex::new(None),
+    });
+    req.extensions_mut().insert(Arc::clone(&admission));
 
     let timing = Arc::new(Timing::default());
     let mut resp = TIMING.scope(Arc::clone(&timing), next.run(req)).await;
@@ -248,7 +295,7 @@ pub async fn layer(State(edge): State<Arc<Edge>>, mut req: Request, next: Next) 
         before_body,
         timing,
         bytes: 0,
-        _permit: permit,
+        _admission: admission,
     };
     let (parts, body) = resp.into_parts();
     Response::from_parts(
@@ -273,7 +320,8 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// What the access log line and the edge histograms need once the body is done. Holds the
-/// concurrency permit, so the request counts against the limit until then.
+/// request's [`Admission`] (its concurrency permit), so the request counts against the limit
+/// until then.
 struct AccessLog {
     state: Arc<AppState>,
     labels: EdgeLabels,
@@ -285,7 +333,7 @@ struct AccessLog {
     before_body: Duration,
     timing: Arc<Timing>,
     bytes: u64,
-    _permit: OwnedSemaphorePermit,
+    _admission: Arc<Admission>,
 }
 
 impl AccessLog {

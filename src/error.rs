@@ -22,8 +22,21 @@ pub enum WireError {
     #[error("no route for {method} {path}: turnguard serves only the provider APIs it admits")]
     RouteNotFound { method: String, path: String },
     /// The request body exceeded the configured cap (`max_body_bytes`).
-    #[error("request body exceeds the {limit_bytes}-byte limit")]
+    #[error("request body exceeds the {limit_bytes}-byte cap (max_body_bytes; raise it with --max-body-bytes)")]
     PayloadTooLarge { limit_bytes: usize },
+    /// The client did not send its whole request body within `body_read_timeout_ms` (a slow
+    /// or stalled client; issue 11).
+    #[error("the request body did not arrive within {limit_ms} ms (body_read_timeout_ms; raise it with --body-read-timeout-ms)")]
+    RequestTimeout { limit_ms: u64 },
+    /// A schema the request declares (a tool's parameters, a `response_format` schema) is
+    /// larger than turnguard compiles (`max_schema_bytes`; issue 11: compiled schemas are
+    /// bounded in memory).
+    #[error("the {what} is {bytes} bytes; turnguard compiles schemas of at most {limit_bytes} bytes (max_schema_bytes; raise it with --max-schema-bytes)")]
+    SchemaTooLarge {
+        what: String,
+        bytes: usize,
+        limit_bytes: usize,
+    },
     /// The request body is not the JSON the API expects.
     #[error("request body is not valid: {reason}")]
     InvalidRequest { reason: String },
@@ -81,6 +94,16 @@ impl WireError {
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "payload_too_large",
                 "payload_too_large",
+            ),
+            Self::RequestTimeout { .. } => (
+                StatusCode::REQUEST_TIMEOUT,
+                "turnguard.request_timeout",
+                "body_read_timeout",
+            ),
+            Self::SchemaTooLarge { .. } => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                "schema_too_large",
             ),
             Self::InvalidRequest { .. } => (
                 StatusCode::BAD_REQUEST,
@@ -164,6 +187,18 @@ impl WireError {
         match self {
             Self::PayloadTooLarge { limit_bytes } => {
                 details.insert("limitBytes".into(), json!(limit_bytes));
+                details.insert("flag".into(), json!("--max-body-bytes"));
+            }
+            Self::RequestTimeout { limit_ms } => {
+                details.insert("limitMs".into(), json!(limit_ms));
+                details.insert("flag".into(), json!("--body-read-timeout-ms"));
+            }
+            Self::SchemaTooLarge {
+                bytes, limit_bytes, ..
+            } => {
+                details.insert("bytes".into(), json!(bytes));
+                details.insert("limitBytes".into(), json!(limit_bytes));
+                details.insert("flag".into(), json!("--max-schema-bytes"));
             }
             Self::UpstreamUnavailable { upstream, .. }
             | Self::UpstreamNotConfigured { upstream } => {
@@ -213,7 +248,10 @@ impl WireError {
             retry_after,
         }
         .response(surface);
-        if matches!(self, Self::ShuttingDown { .. }) {
+        if matches!(
+            self,
+            Self::ShuttingDown { .. } | Self::RequestTimeout { .. }
+        ) {
             resp.headers_mut()
                 .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
         }

@@ -202,6 +202,35 @@ pub struct Metrics {
     pub shed_requests: Family<ShedLabels, Counter>,
     /// Constant 1, labelled with the build's version.
     pub build_info: Family<BuildLabels, Gauge<i64, AtomicI64>>,
+    /// Data-plane connections open (issue 11: capped by `max_connections`).
+    pub open_connections: Gauge<i64, AtomicI64>,
+    /// Data-plane connections closed at accept because `max_connections` were open.
+    pub connections_rejected: Counter,
+    /// Estimated memory held by compiled schemas, bytes (bounded by
+    /// `max_schema_cache_bytes`).
+    pub schema_cache_bytes: Gauge<i64, AtomicI64>,
+    /// Compiled schemas evicted (least recently used first) to stay within the budget.
+    pub schema_cache_evictions: Counter,
+}
+
+/// Counts one unit in a gauge for as long as it lives: `inc` now, `dec` on drop, so a future
+/// dropped half-way (a client that disconnects) never leaves the gauge up.
+#[derive(Debug)]
+#[must_use = "the gauge goes down again when the guard is dropped"]
+pub struct GaugeGuard(Gauge<i64, AtomicI64>);
+
+impl GaugeGuard {
+    /// Increments `gauge` until the guard is dropped.
+    pub fn new(gauge: &Gauge<i64, AtomicI64>) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for GaugeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 impl Metrics {
@@ -414,6 +443,38 @@ impl Metrics {
             "Build information (constant 1)",
             build_info.clone(),
         );
+        let open_connections = Gauge::<i64, AtomicI64>::default();
+        reg(
+            &mut registry,
+            &mut names,
+            "open_connections",
+            "Data-plane connections open",
+            open_connections.clone(),
+        );
+        let connections_rejected = Counter::default();
+        reg(
+            &mut registry,
+            &mut names,
+            "connections_rejected",
+            "Data-plane connections closed at accept because max_connections were open",
+            connections_rejected.clone(),
+        );
+        let schema_cache_bytes = Gauge::<i64, AtomicI64>::default();
+        reg(
+            &mut registry,
+            &mut names,
+            "schema_cache_bytes",
+            "Estimated memory held by compiled schemas",
+            schema_cache_bytes.clone(),
+        );
+        let schema_cache_evictions = Counter::default();
+        reg(
+            &mut registry,
+            &mut names,
+            "schema_cache_evictions",
+            "Compiled schemas evicted to stay within max_schema_cache_bytes",
+            schema_cache_evictions.clone(),
+        );
         build_info
             .get_or_create(&BuildLabels {
                 version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -452,6 +513,10 @@ impl Metrics {
                 .inc_by(0);
         }
         Self {
+            open_connections,
+            connections_rejected,
+            schema_cache_bytes,
+            schema_cache_evictions,
             names,
             request_duration,
             proxy_added,
@@ -539,6 +604,7 @@ impl Metrics {
 pub const UPSTREAM_ERROR_REASONS: &[&str] = &[
     "connect",
     "response_timeout",
+    "idle_timeout",
     "stream_cut",
     "repair_round_failed",
 ];

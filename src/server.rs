@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::State;
@@ -11,7 +12,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use http::Request;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::admission::{LimitState, SchemaCache};
@@ -20,7 +21,7 @@ use crate::config::Config;
 use crate::error::{Surface, WireError};
 use crate::identity::{Identity, IdentityConfigError};
 use crate::journal::{Journal, JournalError, JournalReader, WriterThread};
-use crate::metrics::Metrics;
+use crate::metrics::{GaugeGuard, Metrics};
 use crate::model::Api;
 use crate::proxy::{self, upstream};
 use crate::reload::{self, LoadError, PolicyHandle};
@@ -51,6 +52,8 @@ pub struct AppState {
     pub identity: Identity,
     /// Requests waiting for approvals in this process.
     pub approvals: Approvals,
+    /// The admin token (`admin_token_file`) that may read run data, if configured.
+    pub admin_token: Option<crate::admin::AdminToken>,
 }
 
 /// Why `serve` could not start.
@@ -65,6 +68,9 @@ pub enum StartError {
     /// The identity configuration cannot be used.
     #[error(transparent)]
     Identity(#[from] IdentityConfigError),
+    /// The admin token file cannot be used.
+    #[error("admin_token_file {file}: {reason}")]
+    AdminToken { file: String, reason: String },
     /// The policy bundle does not load.
     #[error("policy bundle {dir} does not load")]
     Policy { dir: String, source: LoadError },
@@ -82,6 +88,7 @@ pub struct Running {
     tasks: Vec<JoinHandle<()>>,
     watcher: JoinHandle<()>,
     pruner: JoinHandle<()>,
+    health: JoinHandle<()>,
     writer: WriterThread,
 }
 
@@ -92,6 +99,7 @@ impl Running {
     pub async fn shutdown(self) -> crate::shutdown::ShutdownReport {
         self.watcher.abort();
         self.pruner.abort();
+        self.health.abort();
         crate::shutdown::sequence(self.state, self.stop, self.tasks, self.writer).await
     }
 }
@@ -133,7 +141,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             .with_embedded_fallback(!config.policy_explicit)
             .with_catalogs(config.catalog.clone()),
     );
-    let (journal, writer) = Journal::open(&config.journal, Arc::clone(&metrics))?;
+    let (journal, writer) = Journal::open_with(
+        &config.journal,
+        Arc::clone(&metrics),
+        Duration::from_millis(config.journal_busy_timeout_ms),
+    )?;
     let reader = Arc::new(JournalReader::open(&config.journal)?);
     let bind = |addr: SocketAddr| async move {
         TcpListener::bind(addr).await.map_err(|e| StartError::Bind {
@@ -151,13 +163,23 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         addr: config.admin_listen,
         reason: e.to_string(),
     })?;
+    let schemas = Arc::new(SchemaCache::new(
+        crate::admission::arguments::SchemaLimits {
+            max_schema_bytes: config.max_schema_bytes,
+            budget_bytes: config.max_schema_cache_bytes,
+        },
+        metrics.schema_cache_bytes.clone(),
+        metrics.schema_cache_evictions.clone(),
+    ));
+    let admin_token = crate::admin::AdminToken::load(config.admin_token_file.as_deref())?;
     let state = Arc::new(AppState {
+        admin_token,
         client: upstream::client(&config),
         config,
         journal,
         reader,
         metrics,
-        schemas: Arc::new(SchemaCache::default()),
+        schemas,
         policy: Arc::clone(&policy),
         limits: LimitState::default(),
         ready: AtomicBool::new(false),
@@ -172,37 +194,33 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     );
     let pruner = prune_task(Arc::clone(&state));
     let (stop, stopped) = watch::channel(false);
-    let serve = |listener: TcpListener, router: Router, mut stopped: watch::Receiver<bool>| {
-        tokio::spawn(async move {
-            let shutdown = async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            };
-            // Small writes (SSE events) go out at once: without TCP_NODELAY an event written
-            // while the previous segment is unacknowledged waits for the peer's delayed ACK
-            // (up to 40 ms on Linux).
-            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-                let _ = tcp.set_nodelay(true);
-            });
-            if let Err(e) = axum::serve(listener, router)
-                .with_graceful_shutdown(shutdown)
-                .await
-            {
-                tracing::error!(error = %e, "listener failed");
-            }
-        })
+    let header_read_timeout = Duration::from_millis(state.config.header_read_timeout_ms);
+    let data = Listener {
+        header_read_timeout,
+        max_connections: state.config.max_connections,
+        counted: Some(Arc::clone(&state.metrics)),
+    };
+    // The admin plane gets the same deadlines and its own, fixed connection cap.
+    let admin = Listener {
+        header_read_timeout,
+        max_connections: ADMIN_MAX_CONNECTIONS,
+        counted: None,
     };
     let tasks = vec![
-        serve(
+        tokio::spawn(serve(
             data_listener,
             data_router(Arc::clone(&state)),
             stopped.clone(),
-        ),
-        serve(
+            data,
+        )),
+        tokio::spawn(serve(
             admin_listener,
             crate::admin::router(Arc::clone(&state)),
             stopped,
-        ),
+            admin,
+        )),
     ];
+    let health = journal_health_task(Arc::clone(&state));
     state.ready.store(true, Ordering::SeqCst);
     tracing::info!(data = %addr, admin = %admin_addr, journal = %state.journal.path().display(), upstreams = %upstream_summary(&state.config), "turnguard listening");
     Ok(Running {
@@ -213,6 +231,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tasks,
         watcher,
         pruner,
+        health,
         writer,
     })
 }
@@ -234,6 +253,122 @@ pub fn upstream_summary(config: &Config) -> String {
         .collect::<Vec<_>>()
         .join(", ")
 }
+
+/// Connections the admin plane keeps open at once (metrics scrapers, approval UIs).
+const ADMIN_MAX_CONNECTIONS: usize = 256;
+
+/// How one listener serves its connections.
+struct Listener {
+    /// hyper's HTTP/1 `header_read_timeout`: the time a client has to send a request's
+    /// headers, which is also the longest an idle keep-alive connection stays open.
+    header_read_timeout: Duration,
+    /// Connections open at once; past it a new connection is closed at accept.
+    max_connections: usize,
+    /// Count connections in `turnguard_open_connections` / `_connections_rejected_total`.
+    counted: Option<Arc<Metrics>>,
+}
+
+/// Serves `router` on `listener` until `stopped` turns true, then shuts down gracefully: the
+/// listener closes at once, idle keep-alive connections are closed, and in-flight requests and
+/// streams finish (the caller bounds how long: [`crate::shutdown`]).
+///
+/// HTTP/1.1 only (what the providers' SDKs speak): hyper's HTTP/1 server enforces the
+/// header-read deadline from the first byte of a connection and between requests, which its
+/// HTTP/2 server has no equivalent for, so a slow client cannot hold a connection by trickling
+/// its headers (issue 11). Past `max_connections` open connections a new one is closed at
+/// accept, so slow clients cannot exhaust file descriptors; the request body's deadline and the
+/// concurrency permit are the request path's ([`crate::edge`]).
+async fn serve(
+    listener: TcpListener,
+    router: Router,
+    mut stopped: watch::Receiver<bool>,
+    how: Listener,
+) {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(how.header_read_timeout);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let open = Arc::new(Semaphore::new(how.max_connections));
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stopped.wait_for(|s| *s) => break,
+        };
+        let tcp = match accepted {
+            Ok((tcp, _)) => tcp,
+            Err(e) => {
+                // A connection that failed before accept returned is the client's problem;
+                // anything else (EMFILE …) is retried after a pause, never a dead listener.
+                if !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionAborted
+                        | std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::ConnectionRefused
+                ) {
+                    tracing::error!(error = %e, "accept failed; retrying in 100 ms");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                continue;
+            }
+        };
+        let Ok(slot) = Arc::clone(&open).try_acquire_owned() else {
+            if let Some(m) = &how.counted {
+                m.connections_rejected.inc();
+            }
+            tracing::warn!(
+                max_connections = how.max_connections,
+                "connection closed at accept: max_connections are open"
+            );
+            drop(tcp);
+            continue;
+        };
+        // Small writes (SSE events) go out at once: without TCP_NODELAY an event written
+        // while the previous segment is unacknowledged waits for the peer's delayed ACK (up
+        // to 40 ms on Linux).
+        let _ = tcp.set_nodelay(true);
+        let gauge = how
+            .counted
+            .as_ref()
+            .map(|m| GaugeGuard::new(&m.open_connections));
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            // A header-read timeout, a reset or a protocol error ends only this connection.
+            let _ = conn.await;
+            drop(gauge);
+            drop(slot);
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+}
+
+/// Keeps the journal's health signal fresh: probes with a real durable write every
+/// [`HEALTH_PROBE_OK`] while writes succeed, and every [`HEALTH_PROBE_FAILING`] (at least that
+/// long after the last failure) while they fail, so `/readyz` turns true again once the
+/// journal recovers ([`crate::journal::JournalHealth`]).
+fn journal_health_task(state: Arc<AppState>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let wait = if state.journal.health().failing().is_some() {
+                HEALTH_PROBE_FAILING
+            } else {
+                HEALTH_PROBE_OK
+            };
+            tokio::time::sleep(wait).await;
+            if state.journal.health().failed_within(HEALTH_PROBE_FAILING) {
+                continue;
+            }
+            let _ = state.journal.probe().await;
+        }
+    })
+}
+
+/// Probe interval while the journal's durable writes succeed.
+const HEALTH_PROBE_OK: Duration = Duration::from_secs(5);
+/// Probe interval while they fail.
+const HEALTH_PROBE_FAILING: Duration = Duration::from_secs(1);
 
 /// Deletes journal records past `journal_retention_days`, hourly (and once at start).
 fn prune_task(state: Arc<AppState>) -> JoinHandle<()> {

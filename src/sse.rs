@@ -28,7 +28,7 @@ pub struct SseBlock {
 
 /// The framer met a block larger than its cap.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("an SSE event exceeds the {0}-byte limit")]
+#[error("an SSE event exceeds the {0}-byte cap (max_event_bytes; raise it with --max-event-bytes)")]
 pub struct EventTooLarge(pub usize);
 
 /// Incremental framer: push chunks in, take complete blocks out.

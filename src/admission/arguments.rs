@@ -2,11 +2,12 @@
 //! against the request's declared schema (JSON Schema 2020-12 unless the schema says
 //! otherwise), before any gate.
 //!
-//! Compiled validators are cached by the SHA-256 of the schema's RFC 8785 form. No remote
+//! Compiled validators are cached by the SHA-256 of the schema's RFC 8785 form, bounded in
+//! estimated bytes and evicted least recently used first ([`SchemaCache`]); a schema larger
+//! than `max_schema_bytes` is never compiled. No remote
 //! `$ref` is ever fetched: `jsonschema` is built without its HTTP and file resolvers, so a
 //! schema that needs one fails to compile and the call is withheld (fail closed).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use jsonschema::{Draft, Validator};
@@ -17,8 +18,8 @@ use crate::model::{Decision, Outcome, Stage, ToolCall, Turn};
 
 /// At most this many validation errors are listed in a host-authored explanation.
 const MAX_LISTED_ERRORS: usize = 5;
-/// Compiled validators kept before the cache is cleared.
-const MAX_CACHED_SCHEMAS: usize = 1024;
+/// Compiled validators kept at most, whatever their size.
+pub const MAX_CACHED_SCHEMAS: usize = 1024;
 
 /// Why the arguments text is not a JSON object.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,21 +57,100 @@ pub fn canonical(v: &Value) -> Vec<u8> {
 /// A compiled validator, or why the schema does not compile.
 pub type Compiled = Arc<Result<Validator, String>>;
 
-/// Compiled validators keyed by schema hash, shared by every request.
-#[derive(Default)]
+/// Estimated memory of a compiled validator per byte of its schema's JSON (measured with
+/// `jsonschema` 0.61: a 1.7 MB schema compiles to about 41 MB, ×24; rounded up).
+pub const COMPILED_BYTES_PER_JSON_BYTE: usize = 32;
+
+/// The bounds of the compiled-schema cache (issue 11: compiled schemas are bounded in bytes).
+#[derive(Debug, Clone, Copy)]
+pub struct SchemaLimits {
+    /// Largest schema compiled, bytes of its RFC 8785 JSON (`max_schema_bytes`).
+    pub max_schema_bytes: usize,
+    /// Estimated memory the cache may hold, bytes (`max_schema_cache_bytes`).
+    pub budget_bytes: usize,
+}
+
+impl Default for SchemaLimits {
+    fn default() -> Self {
+        Self {
+            max_schema_bytes: 256 << 10,
+            budget_bytes: 32 << 20,
+        }
+    }
+}
+
+/// Compiled validators keyed by schema hash, shared by every request; least recently used
+/// first out once the estimated memory ([`COMPILED_BYTES_PER_JSON_BYTE`] × the schema's JSON
+/// size) passes the budget, or past [`MAX_CACHED_SCHEMAS`] entries. A schema larger than
+/// `max_schema_bytes` is never compiled.
 pub struct SchemaCache {
-    compiled: Mutex<HashMap<[u8; 32], Compiled>>,
+    limits: SchemaLimits,
+    lru: Mutex<Lru>,
+    bytes: prometheus_client::metrics::gauge::Gauge,
+    evictions: prometheus_client::metrics::counter::Counter,
+}
+
+#[derive(Default)]
+struct Lru {
+    /// Oldest use first.
+    map: hashlink::LinkedHashMap<[u8; 32], (Compiled, usize)>,
+    bytes: usize,
+}
+
+impl Default for SchemaCache {
+    fn default() -> Self {
+        Self::new(
+            SchemaLimits::default(),
+            Default::default(),
+            Default::default(),
+        )
+    }
 }
 
 impl SchemaCache {
+    /// A cache within `limits`, reporting its estimated bytes and evictions to the given
+    /// metrics (`turnguard_schema_cache_bytes`, `turnguard_schema_cache_evictions_total`).
+    pub fn new(
+        limits: SchemaLimits,
+        bytes: prometheus_client::metrics::gauge::Gauge,
+        evictions: prometheus_client::metrics::counter::Counter,
+    ) -> Self {
+        Self {
+            limits,
+            lru: Mutex::new(Lru::default()),
+            bytes,
+            evictions,
+        }
+    }
+
+    /// `Err((bytes, limit))` when `schema` is larger than `max_schema_bytes` (its RFC 8785
+    /// JSON): turnguard refuses to compile it.
+    pub fn check_size(&self, schema: &Value) -> Result<(), (usize, usize)> {
+        let n = canonical(schema).len();
+        if n > self.limits.max_schema_bytes {
+            Err((n, self.limits.max_schema_bytes))
+        } else {
+            Ok(())
+        }
+    }
+
     /// The compiled validator for `schema`, compiling it on first use.
-    /// `Err(reason)` when the schema does not compile (for example a remote `$ref`).
+    /// `Err(reason)` when the schema does not compile (for example a remote `$ref`) or is
+    /// larger than `max_schema_bytes` (the reason names the cap and its flag).
     pub fn get(&self, schema: &Value) -> Compiled {
-        let key: [u8; 32] = Sha256::digest(canonical(schema)).into();
-        if let Ok(map) = self.compiled.lock() {
-            if let Some(v) = map.get(&key) {
+        let json = canonical(schema);
+        let key: [u8; 32] = Sha256::digest(&json).into();
+        if let Ok(mut lru) = self.lru.lock() {
+            if let Some((v, _)) = lru.map.to_back(&key) {
                 return Arc::clone(v);
             }
+        }
+        if json.len() > self.limits.max_schema_bytes {
+            return Arc::new(Err(format!(
+                "the schema is {} bytes; turnguard compiles schemas of at most {} bytes (max_schema_bytes; raise it with --max-schema-bytes)",
+                json.len(),
+                self.limits.max_schema_bytes
+            )));
         }
         let built = Arc::new(
             jsonschema::options()
@@ -83,23 +163,43 @@ impl SchemaCache {
                     )
                 }),
         );
-        if let Ok(mut map) = self.compiled.lock() {
-            if map.len() >= MAX_CACHED_SCHEMAS {
-                map.clear();
+        let cost = json
+            .len()
+            .saturating_mul(COMPILED_BYTES_PER_JSON_BYTE)
+            .saturating_add(1024);
+        if cost > self.limits.budget_bytes {
+            // Larger than the whole budget: used for this call, never kept.
+            return built;
+        }
+        if let Ok(mut lru) = self.lru.lock() {
+            if lru.map.insert(key, (Arc::clone(&built), cost)).is_none() {
+                lru.bytes += cost;
             }
-            map.insert(key, Arc::clone(&built));
+            while lru.bytes > self.limits.budget_bytes || lru.map.len() > MAX_CACHED_SCHEMAS {
+                let Some((_, (_, c))) = lru.map.pop_front() else {
+                    break;
+                };
+                lru.bytes -= c;
+                self.evictions.inc();
+            }
+            self.bytes.set(i64::try_from(lru.bytes).unwrap_or(i64::MAX));
         }
         built
     }
 
     /// Number of compiled schemas held.
     pub fn len(&self) -> usize {
-        self.compiled.lock().map(|m| m.len()).unwrap_or(0)
+        self.lru.lock().map(|m| m.map.len()).unwrap_or(0)
     }
 
     /// No schema compiled yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Estimated memory held, bytes.
+    pub fn bytes(&self) -> usize {
+        self.lru.lock().map(|m| m.bytes).unwrap_or(0)
     }
 }
 
@@ -218,5 +318,49 @@ fn type_name(kind: &jsonschema::error::TypeKind) -> String {
             .map(|t| t.to_string())
             .collect::<Vec<_>>()
             .join(" or "),
+    }
+}
+
+#[cfg(test)]
+mod cache_tests {
+    use super::*;
+
+    fn schema(props: usize, salt: usize) -> Value {
+        let mut p = serde_json::Map::new();
+        for i in 0..props {
+            p.insert(
+                format!("p{salt}_{i}"),
+                serde_json::json!({"type": "string"}),
+            );
+        }
+        serde_json::json!({"type": "object", "properties": p})
+    }
+
+    #[test]
+    fn the_cache_stays_within_its_byte_budget_and_evicts_least_recently_used() {
+        let cache = SchemaCache::new(
+            SchemaLimits {
+                max_schema_bytes: 64 << 10,
+                budget_bytes: 256 << 10,
+            },
+            Default::default(),
+            Default::default(),
+        );
+        let first = schema(100, 0);
+        assert!(cache.get(&first).is_ok());
+        for salt in 1..20 {
+            assert!(cache.get(&schema(100, salt)).is_ok());
+            // Keep the first one in use: it is never the least recently used.
+            assert!(cache.get(&first).is_ok());
+            assert!(cache.bytes() <= 256 << 10, "{}", cache.bytes());
+        }
+        assert!(cache.len() < 20);
+        let key: [u8; 32] = Sha256::digest(canonical(&first)).into();
+        assert!(cache.lru.lock().unwrap().map.contains_key(&key));
+        let too_big = schema(5000, 99);
+        let err = cache.get(&too_big);
+        let reason = err.as_ref().as_ref().err().unwrap();
+        assert!(reason.contains("--max-schema-bytes"), "{reason}");
+        assert!(cache.check_size(&too_big).is_err());
     }
 }

@@ -81,7 +81,94 @@ pub enum JournalError {
     /// The writer thread is gone (shutdown or a crash).
     #[error("the journal writer has stopped")]
     Closed,
+    /// Durable writes are failing (a full disk, a lock another process holds …): a record
+    /// the contract needs durable is refused at once instead of waiting for the same failure
+    /// ([`JournalHealth`]).
+    #[error("the journal is failing durable writes ({0}); turnguard retries in the background")]
+    Failing(String),
 }
+
+/// Whether the journal's writes currently succeed (issue 11: readiness tells the truth about
+/// the journal). Every committed or failed batch updates it; a probe (a small durable write,
+/// [`Journal::probe`]) keeps it fresh when there is no traffic and notices recovery.
+#[derive(Debug, Default)]
+pub struct JournalHealth {
+    state: std::sync::Mutex<HealthState>,
+}
+
+#[derive(Debug, Default)]
+struct HealthState {
+    /// Why the last batch failed; `None` while writes succeed.
+    failing: Option<String>,
+    failed_at: Option<Instant>,
+}
+
+impl JournalHealth {
+    /// `Some(reason)` while writes fail.
+    pub fn failing(&self) -> Option<String> {
+        self.state
+            .lock()
+            .map(|s| s.failing.clone())
+            .unwrap_or_else(|_| Some("journal health state poisoned".into()))
+    }
+
+    /// A write failed less than `d` ago.
+    pub fn failed_within(&self, d: std::time::Duration) -> bool {
+        self.state
+            .lock()
+            .map(|s| s.failed_at.is_some_and(|t| t.elapsed() < d))
+            .unwrap_or(true)
+    }
+
+    /// Takes a batch's commit result. Only a failure of the store itself (full disk, I/O
+    /// error, a lock held elsewhere, a read-only or unusable file) marks the journal failing;
+    /// an error of one record's own (a constraint) fails that batch's callers only.
+    fn record(&self, result: &rusqlite::Result<()>) {
+        use rusqlite::ErrorCode as C;
+        let Ok(mut s) = self.state.lock() else { return };
+        match result {
+            Ok(()) => {
+                if s.failing.take().is_some() {
+                    tracing::info!("journal writes succeed again");
+                }
+            }
+            Err(e)
+                if !matches!(
+                    e.sqlite_error_code(),
+                    Some(
+                        C::DiskFull
+                            | C::SystemIoFailure
+                            | C::DatabaseBusy
+                            | C::DatabaseLocked
+                            | C::ReadOnly
+                            | C::CannotOpen
+                            | C::DatabaseCorrupt
+                            | C::NotADatabase
+                            | C::OutOfMemory
+                            | C::PermissionDenied
+                    )
+                ) => {}
+            Err(e) => {
+                if s.failing.is_none() {
+                    tracing::error!(error = %e, "journal writes fail: requests that need durability are refused until a write succeeds");
+                }
+                s.failing = Some(e.to_string());
+                s.failed_at = Some(Instant::now());
+            }
+        }
+    }
+}
+
+/// A small durable write that touches nothing the journal keeps: `user_version` rewritten
+/// with its own value, committed. Fails like a record would (read-only file, full disk, a
+/// lock held elsewhere past the busy timeout).
+fn probe_write(conn: &Connection) -> rusqlite::Result<()> {
+    let v: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    conn.pragma_update(None, "user_version", v)
+}
+
+/// How long the writer waits for a lock another process holds, by default.
+pub const DEFAULT_BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A body kept in the journal: the bytes up to the record cap, redacted, with the full size
 /// and SHA-256 of what was received.
@@ -429,6 +516,8 @@ enum Op {
         expires_at_ms: i64,
         at_ms: i64,
     },
+    /// A health probe ([`probe_write`]).
+    Probe,
 }
 
 struct Job {
@@ -446,6 +535,7 @@ pub struct Journal {
     tx: mpsc::Sender<Job>,
     metrics: Arc<Metrics>,
     path: PathBuf,
+    health: Arc<JournalHealth>,
 }
 
 impl Journal {
@@ -453,17 +543,37 @@ impl Journal {
     ///
     /// Errors: [`JournalError::Open`] naming the path.
     pub fn open(path: &Path, metrics: Arc<Metrics>) -> Result<(Self, WriterThread), JournalError> {
+        Self::open_with(path, metrics, DEFAULT_BUSY_TIMEOUT)
+    }
+
+    /// [`Journal::open`] with the writer's busy timeout (how long a write waits for a lock
+    /// another process holds). The file must be writable: a probe write is committed before
+    /// this returns.
+    ///
+    /// Errors: [`JournalError::Open`] naming the path, also when the journal is not writable.
+    pub fn open_with(
+        path: &Path,
+        metrics: Arc<Metrics>,
+        busy_timeout: std::time::Duration,
+    ) -> Result<(Self, WriterThread), JournalError> {
         let open_err = |e: rusqlite::Error| JournalError::Open {
             path: path.to_owned(),
             reason: e.to_string(),
         };
         let conn = Connection::open(path).map_err(open_err)?;
         schema::migrate(&conn).map_err(open_err)?;
+        conn.busy_timeout(busy_timeout).map_err(open_err)?;
+        probe_write(&conn).map_err(|e| JournalError::Open {
+            path: path.to_owned(),
+            reason: format!("the journal is not writable: {e}"),
+        })?;
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
         let m = Arc::clone(&metrics);
+        let health = Arc::new(JournalHealth::default());
+        let h = Arc::clone(&health);
         let handle = std::thread::Builder::new()
             .name("turnguard-journal".into())
-            .spawn(move || writer(conn, rx, &m))
+            .spawn(move || writer(conn, rx, &m, &h))
             .map_err(|e| JournalError::Open {
                 path: path.to_owned(),
                 reason: e.to_string(),
@@ -473,6 +583,7 @@ impl Journal {
                 tx,
                 metrics,
                 path: path.to_owned(),
+                health,
             },
             WriterThread(handle),
         ))
@@ -488,45 +599,59 @@ impl Journal {
         self.submit_with(op, true).await
     }
 
-    /// Queues `op` and waits for its commit; `durable` chooses `synchronous=FULL`.
+    /// Whether writes currently succeed.
+    pub fn health(&self) -> &JournalHealth {
+        &self.health
+    }
+
+    /// Commits a probe write durably and updates [`JournalHealth`] with the result; bypasses
+    /// the fail-fast of a failing journal (it is how recovery is noticed).
+    pub async fn probe(&self) -> Result<(), JournalError> {
+        self.enqueue(Op::Probe, true).await
+    }
+
+    /// Queues `op` and waits for its commit; `durable` chooses `synchronous=FULL`. A durable
+    /// record is refused at once while the journal is failing ([`JournalError::Failing`]).
     async fn submit_with(&self, op: Op, durable: bool) -> Result<(), JournalError> {
+        if durable {
+            if let Some(reason) = self.health.failing() {
+                self.metrics.journal_write_failures.inc();
+                return Err(JournalError::Failing(reason));
+            }
+        }
+        self.enqueue(op, durable).await
+    }
+
+    async fn enqueue(&self, op: Op, durable: bool) -> Result<(), JournalError> {
         let (ack, done) = oneshot::channel();
-        self.metrics.journal_queue_depth.inc();
-        if self
-            .tx
-            .send(Job {
-                op,
-                ack: Some(ack),
-                durable,
-            })
-            .await
-            .is_err()
-        {
-            self.metrics.journal_queue_depth.dec();
+        // Reserve first: a caller dropped while it waits for room leaves the depth gauge as
+        // it was (the gauge moves only together with the send).
+        let Ok(slot) = self.tx.reserve().await else {
             self.metrics.journal_write_failures.inc();
             return Err(JournalError::Closed);
-        }
+        };
+        self.metrics.journal_queue_depth.inc();
+        slot.send(Job {
+            op,
+            ack: Some(ack),
+            durable,
+        });
         done.await.unwrap_or(Err(JournalError::Closed))
     }
 
     /// Queues a record the contract does not need durable before the caller goes on (audit
     /// events, a chat turn's round): waits only for room in the queue, not for the commit.
     async fn submit_relaxed(&self, op: Op) -> Result<(), JournalError> {
-        self.metrics.journal_queue_depth.inc();
-        if self
-            .tx
-            .send(Job {
-                op,
-                ack: None,
-                durable: false,
-            })
-            .await
-            .is_err()
-        {
-            self.metrics.journal_queue_depth.dec();
+        let Ok(slot) = self.tx.reserve().await else {
             self.metrics.journal_write_failures.inc();
             return Err(JournalError::Closed);
-        }
+        };
+        self.metrics.journal_queue_depth.inc();
+        slot.send(Job {
+            op,
+            ack: None,
+            durable: false,
+        });
         Ok(())
     }
 
@@ -661,7 +786,12 @@ impl WriterThread {
     }
 }
 
-fn writer(mut conn: Connection, mut rx: mpsc::Receiver<Job>, metrics: &Metrics) {
+fn writer(
+    mut conn: Connection,
+    mut rx: mpsc::Receiver<Job>,
+    metrics: &Metrics,
+    health: &JournalHealth,
+) {
     conn.set_prepared_statement_cache_capacity(64);
     let mut full = true;
     while let Some(first) = rx.blocking_recv() {
@@ -682,7 +812,9 @@ fn writer(mut conn: Connection, mut rx: mpsc::Receiver<Job>, metrics: &Metrics) 
             }
         }
         let started = Instant::now();
-        let result = commit(&mut conn, &mut batch).map_err(|e| JournalError::Write(e.to_string()));
+        let committed = commit(&mut conn, &mut batch);
+        health.record(&committed);
+        let result = committed.map_err(|e| JournalError::Write(e.to_string()));
         metrics
             .journal_commit_latency
             .observe(started.elapsed().as_secs_f64());
@@ -804,6 +936,7 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                     params![&*fingerprint, *expires_at_ms, *at_ms],
                 )?;
             }
+            Op::Probe => probe_write(&tx)?,
         }
     }
     tx.commit()?;

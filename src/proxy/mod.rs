@@ -18,7 +18,7 @@ pub mod upstream;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
 use axum::response::Response;
@@ -29,7 +29,7 @@ use serde_json::{json, Value};
 
 use crate::admission::channel::{Channel, ChannelSpec, ChannelVerdict};
 use crate::admission::{self, AdmitCtx};
-use crate::body::{read_capped, BodyError};
+use crate::body::{read_capped_within, BodyError};
 use crate::error::{Surface, WireError};
 use crate::journal::{
     CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RunKey, ServedCall,
@@ -617,7 +617,8 @@ fn n_choices(body: &Value) -> u64 {
 /// `POST /v1/responses`).
 pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Response {
     let ctx = RequestCtx::new(req.headers());
-    state.metrics.inflight_requests.inc();
+    // A guard, not inc/dec: a client that disconnects drops this future half-way.
+    let inflight = crate::metrics::GaugeGuard::new(&state.metrics.inflight_requests);
     let (mut resp, stream) = match turn(&state, api, &ctx, req).await {
         Ok(ok) => ok,
         Err(e) => {
@@ -626,7 +627,7 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Respo
             (e.response(Surface::of_api(api)), false)
         }
     };
-    state.metrics.inflight_requests.dec();
+    drop(inflight);
     state
         .metrics
         .request(api.as_str(), resp.status().as_u16(), stream);
@@ -662,10 +663,11 @@ async fn turn(
             })?;
     }
     let person = person.map(|p| p.sub);
-    let raw = read_request(state, body).await?;
+    let raw = read_request(state, &parts, body).await?;
     let json = parse_json(&raw)?;
     let mut turn = provider::parse_request(api, &json)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
+    check_schema_sizes(state, &turn)?;
     refuse_provider_delegation(ctx, &turn)?;
     check_run_ids(&ctx.run)?;
     let policy = state.policy.snapshot();
@@ -686,6 +688,31 @@ async fn turn(
         return Err(WireError::CapabilityNotProvided { reason });
     }
     let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
+    if let Some(spec) = channel
+        .as_ref()
+        .filter(|c| c.channel == Channel::Structured)
+    {
+        state
+            .schemas
+            .check_size(&spec.schema)
+            .map_err(|(bytes, limit_bytes)| WireError::SchemaTooLarge {
+                what: format!(
+                    "`response_format` schema `{}`",
+                    admission::sanitize_label(&spec.name)
+                ),
+                bytes,
+                limit_bytes,
+            })?;
+    }
+    // A run node needs durable records (tool-turn contract §D): while the journal is failing
+    // it is refused at once, before anything goes upstream.
+    if ctx.run.run_id.is_some() {
+        if let Some(reason) = state.journal.health().failing() {
+            return Err(WireError::JournalUnavailable {
+                reason: format!("durable writes are failing ({reason})"),
+            });
+        }
+    }
     record_tool_results(state, ctx, &turn, &policy).await?;
     record_declared_tools(state, ctx, &turn).await;
 
@@ -716,6 +743,7 @@ async fn turn(
         return Ok((answer, false));
     }
     loop {
+        let sent = tokio::time::Instant::now();
         let resp = session.send().await?;
         let base = session.base(resp.status().as_u16());
         if !resp.status().is_success() {
@@ -740,14 +768,16 @@ async fn turn(
         }
         let (p, b) = resp.into_parts();
         let body_started = Instant::now();
-        let body = read_capped(b, state.config.max_response_bytes).await;
+        let body = read_upstream_json(state, b, sent).await;
         crate::edge::upstream_waited(body_started, body_started.elapsed());
         let body = body
-            .map_err(|e| e.to_string())
-            .and_then(|b| upstream::decode_body(coding, b, state.config.max_response_bytes))
-            .map_err(|e| WireError::UpstreamUnavailable {
+            .and_then(|b| {
+                upstream::decode_body(coding, b, state.config.max_response_bytes)
+                    .map_err(|e| format!("response body: {e}"))
+            })
+            .map_err(|reason| WireError::UpstreamUnavailable {
                 upstream: api.upstream().to_owned(),
-                reason: format!("response body: {e}"),
+                reason,
             })?;
         match surface_json(&session, &base, body).await? {
             JsonRound::Respond(body, calls, secrets, claims) => {
@@ -874,13 +904,92 @@ pub struct RoundBase {
     pub round_id: String,
 }
 
-async fn read_request(state: &AppState, body: Body) -> Result<Bytes, WireError> {
-    read_capped(body, state.config.max_body_bytes)
+/// Reads the agent's request body (capped, within `body_read_timeout_ms`), then takes the
+/// data plane's concurrency permit ([`crate::edge::admit`]): a client still sending its body
+/// holds no permit.
+async fn read_request(
+    state: &AppState,
+    parts: &http::request::Parts,
+    body: Body,
+) -> Result<Bytes, WireError> {
+    let deadline = Duration::from_millis(state.config.body_read_timeout_ms);
+    let raw = read_capped_within(body, state.config.max_body_bytes, None, deadline)
         .await
         .map_err(|e| match e {
             BodyError::TooLarge(limit_bytes) => WireError::PayloadTooLarge { limit_bytes },
+            BodyError::TimedOut(_) => WireError::RequestTimeout {
+                limit_ms: state.config.body_read_timeout_ms,
+            },
             BodyError::Read(reason) => WireError::InvalidRequest { reason },
+        })?;
+    crate::edge::admit(&parts.extensions)?;
+    Ok(raw)
+}
+
+/// Reads a non-stream upstream body: capped at `max_response_bytes`, at most
+/// `upstream_idle_timeout_ms` between chunks, and done within `upstream_response_timeout_ms`
+/// of sending the request (the response timeout bounds the whole exchange). The error names
+/// the limit and its flag.
+async fn read_upstream_json(
+    state: &AppState,
+    body: hyper::body::Incoming,
+    sent: tokio::time::Instant,
+) -> Result<Bytes, String> {
+    let c = &state.config;
+    let idle = Duration::from_millis(c.upstream_idle_timeout_ms);
+    let whole = Duration::from_millis(c.upstream_response_timeout_ms);
+    let left = whole.saturating_sub(sent.elapsed());
+    let count = |reason: &str| {
+        state
+            .metrics
+            .upstream_errors
+            .get_or_create(&crate::metrics::ReasonLabels {
+                reason: reason.to_owned(),
+            })
+            .inc();
+    };
+    read_capped_within(body, c.max_response_bytes, Some(idle), left)
+        .await
+        .map_err(|e| match e {
+            BodyError::TooLarge(limit) => format!(
+                "the response body exceeds the {limit}-byte cap (max_response_bytes; raise it with --max-response-bytes)"
+            ),
+            BodyError::TimedOut(crate::body::TimedOut::Idle(d)) => {
+                count("idle_timeout");
+                format!(
+                    "the upstream sent no response body data for {} ms (upstream_idle_timeout_ms; raise it with --upstream-idle-timeout-ms)",
+                    d.as_millis()
+                )
+            }
+            BodyError::TimedOut(crate::body::TimedOut::Deadline(_)) => {
+                count("response_timeout");
+                format!(
+                    "the upstream's response did not complete within {} ms (upstream_response_timeout_ms; raise it with --upstream-response-timeout-ms)",
+                    whole.as_millis()
+                )
+            }
+            BodyError::Read(e) => format!("response body: {e}"),
         })
+}
+
+/// A request declaring a tool schema over `max_schema_bytes` is refused before it goes
+/// upstream (issue 11: compiled schemas are bounded in memory).
+fn check_schema_sizes(state: &AppState, turn: &Turn) -> Result<(), WireError> {
+    for tool in &turn.tools {
+        let Some(schema) = &tool.schema else { continue };
+        state
+            .schemas
+            .check_size(schema)
+            .map_err(|(bytes, limit_bytes)| WireError::SchemaTooLarge {
+                what: format!(
+                    "declared schema of tool `{}`",
+                    admission::sanitize_label(&tool.name)
+                ),
+                bytes,
+                limit_bytes,
+            })?;
+    }
+    Ok(())
 }
 
 fn parse_json(raw: &[u8]) -> Result<Value, WireError> {
@@ -1330,7 +1439,7 @@ pub async fn passthrough(
     let surface = Surface::of_request(req.uri().path(), req.headers());
     let (parts, body) = req.into_parts();
     let result = async {
-        let raw = read_request(&state, body).await?;
+        let raw = read_request(&state, &parts, body).await?;
         let path = parts
             .uri
             .path_and_query()

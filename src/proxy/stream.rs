@@ -172,7 +172,7 @@ impl Pipeline {
                 *held_bytes = held_bytes.saturating_add(piece.len());
                 if *held_bytes > hold_cap {
                     return Err(format!(
-                        "more than {hold_cap} bytes arrived while tool calls were held (--max-response-bytes)"
+                        "more than {hold_cap} bytes arrived while tool calls were held (max_response_bytes; raise it with --max-response-bytes)"
                     ));
                 }
             }

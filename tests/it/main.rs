@@ -10,6 +10,7 @@ mod compat;
 mod crash_recovery;
 mod deploy_files;
 mod dropin;
+mod faults;
 mod field_inputs;
 mod fuzz;
 mod ops_edge;

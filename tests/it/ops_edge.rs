@@ -149,7 +149,9 @@ fn the_catalogue_in_deploy_readme_matches_the_registry() {
                 || rest.ends_with("_requests")
                 || rest.ends_with("_streams")
                 || rest.ends_with("_info")
-                || rest.ends_with("_pending"),
+                || rest.ends_with("_pending")
+                || rest.ends_with("_connections")
+                || rest.ends_with("_bytes"),
             "`{name}` does not follow turnguard_<name>_<unit>[_total]"
         );
     }

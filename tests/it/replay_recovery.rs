@@ -1208,7 +1208,14 @@ async fn a_journal_that_cannot_record_fails_closed() {
     assert_eq!(n, 0, "the result was not recorded");
     drop(db);
 
-    // Once the journal records again, the same request goes through.
+    // Once the journal records again (readiness says so: a probe write succeeded), the same
+    // request goes through.
+    for _ in 0..100 {
+        if support::get(&format!("{}/readyz", h.admin_url())).await.0 == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     model_says(&h, &[answer_text("chatcmpl-j1", "Charged 5.")]).await;
     let ok = agent.send().await;
     assert_eq!(ok.status, 200, "{}", ok.text_body());

@@ -69,9 +69,9 @@ expect("anthropic 403", lambda: anthropic_call(model="claude-forbidden"), 403, "
 expect("openai 429", openai_call, 429, "rate_limited", ["rate"])
 expect("anthropic 429", anthropic_call, 429, "rate_limited", ["rate"])
 # No mock step: the body is over max_body_bytes → 413.
-expect("openai 413", lambda: openai_call(content=big), 413, "payload_too_large", ["byte limit"])
+expect("openai 413", lambda: openai_call(content=big), 413, "payload_too_large", ["byte cap", "--max-body-bytes"])
 expect("anthropic 413", lambda: anthropic_call(content=big), 413, "payload_too_large",
-       ["byte limit"])
+       ["byte cap", "--max-body-bytes"])
 # No mock step: paths off the allowlist → 404 in each surface's shape.
 expect("openai 404", lambda: oa.files.list(), 404, "not_found", ["no route for GET /v1/files"])
 expect("anthropic 404", lambda: an.messages.batches.list(), 404, "not_found",

@@ -8,6 +8,7 @@
 )] // test code
 
 pub mod approvals;
+pub mod faulty;
 pub mod runs;
 
 use std::path::{Path, PathBuf};
@@ -21,6 +22,10 @@ use serde_json::Value;
 use turnguard::config::{Config, ServeArgs};
 use turnguard::mock_provider::{self, MockHandle, Script};
 use turnguard::server::{self, Running};
+
+/// The admin token every harness is started with (`admin_token_file`): run data on the admin
+/// plane needs it (or a verified person's bearer token).
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789abcdef";
 
 /// A running pair: the mock provider and turnguard in front of it.
 pub struct Harness {
@@ -45,6 +50,17 @@ impl Harness {
     /// The journal file.
     pub fn journal(&self) -> PathBuf {
         self.dir.path().join("journal.db")
+    }
+    /// `GET` an admin-plane path with the admin token; returns status and body.
+    pub async fn admin_get(&self, path: &str) -> (u16, Bytes) {
+        let (status, _, body) = call(
+            "GET",
+            &format!("{}{path}", self.admin_url()),
+            &[("authorization", format!("Bearer {ADMIN_TOKEN}"))],
+            None,
+        )
+        .await;
+        (status, body)
     }
     /// Replaces the mock's script.
     pub async fn script(&self, script: &Value) {
@@ -111,7 +127,10 @@ pub async fn start_in(
         ],
         ..Default::default()
     };
+    let token = dir.path().join("admin.token");
+    std::fs::write(&token, ADMIN_TOKEN).expect("admin token file");
     let mut config = Config::resolve(&flags, &|_| None).expect("config");
+    config.admin_token_file = Some(token);
     tweak(&mut config);
     let tg = server::start(config).await.expect("turnguard starts");
     Harness { tg, mock, dir }

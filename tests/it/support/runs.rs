@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-use super::{get, post_raw, Harness};
+use super::{post_raw, Harness};
 
 pub fn spec_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/spec/openwop")
@@ -344,7 +344,7 @@ pub fn effect_rows(h: &Harness, run: &str) -> Vec<(String, String, String, Strin
 }
 
 pub async fn admin_json(h: &Harness, path: &str) -> Value {
-    let (status, body) = get(&format!("{}{path}", h.admin_url())).await;
+    let (status, body) = h.admin_get(path).await;
     assert_eq!(status, 200, "{path}: {}", String::from_utf8_lossy(&body));
     serde_json::from_slice(&body).unwrap()
 }
