@@ -608,6 +608,7 @@ fn propose(name: &str, declared: Option<&crate::journal::DeclaredToolRow>) -> bu
         business_key: Vec::new(),
         clarification: false,
         mode: None,
+        idempotency_meta_key: None,
     }
 }
 

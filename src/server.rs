@@ -191,10 +191,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             }
         })
     };
+    let mcp = crate::mcp::McpFront::new(Arc::clone(&state))?;
     let tasks = vec![
         serve(
             data_listener,
-            data_router(Arc::clone(&state)),
+            data_router(Arc::clone(&state), &mcp),
             stopped.clone(),
         ),
         serve(
@@ -256,10 +257,12 @@ fn prune_task(state: Arc<AppState>) -> JoinHandle<()> {
     })
 }
 
-/// The data plane: the provider APIs turnguard admits, the emission-free allowlist, and 404
-/// for everything else so no surface bypasses the pipeline (DESIGN.md §1).
-fn data_router(state: Arc<AppState>) -> Router {
+/// The data plane: the provider APIs turnguard admits, the emission-free allowlist, the MCP
+/// front (`/mcp/{name}`, [`crate::mcp`]), and 404 for everything else so no surface bypasses
+/// the pipeline (DESIGN.md §1).
+fn data_router(state: Arc<AppState>, mcp: &Arc<crate::mcp::McpFront>) -> Router {
     Router::new()
+        .merge(mcp.routes())
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
         .route("/v1/responses", post(responses))

@@ -43,9 +43,11 @@
 //! continues the chain is expected to answer them (see the Responses adapter's notes).
 
 mod interrupts;
+mod mcp;
 mod reader;
 mod schema;
 
+pub use mcp::{McpReader, TicketRow};
 pub use interrupts::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
 pub use reader::{DeclaredToolRow, EffectRow, EventRow, JournalReader, LearnRows, RunSummary};
 

@@ -3,7 +3,7 @@
 use rusqlite::Connection;
 
 /// The schema version this build writes. Each version's step is additive and runs once.
-pub const VERSION: i64 = 5;
+pub const VERSION: i64 = 6;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -29,6 +29,10 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     }
     if version < 5 {
         v5(conn)?;
+    }
+    if version < 6 {
+        // The MCP front's ticket lookup (`super::mcp`).
+        super::mcp::migrate(conn, 6)?;
     }
     Ok(())
 }

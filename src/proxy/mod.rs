@@ -61,7 +61,8 @@ pub struct RequestCtx {
 }
 
 impl RequestCtx {
-    fn new(headers: &HeaderMap) -> Self {
+    /// The request id and run identity of a request's headers.
+    pub(crate) fn new(headers: &HeaderMap) -> Self {
         let header = |name: &str| {
             headers
                 .get(name)
@@ -454,6 +455,7 @@ impl Session {
                         } else {
                             crate::policy::rules::UNKNOWN_TOOL_ID.to_owned()
                         },
+                        surface: "llm".to_owned(),
                     })
                     .inc();
                 let tool_name = admission::sanitize_label(&call.name);
@@ -721,7 +723,7 @@ pub enum RunMode {
     Replay,
 }
 
-fn run_mode(headers: &HeaderMap) -> Result<RunMode, WireError> {
+pub(crate) fn run_mode(headers: &HeaderMap) -> Result<RunMode, WireError> {
     match headers
         .get("turnguard-mode")
         .map(|v| v.to_str().map(str::trim))
@@ -858,7 +860,7 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
 /// it goes upstream (tool-turn contract §F). A chat turn (no `Turnguard-Run`) may.
 /// `Turnguard-Run` and `Turnguard-Node` become OpenWOP ids: a run id of `A-Z a-z 0-9 . _ ~ :
 /// / -` (≤ 200), a node id of `A-Z a-z 0-9 . _ ~ : -` (≤ 128, ids.schema.json `nodeId`).
-fn check_run_ids(run: &RunKey) -> Result<(), WireError> {
+pub(crate) fn check_run_ids(run: &RunKey) -> Result<(), WireError> {
     let ok = |s: &str, max: usize, slash: bool| {
         !s.is_empty()
             && s.len() <= max
