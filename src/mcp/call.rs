@@ -585,11 +585,20 @@ impl McpCall {
         }
     }
 
-    /// A recorded outcome (`{"result": …}` or `{"error": …}`) as the answer to this request.
+    /// A recorded outcome (`{"result": …}` or `{"error": …}`) as the answer to this request,
+    /// in this request's revision (`resultType` only for 2026-07-28: the record may come from
+    /// a call of the other era).
     pub fn recorded_message(&self, recorded: &str) -> Value {
         let mut v: Value = serde_json::from_str(recorded).unwrap_or_else(|_| {
             json!({"result": {"content": [{"type": "text", "text": recorded}]}})
         });
+        if let Some(r) = v.get_mut("result") {
+            if self.inbound.era == super::session::Era::Modern {
+                self.complete(r);
+            } else if let Some(o) = r.as_object_mut() {
+                o.remove("resultType");
+            }
+        }
         if let Some(o) = v.as_object_mut() {
             o.insert("jsonrpc".into(), json!("2.0"));
             o.insert("id".into(), self.id.clone());

@@ -272,6 +272,7 @@ pub async fn initialize(front: &Arc<McpFront>, inbound: Inbound) -> Response {
     resp
 }
 
+#[allow(clippy::result_large_err)] // the error is the response itself, built once
 fn session_of(front: &McpFront, name: &str, headers: &HeaderMap) -> Result<Session, Response> {
     if !front.state.config.mcp.contains_key(name) {
         return Err(super::not_configured(name));

@@ -10,6 +10,7 @@ mod crash_recovery;
 mod deploy_files;
 mod dropin;
 mod field_inputs;
+mod mcp;
 mod ops_edge;
 mod ops_shutdown;
 mod policy_bundle;
