@@ -788,15 +788,15 @@ fn resolve_mcp(
     }
     for (pair, src) in list(&flags.mcp_ticket, "TURNGUARD_MCP_TICKET") {
         let src = if src == "flag" { "--mcp-ticket" } else { src };
-        let (name, value) = pair.split_once('=').ok_or_else(|| {
-            value_err(src, format!("`{pair}` is not NAME=required|optional"))
-        })?;
-        let ticket = Ticket::parse(value).ok_or_else(|| {
-            value_err(src, format!("`{value}` is not `required` or `optional`"))
-        })?;
-        let s = c.mcp.get_mut(name).ok_or_else(|| {
-            value_err(src, format!("no MCP server named `{name}` is configured"))
-        })?;
+        let (name, value) = pair
+            .split_once('=')
+            .ok_or_else(|| value_err(src, format!("`{pair}` is not NAME=required|optional")))?;
+        let ticket = Ticket::parse(value)
+            .ok_or_else(|| value_err(src, format!("`{value}` is not `required` or `optional`")))?;
+        let s = c
+            .mcp
+            .get_mut(name)
+            .ok_or_else(|| value_err(src, format!("no MCP server named `{name}` is configured")))?;
         s.ticket = ticket;
     }
     Ok(())
@@ -968,7 +968,10 @@ mod tests {
         let c = Config::resolve(
             &ServeArgs::default(),
             &env_of(&[
-                ("TURNGUARD_MCP", "a=http://127.0.0.1:1/mcp,b=http://127.0.0.1:2/mcp"),
+                (
+                    "TURNGUARD_MCP",
+                    "a=http://127.0.0.1:1/mcp,b=http://127.0.0.1:2/mcp",
+                ),
                 ("TURNGUARD_MCP_TICKET", "b=optional"),
             ]),
         )

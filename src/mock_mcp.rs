@@ -101,9 +101,8 @@ pub struct MockTool {
 impl McpScript {
     /// Loads a script file.
     pub fn load(path: &Path) -> Result<Self, crate::mock_provider::ScriptError> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            crate::mock_provider::ScriptError::Read(path.to_owned(), e.to_string())
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| crate::mock_provider::ScriptError::Read(path.to_owned(), e.to_string()))?;
         Self::parse(&text, &path.display().to_string())
     }
 

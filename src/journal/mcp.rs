@@ -101,7 +101,10 @@ impl McpReader {
                 })
             })?;
             let all: Vec<TicketRow> = rows.collect::<rusqlite::Result<_>>()?;
-            Ok(all.into_iter().filter(|t| names.contains(&t.name)).collect())
+            Ok(all
+                .into_iter()
+                .filter(|t| names.contains(&t.name))
+                .collect())
         })
     }
 

@@ -47,8 +47,8 @@ mod mcp;
 mod reader;
 mod schema;
 
-pub use mcp::{McpReader, TicketRow};
 pub use interrupts::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
+pub use mcp::{McpReader, TicketRow};
 pub use reader::{DeclaredToolRow, EffectRow, EventRow, JournalReader, LearnRows, RunSummary};
 
 use std::path::{Path, PathBuf};

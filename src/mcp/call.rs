@@ -52,8 +52,7 @@ use crate::admission::{self, AdmitCtx};
 use crate::config::Ticket;
 use crate::error::WireError;
 use crate::journal::{
-    CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, TicketRow,
-    ToolResultRecord,
+    CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, TicketRow, ToolResultRecord,
 };
 use crate::metrics::{CallLabels, ReplayLabels};
 use crate::model::{
@@ -125,7 +124,10 @@ pub async fn handle(front: &Arc<McpFront>, inbound: Inbound) -> Response {
             ),
         );
     };
-    let arguments = params.get("arguments").cloned().unwrap_or_else(|| json!({}));
+    let arguments = params
+        .get("arguments")
+        .cloned()
+        .unwrap_or_else(|| json!({}));
     let (catalog_name, tool) = list::catalog_tool(&policy, &inbound.server_name, &name);
     let tool = tool.clone();
     // 1. visibility: forbidden and missing answer alike.
@@ -343,7 +345,15 @@ impl McpCall {
         } else if let Some(run) = self.inbound.run_id() {
             let node = self.inbound.ctx.run.node_id.as_deref().unwrap_or("default");
             Some((
-                hex_sha256(&[tenant, "mcp", run, node, &self.inbound.server_name, &self.name, &hash]),
+                hex_sha256(&[
+                    tenant,
+                    "mcp",
+                    run,
+                    node,
+                    &self.inbound.server_name,
+                    &self.name,
+                    &hash,
+                ]),
                 "activity-recipe",
             ))
         } else {
@@ -406,7 +416,13 @@ impl McpCall {
 
     /// Journals the decision as an MCP round (`rounds.api = 'mcp'`, one `tool_calls` row):
     /// durably inside a run, queued for a chat call.
-    pub async fn journal(&self, d: &Decision, exec: &Exec, state: &'static str, error: Option<String>) {
+    pub async fn journal(
+        &self,
+        d: &Decision,
+        exec: &Exec,
+        state: &'static str,
+        error: Option<String>,
+    ) {
         let ctx = &self.inbound.ctx;
         let rec = RoundRecord {
             request_id: format!("mcp:{}", uuid::Uuid::new_v4()),
@@ -534,7 +550,11 @@ impl McpCall {
     /// Takes the execution's effect claim, when it has one. `Ok(None)`: this call owns the
     /// execution. `Ok(Some(response))`: a repeat — the recorded result, or
     /// `tool_outcome_unknown` for an execution in flight or in doubt.
-    pub async fn claim(&self, d: &mut Decision, exec: &Exec) -> Result<Option<Response>, WireError> {
+    pub async fn claim(
+        &self,
+        d: &mut Decision,
+        exec: &Exec,
+    ) -> Result<Option<Response>, WireError> {
         let Some((effect_id, keying)) = &exec.effect else {
             return Ok(None);
         };
@@ -561,14 +581,19 @@ impl McpCall {
                     .map_err(unavailable)?;
                 Ok(None)
             }
-            Claim::Existing { result: Some(r), .. } => {
+            Claim::Existing {
+                result: Some(r), ..
+            } => {
                 d.outcome = Outcome::SuppressedRepeat;
                 d.stage = Stage::Dispatch;
                 d.reason = "effect_already_claimed";
                 d.message = "this effect already ran; its recorded result is served and the server is not called".into();
                 self.journal(d, exec, "ok", None).await;
                 self.account(d, exec, true).await;
-                Ok(Some(json_response(StatusCode::OK, &self.recorded_message(&r))))
+                Ok(Some(json_response(
+                    StatusCode::OK,
+                    &self.recorded_message(&r),
+                )))
             }
             Claim::Existing { result: None, .. } => {
                 d.outcome = Outcome::SuppressedRepeat;
@@ -580,7 +605,10 @@ impl McpCall {
                 let e = WireError::ToolOutcomeUnknown {
                     calls: admission::sanitize_label(&self.name),
                 };
-                Ok(Some(json_response(StatusCode::OK, &wire_error(&self.id, &e))))
+                Ok(Some(json_response(
+                    StatusCode::OK,
+                    &wire_error(&self.id, &e),
+                )))
             }
         }
     }
@@ -589,9 +617,9 @@ impl McpCall {
     /// in this request's revision (`resultType` only for 2026-07-28: the record may come from
     /// a call of the other era).
     pub fn recorded_message(&self, recorded: &str) -> Value {
-        let mut v: Value = serde_json::from_str(recorded).unwrap_or_else(|_| {
-            json!({"result": {"content": [{"type": "text", "text": recorded}]}})
-        });
+        let mut v: Value = serde_json::from_str(recorded).unwrap_or_else(
+            |_| json!({"result": {"content": [{"type": "text", "text": recorded}]}}),
+        );
         if let Some(r) = v.get_mut("result") {
             if self.inbound.era == super::session::Era::Modern {
                 self.complete(r);
@@ -616,7 +644,10 @@ impl McpCall {
                 r.get("isError").and_then(Value::as_bool) == Some(true),
             ),
             (None, Some(e)) => (json!({"error": e}), true),
-            (None, None) => (json!({"error": {"code": -32603, "message": "no result"}}), true),
+            (None, None) => (
+                json!({"error": {"code": -32603, "message": "no result"}}),
+                true,
+            ),
         };
         let text = self.policy.redactor.redact_text(&kept.to_string());
         let rec = ToolResultRecord {
@@ -764,9 +795,8 @@ async fn dispatch(call: McpCall, mut d: Decision, exec: Exec) -> Response {
     let front = Arc::clone(&call.front);
     let server = call.inbound.server_name.clone();
     let id = call.id.clone();
-    let hook: relay::Hook = Box::new(move |answer: Answer| {
-        Box::pin(async move { finish(call, exec, answer).await })
-    });
+    let hook: relay::Hook =
+        Box::new(move |answer: Answer| Box::pin(async move { finish(call, exec, answer).await }));
     relay::respond(&front, &server, sent, id, hook).await
 }
 

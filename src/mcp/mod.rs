@@ -192,10 +192,7 @@ pub fn unknown_tool(id: &Value, name: &str) -> Response {
         &rpc_error(
             id,
             code::INVALID_PARAMS,
-            &format!(
-                "Unknown tool: {}",
-                crate::admission::sanitize_label(name)
-            ),
+            &format!("Unknown tool: {}", crate::admission::sanitize_label(name)),
             None,
         ),
     )
@@ -215,7 +212,10 @@ async fn handle_post(
     req: Request<Body>,
 ) -> Response {
     let resp = post_inner(&front, &name, req).await;
-    front.state.metrics.request("mcp", resp.status().as_u16(), is_sse(&resp));
+    front
+        .state
+        .metrics
+        .request("mcp", resp.status().as_u16(), is_sse(&resp));
     resp
 }
 
@@ -337,7 +337,10 @@ async fn post_inner(front: &Arc<McpFront>, name: &str, req: Request<Body>) -> Re
         match (&ctx.run.run_id, &s.run.run_id) {
             (Some(a), Some(b)) if a != b => {
                 let e = WireError::InvalidRequest {
-                    reason: format!("this MCP session is bound to another run than `Turnguard-Run: {}`", crate::admission::sanitize_label(a)),
+                    reason: format!(
+                        "this MCP session is bound to another run than `Turnguard-Run: {}`",
+                        crate::admission::sanitize_label(a)
+                    ),
                 };
                 return json_response(StatusCode::BAD_REQUEST, &wire_error(&id, &e));
             }
@@ -381,7 +384,10 @@ async fn handle_get(
     req: Request<Body>,
 ) -> Response {
     let resp = session::stream(&front, &name, req.headers()).await;
-    front.state.metrics.request("mcp", resp.status().as_u16(), is_sse(&resp));
+    front
+        .state
+        .metrics
+        .request("mcp", resp.status().as_u16(), is_sse(&resp));
     resp
 }
 
@@ -391,7 +397,10 @@ async fn handle_delete(
     req: Request<Body>,
 ) -> Response {
     let resp = session::end(&front, &name, req.headers()).await;
-    front.state.metrics.request("mcp", resp.status().as_u16(), false);
+    front
+        .state
+        .metrics
+        .request("mcp", resp.status().as_u16(), false);
     resp
 }
 

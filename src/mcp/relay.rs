@@ -34,7 +34,8 @@ use crate::proxy::upstream;
 pub type Answer = Result<Value, WireError>;
 /// A hook on the final response: returns the message to send, or `None` to relay the
 /// server's answer unchanged.
-pub type Hook = Box<dyn FnOnce(Answer) -> Pin<Box<dyn Future<Output = Option<Value>> + Send>> + Send>;
+pub type Hook =
+    Box<dyn FnOnce(Answer) -> Pin<Box<dyn Future<Output = Option<Value>> + Send>> + Send>;
 
 fn unavailable(server: &str, reason: impl Into<String>) -> WireError {
     WireError::UpstreamUnavailable {
@@ -101,12 +102,8 @@ pub async fn send(
     upstream_session: Option<&str>,
     body: Bytes,
 ) -> Result<http::Response<Incoming>, WireError> {
-    let session = upstream_session.or_else(|| {
-        inbound
-            .session
-            .as_ref()
-            .and_then(|s| s.upstream.as_deref())
-    });
+    let session =
+        upstream_session.or_else(|| inbound.session.as_ref().and_then(|s| s.upstream.as_deref()));
     send_raw(
         front,
         &inbound.server_name,
@@ -155,7 +152,10 @@ pub async fn pass(front: &Arc<McpFront>, inbound: Inbound) -> Response {
     }
     match send(front, &inbound, None, inbound.raw.clone()).await {
         Ok(resp) => passthrough(resp),
-        Err(e) => json_response(StatusCode::BAD_GATEWAY, &super::wire_error(&inbound.id(), &e)),
+        Err(e) => json_response(
+            StatusCode::BAD_GATEWAY,
+            &super::wire_error(&inbound.id(), &e),
+        ),
     }
 }
 
@@ -198,7 +198,11 @@ pub fn is_response_to(v: &Value, id: &Value) -> bool {
 fn is_event_stream(h: &HeaderMap) -> bool {
     h.get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().to_ascii_lowercase().starts_with("text/event-stream"))
+        .is_some_and(|v| {
+            v.trim_start()
+                .to_ascii_lowercase()
+                .starts_with("text/event-stream")
+        })
 }
 
 /// Relays the answer to request `id` through `hook` (see the module docs).
@@ -333,7 +337,8 @@ fn relay_sse(
             }
         }
         if let Some(h) = hook.take() {
-            let reason = failure.unwrap_or_else(|| "the SSE stream ended without the response".into());
+            let reason =
+                failure.unwrap_or_else(|| "the SSE stream ended without the response".into());
             let e = unavailable(&server, reason);
             let msg = h(Err(e.clone_for_hook())).await;
             let msg = msg.unwrap_or_else(|| super::wire_error(&id, &e));
@@ -361,12 +366,10 @@ impl CloneForHook for WireError {
     /// The variants the leg produces, copied (`WireError` is not `Clone`).
     fn clone_for_hook(&self) -> WireError {
         match self {
-            WireError::UpstreamUnavailable { upstream, reason } => {
-                WireError::UpstreamUnavailable {
-                    upstream: upstream.clone(),
-                    reason: reason.clone(),
-                }
-            }
+            WireError::UpstreamUnavailable { upstream, reason } => WireError::UpstreamUnavailable {
+                upstream: upstream.clone(),
+                reason: reason.clone(),
+            },
             WireError::UpstreamNotConfigured { upstream } => WireError::UpstreamNotConfigured {
                 upstream: upstream.clone(),
             },

@@ -311,7 +311,16 @@ pub async fn stream(front: &Arc<McpFront>, name: &str, headers: &HeaderMap) -> R
         Ok(s) => s,
         Err(r) => return r,
     };
-    match super::relay::send_raw(front, name, Method::GET, headers, session.upstream.as_deref(), bytes::Bytes::new()).await {
+    match super::relay::send_raw(
+        front,
+        name,
+        Method::GET,
+        headers,
+        session.upstream.as_deref(),
+        bytes::Bytes::new(),
+    )
+    .await
+    {
         Ok(resp) => super::relay::passthrough(resp),
         Err(e) => json_response(StatusCode::BAD_GATEWAY, &wire_error(&Value::Null, &e)),
     }
@@ -329,12 +338,18 @@ pub async fn end(front: &Arc<McpFront>, name: &str, headers: &HeaderMap) -> Resp
         *r.status_mut() = StatusCode::OK;
         return r;
     }
-    match super::relay::send_raw(front, name, Method::DELETE, headers, session.upstream.as_deref(), bytes::Bytes::new()).await {
+    match super::relay::send_raw(
+        front,
+        name,
+        Method::DELETE,
+        headers,
+        session.upstream.as_deref(),
+        bytes::Bytes::new(),
+    )
+    .await
+    {
         Ok(resp) => super::relay::passthrough(resp),
-        Err(e) => json_response(
-            StatusCode::BAD_GATEWAY,
-            &wire_error(&Value::Null, &e),
-        ),
+        Err(e) => json_response(StatusCode::BAD_GATEWAY, &wire_error(&Value::Null, &e)),
     }
 }
 
@@ -344,7 +359,10 @@ mod tests {
 
     #[test]
     fn base64_sentinels_decode() {
-        assert_eq!(decode_header("=?base64?SGVsbG8sIOS4lueVjA==?="), "Hello, 世界");
+        assert_eq!(
+            decode_header("=?base64?SGVsbG8sIOS4lueVjA==?="),
+            "Hello, 世界"
+        );
         assert_eq!(decode_header("=?base64?IHBhZGRlZCA=?="), " padded ");
         assert_eq!(decode_header("plain"), "plain");
         assert_eq!(decode_header("=?base64?!!?="), "=?base64?!!?=");

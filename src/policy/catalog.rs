@@ -122,9 +122,7 @@ impl Catalog {
                     .as_deref()
                     .is_some_and(|k| k.is_empty() || k.len() > 256)
                 {
-                    errors.push(err(
-                        "`idempotency_meta_key` must be 1-256 characters".into(),
-                    ));
+                    errors.push(err("`idempotency_meta_key` must be 1-256 characters".into()));
                 }
                 for p in &business_key {
                     if !p.starts_with('/') {

@@ -208,9 +208,19 @@ async fn tools_list_shows_only_what_the_principal_may_call_and_forbidden_reads_a
                 {"op": "list"}, call("delete_repo", json!({"repo": "x"})), call("no_such_tool", json!({"repo": "x"}))
             ]}))
             .await;
-        assert!(names(&alice).contains(&"delete_repo".to_owned()), "{mode}: {alice}");
-        assert!(!names(&bob).contains(&"delete_repo".to_owned()), "{mode}: {bob}");
-        assert_eq!(names(&bob).len() + 1, names(&alice).len(), "{mode}: only delete_repo is hidden");
+        assert!(
+            names(&alice).contains(&"delete_repo".to_owned()),
+            "{mode}: {alice}"
+        );
+        assert!(
+            !names(&bob).contains(&"delete_repo".to_owned()),
+            "{mode}: {bob}"
+        );
+        assert_eq!(
+            names(&bob).len() + 1,
+            names(&alice).len(),
+            "{mode}: only delete_repo is hidden"
+        );
         // A forbidden tool and a missing one get the same answer, name aside.
         let forbidden = &bob["steps"][1]["error"];
         let missing = &bob["steps"][2]["error"];
@@ -218,8 +228,14 @@ async fn tools_list_shows_only_what_the_principal_may_call_and_forbidden_reads_a
         assert_eq!(forbidden["code"], missing["code"]);
         assert_eq!(forbidden["data"], missing["data"]);
         assert_eq!(
-            forbidden["message"].as_str().unwrap().replace("delete_repo", "X"),
-            missing["message"].as_str().unwrap().replace("no_such_tool", "X")
+            forbidden["message"]
+                .as_str()
+                .unwrap()
+                .replace("delete_repo", "X"),
+            missing["message"]
+                .as_str()
+                .unwrap()
+                .replace("no_such_tool", "X")
         );
         // The server's annotations are never believed: the catalog's descriptor decides.
         let create = alice["steps"][0]["tools"]
@@ -233,7 +249,11 @@ async fn tools_list_shows_only_what_the_principal_may_call_and_forbidden_reads_a
         assert_eq!(create["annotations"]["destructive_hint"], true, "{create}");
         assert_eq!(create["annotations"]["open_world_hint"], true, "{create}");
     }
-    assert_eq!(t.executions("delete_repo").await, 0, "the forbidden call never reached the server");
+    assert_eq!(
+        t.executions("delete_repo").await,
+        0,
+        "the forbidden call never reached the server"
+    );
 }
 
 // ---- must-show: tickets ----------------------------------------------------------------------
@@ -242,17 +262,27 @@ async fn tools_list_shows_only_what_the_principal_may_call_and_forbidden_reads_a
 async fn a_call_without_an_admitted_emission_is_refused_and_never_reaches_the_server() {
     let t = start().await;
     // A different emission in the run does not count: same tool, other arguments.
-    t.emit("run-noticket", "create_issue", json!({"title": "something else"})).await;
+    t.emit(
+        "run-noticket",
+        "create_issue",
+        json!({"title": "something else"}),
+    )
+    .await;
     let out = t
-        .client(json!({"mode": "2026-07-28", "headers": {"turnguard-run": "run-noticket"}, "steps": [
-            call("create_issue", json!({"title": "from a text parser"}))
-        ]}))
+        .client(
+            json!({"mode": "2026-07-28", "headers": {"turnguard-run": "run-noticket"}, "steps": [
+                call("create_issue", json!({"title": "from a text parser"}))
+            ]}),
+        )
         .await;
     let step = &out["steps"][0];
     assert_eq!(step["error"]["code"], -31403, "{out}");
     assert_eq!(step["error"]["data"]["error"], "forbidden", "{out}");
     assert_eq!(reason(step), "no_admitted_emission", "{out}");
-    assert!(t.tool_calls_seen().await.is_empty(), "nothing was forwarded");
+    assert!(
+        t.tool_calls_seen().await.is_empty(),
+        "nothing was forwarded"
+    );
     assert_eq!(t.executions("create_issue").await, 0);
     let outcome: String = t
         .db()
@@ -272,15 +302,21 @@ async fn an_admitted_emission_executes_once_and_the_same_call_again_gets_the_rec
     let args = json!({"title": "flaky test"});
     t.emit("run-once", "create_issue", args.clone()).await;
     let out = t
-        .client(json!({"mode": "legacy", "headers": {"turnguard-run": "run-once"}, "steps": [
-            call("create_issue", args.clone()), call("create_issue", args.clone())
-        ]}))
+        .client(
+            json!({"mode": "legacy", "headers": {"turnguard-run": "run-once"}, "steps": [
+                call("create_issue", args.clone()), call("create_issue", args.clone())
+            ]}),
+        )
         .await;
     for step in out["steps"].as_array().unwrap() {
         assert_eq!(step["isError"], false, "{out}");
         assert_eq!(step["texts"], json!(["issue #7 created"]), "{out}");
     }
-    assert_eq!(t.executions("create_issue").await, 1, "the server ran it once");
+    assert_eq!(
+        t.executions("create_issue").await,
+        1,
+        "the server ran it once"
+    );
     // The effect id went to the server as its idempotency key (catalog `idempotency_meta_key`),
     // and the server saw its own session, never turnguard's.
     let seen = t.tool_calls_seen().await;
@@ -295,7 +331,11 @@ async fn an_admitted_emission_executes_once_and_the_same_call_again_gets_the_rec
     let again = t
         .client(json!({"mode": "2026-07-28", "headers": {"turnguard-run": "run-once"}, "steps": [call("create_issue", args.clone())]}))
         .await;
-    assert_eq!(again["steps"][0]["texts"], json!(["issue #7 created"]), "{again}");
+    assert_eq!(
+        again["steps"][0]["texts"],
+        json!(["issue #7 created"]),
+        "{again}"
+    );
     assert_eq!(t.executions("create_issue").await, 1);
     // The journal has the same rows as a model-emitted call: an effect, completed; the
     // decisions; the result; the events, marked `mcp`.
@@ -307,7 +347,10 @@ async fn an_admitted_emission_executes_once_and_the_same_call_again_gets_the_rec
             |r| Ok((r.get(0)?, r.get(1)?)),
         )
         .unwrap();
-    assert_eq!((effect.as_str(), state.as_str()), (key.as_str(), "completed"));
+    assert_eq!(
+        (effect.as_str(), state.as_str()),
+        (key.as_str(), "completed")
+    );
     let outcomes: Vec<String> = db
         .prepare("SELECT c.outcome FROM tool_calls c JOIN rounds r ON r.request_id = c.request_id WHERE r.run_id = 'run-once' AND r.api = 'mcp' ORDER BY c.id")
         .unwrap()
@@ -315,9 +358,14 @@ async fn an_admitted_emission_executes_once_and_the_same_call_again_gets_the_rec
         .unwrap()
         .map(Result::unwrap)
         .collect();
-    assert_eq!(outcomes, ["executed", "suppressed-repeat", "suppressed-repeat"]);
+    assert_eq!(
+        outcomes,
+        ["executed", "suppressed-repeat", "suppressed-repeat"]
+    );
     let events: Vec<String> = db
-        .prepare("SELECT payload FROM events WHERE run_id = 'run-once' AND type = 'agent.tool-called'")
+        .prepare(
+            "SELECT payload FROM events WHERE run_id = 'run-once' AND type = 'agent.tool-called'",
+        )
         .unwrap()
         .query_map([], |r| r.get(0))
         .unwrap()
@@ -338,9 +386,11 @@ async fn an_admitted_emission_executes_once_and_the_same_call_again_gets_the_rec
     let (_, metrics) = get(&format!("{}/metrics", t.h.admin_url())).await;
     let metrics = String::from_utf8_lossy(&metrics);
     assert!(
-        metrics.lines().any(|l| l.starts_with("turnguard_tool_calls_total{")
-            && l.contains("surface=\"mcp\"")
-            && l.contains("outcome=\"executed\"")),
+        metrics
+            .lines()
+            .any(|l| l.starts_with("turnguard_tool_calls_total{")
+                && l.contains("surface=\"mcp\"")
+                && l.contains("outcome=\"executed\"")),
         "{metrics}"
     );
     assert!(metrics.contains("surface=\"llm\""), "{metrics}");
@@ -350,7 +400,9 @@ async fn an_admitted_emission_executes_once_and_the_same_call_again_gets_the_rec
         .show("run-once")
         .unwrap();
     assert!(
-        shown.iter().any(|r| r["api"] == "mcp" && r["calls"][0]["name"] == "create_issue"),
+        shown
+            .iter()
+            .any(|r| r["api"] == "mcp" && r["calls"][0]["name"] == "create_issue"),
         "{shown:?}"
     );
 }
@@ -365,16 +417,30 @@ async fn replay_serves_recorded_mcp_results_and_never_calls_the_server() {
     let live = t
         .client(json!({"mode": "2026-07-28", "headers": {"turnguard-run": "run-replay"}, "steps": [call("create_issue", args.clone())]}))
         .await;
-    assert_eq!(live["steps"][0]["texts"], json!(["issue #7 created"]), "{live}");
+    assert_eq!(
+        live["steps"][0]["texts"],
+        json!(["issue #7 created"]),
+        "{live}"
+    );
     t.reset_mcp().await;
     let replayed = t
         .client(json!({"mode": "2026-07-28", "headers": {"turnguard-run": "run-replay", "turnguard-mode": "replay"}, "steps": [
             call("create_issue", args.clone()), call("create_issue", json!({"title": "never recorded"}))
         ]}))
         .await;
-    assert_eq!(replayed["steps"][0]["texts"], json!(["issue #7 created"]), "{replayed}");
-    assert_eq!(replayed["steps"][1]["error"]["data"]["error"], "replay_source_missing", "{replayed}");
-    assert!(t.tool_calls_seen().await.is_empty(), "replay made no server call");
+    assert_eq!(
+        replayed["steps"][0]["texts"],
+        json!(["issue #7 created"]),
+        "{replayed}"
+    );
+    assert_eq!(
+        replayed["steps"][1]["error"]["data"]["error"], "replay_source_missing",
+        "{replayed}"
+    );
+    assert!(
+        t.tool_calls_seen().await.is_empty(),
+        "replay made no server call"
+    );
     assert_eq!(t.executions("create_issue").await, 0);
 }
 
@@ -385,20 +451,35 @@ async fn an_mcp_result_makes_the_next_model_turn_untrusted_and_a_write_after_it_
     let t = start().await;
     // Control: a run that read nothing releases the write.
     let released = t
-        .model_turn("run-clean", "email the team", "send_email", json!({"to": "team"}))
+        .model_turn(
+            "run-clean",
+            "email the team",
+            "send_email",
+            json!({"to": "team"}),
+        )
         .await;
     assert_eq!(released, ["send_email"]);
     // The run reads docs through MCP (untrusted output, catalog `contentTrust`)…
-    t.emit("run-tainted", "search_docs", json!({"q": "release notes"})).await;
+    t.emit("run-tainted", "search_docs", json!({"q": "release notes"}))
+        .await;
     let out = t
         .client(json!({"mode": "legacy", "headers": {"turnguard-run": "run-tainted"}, "steps": [call("search_docs", json!({"q": "release notes"}))]}))
         .await;
     assert_eq!(out["steps"][0]["isError"], false, "{out}");
-    assert_eq!(out["steps"][0]["progress"], json!([1.0]), "the server's progress notification was relayed: {out}");
+    assert_eq!(
+        out["steps"][0]["progress"],
+        json!([1.0]),
+        "the server's progress notification was relayed: {out}"
+    );
     // …and the next model turn — which does not even carry the result back — is untrusted:
     // the write is held.
     let released = t
-        .model_turn("run-tainted", "email the team", "send_email", json!({"to": "team"}))
+        .model_turn(
+            "run-tainted",
+            "email the team",
+            "send_email",
+            json!({"to": "team"}),
+        )
         .await;
     assert!(released.is_empty(), "the write is withheld");
     let (outcome, stage, trust): (String, String, String) = t
@@ -410,7 +491,10 @@ async fn an_mcp_result_makes_the_next_model_turn_untrusted_and_a_write_after_it_
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
         )
         .unwrap();
-    assert_eq!((outcome.as_str(), stage.as_str(), trust.as_str()), ("held", "trust", "untrusted"));
+    assert_eq!(
+        (outcome.as_str(), stage.as_str(), trust.as_str()),
+        ("held", "trust", "untrusted")
+    );
 }
 
 // ---- must-show: §G ---------------------------------------------------------------------------
@@ -429,8 +513,14 @@ async fn is_error_keeps_structured_content_and_an_output_schema_violation_is_cau
     assert_eq!(report["isError"], true, "{out}");
     assert!(report["structuredContent"].is_null(), "{out}");
     let text = report["texts"][0].as_str().unwrap();
-    assert!(text.contains("outputSchema") && text.contains("/total"), "{text}");
-    assert!(!text.contains("many"), "host-authored text never quotes the value: {text}");
+    assert!(
+        text.contains("outputSchema") && text.contains("/total"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("many"),
+        "host-authored text never quotes the value: {text}"
+    );
     let db = t.db();
     let errors: Vec<(String, bool)> = db
         .prepare("SELECT tool_name, is_error FROM tool_results WHERE scope = 'chat' ORDER BY id")
@@ -439,7 +529,10 @@ async fn is_error_keeps_structured_content_and_an_output_schema_violation_is_cau
         .unwrap()
         .map(Result::unwrap)
         .collect();
-    assert_eq!(errors, [("lookup".into(), true), ("get_report".into(), true)]);
+    assert_eq!(
+        errors,
+        [("lookup".into(), true), ("get_report".into(), true)]
+    );
     let violations: i64 = db
         .query_row(
             "SELECT count(*) FROM events WHERE type = 'turnguard.tool-output-invalid' AND payload LIKE '%get_report%'",
@@ -458,42 +551,71 @@ async fn a_clarification_tool_over_mcp_becomes_input_required() {
     let args = json!({"question": "Which colour should the button be?"});
     t.emit("run-ask", "ask_user", args.clone()).await;
     let out = t
-        .client(json!({"mode": "2026-07-28", "headers": {"turnguard-run": "run-ask"},
+        .client(
+            json!({"mode": "2026-07-28", "headers": {"turnguard-run": "run-ask"},
             "elicit": {"action": "accept", "content": {"answer": "blue"}},
-            "steps": [call("ask_user", args.clone())]}))
+            "steps": [call("ask_user", args.clone())]}),
+        )
         .await;
-    assert_eq!(out["elicitations"], json!(["Which colour should the button be?"]), "{out}");
-    assert_eq!(out["steps"][0]["structuredContent"], json!({"answer": "blue"}), "{out}");
+    assert_eq!(
+        out["elicitations"],
+        json!(["Which colour should the button be?"]),
+        "{out}"
+    );
+    assert_eq!(
+        out["steps"][0]["structuredContent"],
+        json!({"answer": "blue"}),
+        "{out}"
+    );
     assert_eq!(out["steps"][0]["isError"], false);
-    assert_eq!(t.executions("ask_user").await, 0, "turnguard asked; the server was not called");
+    assert_eq!(
+        t.executions("ask_user").await,
+        0,
+        "turnguard asked; the server was not called"
+    );
     // A client that did not declare elicitation gets the error MCP names for it.
     t.emit("run-ask-2", "ask_user", args.clone()).await;
     let out = t
         .client(json!({"mode": "2026-07-28", "headers": {"turnguard-run": "run-ask-2"}, "steps": [call("ask_user", args.clone())]}))
         .await;
     assert_eq!(out["steps"][0]["error"]["code"], -32021, "{out}");
-    assert_eq!(out["steps"][0]["error"]["data"], json!({"requiredCapabilities": {"elicitation": {}}}));
+    assert_eq!(
+        out["steps"][0]["error"]["data"],
+        json!({"requiredCapabilities": {"elicitation": {}}})
+    );
     // Asks are bounded by `limits.clarification_rounds` (2 in this bundle): a client that keeps
     // retrying without an answer is refused on the third round.
     let mut state: Option<String> = None;
     let mut results = Vec::new();
     for i in 0..3 {
-        let mut params = json!({"name": "ask_user", "arguments": args.clone(), "_meta": modern_meta(true)});
+        let mut params =
+            json!({"name": "ask_user", "arguments": args.clone(), "_meta": modern_meta(true)});
         if let Some(s) = &state {
             params["requestState"] = json!(s);
         }
         let (status, body) = raw_call(&t.url(), "run-ask-2", i, &params).await.unwrap();
         assert_eq!(status, 200);
-        state = body.pointer("/result/requestState").and_then(Value::as_str).map(str::to_owned);
+        state = body
+            .pointer("/result/requestState")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
         results.push(body);
     }
     assert_eq!(results[0]["result"]["resultType"], "input_required");
     assert_eq!(results[1]["result"]["resultType"], "input_required");
-    assert_eq!(results[2]["error"]["data"]["error"], "mcp_mrtr_rounds_exceeded", "{:?}", results[2]);
+    assert_eq!(
+        results[2]["error"]["data"]["error"], "mcp_mrtr_rounds_exceeded",
+        "{:?}",
+        results[2]
+    );
 }
 
 fn modern_meta(elicitation: bool) -> Value {
-    let caps = if elicitation { json!({"elicitation": {}}) } else { json!({}) };
+    let caps = if elicitation {
+        json!({"elicitation": {}})
+    } else {
+        json!({})
+    };
     json!({"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": caps})
 }
 
@@ -520,7 +642,8 @@ async fn raw_call(url: &str, run: &str, id: u64, params: &Value) -> Result<(u16,
         .await
         .map_err(|e| e.to_string())?
         .to_bytes();
-    let v = serde_json::from_slice(&bytes).map_err(|e| format!("{e}: {}", String::from_utf8_lossy(&bytes)))?;
+    let v = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("{e}: {}", String::from_utf8_lossy(&bytes)))?;
     Ok((status, v))
 }
 
@@ -543,7 +666,13 @@ impl Drop for Proc {
     }
 }
 
-async fn serve_subprocess(dir: &std::path::Path, data: &str, admin: &str, model: &str, mcp: &str) -> Proc {
+async fn serve_subprocess(
+    dir: &std::path::Path,
+    data: &str,
+    admin: &str,
+    model: &str,
+    mcp: &str,
+) -> Proc {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -596,7 +725,10 @@ async fn kill_nine_between_forwarding_and_recording_leaves_the_call_in_doubt_nev
     )
     .unwrap();
     let model_url = format!("http://{}", model.addr);
-    let (data, admin) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
+    let (data, admin) = (
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+    );
     let mut tg = serve_subprocess(dir.path(), &data, &admin, &model_url, &mcp_url).await;
     // The model emits the call; turnguard releases it (the ticket).
     let args = json!({"title": "slow"});
@@ -617,7 +749,8 @@ async fn kill_nine_between_forwarding_and_recording_leaves_the_call_in_doubt_nev
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
     // The agent calls it; the server starts executing and holds its answer (gate)…
     let url = format!("http://{data}/mcp/files");
-    let params = json!({"name": "slow_issue", "arguments": args.clone(), "_meta": modern_meta(false)});
+    let params =
+        json!({"name": "slow_issue", "arguments": args.clone(), "_meta": modern_meta(false)});
     let inflight = tokio::spawn({
         let (url, params) = (url.clone(), params.clone());
         async move { raw_call(&url, "run-kill", 1, &params).await }
@@ -629,28 +762,42 @@ async fn kill_nine_between_forwarding_and_recording_leaves_the_call_in_doubt_nev
         if v["executions"]["slow_issue"] == 1 {
             break;
         }
-        assert!(Instant::now() < deadline, "the call never reached the server");
+        assert!(
+            Instant::now() < deadline,
+            "the call never reached the server"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // …and turnguard dies before the result comes back: SIGKILL.
     tg.0.kill().unwrap();
     tg.0.wait().unwrap();
-    assert!(inflight.await.unwrap().is_err(), "the agent saw the connection die");
+    assert!(
+        inflight.await.unwrap().is_err(),
+        "the agent saw the connection die"
+    );
     // The server finishes its execution; nobody records it.
     let (s, _) = post_json(&format!("{mcp_url}/_mock/step"), &json!({}), &[]).await;
     assert_eq!(s, 200);
     // Restart on the same journal; the agent re-sends the call through the official SDK.
     let _tg = serve_subprocess(dir.path(), &data, &admin, &model_url, &mcp_url).await;
-    let out = run_client(&json!({"url": url, "mode": "2026-07-28", "headers": {"turnguard-run": "run-kill"},
-        "steps": [call("slow_issue", args.clone()), call("slow_issue", args.clone())]}))
+    let out = run_client(
+        &json!({"url": url, "mode": "2026-07-28", "headers": {"turnguard-run": "run-kill"},
+        "steps": [call("slow_issue", args.clone()), call("slow_issue", args.clone())]}),
+    )
     .await;
     for step in out["steps"].as_array().unwrap() {
         assert_eq!(step["error"]["code"], -31409, "{out}");
-        assert_eq!(step["error"]["data"]["error"], "turnguard.tool_outcome_unknown", "{out}");
+        assert_eq!(
+            step["error"]["data"]["error"], "turnguard.tool_outcome_unknown",
+            "{out}"
+        );
     }
     let (_, b) = get(&format!("{mcp_url}/_mock/calls")).await;
     let v: Value = serde_json::from_slice(&b).unwrap();
-    assert_eq!(v["executions"]["slow_issue"], 1, "never a second execution: {v}");
+    assert_eq!(
+        v["executions"]["slow_issue"], 1,
+        "never a second execution: {v}"
+    );
     mcp.abort();
     model.abort();
 }
