@@ -669,14 +669,15 @@ impl McpCall {
         if let Some(run) = self.inbound.run_id() {
             if self.tool.content_trust == ContentTrust::Untrusted {
                 // The result reaches the model in the agent's next request: the run is
-                // untrusted from now on (sticky, tool-turn contract §C).
-                if let Err(e) = state
+                // untrusted from now on (sticky, tool-turn contract §C). When that cannot be
+                // recorded, the result does not go back (fail closed).
+                state
                     .journal
                     .run_untrusted(run, true, &self.inbound.ctx.request_id, now_ms())
                     .await
-                {
-                    tracing::error!(error = %e, request_id = %self.inbound.ctx.request_id, "run trust not journaled; later turns read it as untrusted (fail closed)");
-                }
+                    .map_err(|e| WireError::JournalUnavailable {
+                        reason: e.to_string(),
+                    })?;
             }
         }
         Ok(())
@@ -791,13 +792,30 @@ async fn dispatch(call: McpCall, mut d: Decision, exec: Exec) -> Response {
         call.journal(&d, &exec, "ok", None),
         call.account(&d, &exec, false)
     );
-    let sent = relay::send(&call.front, &call.inbound, None, body).await;
-    let front = Arc::clone(&call.front);
-    let server = call.inbound.server_name.clone();
-    let id = call.id.clone();
-    let hook: relay::Hook =
-        Box::new(move |answer: Answer| Box::pin(async move { finish(call, exec, answer).await }));
-    relay::respond(&front, &server, sent, id, hook).await
+    // From here the call has left: it runs in its own task, so a client that goes away does
+    // not cancel the recording of its result (the effect happens either way).
+    let task = tokio::spawn(async move {
+        let sent = relay::send(&call.front, &call.inbound, None, body).await;
+        let front = Arc::clone(&call.front);
+        let server = call.inbound.server_name.clone();
+        let id = call.id.clone();
+        let hook: relay::Hook = Box::new(move |answer: Answer| {
+            Box::pin(async move { finish(call, exec, answer).await })
+        });
+        relay::respond(&front, &server, sent, id, hook).await
+    });
+    match task.await {
+        Ok(resp) => resp,
+        Err(e) => json_response(
+            StatusCode::OK,
+            &wire_error(
+                &Value::Null,
+                &WireError::Internal {
+                    reason: e.to_string(),
+                },
+            ),
+        ),
+    }
 }
 
 /// The server answered (or failed to): §G checks, record, trust, answer.
@@ -903,45 +921,61 @@ async fn replay(call: &McpCall) -> Response {
             reason: "`Turnguard-Mode: replay` needs `Turnguard-Run`".into(),
         });
     };
-    let mut candidates: Vec<Exec> = Vec::new();
-    if let Some(hash) = &call.args_hash {
-        match call.front.reader.tickets(&run, hash, &call.names()) {
-            Ok(rows) => {
-                let tenant = &call.front.state.config.tenant;
-                candidates.extend(rows.iter().map(|t| Exec::of_ticket(tenant, &run, t, false)));
-            }
-            Err(e) => {
-                return call.fail(&WireError::JournalUnavailable {
-                    reason: e.to_string(),
-                })
+    let run_name = run.clone();
+    // The executions this call can be: one per released emission (ticket), and the call's
+    // own identity (a call without a ticket).
+    let fallback = call.exec(None);
+    let (front, names, hash) = (
+        Arc::clone(&call.front),
+        call.names(),
+        call.args_hash.clone(),
+    );
+    let tenant = call.front.state.config.tenant.clone();
+    let found = tokio::task::spawn_blocking(move || {
+        let mut candidates: Vec<Exec> = Vec::new();
+        if let Some(hash) = &hash {
+            let rows = front.reader.tickets(&run, hash, &names)?;
+            candidates.extend(
+                rows.iter()
+                    .map(|t| Exec::of_ticket(&tenant, &run, t, false)),
+            );
+        }
+        candidates.push(fallback);
+        for exec in candidates {
+            if let Some(r) = front.reader.recorded(Some(&run), &exec.call_id)? {
+                return Ok(Some(r));
             }
         }
-    }
-    candidates.push(call.exec(None));
-    for exec in candidates {
-        match call.front.reader.recorded(Some(&run), &exec.call_id) {
-            Ok(Some(r)) => {
-                count("hit");
-                let mut resp = json_response(StatusCode::OK, &call.recorded_message(&r));
-                resp.headers_mut().insert(
-                    "turnguard-served",
-                    http::HeaderValue::from_static("recorded"),
-                );
-                return resp;
-            }
-            Ok(None) => {}
-            Err(e) => {
-                return call.fail(&WireError::JournalUnavailable {
-                    reason: e.to_string(),
-                })
-            }
+        Ok::<_, crate::journal::JournalError>(None)
+    })
+    .await;
+    match found {
+        Ok(Ok(Some(r))) => {
+            count("hit");
+            let mut resp = json_response(StatusCode::OK, &call.recorded_message(&r));
+            resp.headers_mut().insert(
+                "turnguard-served",
+                http::HeaderValue::from_static("recorded"),
+            );
+            return resp;
+        }
+        Ok(Ok(None)) => {}
+        Ok(Err(e)) => {
+            return call.fail(&WireError::JournalUnavailable {
+                reason: e.to_string(),
+            })
+        }
+        Err(e) => {
+            return call.fail(&WireError::Internal {
+                reason: e.to_string(),
+            })
         }
     }
     count("miss");
     call.fail(&WireError::ReplaySourceMissing {
         reason: format!(
             "run `{}` has no recorded result of `{}` with these arguments",
-            admission::sanitize_label(&run),
+            admission::sanitize_label(&run_name),
             admission::sanitize_label(&call.name)
         ),
     })

@@ -288,6 +288,9 @@ fn relay_sse(
         let mut framer = crate::sse::SseFramer::new(max_event);
         let mut hook = Some(hook);
         let mut failure: Option<String> = None;
+        // A client that goes away does not stop the read: the final response still goes
+        // through the hook (a decided call's result is recorded either way).
+        let mut client_gone = false;
         'read: loop {
             let frame = tokio::time::timeout(idle, body.frame()).await;
             let data = match frame {
@@ -328,11 +331,8 @@ fn relay_sse(
                     // The final response ends the stream (Streamable HTTP: it SHOULD).
                     break 'read;
                 }
-                if tx.send(Ok(block.raw.clone())).await.is_err() {
-                    // The client went away: for a decided request the hook still learns that
-                    // no answer reached it.
-                    failure = Some("the client closed the stream".into());
-                    break 'read;
+                if !client_gone && tx.send(Ok(block.raw.clone())).await.is_err() {
+                    client_gone = true;
                 }
             }
         }
