@@ -155,6 +155,14 @@ async fn start() -> McpHarness {
                 ticket: Ticket::Required,
             },
         );
+        // The same server again, where calls inside a run need no ticket.
+        c.mcp.insert(
+            "open".into(),
+            McpServer {
+                url: Upstream::parse(&url).unwrap(),
+                ticket: Ticket::Optional,
+            },
+        );
     })
     .await;
     McpHarness { h, mcp }
@@ -405,6 +413,115 @@ async fn an_admitted_emission_executes_once_and_the_same_call_again_gets_the_rec
             .any(|r| r["api"] == "mcp" && r["calls"][0]["name"] == "create_issue"),
         "{shown:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_ticket_optional_a_call_in_a_trusted_run_is_admitted_on_its_own() {
+    let t = start().await;
+    let out = run_client(&json!({"url": format!("{}/mcp/open", t.h.url()), "mode": "2026-07-28",
+        "headers": {"turnguard-run": "run-open"}, "steps": [call("create_issue", json!({"title": "no ticket"}))]}))
+    .await;
+    assert_eq!(
+        out["steps"][0]["texts"],
+        json!(["issue #7 created"]),
+        "{out}"
+    );
+    assert_eq!(t.executions("create_issue").await, 1);
+    // Its result made the run untrusted: the next write without a ticket is held.
+    let out = run_client(&json!({"url": format!("{}/mcp/open", t.h.url()), "mode": "2026-07-28",
+        "headers": {"turnguard-run": "run-open"}, "steps": [call("create_issue", json!({"title": "another"}))]}))
+    .await;
+    assert_eq!(reason(&out["steps"][0]), "untrusted_turn", "{out}");
+    assert_eq!(t.executions("create_issue").await, 1);
+}
+
+// ---- protocol revisions ----------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn revisions_are_negotiated_and_unknown_ones_refused_as_mcp_says() {
+    let t = start().await;
+    // A handshake-era client asking for a revision turnguard does not speak is offered the
+    // newest one it does; the session id it gets is turnguard's, not the server's.
+    let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2024-11-05", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}});
+    let (status, headers, body) = support::post_raw(
+        &t.url(),
+        Bytes::from(init.to_string()),
+        &[("accept", "application/json, text/event-stream")],
+    )
+    .await;
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["result"]["protocolVersion"], "2025-11-25", "{v}");
+    let ours = headers
+        .get("mcp-session-id")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let calls = t.calls().await;
+    let asked = calls["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["method"] == "initialize")
+        .unwrap()
+        .clone();
+    assert_eq!(asked["params"]["protocolVersion"], "2025-11-25", "{asked}");
+    // The session works; an unknown session id is 404 (the client initializes again).
+    let list = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"});
+    let (status, _, body) = support::post_raw(
+        &t.url(),
+        Bytes::from(list.to_string()),
+        &[("mcp-session-id", ours.as_str())],
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let served: Vec<Value> = t.calls().await["requests"].as_array().unwrap().clone();
+    let upstream_sid = served.iter().find(|r| r["method"] == "tools/list").unwrap()["session"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_ne!(
+        upstream_sid, ours,
+        "the server's session id never reaches the client"
+    );
+    let (status, _, _) = support::post_raw(
+        &t.url(),
+        Bytes::from(list.to_string()),
+        &[("mcp-session-id", "made-up")],
+    )
+    .await;
+    assert_eq!(status, 404);
+    // A 2026-07-28-style request naming a revision turnguard does not speak: -32022, 400,
+    // with the supported list.
+    let params = json!({"name": "lookup", "arguments": {}, "_meta": {"io.modelcontextprotocol/protocolVersion": "2099-01-01", "io.modelcontextprotocol/clientCapabilities": {}}});
+    let body = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params});
+    let (status, _, body) = support::post_raw(&t.url(), Bytes::from(body.to_string()), &[]).await;
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(status, 400);
+    assert_eq!(v["error"]["code"], -32022, "{v}");
+    assert_eq!(v["error"]["data"]["requested"], "2099-01-01");
+    assert!(v["error"]["data"]["supported"]
+        .as_array()
+        .unwrap()
+        .contains(&json!("2026-07-28")));
+    // Mirrored headers must say what the body says.
+    let params = json!({"name": "lookup", "arguments": {}, "_meta": modern_meta(false)});
+    let body = json!({"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": params});
+    let (status, _, body) = support::post_raw(
+        &t.url(),
+        Bytes::from(body.to_string()),
+        &[("mcp-name", "delete_repo")],
+    )
+    .await;
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        (status, v["error"]["code"].as_i64()),
+        (400, Some(-32020)),
+        "{v}"
+    );
+    assert!(t.tool_calls_seen().await.is_empty());
 }
 
 // ---- must-show: replay -----------------------------------------------------------------------
