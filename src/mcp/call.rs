@@ -321,8 +321,13 @@ impl McpCall {
 
     /// The execution identity of this call (see [`Exec`]).
     pub fn exec(&self, ticket: Option<&TicketRow>) -> Exec {
+        self.exec_with(ticket, !self.tool.rerunnable())
+    }
+
+    /// [`Self::exec`], with an effect claim whenever the call has an identity when
+    /// `side_effecting` (a clarification: the person's answer cannot be asked for again).
+    pub fn exec_with(&self, ticket: Option<&TicketRow>, side_effecting: bool) -> Exec {
         let tenant = &self.front.state.config.tenant;
-        let side_effecting = !self.tool.rerunnable();
         if let (Some(t), Some(run)) = (ticket, self.inbound.run_id()) {
             return Exec::of_ticket(tenant, run, t, !self.tool.business_key.is_empty())
                 .keep_effect(side_effecting);

@@ -13,19 +13,26 @@
 //! like an executed call. A retry without an answer asks again, up to
 //! `limits.clarification_rounds` rounds; then `mcp_mrtr_rounds_exceeded` (OpenWOP, 422).
 //!
+//! A handshake-era session (2025-06-18, 2025-11-25) has no `input_required`: there the ask is
+//! the server-initiated `elicitation/create` of those revisions, sent on the `tools/call`'s own
+//! SSE response stream; the client's answer arrives as a JSON-RPC response POSTed in the same
+//! session (taken here by its turnguard-minted id, never relayed to the server), within
+//! `approval_timeout_ms` (keep-alive comments meanwhile), and completes the call the same way.
+//!
 //! A client that did not declare the `elicitation` capability gets
-//! `MissingRequiredClientCapabilityError` (`-32021`, HTTP 400, MCP `basic/index`). A
-//! handshake-era session (2025-06-18 …) has no `input_required`: the call gets
-//! `capability_not_provided` (asking through a server-initiated `elicitation/create` on such
-//! a session is not implemented).
+//! `MissingRequiredClientCapabilityError` (`-32021`, HTTP 400, MCP `basic/index`; the code is
+//! the one MCP defines for it, used for both eras).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use axum::body::Body;
 use axum::response::Response;
-use http::StatusCode;
+use bytes::Bytes;
+use http::{HeaderValue, StatusCode};
 use serde_json::{json, Value};
+use tokio::sync::oneshot;
 
 use super::call::McpCall;
 use super::session::Era;
@@ -58,13 +65,50 @@ struct Ask {
     expires: Instant,
 }
 
-/// Pending asks by their `requestState` token.
+/// Pending asks by their `requestState` token, and handshake-era asks waiting for the
+/// client's answer by (session, request id).
 #[derive(Default)]
 pub struct Asks {
     map: Mutex<HashMap<String, Ask>>,
+    waiters: Mutex<HashMap<(String, String), oneshot::Sender<Value>>>,
 }
 
+/// The JSON-RPC id prefix of turnguard's own `elicitation/create` requests.
+pub const ELICIT_ID_PREFIX: &str = "turnguard-elicit-";
+
 impl Asks {
+    /// Hands `message` (a JSON-RPC response from the client) to the ask of `session` waiting
+    /// for it; `false` when no ask of this session sent that id (the response is then the
+    /// server's business and is relayed).
+    pub fn answer(&self, session: &str, message: &Value) -> bool {
+        let Some(id) = message.get("id").and_then(Value::as_str) else {
+            return false;
+        };
+        if !id.starts_with(ELICIT_ID_PREFIX) {
+            return false;
+        }
+        let waiter = self
+            .waiters
+            .lock()
+            .ok()
+            .and_then(|mut w| w.remove(&(session.to_owned(), id.to_owned())));
+        match waiter {
+            Some(tx) => tx.send(message.clone()).is_ok(),
+            None => false,
+        }
+    }
+
+    fn wait(&self, session: &str, id: &str) -> Option<oneshot::Receiver<Value>> {
+        let (tx, rx) = oneshot::channel();
+        let mut w = self.waiters.lock().ok()?;
+        w.retain(|_, tx| !tx.is_closed());
+        if w.len() >= MAX_ASKS {
+            return None;
+        }
+        w.insert((session.to_owned(), id.to_owned()), tx);
+        Some(rx)
+    }
+
     fn take(&self, token: &str) -> Option<Ask> {
         let mut map = self.map.lock().ok()?;
         map.remove(token).filter(|a| a.expires > Instant::now())
@@ -92,27 +136,95 @@ fn question(args: &Value) -> String {
     text.chars().take(MAX_QUESTION_CHARS).collect()
 }
 
+fn form(message: String, form_mode: bool) -> Value {
+    let mut params = json!({
+        "message": message,
+        "requestedSchema": {
+            "type": "object",
+            "properties": {"answer": {"type": "string", "title": "Answer"}},
+            "required": ["answer"],
+        },
+    });
+    if form_mode {
+        params["mode"] = json!("form");
+    }
+    params
+}
+
+/// The call's result for the person's `ElicitResult`.
+fn answered(call: &McpCall, answer: &Value) -> Value {
+    let action = answer
+        .get("action")
+        .and_then(Value::as_str)
+        .unwrap_or("cancel");
+    let mut result = match (action, answer.get("content")) {
+        ("accept", Some(content)) => json!({
+            "content": [{"type": "text", "text": content.to_string()}],
+            "structuredContent": content,
+            "isError": false,
+        }),
+        _ => json!({
+            "content": [{"type": "text", "text": format!("the person did not answer ({})", crate::admission::sanitize_label(action))}],
+            "structuredContent": {"action": crate::admission::sanitize_label(action)},
+            "isError": false,
+        }),
+    };
+    call.complete(&mut result);
+    result
+}
+
+/// Completes the call with `result`: claim (a repeat gets the recorded answer), journal,
+/// events, record; returns the message to send.
+async fn complete(
+    call: &McpCall,
+    d: &mut Decision,
+    ticket: Option<&TicketRow>,
+    result: Value,
+    claimed: bool,
+) -> Value {
+    let id = call.id.clone();
+    let exec = call.exec_with(ticket, true);
+    let repeat = if claimed {
+        Ok(None)
+    } else {
+        call.claim(d, &exec).await
+    };
+    match repeat {
+        Ok(Some(_)) => {
+            // A repeat: the recorded answer (or the call in doubt).
+            let recorded = call
+                .front
+                .reader
+                .recorded(call.inbound.run_id(), &exec.call_id)
+                .ok()
+                .flatten();
+            return match recorded {
+                Some(r) => call.recorded_message(&r),
+                None => super::wire_error(
+                    &id,
+                    &crate::error::WireError::ToolOutcomeUnknown {
+                        calls: crate::admission::sanitize_label(&call.name),
+                    },
+                ),
+            };
+        }
+        Ok(None) => {}
+        Err(e) => return super::wire_error(&id, &e),
+    }
+    tokio::join!(
+        call.journal(d, &exec, "ok", None),
+        call.account(d, &exec, false)
+    );
+    let message = json!({"jsonrpc": "2.0", "id": id, "result": result});
+    if let Err(e) = call.record(&exec, &message).await {
+        return super::wire_error(&id, &e);
+    }
+    message
+}
+
 /// The admitted clarification call `call` (decision `d`).
 pub async fn handle(call: McpCall, mut d: Decision, ticket: Option<TicketRow>) -> Response {
     let id = call.id.clone();
-    if call.inbound.era != Era::Modern {
-        let version = call
-            .inbound
-            .session
-            .as_ref()
-            .map_or("", |s| s.version.as_str())
-            .to_owned();
-        return json_response(
-            StatusCode::OK,
-            &openwop_error(
-                &id,
-                422,
-                "capability_not_provided",
-                &format!("`{}` asks the person a question, which turnguard maps to MCP `input_required` (revision 2026-07-28); this session speaks {version}", crate::admission::sanitize_label(&call.name)),
-                json!({"reason": "clarification_needs_input_required", "source": "turnguard"}),
-            ),
-        );
-    }
     if call.inbound.capabilities.get("elicitation").is_none() {
         let mut resp = json_response(
             StatusCode::BAD_REQUEST,
@@ -125,6 +237,40 @@ pub async fn handle(call: McpCall, mut d: Decision, ticket: Option<TicketRow>) -
         );
         *resp.status_mut() = StatusCode::BAD_REQUEST;
         return resp;
+    }
+    // An ask that was answered (or is in doubt) is never asked again: the repeat gets the
+    // recorded answer.
+    let exec = call.exec_with(ticket.as_ref(), true);
+    let mut claimed = false;
+    if let Some((effect_id, _)) = &exec.effect {
+        let state = {
+            let (front, effect_id) = (std::sync::Arc::clone(&call.front), effect_id.clone());
+            tokio::task::spawn_blocking(move || front.reader.effect_state(&effect_id)).await
+        };
+        match state {
+            Ok(Ok(None)) => {}
+            Ok(Ok(Some(_))) => match call.claim(&mut d, &exec).await {
+                Ok(Some(repeat)) => return repeat,
+                // Taken over (its claimer died before anything was asked): ask, holding it.
+                Ok(None) => claimed = true,
+                Err(e) => return json_response(StatusCode::OK, &super::wire_error(&id, &e)),
+            },
+            Ok(Err(e)) => {
+                let e = crate::error::WireError::JournalUnavailable {
+                    reason: e.to_string(),
+                };
+                return json_response(StatusCode::OK, &super::wire_error(&id, &e));
+            }
+            Err(e) => {
+                let e = crate::error::WireError::Internal {
+                    reason: e.to_string(),
+                };
+                return json_response(StatusCode::OK, &super::wire_error(&id, &e));
+            }
+        }
+    }
+    if call.inbound.era != Era::Modern {
+        return handshake(call, d, ticket, claimed).await;
     }
     let binding = Binding {
         server: call.inbound.server_name.clone(),
@@ -143,37 +289,8 @@ pub async fn handle(call: McpCall, mut d: Decision, ticket: Option<TicketRow>) -
         .pointer(&format!("/inputResponses/{INPUT_KEY}"))
         .filter(|a| a.get("action").and_then(Value::as_str).is_some());
     if let (Some(_), Some(answer)) = (&prior, answer) {
-        let action = answer
-            .get("action")
-            .and_then(Value::as_str)
-            .unwrap_or("cancel");
-        let mut result = match (action, answer.get("content")) {
-            ("accept", Some(content)) => json!({
-                "content": [{"type": "text", "text": content.to_string()}],
-                "structuredContent": content,
-                "isError": false,
-            }),
-            _ => json!({
-                "content": [{"type": "text", "text": format!("the person did not answer ({})", crate::admission::sanitize_label(action))}],
-                "structuredContent": {"action": crate::admission::sanitize_label(action)},
-                "isError": false,
-            }),
-        };
-        call.complete(&mut result);
-        let exec = call.exec(ticket.as_ref());
-        match call.claim(&mut d, &exec).await {
-            Ok(Some(repeat)) => return repeat,
-            Ok(None) => {}
-            Err(e) => return json_response(StatusCode::OK, &super::wire_error(&id, &e)),
-        }
-        tokio::join!(
-            call.journal(&d, &exec, "ok", None),
-            call.account(&d, &exec, false)
-        );
-        let message = json!({"jsonrpc": "2.0", "id": id, "result": result});
-        if let Err(e) = call.record(&exec, &message).await {
-            return json_response(StatusCode::OK, &super::wire_error(&id, &e));
-        }
+        let result = answered(&call, answer);
+        let message = complete(&call, &mut d, ticket.as_ref(), result, claimed).await;
         return json_response(StatusCode::OK, &message);
     }
     let rounds = prior.map_or(0, |a| a.rounds);
@@ -208,15 +325,7 @@ pub async fn handle(call: McpCall, mut d: Decision, ticket: Option<TicketRow>) -
         "inputRequests": {
             INPUT_KEY: {
                 "method": "elicitation/create",
-                "params": {
-                    "mode": "form",
-                    "message": question(&call.arguments),
-                    "requestedSchema": {
-                        "type": "object",
-                        "properties": {"answer": {"type": "string", "title": "Answer"}},
-                        "required": ["answer"],
-                    },
-                },
+                "params": form(question(&call.arguments), true),
             },
         },
         "requestState": token,
@@ -225,4 +334,97 @@ pub async fn handle(call: McpCall, mut d: Decision, ticket: Option<TicketRow>) -
         StatusCode::OK,
         &json!({"jsonrpc": "2.0", "id": id, "result": result}),
     )
+}
+
+/// The handshake-era ask: `elicitation/create` on the call's SSE stream, the answer taken from
+/// the client's response POST ([`Asks::answer`]), then the call's result on the same stream.
+async fn handshake(
+    call: McpCall,
+    mut d: Decision,
+    ticket: Option<TicketRow>,
+    claimed: bool,
+) -> Response {
+    let id = call.id.clone();
+    let Some(session) = call.inbound.session.clone() else {
+        return json_response(
+            StatusCode::BAD_REQUEST,
+            &rpc_error(&id, code::INVALID_REQUEST, "turnguard: no session", None),
+        );
+    };
+    if call.policy.settings.limits.clarification_rounds == 0 {
+        return json_response(
+            StatusCode::OK,
+            &openwop_error(
+                &id,
+                422,
+                "mcp_mrtr_rounds_exceeded",
+                "`limits.clarification_rounds` is 0: the person is never asked",
+                json!({"reason": "clarification_rounds_exceeded", "source": "turnguard"}),
+            ),
+        );
+    }
+    let ask_id = format!("{ELICIT_ID_PREFIX}{}", uuid::Uuid::new_v4().simple());
+    let Some(rx) = call.front.asks.wait(&session.id, &ask_id) else {
+        let e = crate::error::WireError::Overloaded {
+            limit: MAX_ASKS,
+            retry_after_s: 1,
+        };
+        return json_response(StatusCode::OK, &super::wire_error(&id, &e));
+    };
+    // `mode` is a 2025-11-25 field; 2025-06-18 knows only the form.
+    let request = json!({"jsonrpc": "2.0", "id": ask_id, "method": "elicitation/create",
+        "params": form(question(&call.arguments), session.version.as_str() >= "2025-11-25")});
+    let (tx, events) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    let timeout = Duration::from_millis(call.front.state.config.approval_timeout_ms);
+    let keepalive = Duration::from_millis(call.front.state.config.approval_keepalive_ms);
+    tracing::info!(request_id = %call.inbound.ctx.request_id, tool = %crate::admission::sanitize_label(&call.name), "clarification asked through MCP elicitation/create");
+    tokio::spawn(async move {
+        let event = |v: &Value| crate::sse::encode(Some("message"), &v.to_string());
+        if tx.send(Ok(event(&request))).await.is_err() {
+            return;
+        }
+        let deadline = tokio::time::sleep(timeout);
+        tokio::pin!(deadline);
+        tokio::pin!(rx);
+        let mut tick = tokio::time::interval(keepalive);
+        tick.tick().await;
+        let answer = loop {
+            tokio::select! {
+                a = &mut rx => break a.ok(),
+                _ = &mut deadline => break None,
+                _ = tick.tick() => {
+                    let _ = tx.send(Ok(Bytes::from_static(b": keep-alive\n\n"))).await;
+                }
+            }
+        };
+        let message = match answer.as_ref().and_then(|a| a.get("result")) {
+            Some(r) => {
+                let result = answered(&call, r);
+                complete(&call, &mut d, ticket.as_ref(), result, claimed).await
+            }
+            None => {
+                let why = if answer.is_some() {
+                    "the client answered the question with an error"
+                } else {
+                    "the question was not answered in time (`approval_timeout_ms`)"
+                };
+                openwop_error(
+                    &id,
+                    422,
+                    "capability_not_provided",
+                    why,
+                    json!({"reason": "clarification_unanswered", "source": "turnguard"}),
+                )
+            }
+        };
+        let _ = tx.send(Ok(event(&message))).await;
+    });
+    let mut resp = Response::new(Body::from_stream(
+        tokio_stream::wrappers::ReceiverStream::new(events),
+    ));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    resp
 }

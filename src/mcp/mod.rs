@@ -370,6 +370,16 @@ async fn post_inner(front: &Arc<McpFront>, name: &str, req: Request<Body>) -> Re
         era,
         capabilities,
     };
+    // A client's answer to one of turnguard's own asks (§E, handshake era) stays here.
+    if method.is_none() {
+        if let Some(s) = &inbound.session {
+            if front.asks.answer(&s.id, &inbound.message) {
+                let mut r = Response::new(Body::empty());
+                *r.status_mut() = StatusCode::ACCEPTED;
+                return r;
+            }
+        }
+    }
     match method.as_deref() {
         Some("initialize") => session::initialize(front, inbound).await,
         Some("tools/list") if !inbound.id().is_null() => list::handle(front, inbound).await,

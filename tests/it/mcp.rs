@@ -725,6 +725,40 @@ async fn a_clarification_tool_over_mcp_becomes_input_required() {
         "{:?}",
         results[2]
     );
+    // A handshake-era session has no `input_required`: the ask is the server-initiated
+    // `elicitation/create` of those revisions, on the call's own stream.
+    t.emit("run-ask-3", "ask_user", args.clone()).await;
+    let out = t
+        .client(
+            json!({"mode": "legacy", "headers": {"turnguard-run": "run-ask-3"},
+            "elicit": {"action": "accept", "content": {"answer": "green"}},
+            "steps": [call("ask_user", args.clone()), call("ask_user", args.clone())]}),
+        )
+        .await;
+    assert_eq!(
+        out["elicitations"],
+        json!(["Which colour should the button be?"]),
+        "asked once: {out}"
+    );
+    assert_eq!(
+        out["steps"][0]["structuredContent"],
+        json!({"answer": "green"}),
+        "{out}"
+    );
+    assert_eq!(
+        out["steps"][1]["structuredContent"],
+        json!({"answer": "green"}),
+        "the repeat gets the recorded answer: {out}"
+    );
+    let out = t
+        .client(json!({"mode": "legacy", "headers": {"turnguard-run": "run-ask-3"}, "steps": [call("ask_user", args.clone())]}))
+        .await;
+    assert_eq!(out["steps"][0]["error"]["code"], -32021, "{out}");
+    assert_eq!(
+        t.executions("ask_user").await,
+        0,
+        "the server was never called"
+    );
 }
 
 fn modern_meta(elicitation: bool) -> Value {
