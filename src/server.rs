@@ -51,6 +51,8 @@ pub struct AppState {
     pub identity: Identity,
     /// Requests waiting for approvals in this process.
     pub approvals: Approvals,
+    /// The approval page and approval notifications (webhook, SSE).
+    pub ui: crate::approval_ui::ApprovalUi,
 }
 
 /// Why `serve` could not start.
@@ -65,6 +67,9 @@ pub enum StartError {
     /// The identity configuration cannot be used.
     #[error(transparent)]
     Identity(#[from] IdentityConfigError),
+    /// The approval page or webhook settings cannot be used.
+    #[error("approval page or webhook: {0}")]
+    ApprovalUi(#[from] crate::approval_ui::UiConfigError),
     /// The policy bundle does not load.
     #[error("policy bundle {dir} does not load")]
     Policy { dir: String, source: LoadError },
@@ -141,6 +146,10 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             reason: e.to_string(),
         })
     };
+    let ui = crate::approval_ui::ApprovalUi::load(&config, &identity, Arc::clone(&metrics))?;
+    if ui.enabled() {
+        tracing::info!("approval page on at /ui/approvals (OpenID Connect sign-in)");
+    }
     let data_listener = bind(config.listen).await?;
     let admin_listener = bind(config.admin_listen).await?;
     let addr = data_listener.local_addr().map_err(|e| StartError::Bind {
@@ -163,6 +172,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         ready: AtomicBool::new(false),
         identity,
         approvals: Approvals::default(),
+        ui,
         lifecycle: crate::shutdown::Lifecycle::default(),
     });
     let watcher = reload::watch(

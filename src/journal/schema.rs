@@ -3,7 +3,7 @@
 use rusqlite::Connection;
 
 /// The schema version this build writes. Each version's step is additive and runs once.
-pub const VERSION: i64 = 6;
+pub const VERSION: i64 = 7;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -32,6 +32,9 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     }
     if version < 6 {
         v6(conn)?;
+    }
+    if version < 7 {
+        v7(conn)?;
     }
     Ok(())
 }
@@ -296,6 +299,19 @@ fn v6(conn: &Connection) -> rusqlite::Result<()> {
          );
          CREATE INDEX IF NOT EXISTS declared_tools_name ON declared_tools (name);
          PRAGMA user_version = 6;
+         COMMIT;",
+    )
+}
+
+/// Issue 16 (edit before approve): `interrupts.edits`, the person's edited arguments of an
+/// interrupt accepted with OpenWOP `edit-accept` — per call `{callId, choice, index,
+/// arguments (redacted), argsHash, modelArgsHash, editedBy, editedAt}`; the model's redacted
+/// arguments stay in `calls`. `NULL`: accepted (or rejected) as raised.
+fn v7(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         ALTER TABLE interrupts ADD COLUMN edits TEXT;
+         PRAGMA user_version = 7;
          COMMIT;",
     )
 }

@@ -22,6 +22,8 @@ pub struct CatalogTool {
     pub business_key: Vec<String>,
     /// Asks the person a question (§E).
     pub clarification: bool,
+    /// The person may edit the arguments before approving (`approval_edit`).
+    pub approval_edit: bool,
     /// Per-tool mode override.
     pub mode: Option<Mode>,
     /// The bundle file it came from.
@@ -88,6 +90,7 @@ impl Catalog {
                     content_trust,
                     business_key,
                     clarification,
+                    approval_edit,
                     mode,
                 } = entry.clone();
                 let id = descriptor.tool_id.clone();
@@ -139,6 +142,7 @@ impl Catalog {
                     content_trust,
                     business_key,
                     clarification,
+                    approval_edit,
                     mode,
                     file: file.clone(),
                     catalogued: true,
@@ -208,6 +212,7 @@ fn unknown_tool() -> CatalogTool {
         content_trust: ContentTrust::Untrusted,
         business_key: Vec::new(),
         clarification: false,
+        approval_edit: false,
         mode: None,
         file: String::new(),
         catalogued: false,
