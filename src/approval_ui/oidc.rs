@@ -307,8 +307,6 @@ pub async fn callback(
             ))
         }
     };
-    use oauth2::TokenResponse as _;
-    let _ = token.access_token();
     let id_token = &token.extra_fields().id_token;
     let person = match s
         .identity

@@ -194,16 +194,25 @@ async fn token_endpoint(
     headers: http::HeaderMap,
     Form(f): Form<HashMap<String, String>>,
 ) -> Response {
-    let basic = format!(
-        "Basic {}",
-        base64::engine::general_purpose::STANDARD.encode(format!(
-            "{}:{}",
-            url_escape(CLIENT_ID),
-            url_escape(CLIENT_SECRET)
-        ))
-    );
+    // RFC 6749 §2.3.1: the id and secret are form-urlencoded, then joined and base64'd.
+    let client = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Basic "))
+        .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
+        .and_then(|b| String::from_utf8(b).ok())
+        .and_then(|pair| {
+            let (id, secret) = pair.split_once(':')?;
+            let dec = |s: &str| -> String {
+                form_urlencoded::parse(format!("x={s}").as_bytes())
+                    .next()
+                    .map(|(_, v)| v.into_owned())
+                    .unwrap_or_default()
+            };
+            Some((dec(id), dec(secret)))
+        });
     let mut log = s.log.lock().unwrap();
-    if headers.get("authorization").and_then(|v| v.to_str().ok()) != Some(basic.as_str()) {
+    if client != Some((CLIENT_ID.to_owned(), CLIENT_SECRET.to_owned())) {
         log.unauthenticated += 1;
         return (
             http::StatusCode::UNAUTHORIZED,
@@ -701,7 +710,7 @@ async fn sign_in_is_pkce_bound_to_the_browser_and_the_page_refuses_what_it_must(
     assert_eq!(pending(&h, &alice).await.len(), 1, "nothing above resolved it");
 
     // The session's SSE stream lists the pending call.
-    let resp = stream_get("GET", &format!("{admin}/approvals/events"), &[("cookie", cookie.as_str())]).await;
+    let resp = stream_get(&format!("{admin}/approvals/events"), &[("cookie", cookie.as_str())]).await;
     assert_eq!(resp.status(), 200);
     let mut body = resp.into_body();
     let mut got = String::new();
@@ -852,8 +861,8 @@ async fn the_sse_stream_carries_only_the_callers_own_interrupts() {
     assert_eq!(status, 400, "no token in a URL");
     let auth_a = format!("Bearer {alice}");
     let auth_b = format!("Bearer {bob}");
-    let mut a = stream_get("GET", &events, &[("authorization", auth_a.as_str())]).await.into_body();
-    let mut b = stream_get("GET", &events, &[("authorization", auth_b.as_str())]).await.into_body();
+    let mut a = stream_get(&events, &[("authorization", auth_a.as_str())]).await.into_body();
+    let mut b = stream_get(&events, &[("authorization", auth_b.as_str())]).await.into_body();
     async fn until(body: &mut hyper::body::Incoming, got: &mut String, want: &str) {
         while !got.contains(want) {
             let f = tokio::time::timeout(Duration::from_secs(20), body.frame()).await.expect("an event in time").unwrap().unwrap();
