@@ -44,7 +44,7 @@ pub fn secure_headers(h: &mut HeaderMap) {
         ("content-security-policy", CSP),
         ("x-content-type-options", "nosniff"),
         ("x-frame-options", "DENY"),
-        ("referrer-policy", "no-referrer"),
+        ("referrer-policy", "same-origin"),
         ("cache-control", "no-store"),
         ("cross-origin-opener-policy", "same-origin"),
     ] {
@@ -69,7 +69,7 @@ fn layout(title: &str, body: Markup) -> Markup {
             head {
                 meta charset="utf-8";
                 meta name="viewport" content="width=device-width, initial-scale=1";
-                meta name="referrer" content="no-referrer";
+                meta name="referrer" content="same-origin";
                 title { (title) " · turnguard" }
                 link rel="stylesheet" href="/ui/assets/app.css";
                 script src="/ui/assets/app.js" defer {}
@@ -138,6 +138,13 @@ pub(super) fn session_of(s: &AppState, headers: &HeaderMap) -> Option<(String, U
     Some((cookie, got))
 }
 
+/// The session of a request with its flash message taken (the list page shows it once).
+fn session_with_flash(s: &AppState, headers: &HeaderMap) -> Option<UiSession> {
+    let settings = s.ui.settings.as_ref()?;
+    let cookie = session::cookie_value(headers, session::session_cookie(settings.secure))?;
+    s.ui.sessions.take(&cookie)
+}
+
 /// `GET /ui/assets/app.js`.
 pub async fn script() -> Response {
     asset(SCRIPT, "text/javascript; charset=utf-8")
@@ -166,7 +173,7 @@ pub async fn list(State(s): State<Arc<AppState>>, req: Request<Body>) -> Respons
             "The approval page takes no query string: nothing is ever resolved by a link.",
         );
     }
-    let Some((_, session)) = session_of(&s, req.headers()) else {
+    let Some(session) = session_with_flash(&s, req.headers()) else {
         return html_response(
             StatusCode::OK,
             layout(

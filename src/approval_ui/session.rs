@@ -154,8 +154,17 @@ impl Sessions {
         Ok(cookie)
     }
 
-    /// The live session of a cookie value, taking its flash message.
+    /// The live session of a cookie value (its flash message left in place).
     pub fn get(&self, cookie: &str) -> Option<UiSession> {
+        self.session(cookie, false)
+    }
+
+    /// The live session of a cookie value, taking its flash message (the list page).
+    pub fn take(&self, cookie: &str) -> Option<UiSession> {
+        self.session(cookie, true)
+    }
+
+    fn session(&self, cookie: &str, take_flash: bool) -> Option<UiSession> {
         let mut inner = self.inner.lock().ok()?;
         let key = digest(cookie);
         let s = inner.sessions.get_mut(&key)?;
@@ -164,7 +173,9 @@ impl Sessions {
             return None;
         }
         let out = s.clone();
-        s.flash = None;
+        if take_flash {
+            s.flash = None;
+        }
         Some(out)
     }
 
@@ -273,7 +284,8 @@ mod tests {
         assert_eq!(got.csrf.len(), 43, "256 bits, base64url");
         s.flash(&c, "done".into());
         assert_eq!(s.get(&c).unwrap().flash.as_deref(), Some("done"));
-        assert_eq!(s.get(&c).unwrap().flash, None, "a flash shows once");
+        assert_eq!(s.take(&c).unwrap().flash.as_deref(), Some("done"));
+        assert_eq!(s.take(&c).unwrap().flash, None, "a flash shows once");
         s.close(&c);
         assert!(s.get(&c).is_none());
         let old = s.open(alice(), now_ms() - 1).unwrap();

@@ -110,6 +110,16 @@ def wait_card(page, seen: set, timeout: float = 90.0):
     raise AssertionError("no new held call appeared on the page")
 
 
+def flash(page) -> str:
+    """The message the page shows after a resolution (with the page, when it does not)."""
+    try:
+        page.wait_for_selector("#flash", timeout=30_000)
+    except Exception:
+        sys.stderr.write(f"no flash at {page.url}:\n{page.content()}\n")
+        raise
+    return page.inner_text("#flash")
+
+
 def post_status(page, iid: str, fields: dict) -> int:
     """A POST from the page itself (same origin, the session cookie goes with it)."""
     return page.evaluate(
@@ -148,7 +158,7 @@ def main() -> int:
         t = run_agent(args.data, tokens["alice"], "ui-accept", request, agents, "accept")
         card, iid = wait_card(page, seen)
         checks["card_text"] = card.inner_text()
-        checks["countdown"] = card.inner_text("time[data-expires]")
+        checks["countdown"] = card.query_selector("time[data-expires]").inner_text()
         page.screenshot(path=args.screenshot, full_page=True)
 
         # Another person: nothing to see, and alice's call cannot be resolved by its id.
@@ -168,16 +178,14 @@ def main() -> int:
         card = page.query_selector(f'article.card[data-interrupt="{iid}"]')
         card.query_selector("textarea[name=feedback]").fill("Fine, send it.")
         card.query_selector("button.accept").click()
-        page.wait_for_selector("#flash")
-        checks["accept_flash"] = page.inner_text("#flash")
+        checks["accept_flash"] = flash(page)
         t.join(60)
 
         # 2. Reject: the agent's call is refused.
         t = run_agent(args.data, tokens["alice"], "ui-reject", request, agents, "reject")
         card, iid = wait_card(page, seen)
         card.query_selector("button.reject").click()
-        page.wait_for_selector("#flash")
-        checks["reject_flash"] = page.inner_text("#flash")
+        checks["reject_flash"] = flash(page)
         t.join(60)
 
         # 3. Edit the arguments, then accept with the edits.
@@ -191,8 +199,7 @@ def main() -> int:
         edited["body"] = "Your ticket PIN-5678 is attached. Regards"
         box.fill(json.dumps(edited, indent=2))
         card.query_selector("button.edit").click()
-        page.wait_for_selector("#flash")
-        checks["edit_flash"] = page.inner_text("#flash")
+        checks["edit_flash"] = flash(page)
         t.join(60)
         browser.close()
 

@@ -28,6 +28,7 @@
   if (!list || typeof EventSource === "undefined") return;
   var busy = false;
   document.addEventListener("input", function () { busy = true; });
+  document.addEventListener("submit", function () { busy = true; es.close(); });
   var shown = {};
   document.querySelectorAll("[data-interrupt]").forEach(function (c) { shown[c.dataset.interrupt] = true; });
   var live = document.getElementById("live");
