@@ -197,7 +197,11 @@ pub fn interrupt_id(key: &str) -> String {
 /// and position, id, tool name, `toolId` and title, `argsHash`, redacted arguments, why it
 /// was held, and whether the person may edit it (`approval_edit`; never on a Responses
 /// stream, whose call arguments cannot be rewritten).
-fn held_calls(session: &Session, round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) -> Vec<Value> {
+fn held_calls(
+    session: &Session,
+    round: &[ChoiceEmissions],
+    verdicts: &[ChoiceVerdict],
+) -> Vec<Value> {
     let rewritable = !(session.turn.api == Api::OpenAiResponses && session.turn.stream);
     let mut calls = Vec::new();
     for (choice, verdict) in round.iter().zip(verdicts) {
@@ -303,10 +307,13 @@ pub fn edited_outcomes(
                 d.trace.push((d.stage, format!("refused: {}", d.reason)));
             } else {
                 d.release_args = Some(e.arguments.clone());
-                d.trace
-                    .push((d.stage, "released with the person's edited arguments".into()));
+                d.trace.push((
+                    d.stage,
+                    "released with the person's edited arguments".into(),
+                ));
             }
-        } else if d.enforced && !matches!(d.outcome, Outcome::EndedTurn | Outcome::SuppressedRepeat) {
+        } else if d.enforced && !matches!(d.outcome, Outcome::EndedTurn | Outcome::SuppressedRepeat)
+        {
             let why = format!(
                 "the person's edited arguments were not admitted: {} at the {} stage ({}): {}",
                 d.outcome.as_str(),
@@ -316,7 +323,8 @@ pub fn edited_outcomes(
             );
             d.outcome = Outcome::Refused;
             d.reason = "edit_refused";
-            d.trace.push((d.stage, format!("refused: edit_refused — {why}")));
+            d.trace
+                .push((d.stage, format!("refused: edit_refused — {why}")));
             d.message = why;
         }
     }
@@ -356,7 +364,10 @@ pub async fn settle(
     let mut title = format!("Approve {}", names.join(", "));
     title.truncate(200);
     let mut actions = vec!["accept", "reject"];
-    if calls.iter().any(|c| c.get("editable") == Some(&Value::Bool(true))) {
+    if calls
+        .iter()
+        .any(|c| c.get("editable") == Some(&Value::Bool(true)))
+    {
         actions.push("edit-accept");
     }
     let mut untrusted = session.untrusted_inputs.clone();
@@ -1164,7 +1175,10 @@ async fn edited_calls(
     now: i64,
 ) -> Result<Vec<Value>, Refusal> {
     let id = match selector {
-        Selector::Id(id) | Selector::Node { interrupt_id: id, .. } => id,
+        Selector::Id(id)
+        | Selector::Node {
+            interrupt_id: id, ..
+        } => id,
     };
     let row = s.journal.interrupt(id).await.map_err(|e| {
         Refusal::new(
@@ -1175,9 +1189,13 @@ async fn edited_calls(
     })?;
     let row = match (row, selector) {
         (None, _) => return Err(not_found()),
-        (Some(row), Selector::Node { run_id, node_id, .. })
-            if row.record.run.run_id.as_deref() != Some(run_id.as_str())
-                || row.record.run.node_id.as_deref().unwrap_or("default") != node_id =>
+        (
+            Some(row),
+            Selector::Node {
+                run_id, node_id, ..
+            },
+        ) if row.record.run.run_id.as_deref() != Some(run_id.as_str())
+            || row.record.run.node_id.as_deref().unwrap_or("default") != node_id =>
         {
             return Err(not_found())
         }

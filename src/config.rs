@@ -658,7 +658,11 @@ impl Config {
             "TURNGUARD_APPROVAL_UI_REDIRECT_URI",
             |v: String| v
         );
-        optional!(approval_webhook, "TURNGUARD_APPROVAL_WEBHOOK", |v: String| v);
+        optional!(
+            approval_webhook,
+            "TURNGUARD_APPROVAL_WEBHOOK",
+            |v: String| v
+        );
         optional!(
             approval_webhook_secret_file,
             "TURNGUARD_APPROVAL_WEBHOOK_SECRET_FILE",
@@ -893,7 +897,10 @@ mod tests {
             c.approval_ui_redirect_uri.as_deref(),
             Some("http://127.0.0.1:8788/ui/callback")
         );
-        assert_eq!(c.approval_webhook.as_deref(), Some("https://hooks.example/a"));
+        assert_eq!(
+            c.approval_webhook.as_deref(),
+            Some("https://hooks.example/a")
+        );
         let off = Config::resolve(
             &ServeArgs::default(),
             &env_of(&[("TURNGUARD_APPROVAL_UI", "false")]),

@@ -394,7 +394,8 @@ fn verified_claims(token: &str) -> Result<serde_json::Map<String, Value>, TokenE
     let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(payload)
         .map_err(|_| TokenError::Invalid("malformed token payload".into()))?;
-    serde_json::from_slice(&bytes).map_err(|_| TokenError::Invalid("malformed token payload".into()))
+    serde_json::from_slice(&bytes)
+        .map_err(|_| TokenError::Invalid("malformed token payload".into()))
 }
 
 /// The person a verified claims set names, with the token's fingerprint.

@@ -245,8 +245,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Approvals(args) => {
             use std::io::Write;
-            let report =
-                turnguard::approval_ui::cli::run(&args, &|k| std::env::var(k).ok()).await;
+            let report = turnguard::approval_ui::cli::run(&args, &|k| std::env::var(k).ok()).await;
             let _ = std::io::stdout().lock().write_all(report.stdout.as_bytes());
             let _ = std::io::stderr().lock().write_all(report.stderr.as_bytes());
             std::process::exit(report.code);

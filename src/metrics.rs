@@ -464,6 +464,21 @@ impl Metrics {
                 drop(approval_wait.get_or_create(&labels));
             }
         }
+        for (channel, result) in [
+            ("webhook", "delivered"),
+            ("webhook", "retried"),
+            ("webhook", "failed"),
+            ("webhook", "dropped"),
+            ("sse", "sent"),
+            ("sse", "lagged"),
+        ] {
+            approval_notifications
+                .get_or_create(&NotificationLabels {
+                    channel: channel.to_owned(),
+                    result: result.to_owned(),
+                })
+                .inc_by(0);
+        }
         for result in ["ok", "error"] {
             policy_reloads
                 .get_or_create(&ResultLabels {

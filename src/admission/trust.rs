@@ -46,7 +46,11 @@ pub fn of_turn(turn: &Turn, policy: &CompiledPolicy, history: &[ChainLink]) -> C
 /// (tool-turn contract §C; the approval page shows why a call was held). Names and ids come
 /// from the request and are sanitized ([`crate::admission::sanitize_label`]).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-#[serde(tag = "kind", rename_all = "kebab-case", rename_all_fields = "camelCase")]
+#[serde(
+    tag = "kind",
+    rename_all = "kebab-case",
+    rename_all_fields = "camelCase"
+)]
 pub enum UntrustedInput {
     /// A tool result whose tool's output is untrusted, or whose tool the catalog does not
     /// know (fail closed).
@@ -103,7 +107,10 @@ pub fn untrusted_inputs(
         }
     }
     for r in &turn.tool_results {
-        let tool = r.tool_name.as_deref().and_then(|n| policy.catalog.by_name(n));
+        let tool = r
+            .tool_name
+            .as_deref()
+            .and_then(|n| policy.catalog.by_name(n));
         if tool.is_some_and(|t| t.content_trust == ContentTrust::Trusted) {
             continue;
         }

@@ -162,7 +162,15 @@ async fn resolve(base: &str, token: &str, id: &str, resume: Value) -> Report {
         return fail(format!("`{id}` is not an interrupt id (int_…)"));
     }
     let body = json!({"resumeValue": resume});
-    match call(base, token, "POST", &format!("/approvals/{id}"), Some(&body)).await {
+    match call(
+        base,
+        token,
+        "POST",
+        &format!("/approvals/{id}"),
+        Some(&body),
+    )
+    .await
+    {
         Ok((200, v)) => Report {
             code: 0,
             stdout: format!(
@@ -239,7 +247,9 @@ async fn call(
         .uri(&url)
         .header(header::AUTHORIZATION, format!("Bearer {token}"))
         .header(header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body.map(Value::to_string).unwrap_or_default())))
+        .body(Full::new(Bytes::from(
+            body.map(Value::to_string).unwrap_or_default(),
+        )))
         .map_err(|e| format!("`{url}`: {e}"))?;
     let resp = tokio::time::timeout(Duration::from_secs(30), client.request(req))
         .await

@@ -210,7 +210,10 @@ async fn deliver(w: Webhook, mut rx: mpsc::Receiver<Value>, metrics: Arc<Metrics
             }
             let req = http::Request::post(w.url.clone())
                 .header(header::CONTENT_TYPE, "application/json")
-                .header(header::USER_AGENT, concat!("turnguard/", env!("CARGO_PKG_VERSION")))
+                .header(
+                    header::USER_AGENT,
+                    concat!("turnguard/", env!("CARGO_PKG_VERSION")),
+                )
                 .header(SIGNATURE_HEADER, &sig)
                 .header(DELIVERY_HEADER, &delivery)
                 .body(Full::new(bytes.clone()));
@@ -249,10 +252,7 @@ async fn listener(s: &AppState, req: &http::request::Parts) -> Result<(String, i
         }
     }
     let person = crate::approvals::verified_approver(s, req).await?;
-    let until = person
-        .token
-        .as_ref()
-        .map_or(i64::MAX, |t| t.expires_at_ms);
+    let until = person.token.as_ref().map_or(i64::MAX, |t| t.expires_at_ms);
     Ok((person.sub, until))
 }
 

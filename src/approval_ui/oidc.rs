@@ -148,7 +148,9 @@ impl ProviderCache {
             ));
         }
         if !endpoint_ok(&d.authorization_endpoint) || !endpoint_ok(&d.token_endpoint) {
-            return Err("the provider's endpoints must be https (http only on a loopback host)".into());
+            return Err(
+                "the provider's endpoints must be https (http only on a loopback host)".into(),
+            );
         }
         if let Some(m) = &d.code_challenge_methods_supported {
             if !m.iter().any(|x| x == "S256") {
@@ -205,15 +207,14 @@ pub async fn login(State(s): State<Arc<AppState>>) -> Response {
         .add_extra_param("nonce", nonce.clone())
         .set_pkce_challenge(challenge)
         .url();
-    let binding =
-        match s
-            .ui
-            .sessions
-            .begin_login(verifier.secret().clone(), nonce, csrf.secret())
-        {
-            Ok(b) => b,
-            Err(_) => return unavailable("too many sign-ins at once"),
-        };
+    let binding = match s
+        .ui
+        .sessions
+        .begin_login(verifier.secret().clone(), nonce, csrf.secret())
+    {
+        Ok(b) => b,
+        Err(_) => return unavailable("too many sign-ins at once"),
+    };
     let mut resp = StatusCode::SEE_OTHER.into_response();
     let h = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(url.as_str()) {
@@ -327,14 +328,17 @@ pub async fn callback(
     let expires = person
         .token
         .as_ref()
-        .map_or(crate::proxy::now_ms() + session::MAX_SESSION_MS, |t| t.expires_at_ms);
+        .map_or(crate::proxy::now_ms() + session::MAX_SESSION_MS, |t| {
+            t.expires_at_ms
+        });
     let sub = person.sub.clone();
     let cookie = match s.ui.sessions.open(person, expires) {
         Ok(c) => c,
         Err(_) => return unavailable("too many sessions at once"),
     };
     tracing::info!(sub = %sub, "approval page: signed in");
-    let max_age = ((expires - crate::proxy::now_ms()) / 1000).clamp(0, session::MAX_SESSION_MS / 1000);
+    let max_age =
+        ((expires - crate::proxy::now_ms()) / 1000).clamp(0, session::MAX_SESSION_MS / 1000);
     let mut resp = page::signed_in(&sub);
     let h = resp.headers_mut();
     for c in [
@@ -365,7 +369,10 @@ fn describe_token_error<E: std::error::Error + 'static>(
 ) -> String {
     match e {
         oauth2::RequestTokenError::ServerResponse(r) => {
-            format!("error `{}`", crate::admission::sanitize_label(&r.error().to_string()))
+            format!(
+                "error `{}`",
+                crate::admission::sanitize_label(&r.error().to_string())
+            )
         }
         oauth2::RequestTokenError::Request(e) => e.to_string(),
         oauth2::RequestTokenError::Parse(e, _) => format!("unreadable token response: {e}"),

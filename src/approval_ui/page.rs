@@ -159,7 +159,10 @@ fn asset(body: &'static str, kind: &'static str) -> Response {
     let mut resp = body.into_response();
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static(kind));
-    h.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
+    h.insert(
+        "x-content-type-options",
+        HeaderValue::from_static("nosniff"),
+    );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     resp
 }
@@ -256,7 +259,9 @@ fn input_line(i: &Value) -> Markup {
                 ": its output is untrusted"
             }
         },
-        "provider-output" => html! { "Output of a provider-executed tool (web search, fetch …) in this turn" },
+        "provider-output" => {
+            html! { "Output of a provider-executed tool (web search, fetch …) in this turn" }
+        }
         "response-chain" => html! {
             "The stored response " code { (str_at(i, "responseId")) } " this turn continues ("
             (str_at(i, "reason")) ")"
@@ -270,7 +275,12 @@ fn input_line(i: &Value) -> Markup {
 
 fn card(row: &InterruptRow, csrf: &str, now: i64) -> Markup {
     let id = &row.record.interrupt_id;
-    let data = row.record.payload.get("data").cloned().unwrap_or(Value::Null);
+    let data = row
+        .record
+        .payload
+        .get("data")
+        .cloned()
+        .unwrap_or(Value::Null);
     let inputs: Vec<Value> = data
         .pointer("/artifactData/untrustedInputs")
         .and_then(Value::as_array)
@@ -499,16 +509,14 @@ pub async fn resolve(
                     call_id: call_id.to_owned(),
                     arguments,
                 }),
-                Err(e) => {
-                    return message(
-                        StatusCode::BAD_REQUEST,
-                        "Not resolved",
-                        &format!(
-                            "The edited arguments of call {} are not JSON: {e}. Nothing was resolved.",
-                            crate::admission::sanitize_label(call_id)
-                        ),
-                    )
-                }
+                Err(e) => return message(
+                    StatusCode::BAD_REQUEST,
+                    "Not resolved",
+                    &format!(
+                        "The edited arguments of call {} are not JSON: {e}. Nothing was resolved.",
+                        crate::admission::sanitize_label(call_id)
+                    ),
+                ),
             }
         }
     }
@@ -532,8 +540,7 @@ pub async fn resolve(
                 ("accepted", false) => "Accepted",
                 _ => "Rejected",
             };
-            s.ui
-                .sessions
+            s.ui.sessions
                 .flash(&form.cookie, format!("{what}: {}.", tools.join(", ")));
             see_other("/ui/approvals")
         }

@@ -92,12 +92,19 @@ pub enum LoginError {
 
 impl Sessions {
     /// Starts a sign-in: returns `(state, login cookie value)`.
-    pub fn begin_login(&self, pkce_verifier: String, nonce: String, state: &str) -> Result<String, LoginError> {
+    pub fn begin_login(
+        &self,
+        pkce_verifier: String,
+        nonce: String,
+        state: &str,
+    ) -> Result<String, LoginError> {
         let cookie = random_token();
         let now = now_ms();
         let mut inner = self.inner.lock().map_err(|_| LoginError::Full)?;
         if inner.logins.len() >= MAX_LOGINS {
-            inner.logins.retain(|_, l| now - l.created_ms < LOGIN_TTL_MS);
+            inner
+                .logins
+                .retain(|_, l| now - l.created_ms < LOGIN_TTL_MS);
             if inner.logins.len() >= MAX_LOGINS {
                 return Err(LoginError::Full);
             }
@@ -116,7 +123,11 @@ impl Sessions {
 
     /// Takes the sign-in `state` names (once), if the browser's login cookie is the one
     /// that started it and it is not older than [`LOGIN_TTL_MS`].
-    pub fn finish_login(&self, state: &str, cookie: Option<&str>) -> Result<PendingLogin, LoginError> {
+    pub fn finish_login(
+        &self,
+        state: &str,
+        cookie: Option<&str>,
+    ) -> Result<PendingLogin, LoginError> {
         let mut inner = self.inner.lock().map_err(|_| LoginError::Full)?;
         let login = inner
             .logins
@@ -262,7 +273,8 @@ mod tests {
         let s = Sessions::default();
         let cookie = s.begin_login("v".into(), "n".into(), "state-1").unwrap();
         assert_eq!(
-            s.finish_login("state-1", Some("another browser")).unwrap_err(),
+            s.finish_login("state-1", Some("another browser"))
+                .unwrap_err(),
             LoginError::OtherBrowser
         );
         assert_eq!(
@@ -272,7 +284,10 @@ mod tests {
         );
         let cookie = s.begin_login("v".into(), "n".into(), "state-2").unwrap();
         assert_eq!(s.finish_login("state-2", Some(&cookie)).unwrap().nonce, "n");
-        assert!(s.finish_login("state-2", Some(&cookie)).is_err(), "single use");
+        assert!(
+            s.finish_login("state-2", Some(&cookie)).is_err(),
+            "single use"
+        );
     }
 
     #[test]
@@ -295,15 +310,40 @@ mod tests {
 
     #[test]
     fn cookies_are_http_only_strict_and_secure_when_asked() {
-        let c = set_cookie(session_cookie(true), "v".into(), cookie::SameSite::Strict, true, 60);
-        for part in ["__Host-turnguard_approvals=v", "HttpOnly", "SameSite=Strict", "Secure", "Path=/", "Max-Age=60"] {
+        let c = set_cookie(
+            session_cookie(true),
+            "v".into(),
+            cookie::SameSite::Strict,
+            true,
+            60,
+        );
+        for part in [
+            "__Host-turnguard_approvals=v",
+            "HttpOnly",
+            "SameSite=Strict",
+            "Secure",
+            "Path=/",
+            "Max-Age=60",
+        ] {
             assert!(c.contains(part), "{c} lacks {part}");
         }
-        let c = set_cookie(session_cookie(false), "v".into(), cookie::SameSite::Strict, false, 60);
+        let c = set_cookie(
+            session_cookie(false),
+            "v".into(),
+            cookie::SameSite::Strict,
+            false,
+            60,
+        );
         assert!(!c.contains("Secure") && c.contains("HttpOnly"), "{c}");
         let mut h = HeaderMap::new();
-        h.insert(http::header::COOKIE, "a=1; turnguard_approvals=xyz".parse().unwrap());
-        assert_eq!(cookie_value(&h, "turnguard_approvals").as_deref(), Some("xyz"));
+        h.insert(
+            http::header::COOKIE,
+            "a=1; turnguard_approvals=xyz".parse().unwrap(),
+        );
+        assert_eq!(
+            cookie_value(&h, "turnguard_approvals").as_deref(),
+            Some("xyz")
+        );
         assert_eq!(cookie_value(&h, "b"), None);
     }
 }

@@ -206,7 +206,10 @@ impl Journal {
 
     /// One interrupt as it stands now (read through the writer, so it sees every committed
     /// resolution).
-    pub async fn interrupt(&self, interrupt_id: &str) -> Result<Option<InterruptRow>, JournalError> {
+    pub async fn interrupt(
+        &self,
+        interrupt_id: &str,
+    ) -> Result<Option<InterruptRow>, JournalError> {
         let (tx, rx) = oneshot::channel();
         self.submit(super::Op::Interrupt(Box::new(Op::Get {
             interrupt_id: interrupt_id.to_owned(),

@@ -31,8 +31,8 @@ use sha2::{Digest, Sha256};
 use turnguard::mock_provider::Script;
 
 use crate::support::approvals::{
-    agent, agent_token, bearer, json_of, metric, pending, resolve_body, token, wait_pending,
-    AUD, SECRET,
+    agent, agent_token, bearer, json_of, metric, pending, resolve_body, token, wait_pending, AUD,
+    SECRET,
 };
 use crate::support::{self, own_fixtures, Harness};
 
@@ -125,12 +125,16 @@ async fn authorize_form(Query(q): Query<HashMap<String, String>>) -> Response {
     let ok = q.get("response_type").map(String::as_str) == Some("code")
         && q.get("client_id").map(String::as_str) == Some(CLIENT_ID)
         && q.get("code_challenge_method").map(String::as_str) == Some("S256")
-        && q.get("scope").is_some_and(|s| s.split(' ').any(|x| x == "openid"))
+        && q.get("scope")
+            .is_some_and(|s| s.split(' ').any(|x| x == "openid"))
         && q.contains_key("code_challenge")
         && q.contains_key("nonce")
         && q.contains_key("state");
     if !ok {
-        return (http::StatusCode::BAD_REQUEST, format!("bad authorization request: {q:?}"))
+        return (
+            http::StatusCode::BAD_REQUEST,
+            format!("bad authorization request: {q:?}"),
+        )
             .into_response();
     }
     let hidden: String = ["state", "nonce", "code_challenge", "redirect_uri"]
@@ -264,7 +268,11 @@ fn free_port() -> u16 {
 /// The harness with the `policy-ui` bundle, the approval page signing in at `idp`, approver
 /// tokens as in `support::approvals` (HS256) and ID tokens (EdDSA, the test JWKS), and
 /// `tweak` on top.
-async fn start_ui(idp: &Idp, timeout_ms: u64, tweak: impl FnOnce(&mut turnguard::config::Config)) -> (Harness, tempfile::TempDir) {
+async fn start_ui(
+    idp: &Idp,
+    timeout_ms: u64,
+    tweak: impl FnOnce(&mut turnguard::config::Config),
+) -> (Harness, tempfile::TempDir) {
     let keys = tempfile::tempdir().unwrap();
     let hs = keys.path().join("hs256.secret");
     std::fs::write(&hs, SECRET).unwrap();
@@ -398,22 +406,42 @@ fn query_param(url: &str, key: &str) -> Option<String> {
 /// Signs `user` in with a plain HTTP client, checking each leg; returns the session cookie
 /// (`name=value`).
 async fn sign_in_http(h: &Harness, idp: &Idp, user: &str) -> String {
-    let (status, headers, _) =
-        page_call("GET", &format!("{}/ui/login", h.admin_url()), None, None, &[]).await;
+    let (status, headers, _) = page_call(
+        "GET",
+        &format!("{}/ui/login", h.admin_url()),
+        None,
+        None,
+        &[],
+    )
+    .await;
     assert_eq!(status, 303);
     let to = headers["location"].to_str().unwrap().to_owned();
-    assert!(to.starts_with(&format!("{}/authorize?", idp.issuer())), "{to}");
-    assert_eq!(query_param(&to, "code_challenge_method").as_deref(), Some("S256"));
+    assert!(
+        to.starts_with(&format!("{}/authorize?", idp.issuer())),
+        "{to}"
+    );
+    assert_eq!(
+        query_param(&to, "code_challenge_method").as_deref(),
+        Some("S256")
+    );
     assert_eq!(query_param(&to, "response_type").as_deref(), Some("code"));
-    let login = set_cookie_of(&headers, "turnguard_login").expect("login cookie").to_owned();
-    assert!(login.contains("HttpOnly") && login.contains("SameSite=Lax"), "{login}");
+    let login = set_cookie_of(&headers, "turnguard_login")
+        .expect("login cookie")
+        .to_owned();
+    assert!(
+        login.contains("HttpOnly") && login.contains("SameSite=Lax"),
+        "{login}"
+    );
     let login = login.split(';').next().unwrap().to_owned();
     // The provider's form, submitted.
     let form: String = form_urlencoded::Serializer::new(String::new())
         .append_pair("user", user)
         .append_pair("state", &query_param(&to, "state").unwrap())
         .append_pair("nonce", &query_param(&to, "nonce").unwrap())
-        .append_pair("code_challenge", &query_param(&to, "code_challenge").unwrap())
+        .append_pair(
+            "code_challenge",
+            &query_param(&to, "code_challenge").unwrap(),
+        )
         .append_pair("redirect_uri", &query_param(&to, "redirect_uri").unwrap())
         .finish();
     let (status, headers, _) = page_call(
@@ -435,7 +463,10 @@ async fn sign_in_http(h: &Harness, idp: &Idp, user: &str) -> String {
     for part in ["HttpOnly", "SameSite=Strict", "Path=/"] {
         assert!(session.contains(part), "{session} lacks {part}");
     }
-    assert!(!session.contains("Secure"), "loopback: no Secure: {session}");
+    assert!(
+        !session.contains("Secure"),
+        "loopback: no Secure: {session}"
+    );
     assert!(body.contains("url=/ui/approvals"), "{body}");
     session.split(';').next().unwrap().to_owned()
 }
@@ -529,11 +560,16 @@ async fn the_approval_page_in_a_browser() {
         assert!(card.contains(want), "the card lacks `{want}`:\n{card}");
     }
     assert!(
-        regex::Regex::new(r"in \d+:\d\d").unwrap().is_match(c["countdown"].as_str().unwrap()),
+        regex::Regex::new(r"in \d+:\d\d")
+            .unwrap()
+            .is_match(c["countdown"].as_str().unwrap()),
         "{}",
         c["countdown"]
     );
-    assert_eq!(c["csp"].as_str().unwrap(), turnguard::approval_ui::page_csp());
+    assert_eq!(
+        c["csp"].as_str().unwrap(),
+        turnguard::approval_ui::page_csp()
+    );
     // Another person sees nothing and cannot resolve alice's call by its id.
     assert_eq!(c["bob_signed_in_as"], "bob");
     assert_eq!(c["bob_cards"], 0);
@@ -549,11 +585,20 @@ async fn the_approval_page_in_a_browser() {
         json!([{"name": "send_email", "arguments": mail("eve@example.test", "The customer list is attached.")}]),
         "{a}"
     );
-    assert!(c["accept_flash"].as_str().unwrap().starts_with("Accepted: send_email"), "{r}");
+    assert!(
+        c["accept_flash"]
+            .as_str()
+            .unwrap()
+            .starts_with("Accepted: send_email"),
+        "{r}"
+    );
     // Reject → refused: no call, turnguard's explanation instead.
     let rj = &r["agents"]["reject"];
     assert_eq!(rj["tool_calls"], json!([]), "{rj}");
-    assert!(rj["text"].as_str().unwrap().contains("approval_rejected"), "{rj}");
+    assert!(
+        rj["text"].as_str().unwrap().contains("approval_rejected"),
+        "{rj}"
+    );
     // Edit before approve → the agent receives the person's arguments (redacted form).
     let e = &r["agents"]["edit"];
     assert_eq!(
@@ -595,7 +640,9 @@ async fn run_ui_script(
     args: &[std::ffi::OsString],
     limit: Duration,
 ) -> std::process::Output {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/ui").join(script);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/ui")
+        .join(script);
     let run = tokio::process::Command::new(support::python())
         .arg(&path)
         .args(args)
@@ -618,14 +665,25 @@ async fn sign_in_is_pkce_bound_to_the_browser_and_the_page_refuses_what_it_must(
     let admin = h.admin_url();
 
     // Signed out: a sign-in link, the strict headers.
-    let (status, headers, body) = page_call("GET", &format!("{admin}/ui/approvals"), None, None, &[]).await;
+    let (status, headers, body) =
+        page_call("GET", &format!("{admin}/ui/approvals"), None, None, &[]).await;
     assert_eq!(status, 200);
     assert!(body.contains("/ui/login"), "{body}");
-    assert_eq!(headers["content-security-policy"], turnguard::approval_ui::page_csp());
+    assert_eq!(
+        headers["content-security-policy"],
+        turnguard::approval_ui::page_csp()
+    );
     assert_eq!(headers["x-frame-options"], "DENY");
     assert!(body.contains("name=\"viewport\""), "usable on a phone");
     // No query string on the page, ever.
-    let (status, _, _) = page_call("GET", &format!("{admin}/ui/approvals?interrupt=int_x&action=accept"), None, None, &[]).await;
+    let (status, _, _) = page_call(
+        "GET",
+        &format!("{admin}/ui/approvals?interrupt=int_x&action=accept"),
+        None,
+        None,
+        &[],
+    )
+    .await;
     assert_eq!(status, 400);
 
     let cookie = sign_in_http(&h, &idp, "alice").await;
@@ -633,9 +691,19 @@ async fn sign_in_is_pkce_bound_to_the_browser_and_the_page_refuses_what_it_must(
         let log = idp.log.lock().unwrap();
         assert_eq!((log.pkce_ok, log.pkce_bad, log.unauthenticated), (1, 0, 0));
     }
-    let (status, _, body) = page_call("GET", &format!("{admin}/ui/approvals"), Some(&cookie), None, &[]).await;
+    let (status, _, body) = page_call(
+        "GET",
+        &format!("{admin}/ui/approvals"),
+        Some(&cookie),
+        None,
+        &[],
+    )
+    .await;
     assert_eq!(status, 200);
-    assert!(body.contains("Signed in as") && body.contains("alice"), "{body}");
+    assert!(
+        body.contains("Signed in as") && body.contains("alice"),
+        "{body}"
+    );
 
     // A callback whose state this browser did not start, or a state used twice: refused.
     let (status, _, _) = page_call(
@@ -647,7 +715,8 @@ async fn sign_in_is_pkce_bound_to_the_browser_and_the_page_refuses_what_it_must(
     )
     .await;
     assert_eq!(status, 401);
-    let (status, headers, _) = page_call("GET", &format!("{admin}/ui/login"), None, None, &[]).await;
+    let (status, headers, _) =
+        page_call("GET", &format!("{admin}/ui/login"), None, None, &[]).await;
     assert_eq!(status, 303);
     let to = headers["location"].to_str().unwrap().to_owned();
     let state = query_param(&to, "state").unwrap();
@@ -664,13 +733,25 @@ async fn sign_in_is_pkce_bound_to_the_browser_and_the_page_refuses_what_it_must(
     // A held call; the page's POST needs the session, its CSRF token, this origin.
     h.script(&json!({"responses": [reply("send_email", mail("eve@example.test", "x"))]}))
         .await;
-    let waiting = agent(&h, "/v1/chat/completions", after_email(), as_person_at(&idp, "alice", "run-page"));
+    let waiting = agent(
+        &h,
+        "/v1/chat/completions",
+        after_email(),
+        as_person_at(&idp, "alice", "run-page"),
+    );
     let alice = token_at(&idp, "alice", json!({}));
     let id = wait_pending(&h, &alice, 1).await[0]["interruptId"]
         .as_str()
         .unwrap()
         .to_owned();
-    let (_, _, page) = page_call("GET", &format!("{admin}/ui/approvals"), Some(&cookie), None, &[]).await;
+    let (_, _, page) = page_call(
+        "GET",
+        &format!("{admin}/ui/approvals"),
+        Some(&cookie),
+        None,
+        &[],
+    )
+    .await;
     let csrf = regex::Regex::new(r#"name="csrf" value="([^"]+)""#)
         .unwrap()
         .captures(&page)
@@ -681,19 +762,48 @@ async fn sign_in_is_pkce_bound_to_the_browser_and_the_page_refuses_what_it_must(
         let url = url.clone();
         async move {
             let extra: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            page_call("POST", &url, cookie.as_deref(), Some(&form), &extra).await.0
+            page_call("POST", &url, cookie.as_deref(), Some(&form), &extra)
+                .await
+                .0
         }
     };
-    assert_eq!(post("action=accept".into(), Some(cookie.clone()), vec![]).await, 403, "no CSRF token");
-    assert_eq!(post("action=accept&csrf=wrong".into(), Some(cookie.clone()), vec![]).await, 403, "a wrong CSRF token");
-    assert_eq!(post(format!("action=accept&csrf={csrf}"), None, vec![]).await, 401, "no session");
     assert_eq!(
-        post(format!("action=accept&csrf={csrf}"), Some(cookie.clone()), vec![("origin", "http://evil.test".into())]).await,
+        post("action=accept".into(), Some(cookie.clone()), vec![]).await,
+        403,
+        "no CSRF token"
+    );
+    assert_eq!(
+        post(
+            "action=accept&csrf=wrong".into(),
+            Some(cookie.clone()),
+            vec![]
+        )
+        .await,
+        403,
+        "a wrong CSRF token"
+    );
+    assert_eq!(
+        post(format!("action=accept&csrf={csrf}"), None, vec![]).await,
+        401,
+        "no session"
+    );
+    assert_eq!(
+        post(
+            format!("action=accept&csrf={csrf}"),
+            Some(cookie.clone()),
+            vec![("origin", "http://evil.test".into())]
+        )
+        .await,
         403,
         "another origin"
     );
     assert_eq!(
-        post(format!("action=accept&csrf={csrf}"), Some(cookie.clone()), vec![("sec-fetch-site", "cross-site".into())]).await,
+        post(
+            format!("action=accept&csrf={csrf}"),
+            Some(cookie.clone()),
+            vec![("sec-fetch-site", "cross-site".into())]
+        )
+        .await,
         403,
         "a cross-site request"
     );
@@ -707,15 +817,27 @@ async fn sign_in_is_pkce_bound_to_the_browser_and_the_page_refuses_what_it_must(
     .await;
     assert_eq!(status, 400, "a query string");
     assert!(!waiting.is_finished());
-    assert_eq!(pending(&h, &alice).await.len(), 1, "nothing above resolved it");
+    assert_eq!(
+        pending(&h, &alice).await.len(),
+        1,
+        "nothing above resolved it"
+    );
 
     // The session's SSE stream lists the pending call.
-    let resp = stream_get(&format!("{admin}/approvals/events"), &[("cookie", cookie.as_str())]).await;
+    let resp = stream_get(
+        &format!("{admin}/approvals/events"),
+        &[("cookie", cookie.as_str())],
+    )
+    .await;
     assert_eq!(resp.status(), 200);
     let mut body = resp.into_body();
     let mut got = String::new();
     while !got.contains(&id) {
-        let f = tokio::time::timeout(Duration::from_secs(10), body.frame()).await.unwrap().unwrap().unwrap();
+        let f = tokio::time::timeout(Duration::from_secs(10), body.frame())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
         got.push_str(&String::from_utf8_lossy(&f.into_data().unwrap()));
     }
     assert!(got.contains("event: interrupt.requested"), "{got}");
@@ -723,7 +845,12 @@ async fn sign_in_is_pkce_bound_to_the_browser_and_the_page_refuses_what_it_must(
 
     // With everything right (the browser's own Origin): accepted, the agent gets its call.
     assert_eq!(
-        post(format!("action=accept&csrf={csrf}&feedback=ok"), Some(cookie.clone()), vec![("origin", admin.clone())]).await,
+        post(
+            format!("action=accept&csrf={csrf}&feedback=ok"),
+            Some(cookie.clone()),
+            vec![("origin", admin.clone())]
+        )
+        .await,
         303
     );
     let (status, _, body) = waiting.await.unwrap();
@@ -731,9 +858,30 @@ async fn sign_in_is_pkce_bound_to_the_browser_and_the_page_refuses_what_it_must(
     assert_eq!(calls_of(&json_of(&body)).len(), 1);
 
     // Sign out: the session is gone.
-    assert_eq!(page_call("POST", &format!("{admin}/ui/logout"), Some(&cookie), Some(&format!("csrf={csrf}")), &[]).await.0, 303);
-    let (_, _, body) = page_call("GET", &format!("{admin}/ui/approvals"), Some(&cookie), None, &[]).await;
-    assert!(body.contains("/ui/login") && !body.contains("Signed in as"), "{body}");
+    assert_eq!(
+        page_call(
+            "POST",
+            &format!("{admin}/ui/logout"),
+            Some(&cookie),
+            Some(&format!("csrf={csrf}")),
+            &[]
+        )
+        .await
+        .0,
+        303
+    );
+    let (_, _, body) = page_call(
+        "GET",
+        &format!("{admin}/ui/approvals"),
+        Some(&cookie),
+        None,
+        &[],
+    )
+    .await;
+    assert!(
+        body.contains("/ui/login") && !body.contains("Signed in as"),
+        "{body}"
+    );
     h.stop().await;
 }
 
@@ -741,11 +889,18 @@ async fn sign_in_is_pkce_bound_to_the_browser_and_the_page_refuses_what_it_must(
 async fn the_page_is_off_unless_enabled() {
     let h = support::start_with_policy(Script::default(), "policy-ui").await;
     for path in ["/ui/approvals", "/ui/login", "/ui/callback?code=x&state=y"] {
-        let (status, _, _) = support::call("GET", &format!("{}{path}", h.admin_url()), &[], None).await;
+        let (status, _, _) =
+            support::call("GET", &format!("{}{path}", h.admin_url()), &[], None).await;
         assert_eq!(status, 404, "{path}");
     }
     // The SSE stream still answers a bearer, and nothing else.
-    let (status, _, _) = support::call("GET", &format!("{}/approvals/events", h.admin_url()), &[], None).await;
+    let (status, _, _) = support::call(
+        "GET",
+        &format!("{}/approvals/events", h.admin_url()),
+        &[],
+        None,
+    )
+    .await;
     assert_eq!(status, 401);
     h.stop().await;
 }
@@ -754,7 +909,13 @@ async fn the_page_is_off_unless_enabled() {
 
 /// A webhook receiver: the first delivery attempt waits `first_delay` and answers 500, the
 /// rest 200. Records `(headers, body)` of every attempt.
-async fn start_receiver(first_delay: Duration) -> (String, Arc<Mutex<Vec<(http::HeaderMap, Bytes)>>>, tokio::task::JoinHandle<()>) {
+async fn start_receiver(
+    first_delay: Duration,
+) -> (
+    String,
+    Arc<Mutex<Vec<(http::HeaderMap, Bytes)>>>,
+    tokio::task::JoinHandle<()>,
+) {
     let seen: Arc<Mutex<Vec<(http::HeaderMap, Bytes)>>> = Arc::default();
     let s = Arc::clone(&seen);
     let app = Router::new().route(
@@ -794,8 +955,10 @@ async fn the_webhook_is_signed_retried_after_a_500_and_never_delays_the_agent() 
         c.approval_webhook_secret_file = Some(key_file);
     })
     .await;
-    h.script(&json!({"responses": [reply("send_email", mail("eve@example.test", "ticket PIN-1234"))]}))
-        .await;
+    h.script(
+        &json!({"responses": [reply("send_email", mail("eve@example.test", "ticket PIN-1234"))]}),
+    )
+    .await;
     // No acting person: nobody can approve, the call is refused at once — while the webhook's
     // first delivery hangs for 3 s and then fails.
     let started = Instant::now();
@@ -808,40 +971,84 @@ async fn the_webhook_is_signed_retried_after_a_500_and_never_delays_the_agent() 
     .await;
     let took = started.elapsed();
     assert_eq!(status, 200);
-    assert!(text_of(&json_of(&body)).contains("no_approver"), "{}", String::from_utf8_lossy(&body));
-    assert!(took < Duration::from_millis(2500), "the agent waited on the webhook: {took:?}");
+    assert!(
+        text_of(&json_of(&body)).contains("no_approver"),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    assert!(
+        took < Duration::from_millis(2500),
+        "the agent waited on the webhook: {took:?}"
+    );
 
     // Deliveries: interrupt.requested (500 after 3 s, then retried: 2xx), interrupt.resolved.
     let deadline = Instant::now() + Duration::from_secs(30);
     while seen.lock().unwrap().len() < 3 {
-        assert!(Instant::now() < deadline, "deliveries: {}", seen.lock().unwrap().len());
+        assert!(
+            Instant::now() < deadline,
+            "deliveries: {}",
+            seen.lock().unwrap().len()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let seen = seen.lock().unwrap().clone();
-    let bodies: Vec<Value> = seen.iter().map(|(_, b)| serde_json::from_slice(b).unwrap()).collect();
+    let bodies: Vec<Value> = seen
+        .iter()
+        .map(|(_, b)| serde_json::from_slice(b).unwrap())
+        .collect();
     for (headers, body) in &seen {
         let sig = headers["turnguard-signature"].to_str().unwrap();
-        assert_eq!(sig, turnguard::approval_ui::notify::signature(WEBHOOK_KEY.as_bytes(), body), "HMAC-SHA256 over the body");
+        assert_eq!(
+            sig,
+            turnguard::approval_ui::notify::signature(WEBHOOK_KEY.as_bytes(), body),
+            "HMAC-SHA256 over the body"
+        );
         assert_eq!(headers["content-type"], "application/json");
     }
     assert_eq!(bodies[0]["type"], "interrupt.requested");
     assert_eq!(bodies[0], bodies[1], "the retry sends the same delivery");
-    assert_eq!(seen[0].0["turnguard-delivery"], seen[1].0["turnguard-delivery"]);
+    assert_eq!(
+        seen[0].0["turnguard-delivery"],
+        seen[1].0["turnguard-delivery"]
+    );
     let interrupt = &bodies[0]["interrupt"];
     assert_eq!(interrupt["calls"][0]["toolName"], "send_email");
-    assert_eq!(interrupt["calls"][0]["arguments"]["body"], "ticket [REDACTED:ticket-pin]");
-    assert!(!String::from_utf8_lossy(&seen[0].1).contains("PIN-1234"), "redacted only");
+    assert_eq!(
+        interrupt["calls"][0]["arguments"]["body"],
+        "ticket [REDACTED:ticket-pin]"
+    );
+    assert!(
+        !String::from_utf8_lossy(&seen[0].1).contains("PIN-1234"),
+        "redacted only"
+    );
     assert_eq!(bodies[2]["type"], "interrupt.resolved");
     assert_eq!(bodies[2]["interrupt"]["state"], "rejected");
-    assert!(bodies[2]["interrupt"].get("calls").is_none(), "no arguments in a resolution");
-    let verify_fails = turnguard::approval_ui::notify::signature(b"another key of thirty-two bytes or more", &seen[0].1);
-    assert_ne!(verify_fails, seen[0].0["turnguard-signature"].to_str().unwrap());
+    assert!(
+        bodies[2]["interrupt"].get("calls").is_none(),
+        "no arguments in a resolution"
+    );
+    let verify_fails = turnguard::approval_ui::notify::signature(
+        b"another key of thirty-two bytes or more",
+        &seen[0].1,
+    );
+    assert_ne!(
+        verify_fails,
+        seen[0].0["turnguard-signature"].to_str().unwrap()
+    );
     assert_eq!(
-        metric(&h, r#"turnguard_approval_notifications_total{channel="webhook",result="retried"}"#).await,
+        metric(
+            &h,
+            r#"turnguard_approval_notifications_total{channel="webhook",result="retried"}"#
+        )
+        .await,
         1.0
     );
     assert_eq!(
-        metric(&h, r#"turnguard_approval_notifications_total{channel="webhook",result="delivered"}"#).await,
+        metric(
+            &h,
+            r#"turnguard_approval_notifications_total{channel="webhook",result="delivered"}"#
+        )
+        .await,
         2.0
     );
     task.abort();
@@ -857,15 +1064,24 @@ async fn the_sse_stream_carries_only_the_callers_own_interrupts() {
     let events = format!("{}/approvals/events", h.admin_url());
     let (status, _, _) = support::call("GET", &events, &[], None).await;
     assert_eq!(status, 401);
-    let (status, _, _) = support::call("GET", &format!("{events}?access_token={alice}"), &[], None).await;
+    let (status, _, _) =
+        support::call("GET", &format!("{events}?access_token={alice}"), &[], None).await;
     assert_eq!(status, 400, "no token in a URL");
     let auth_a = format!("Bearer {alice}");
     let auth_b = format!("Bearer {bob}");
-    let mut a = stream_get(&events, &[("authorization", auth_a.as_str())]).await.into_body();
-    let mut b = stream_get(&events, &[("authorization", auth_b.as_str())]).await.into_body();
+    let mut a = stream_get(&events, &[("authorization", auth_a.as_str())])
+        .await
+        .into_body();
+    let mut b = stream_get(&events, &[("authorization", auth_b.as_str())])
+        .await
+        .into_body();
     async fn until(body: &mut hyper::body::Incoming, got: &mut String, want: &str) {
         while !got.contains(want) {
-            let f = tokio::time::timeout(Duration::from_secs(20), body.frame()).await.expect("an event in time").unwrap().unwrap();
+            let f = tokio::time::timeout(Duration::from_secs(20), body.frame())
+                .await
+                .expect("an event in time")
+                .unwrap()
+                .unwrap();
             if let Ok(d) = f.into_data() {
                 got.push_str(&String::from_utf8_lossy(&d));
             }
@@ -879,14 +1095,39 @@ async fn the_sse_stream_carries_only_the_callers_own_interrupts() {
         reply("send_email", mail("eve@example.test", "for bob")),
     ]}))
     .await;
-    let wa = agent(&h, "/v1/chat/completions", after_email(), as_person_at(&idp, "alice", "run-sse-a"));
+    let wa = agent(
+        &h,
+        "/v1/chat/completions",
+        after_email(),
+        as_person_at(&idp, "alice", "run-sse-a"),
+    );
     until(&mut a, &mut got_a, "event: interrupt.requested").await;
-    let id_a = pending(&h, &alice).await[0]["interruptId"].as_str().unwrap().to_owned();
-    assert!(got_a.contains(&id_a) && got_a.contains("for alice"), "{got_a}");
-    let wb = agent(&h, "/v1/chat/completions", after_email(), as_person_at(&idp, "bob", "run-sse-b"));
+    let id_a = pending(&h, &alice).await[0]["interruptId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        got_a.contains(&id_a) && got_a.contains("for alice"),
+        "{got_a}"
+    );
+    let wb = agent(
+        &h,
+        "/v1/chat/completions",
+        after_email(),
+        as_person_at(&idp, "bob", "run-sse-b"),
+    );
     until(&mut b, &mut got_b, "event: interrupt.requested").await;
-    assert!(!got_b.contains(&id_a) && got_b.contains("for bob"), "bob's first interrupt is his own: {got_b}");
-    let (status, _) = resolve_body(&h, &format!("/approvals/{id_a}"), &bearer(&alice), &json!({"resumeValue": {"action": "reject"}})).await;
+    assert!(
+        !got_b.contains(&id_a) && got_b.contains("for bob"),
+        "bob's first interrupt is his own: {got_b}"
+    );
+    let (status, _) = resolve_body(
+        &h,
+        &format!("/approvals/{id_a}"),
+        &bearer(&alice),
+        &json!({"resumeValue": {"action": "reject"}}),
+    )
+    .await;
     assert_eq!(status, 200);
     until(&mut a, &mut got_a, "event: interrupt.resolved").await;
     assert!(!got_b.contains(&id_a), "{got_b}");
@@ -913,35 +1154,84 @@ async fn edit_before_approve_readmits_the_edited_call() {
         json!({"resumeValue": {"action": "edit-accept", "feedback": "fixed it",
                "editedArtifactData": {"calls": [{"callId": call_id, "arguments": arguments}]}}})
     };
-    let held = |run: &'static str| agent(&h, "/v1/chat/completions", after_email(), as_person_at(&idp, "alice", run));
+    let held = |run: &'static str| {
+        agent(
+            &h,
+            "/v1/chat/completions",
+            after_email(),
+            as_person_at(&idp, "alice", run),
+        )
+    };
 
     // 1. An edit that fails the catalog schema is refused, never released.
     let w = held("run-edit-1");
     let it = wait_pending(&h, &alice, 1).await.remove(0);
-    assert_eq!(it["data"]["actions"], json!(["accept", "reject", "edit-accept"]));
+    assert_eq!(
+        it["data"]["actions"],
+        json!(["accept", "reject", "edit-accept"])
+    );
     assert_eq!(it["calls"][0]["editable"], true);
     let id = it["interruptId"].as_str().unwrap();
     let call_id = it["calls"][0]["callId"].as_str().unwrap();
-    let (status, r) = resolve_body(&h, &format!("/approvals/{id}"), &bearer(&alice), &edit(call_id, json!({"to": "not an address", "subject": "s", "body": "b"}))).await;
-    assert_eq!((status, r["state"].as_str()), (200, Some("accepted")), "{r}");
+    let (status, r) = resolve_body(
+        &h,
+        &format!("/approvals/{id}"),
+        &bearer(&alice),
+        &edit(
+            call_id,
+            json!({"to": "not an address", "subject": "s", "body": "b"}),
+        ),
+    )
+    .await;
+    assert_eq!(
+        (status, r["state"].as_str()),
+        (200, Some("accepted")),
+        "{r}"
+    );
     let (_, _, body) = w.await.unwrap();
     let resp = json_of(&body);
     assert!(calls_of(&resp).is_empty(), "{resp}");
-    assert!(text_of(&resp).contains("edit_refused") && text_of(&resp).contains("arguments"), "{resp}");
+    assert!(
+        text_of(&resp).contains("edit_refused") && text_of(&resp).contains("arguments"),
+        "{resp}"
+    );
 
     // 2. An edit that authorization forbids is refused too.
     let w = held("run-edit-2");
     let it = wait_pending(&h, &alice, 1).await.remove(0);
     let id = it["interruptId"].as_str().unwrap();
-    let (status, _) = resolve_body(&h, &format!("/approvals/{id}"), &bearer(&alice), &edit("call_0", mail("mallory@blocked.test", "x"))).await;
+    let (status, _) = resolve_body(
+        &h,
+        &format!("/approvals/{id}"),
+        &bearer(&alice),
+        &edit("call_0", mail("mallory@blocked.test", "x")),
+    )
+    .await;
     assert_eq!(status, 400, "not a call id of this interrupt");
     let call_id = it["calls"][0]["callId"].as_str().unwrap();
-    let (status, _) = resolve_body(&h, &format!("/approvals/{id}"), &bearer(&alice), &edit(call_id, json!(["not", "an", "object"]))).await;
+    let (status, _) = resolve_body(
+        &h,
+        &format!("/approvals/{id}"),
+        &bearer(&alice),
+        &edit(call_id, json!(["not", "an", "object"])),
+    )
+    .await;
     assert_eq!(status, 400);
-    let (status, _) = resolve_body(&h, &format!("/approvals/{id}"), &bearer(&alice), &edit(call_id, mail("mallory@blocked.test", "x"))).await;
+    let (status, _) = resolve_body(
+        &h,
+        &format!("/approvals/{id}"),
+        &bearer(&alice),
+        &edit(call_id, mail("mallory@blocked.test", "x")),
+    )
+    .await;
     assert_eq!(status, 200);
     let resp = json_of(&w.await.unwrap().2);
-    assert!(calls_of(&resp).is_empty() && text_of(&resp).contains("edit_refused") && text_of(&resp).contains("authorization"), "{resp}");
+    assert!(
+        calls_of(&resp).is_empty()
+            && text_of(&resp).contains("edit_refused")
+            && text_of(&resp).contains("authorization"),
+        "{resp}"
+    );
 
     // 3. A valid edit is delivered; the journal keeps both versions (redacted) and who edited;
     //    the approval bound the edited argsHash.
@@ -949,43 +1239,90 @@ async fn edit_before_approve_readmits_the_edited_call() {
     let it = wait_pending(&h, &alice, 1).await.remove(0);
     let id = it["interruptId"].as_str().unwrap().to_owned();
     let model_hash = it["calls"][0]["argsHash"].as_str().unwrap().to_owned();
-    assert_eq!(it["calls"][0]["arguments"]["body"], "[REDACTED:ticket-pin] and all rows");
+    assert_eq!(
+        it["calls"][0]["arguments"]["body"],
+        "[REDACTED:ticket-pin] and all rows"
+    );
     let call_id = it["calls"][0]["callId"].as_str().unwrap();
     let edited = mail("bob@example.test", "Only the summary. PIN-9999");
-    let (status, r) = resolve_body(&h, &format!("/approvals/{id}"), &bearer(&alice), &edit(call_id, edited)).await;
+    let (status, r) = resolve_body(
+        &h,
+        &format!("/approvals/{id}"),
+        &bearer(&alice),
+        &edit(call_id, edited),
+    )
+    .await;
     assert_eq!((status, r["edited"].as_u64()), (200, Some(1)), "{r}");
     let resp = json_of(&w.await.unwrap().2);
-    let released = mail("bob@example.test", "Only the summary. [REDACTED:ticket-pin]");
-    assert_eq!(calls_of(&resp), vec![("send_email".to_owned(), released.clone())], "{resp}");
+    let released = mail(
+        "bob@example.test",
+        "Only the summary. [REDACTED:ticket-pin]",
+    );
+    assert_eq!(
+        calls_of(&resp),
+        vec![("send_email".to_owned(), released.clone())],
+        "{resp}"
+    );
 
     // 4. A tool without `approval_edit` offers no edit.
     let w = held("run-edit-4");
     let it = wait_pending(&h, &alice, 1).await.remove(0);
     assert_eq!(it["data"]["actions"], json!(["accept", "reject"]));
     let id4 = it["interruptId"].as_str().unwrap();
-    let (status, err) = resolve_body(&h, &format!("/approvals/{id4}"), &bearer(&alice), &edit(it["calls"][0]["callId"].as_str().unwrap(), json!({"channel": "x", "text": "y"}))).await;
+    let (status, err) = resolve_body(
+        &h,
+        &format!("/approvals/{id4}"),
+        &bearer(&alice),
+        &edit(
+            it["calls"][0]["callId"].as_str().unwrap(),
+            json!({"channel": "x", "text": "y"}),
+        ),
+    )
+    .await;
     assert_eq!(status, 400, "{err}");
-    let (status, _) = resolve_body(&h, &format!("/approvals/{id4}"), &bearer(&alice), &json!({"resumeValue": {"action": "reject"}})).await;
+    let (status, _) = resolve_body(
+        &h,
+        &format!("/approvals/{id4}"),
+        &bearer(&alice),
+        &json!({"resumeValue": {"action": "reject"}}),
+    )
+    .await;
     assert_eq!(status, 200);
     w.await.unwrap();
 
     let dir = h.stop().await;
     let db = support::journal(&dir.path().join("journal.db"));
     let (calls, edits, resume): (String, String, String) = db
-        .query_row("SELECT calls, edits, resume_value FROM interrupts WHERE interrupt_id = ?1", [&id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .query_row(
+            "SELECT calls, edits, resume_value FROM interrupts WHERE interrupt_id = ?1",
+            [&id],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
         .unwrap();
     let calls: Value = serde_json::from_str(&calls).unwrap();
     let edits: Value = serde_json::from_str(&edits).unwrap();
     let resume: Value = serde_json::from_str(&resume).unwrap();
-    assert_eq!(calls[0]["arguments"], mail("eve@example.test", "[REDACTED:ticket-pin] and all rows"), "the model's version");
+    assert_eq!(
+        calls[0]["arguments"],
+        mail("eve@example.test", "[REDACTED:ticket-pin] and all rows"),
+        "the model's version"
+    );
     assert_eq!(edits[0]["arguments"], released, "the person's version");
     assert_eq!(edits[0]["editedBy"], "alice");
     assert_eq!(edits[0]["modelArgsHash"], json!(model_hash));
     let edited_hash = edits[0]["argsHash"].as_str().unwrap();
     assert_ne!(edited_hash, model_hash);
     assert_eq!(resume["action"], "edit-accept");
-    assert_eq!(resume["editedArtifactData"]["calls"][0]["argsHash"], json!(edited_hash));
-    assert!(resume["editedArtifactData"]["calls"][0].get("arguments").is_none(), "no arguments in the resume value");
+    assert_eq!(
+        resume["editedArtifactData"]["calls"][0]["argsHash"],
+        json!(edited_hash)
+    );
+    assert!(
+        resume["editedArtifactData"]["calls"][0]
+            .get("arguments")
+            .is_none(),
+        "no arguments in the resume value"
+    );
     // The released call is journaled with the edited argsHash and arguments.
     let (hash, args, outcome): (String, String, String) = db
         .query_row(
@@ -1003,7 +1340,10 @@ async fn edit_before_approve_readmits_the_edited_call() {
         .unwrap()
         .map(Result::unwrap)
         .collect();
-    assert!(events.iter().all(|e| !e.contains("Only the summary")), "no arguments in events");
+    assert!(
+        events.iter().all(|e| !e.contains("Only the summary")),
+        "no arguments in events"
+    );
     let refused: Vec<(String, String)> = db
         .prepare("SELECT c.reason, c.stage FROM tool_calls c JOIN rounds r USING (request_id) WHERE r.run_id IN ('run-edit-1', 'run-edit-2') AND c.outcome = 'refused' ORDER BY r.run_id")
         .unwrap()
@@ -1013,7 +1353,10 @@ async fn edit_before_approve_readmits_the_edited_call() {
         .collect();
     assert_eq!(
         refused,
-        [("edit_refused".to_owned(), "arguments".to_owned()), ("edit_refused".to_owned(), "authorization".to_owned())]
+        [
+            ("edit_refused".to_owned(), "arguments".to_owned()),
+            ("edit_refused".to_owned(), "authorization".to_owned())
+        ]
     );
 }
 
@@ -1038,17 +1381,32 @@ async fn a_held_call_that_approval_could_not_release_is_refused_at_once() {
     let resp = json_of(&body);
     assert!(calls_of(&resp).is_empty(), "{resp}");
     let text = text_of(&resp);
-    assert!(text.contains("authorization") && text.contains("refused even if approved"), "{text}");
-    assert!(started.elapsed() < Duration::from_secs(10), "it did not wait for a person");
+    assert!(
+        text.contains("authorization") && text.contains("refused even if approved"),
+        "{text}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "it did not wait for a person"
+    );
     assert!(pending(&h, &alice).await.is_empty(), "nobody is asked");
     let dir = h.stop().await;
     let db = support::journal(&dir.path().join("journal.db"));
-    let n: i64 = db.query_row("SELECT count(*) FROM interrupts", [], |r| r.get(0)).unwrap();
+    let n: i64 = db
+        .query_row("SELECT count(*) FROM interrupts", [], |r| r.get(0))
+        .unwrap();
     assert_eq!(n, 0, "no interrupt was raised");
     let (outcome, stage, rules): (String, String, Option<String>) = db
-        .query_row("SELECT outcome, stage, rules FROM tool_calls WHERE name = 'send_email'", [], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .query_row(
+            "SELECT outcome, stage, rules FROM tool_calls WHERE name = 'send_email'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
         .unwrap();
-    assert_eq!((outcome.as_str(), stage.as_str()), ("refused", "authorization"));
+    assert_eq!(
+        (outcome.as_str(), stage.as_str()),
+        ("refused", "authorization")
+    );
     assert_eq!(rules.as_deref(), Some("no-mail-to-blocked-domains"));
 }
 
@@ -1077,7 +1435,11 @@ async fn cli(h: &Harness, token_file: &Path, args: &[&str]) -> (i32, String, Str
 #[tokio::test(flavor = "multi_thread")]
 async fn the_approvals_cli_lists_accepts_edits_and_rejects_with_the_persons_token() {
     let keys = tempfile::tempdir().unwrap();
-    let h = support::start_with(Script::default(), support::approvals::trust_config(keys.path(), 60_000)).await;
+    let h = support::start_with(
+        Script::default(),
+        support::approvals::trust_config(keys.path(), 60_000),
+    )
+    .await;
     // The trust bundle: send_email is held in an untrusted turn.
     h.script(&json!({"responses": [
         {"json": support::approvals::chat_response("", vec![support::approvals::chat_call("call_send", "send_email", support::approvals::send_args("all rows"))])},
@@ -1090,15 +1452,36 @@ async fn the_approvals_cli_lists_accepts_edits_and_rejects_with_the_persons_toke
     std::fs::write(&agent_file, agent_token("alice")).unwrap();
 
     let (code, out, _) = cli(&h, &alice_file, &["list"]).await;
-    assert_eq!((code, out.lines().count()), (0, 1), "only the header: {out}");
-    let w = agent(&h, "/v1/chat/completions", support::approvals::after_email(vec![]), support::approvals::as_person("alice", "run-cli"));
-    let id = wait_pending(&h, &token("alice", json!({})), 1).await[0]["interruptId"].as_str().unwrap().to_owned();
+    assert_eq!(
+        (code, out.lines().count()),
+        (0, 1),
+        "only the header: {out}"
+    );
+    let w = agent(
+        &h,
+        "/v1/chat/completions",
+        support::approvals::after_email(vec![]),
+        support::approvals::as_person("alice", "run-cli"),
+    );
+    let id = wait_pending(&h, &token("alice", json!({})), 1).await[0]["interruptId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     let (code, out, err) = cli(&h, &alice_file, &["list"]).await;
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains(&id) && out.contains("send_email") && out.contains("untrusted_turn") && out.contains("run-cli"), "{out}");
+    assert!(
+        out.contains(&id)
+            && out.contains("send_email")
+            && out.contains("untrusted_turn")
+            && out.contains("run-cli"),
+        "{out}"
+    );
     let (code, out, _) = cli(&h, &alice_file, &["list", "--json"]).await;
     assert_eq!(code, 0);
-    assert_eq!(serde_json::from_str::<Value>(&out).unwrap()["approvals"][0]["interruptId"], json!(id));
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap()["approvals"][0]["interruptId"],
+        json!(id)
+    );
     // The agent's own token: refused by the admin plane.
     let (code, _, err) = cli(&h, &agent_file, &["accept", &id]).await;
     assert_eq!(code, 1);
@@ -1114,9 +1497,22 @@ async fn the_approvals_cli_lists_accepts_edits_and_rejects_with_the_persons_toke
     assert_eq!(code, 1);
     assert!(err.contains("409"), "{err}");
 
-    let w = agent(&h, "/v1/chat/completions", support::approvals::after_email(vec![]), support::approvals::as_person("alice", "run-cli-2"));
-    let id = wait_pending(&h, &token("alice", json!({})), 1).await[0]["interruptId"].as_str().unwrap().to_owned();
-    let (code, _, err) = cli(&h, &alice_file, &["accept", &id, "--edit", "call_send2={\"to\":\"x\"}"]).await;
+    let w = agent(
+        &h,
+        "/v1/chat/completions",
+        support::approvals::after_email(vec![]),
+        support::approvals::as_person("alice", "run-cli-2"),
+    );
+    let id = wait_pending(&h, &token("alice", json!({})), 1).await[0]["interruptId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (code, _, err) = cli(
+        &h,
+        &alice_file,
+        &["accept", &id, "--edit", "call_send2={\"to\":\"x\"}"],
+    )
+    .await;
     assert_eq!(code, 1, "the trust bundle's send_email allows no edits");
     assert!(err.contains("400"), "{err}");
     let (code, out, err) = cli(&h, &alice_file, &["reject", &id, "--feedback", "no"]).await;
