@@ -33,6 +33,14 @@
 //!   is journaled by what it says ([`crate::identity::TokenId`]) before its request goes on,
 //!   and the resolution's compare-and-set refuses it (403), after a restart too.
 //!
+//! - edit before approve (OpenWOP `edit-accept`, tools with `approval_edit`): the person's
+//!   arguments are redacted, journaled beside the model's (`interrupts.edits`, with who
+//!   edited) and bound by their own `argsHash`; the waiting request admits the round again
+//!   with them from the arguments stage on, and releases the call with them
+//!   (`release_args`) or refuses it (`edit_refused`) — see [`edited_outcomes`];
+//! - every interrupt raised or resolved is handed to the
+//!   [`crate::approval_ui::Notifier`] (SSE and webhook), which never waits.
+//!
 //! With no verified person (no `Turnguard-Principal-Token`) the agent acts and nobody can
 //! approve: the interrupt is journaled and resolved rejected at once (`no_approver`) rather
 //! than holding the agent for the whole timeout.
@@ -447,61 +455,28 @@ pub async fn settle(
     match final_state.as_str() {
         // Used only by a request whose agent is there to receive the calls.
         "accepted" if agent.is_gone() => agent_gone(session, round, &id).await,
-        "accepted" => match state
-            .journal
-            .consume_approval(&id, &session.ctx.journal_id)
-            .await
-        {
-            Ok(true) => {
-                // The resolution as committed (the raise saw it pending): its edits, if any.
-                let resolved = if row.state == "accepted" {
-                    Ok(Some(row.clone()))
-                } else {
-                    state.journal.interrupt(&id).await
-                };
-                let Ok(Some(resolved)) = resolved else {
-                    tracing::error!(interrupt = %id, "the accepted interrupt could not be read back; held calls refused");
-                    return session
-                        .decide_round(
-                            round,
-                            Approval::Refused(
-                                "approval_unavailable",
-                                "the accepted approval could not be read back from the journal (fail closed)",
-                            ),
-                        )
-                        .await;
-                };
-                let edits = edits_of(&resolved);
-                let hashes = bound_hashes(&resolved);
-                let edited = with_edits(round, &edits);
-                session
-                    .decide_round(&edited, Approval::Accepted(&hashes, &edits))
-                    .await
-            }
-            Ok(false) => {
-                session
-                    .decide_round(
-                        round,
-                        Approval::Refused(
-                            "approval_already_used",
-                            "this approval was already used by another request; an approval is single-use",
-                        ),
-                    )
-                    .await
-            }
-            Err(e) => {
-                tracing::error!(error = %e, interrupt = %id, "approval could not be marked used; held calls refused");
-                session
+        "accepted" => {
+            // The resolution as committed (the raise saw it pending), read before the
+            // approval is used: its edits, if any.
+            let resolved = if row.state == "accepted" {
+                Ok(Some(row.clone()))
+            } else {
+                state.journal.interrupt(&id).await
+            };
+            let Ok(Some(resolved)) = resolved else {
+                tracing::error!(interrupt = %id, "the accepted interrupt could not be read back; held calls refused");
+                return session
                     .decide_round(
                         round,
                         Approval::Refused(
                             "approval_unavailable",
-                            "the approval could not be recorded as used (fail closed)",
+                            "the accepted approval could not be read back from the journal (fail closed)",
                         ),
                     )
-                    .await
-            }
-        },
+                    .await;
+            };
+            use_approval(session, round, &id, &resolved).await
+        }
         "rejected" if row.record.principal.is_none() => {
             session
                 .decide_round(
@@ -530,6 +505,52 @@ pub async fn settle(
             );
             session
                 .decide_round(round, Approval::Refused("approval_expired", &why))
+                .await
+        }
+    }
+}
+
+/// Uses an accepted approval (single use) and admits the round again: approved for exactly
+/// the bound `argsHash`es, with the person's edited arguments in place of the model's.
+async fn use_approval(
+    session: &Session,
+    round: &[ChoiceEmissions],
+    id: &str,
+    resolved: &InterruptRow,
+) -> Vec<ChoiceVerdict> {
+    match session
+        .state
+        .journal
+        .consume_approval(id, &session.ctx.journal_id)
+        .await
+    {
+        Ok(true) => {
+            let edits = edits_of(resolved);
+            let hashes = bound_hashes(resolved);
+            let edited = with_edits(round, &edits);
+            session
+                .decide_round(&edited, Approval::Accepted(&hashes, &edits))
+                .await
+        }
+        Ok(false) => session
+            .decide_round(
+                round,
+                Approval::Refused(
+                    "approval_already_used",
+                    "this approval was already used by another request; an approval is single-use",
+                ),
+            )
+            .await,
+        Err(e) => {
+            tracing::error!(error = %e, interrupt = %id, "approval could not be marked used; held calls refused");
+            session
+                .decide_round(
+                    round,
+                    Approval::Refused(
+                        "approval_unavailable",
+                        "the approval could not be recorded as used (fail closed)",
+                    ),
+                )
                 .await
         }
     }

@@ -371,7 +371,7 @@ fn describe_token_error<E: std::error::Error + 'static>(
         oauth2::RequestTokenError::ServerResponse(r) => {
             format!(
                 "error `{}`",
-                crate::admission::sanitize_label(&r.error().to_string())
+                crate::admission::sanitize_label(r.error().as_ref())
             )
         }
         oauth2::RequestTokenError::Request(e) => e.to_string(),

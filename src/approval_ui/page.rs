@@ -251,7 +251,7 @@ fn str_at<'a>(v: &'a Value, key: &str) -> &'a str {
 fn input_line(i: &Value) -> Markup {
     match str_at(i, "kind") {
         "tool-result" => html! {
-            "The result of " code { (str_at(i, "toolName").to_owned().chars().take(64).collect::<String>()) }
+            "The result of " code { (str_at(i, "toolName")) }
             " (call " code { (str_at(i, "toolCallId")) } ", " code { (str_at(i, "toolId")) } ")"
             @if i.get("catalogued") == Some(&Value::Bool(false)) {
                 ": a tool the catalog does not know, so its output is untrusted"
@@ -509,14 +509,16 @@ pub async fn resolve(
                     call_id: call_id.to_owned(),
                     arguments,
                 }),
-                Err(e) => return message(
-                    StatusCode::BAD_REQUEST,
-                    "Not resolved",
-                    &format!(
+                Err(e) => {
+                    return message(
+                        StatusCode::BAD_REQUEST,
+                        "Not resolved",
+                        &format!(
                         "The edited arguments of call {} are not JSON: {e}. Nothing was resolved.",
                         crate::admission::sanitize_label(call_id)
                     ),
-                ),
+                    )
+                }
             }
         }
     }
