@@ -68,7 +68,7 @@ pub enum StartError {
     #[error(transparent)]
     Identity(#[from] IdentityConfigError),
     /// The approval page or webhook settings cannot be used.
-    #[error("approval page or webhook: {0}")]
+    #[error("approval page or webhook settings")]
     ApprovalUi(#[from] crate::approval_ui::UiConfigError),
     /// The policy bundle does not load.
     #[error("policy bundle {dir} does not load")]

@@ -514,7 +514,7 @@ async fn the_approval_page_in_a_browser() {
     let (h, _keys) = start_ui(&idp, 120_000, |_| {}).await;
     h.script(&json!({"responses": [
         reply("send_email", mail("eve@example.test", "The customer list is attached.")),
-        reply("send_email", mail("eve@example.test", "Second try: the list.")),
+        reply("send_email", mail("eve@example.test", "Second try: <img src=x onerror=alert(1)><script>alert(2)</script>")),
         reply("send_email", mail("eve@example.test", "Your ticket PIN-1234 is attached.")),
     ]}))
     .await;
@@ -592,6 +592,16 @@ async fn the_approval_page_in_a_browser() {
             .starts_with("Accepted: send_email"),
         "{r}"
     );
+    // Model-written markup in the arguments is text on the page: nothing rendered or run.
+    assert!(
+        c["reject_card_text"]
+            .as_str()
+            .unwrap()
+            .contains("<img src=x onerror=alert(1)><script>alert(2)</script>"),
+        "{r}"
+    );
+    assert_eq!(c["reject_card_has_img"], false);
+    assert_eq!(c["dialogs"], json!([]), "no script ran");
     // Reject → refused: no call, turnguard's explanation instead.
     let rj = &r["agents"]["reject"];
     assert_eq!(rj["tool_calls"], json!([]), "{rj}");

@@ -150,6 +150,8 @@ def main() -> int:
             viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True, has_touch=True
         )
         page = phone.new_page()
+        dialogs: list = []
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
         checks["signed_in_as"] = sign_in(page, args.admin, "alice")
         resp = page.goto(args.admin + "/ui/approvals")
         checks["csp"] = resp.headers.get("content-security-policy")
@@ -184,6 +186,9 @@ def main() -> int:
         # 2. Reject: the agent's call is refused.
         t = run_agent(args.data, tokens["alice"], "ui-reject", request, agents, "reject")
         card, iid = wait_card(page, seen)
+        # The model wrote markup into the arguments: shown as text, never run or rendered.
+        checks["reject_card_text"] = card.inner_text()
+        checks["reject_card_has_img"] = card.query_selector("img") is not None
         card.query_selector("button.reject").click()
         checks["reject_flash"] = flash(page)
         t.join(60)
@@ -201,6 +206,7 @@ def main() -> int:
         card.query_selector("button.edit").click()
         checks["edit_flash"] = flash(page)
         t.join(60)
+        checks["dialogs"] = dialogs
         browser.close()
 
     for k in ("accept", "reject", "edit"):
