@@ -78,9 +78,8 @@ struct IdpState {
     log: Arc<Mutex<IdpLog>>,
 }
 
-/// The issuer the identity configuration of the harness expects (`support::approvals::ISS`)
-/// is not this provider's URL, so the provider is the issuer of its own name: the harness
-/// points `identity_issuer` at it.
+/// Starts the scripted provider on a loopback port; its URL is its issuer (the harness sets
+/// `identity_issuer` to it).
 async fn start_idp() -> Idp {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -454,7 +453,7 @@ async fn sign_in_http(h: &Harness, idp: &Idp, user: &str) -> String {
     .await;
     assert_eq!(status, 303);
     let callback = headers["location"].to_str().unwrap().to_owned();
-    // The callback in another browser (no login cookie) is refused, and uses the state up.
+    // Back at turnguard's callback with this browser's login cookie: signed in.
     let (status, headers, body) = page_call("GET", &callback, Some(&login), None, &[]).await;
     assert_eq!(status, 200, "{body}");
     let session = set_cookie_of(&headers, "turnguard_approvals")
