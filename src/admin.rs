@@ -41,6 +41,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tools/{tool_id}", get(tool))
         .route("/capabilities", get(capabilities))
         .merge(crate::approvals::routes())
+        .merge(crate::approval_ui::routes(state.ui.enabled()))
         .route("/runs/{run_id}/effects", get(effects))
         .route("/runs/{run_id}/events", get(events))
         .route("/host/effect-seams", get(effect_seams))

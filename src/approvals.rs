@@ -33,6 +33,14 @@
 //!   is journaled by what it says ([`crate::identity::TokenId`]) before its request goes on,
 //!   and the resolution's compare-and-set refuses it (403), after a restart too.
 //!
+//! - edit before approve (OpenWOP `edit-accept`, tools with `approval_edit`): the person's
+//!   arguments are redacted, journaled beside the model's (`interrupts.edits`, with who
+//!   edited) and bound by their own `argsHash`; the waiting request admits the round again
+//!   with them from the arguments stage on, and releases the call with them
+//!   (`release_args`) or refuses it (`edit_refused`) — see [`edited_outcomes`];
+//! - every interrupt raised or resolved is handed to the
+//!   [`crate::approval_ui::Notifier`] (SSE and webhook), which never waits.
+//!
 //! With no verified person (no `Turnguard-Principal-Token`) the agent acts and nobody can
 //! approve: the interrupt is journaled and resolved rejected at once (`no_approver`) rather
 //! than holding the agent for the whole timeout.
@@ -57,7 +65,7 @@ use crate::body::read_capped;
 use crate::identity::{Person, TokenError};
 use crate::journal::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
 use crate::metrics::ApprovalLabels;
-use crate::model::{ChoiceEmissions, ChoiceVerdict, Outcome};
+use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Outcome};
 use crate::proxy::{now_ms, Approval, Session};
 use crate::server::AppState;
 
@@ -193,29 +201,145 @@ pub fn interrupt_id(key: &str) -> String {
     format!("int_{}", &hex::encode(Sha256::digest(key.as_bytes()))[..32])
 }
 
-/// The held calls of the waiting choices, as the interrupt binds them.
-fn held_calls(round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) -> Vec<Value> {
+/// The held calls of the waiting choices, as the interrupt binds them: per call its choice
+/// and position, id, tool name, `toolId` and title, `argsHash`, redacted arguments, why it
+/// was held, and whether the person may edit it (`approval_edit`; never on a Responses
+/// stream, whose call arguments cannot be rewritten).
+fn held_calls(
+    session: &Session,
+    round: &[ChoiceEmissions],
+    verdicts: &[ChoiceVerdict],
+) -> Vec<Value> {
+    let rewritable = !(session.turn.api == Api::OpenAiResponses && session.turn.stream);
     let mut calls = Vec::new();
     for (choice, verdict) in round.iter().zip(verdicts) {
         if !verdict.waiting() {
             continue;
         }
-        for (call, d) in choice.calls.iter().zip(&verdict.decisions) {
+        for (index, (call, d)) in choice.calls.iter().zip(&verdict.decisions).enumerate() {
             if d.outcome != Outcome::Held || !d.enforced {
                 continue;
             }
-            calls.push(json!({
+            let tool = session.policy.tool(&call.name);
+            let mut held = json!({
                 "choice": choice.choice,
+                "index": index,
                 "callId": sanitize_label(&call.id),
                 "toolName": d.tool_name,
                 "toolId": d.tool_id,
                 "argsHash": d.args_hash,
                 "arguments": d.redacted_args,
                 "heldBecause": {"stage": d.stage.as_str(), "reason": d.reason, "message": d.message},
-            }));
+                "editable": tool.approval_edit && tool.catalogued && rewritable,
+            });
+            if let Some(t) = &tool.descriptor.title {
+                if let Some(o) = held.as_object_mut() {
+                    o.insert("toolTitle".into(), json!(t));
+                }
+            }
+            if choice.provider_output {
+                if let Some(o) = held.as_object_mut() {
+                    o.insert("providerOutput".into(), json!(true));
+                }
+            }
+            calls.push(held);
         }
     }
     calls
+}
+
+/// A call the person edited before approving (OpenWOP `edit-accept`), as the waiting request
+/// applies it: the round is admitted again with these arguments in place of the model's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Edited {
+    /// The choice of the call.
+    pub choice: u32,
+    /// Its position in the choice's calls.
+    pub index: usize,
+    /// The person's arguments, redacted, as JSON text: what the agent receives when they are
+    /// admitted.
+    pub arguments: String,
+    /// `argsHash` of the edited arguments: the hash the approval binds.
+    pub args_hash: String,
+}
+
+/// The edited calls an accepted interrupt carries (`interrupts.edits`).
+fn edits_of(row: &InterruptRow) -> Vec<Edited> {
+    row.edits
+        .as_ref()
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| {
+            Some(Edited {
+                choice: u32::try_from(e.get("choice")?.as_u64()?).ok()?,
+                index: usize::try_from(e.get("index")?.as_u64()?).ok()?,
+                arguments: e.get("arguments").filter(|a| a.is_object())?.to_string(),
+                args_hash: e.get("argsHash")?.as_str()?.to_owned(),
+            })
+        })
+        .collect()
+}
+
+/// The round with the person's edited arguments in place of the model's.
+fn with_edits(round: &[ChoiceEmissions], edits: &[Edited]) -> Vec<ChoiceEmissions> {
+    let mut round = round.to_vec();
+    for e in edits {
+        if let Some(call) = round
+            .iter_mut()
+            .find(|c| c.choice == e.choice)
+            .and_then(|c| c.calls.get_mut(e.index))
+        {
+            call.arguments.clone_from(&e.arguments);
+        }
+    }
+    round
+}
+
+/// After an `edit-accept`: an edited call that admission released again goes to the agent
+/// with the person's arguments (`release_args`, which every adapter applies); one that did
+/// not pass — schema, authorization, limits, redaction — is refused (`edit_refused`), never
+/// sent back to the model for repair (the model did not write it). On a Responses stream the
+/// arguments cannot be rewritten: refused (`edit_unsupported`).
+pub fn edited_outcomes(
+    turn: &crate::model::Turn,
+    choice: &ChoiceEmissions,
+    decisions: &mut [crate::model::Decision],
+    edits: &[Edited],
+) {
+    for e in edits.iter().filter(|e| e.choice == choice.choice) {
+        let Some(d) = decisions.get_mut(e.index) else {
+            continue;
+        };
+        if d.outcome == Outcome::Executed && d.enforced {
+            if turn.api == Api::OpenAiResponses && turn.stream {
+                d.outcome = Outcome::Refused;
+                d.reason = "edit_unsupported";
+                d.message = "the person edited the arguments, and a Responses stream cannot carry edited arguments (fail closed)".into();
+                d.trace.push((d.stage, format!("refused: {}", d.reason)));
+            } else {
+                d.release_args = Some(e.arguments.clone());
+                d.trace.push((
+                    d.stage,
+                    "released with the person's edited arguments".into(),
+                ));
+            }
+        } else if d.enforced && !matches!(d.outcome, Outcome::EndedTurn | Outcome::SuppressedRepeat)
+        {
+            let why = format!(
+                "the person's edited arguments were not admitted: {} at the {} stage ({}): {}",
+                d.outcome.as_str(),
+                d.stage.as_str(),
+                d.reason,
+                d.message
+            );
+            d.outcome = Outcome::Refused;
+            d.reason = "edit_refused";
+            d.trace
+                .push((d.stage, format!("refused: edit_refused — {why}")));
+            d.message = why;
+        }
+    }
 }
 
 /// Resolves a round whose held calls wait: raises (or meets again) the approval interrupt,
@@ -231,13 +355,13 @@ pub async fn settle(
 ) -> Vec<ChoiceVerdict> {
     let state = &session.state;
     let redactor = &session.policy.redactor;
-    let calls: Vec<Value> = held_calls(round, verdicts)
+    let calls: Vec<Value> = held_calls(session, round, verdicts)
         .into_iter()
         .map(|c| redactor.redact("", &c).0)
         .collect();
     let hashes: BTreeSet<String> = calls
         .iter()
-        .filter_map(|c| c["argsHash"].as_str().map(str::to_owned))
+        .filter_map(|c| c.get("argsHash").and_then(Value::as_str).map(str::to_owned))
         .collect();
     let person = session.person.as_deref();
     let round_index = session.turn.round_index + session.rounds.saturating_sub(1);
@@ -247,26 +371,42 @@ pub async fn settle(
     let timeout_ms = state.config.approval_timeout_ms;
     let names: Vec<String> = calls
         .iter()
-        .filter_map(|c| c["toolName"].as_str().map(str::to_owned))
+        .filter_map(|c| c.get("toolName").and_then(Value::as_str).map(str::to_owned))
         .collect();
     let mut title = format!("Approve {}", names.join(", "));
     title.truncate(200);
+    let mut actions = vec!["accept", "reject"];
+    if calls
+        .iter()
+        .any(|c| c.get("editable") == Some(&Value::Bool(true)))
+    {
+        actions.push("edit-accept");
+    }
+    let mut untrusted = session.untrusted_inputs.clone();
+    if calls.iter().any(|c| c.get("providerOutput").is_some())
+        && !untrusted.contains(&crate::admission::trust::UntrustedInput::ProviderOutput)
+    {
+        untrusted.push(crate::admission::trust::UntrustedInput::ProviderOutput);
+    }
     let mut data = json!({
         "artifactId": id,
         "artifactType": "turnguard.tool-calls",
         "title": title,
         "description": "The model called tools in a turn that read untrusted content, or that policy holds for approval. They run only if you accept.",
-        "actions": ["accept", "reject"],
+        "actions": actions,
         "onTimeout": "reject",
         "artifactData": {
-            "calls": calls.iter().map(|c| json!({"toolName": c["toolName"], "toolId": c["toolId"], "argsHash": c["argsHash"]})).collect::<Vec<_>>(),
+            "calls": calls.iter().map(|c| json!({"toolName": c.get("toolName"), "toolId": c.get("toolId"), "argsHash": c.get("argsHash")})).collect::<Vec<_>>(),
             "policyRevision": session.policy.revision,
             "runId": session.ctx.run.run_id,
             "nodeId": session.ctx.run.node_id,
+            "untrustedInputs": untrusted,
         },
     });
     if let Some(p) = person {
-        data["approversList"] = json!([p]);
+        if let Some(o) = data.as_object_mut() {
+            o.insert("approversList".into(), json!([p]));
+        }
     }
     let rec = InterruptRecord {
         interrupt_id: id.clone(),
@@ -303,6 +443,7 @@ pub async fn settle(
         }
     };
     if row.inserted {
+        state.ui.notifier.requested(&row);
         count(state, "held");
         tracing::info!(interrupt = %id, request_id = %session.ctx.request_id, run = ?session.ctx.run.run_id, tools = %names.join(","), person = person.is_some(), "tool calls held for approval");
     }
@@ -317,44 +458,31 @@ pub async fn settle(
         },
         (s, _) => s.to_owned(),
     };
-    let approval_hashes = bound_hashes(&row);
     match final_state.as_str() {
         // Used only by a request whose agent is there to receive the calls.
         "accepted" if agent.is_gone() => agent_gone(session, round, &id).await,
-        "accepted" => match state
-            .journal
-            .consume_approval(&id, &session.ctx.journal_id)
-            .await
-        {
-            Ok(true) => {
-                session
-                    .decide_round(round, Approval::Accepted(&approval_hashes))
-                    .await
-            }
-            Ok(false) => {
-                session
-                    .decide_round(
-                        round,
-                        Approval::Refused(
-                            "approval_already_used",
-                            "this approval was already used by another request; an approval is single-use",
-                        ),
-                    )
-                    .await
-            }
-            Err(e) => {
-                tracing::error!(error = %e, interrupt = %id, "approval could not be marked used; held calls refused");
-                session
+        "accepted" => {
+            // The resolution as committed (the raise saw it pending), read before the
+            // approval is used: its edits, if any.
+            let resolved = if row.state == "accepted" {
+                Ok(Some(row.clone()))
+            } else {
+                state.journal.interrupt(&id).await
+            };
+            let Ok(Some(resolved)) = resolved else {
+                tracing::error!(interrupt = %id, "the accepted interrupt could not be read back; held calls refused");
+                return session
                     .decide_round(
                         round,
                         Approval::Refused(
                             "approval_unavailable",
-                            "the approval could not be recorded as used (fail closed)",
+                            "the accepted approval could not be read back from the journal (fail closed)",
                         ),
                     )
-                    .await
-            }
-        },
+                    .await;
+            };
+            use_approval(session, round, &id, &resolved).await
+        }
         "rejected" if row.record.principal.is_none() => {
             session
                 .decide_round(
@@ -388,6 +516,52 @@ pub async fn settle(
     }
 }
 
+/// Uses an accepted approval (single use) and admits the round again: approved for exactly
+/// the bound `argsHash`es, with the person's edited arguments in place of the model's.
+async fn use_approval(
+    session: &Session,
+    round: &[ChoiceEmissions],
+    id: &str,
+    resolved: &InterruptRow,
+) -> Vec<ChoiceVerdict> {
+    match session
+        .state
+        .journal
+        .consume_approval(id, &session.ctx.journal_id)
+        .await
+    {
+        Ok(true) => {
+            let edits = edits_of(resolved);
+            let hashes = bound_hashes(resolved);
+            let edited = with_edits(round, &edits);
+            session
+                .decide_round(&edited, Approval::Accepted(&hashes, &edits))
+                .await
+        }
+        Ok(false) => session
+            .decide_round(
+                round,
+                Approval::Refused(
+                    "approval_already_used",
+                    "this approval was already used by another request; an approval is single-use",
+                ),
+            )
+            .await,
+        Err(e) => {
+            tracing::error!(error = %e, interrupt = %id, "approval could not be marked used; held calls refused");
+            session
+                .decide_round(
+                    round,
+                    Approval::Refused(
+                        "approval_unavailable",
+                        "the approval could not be recorded as used (fail closed)",
+                    ),
+                )
+                .await
+        }
+    }
+}
+
 /// The agent left while its held round waited: nothing is used, the held calls are refused for
 /// this request only (the interrupt is left for the agent's re-send).
 async fn agent_gone(session: &Session, round: &[ChoiceEmissions], id: &str) -> Vec<ChoiceVerdict> {
@@ -403,14 +577,28 @@ async fn agent_gone(session: &Session, round: &[ChoiceEmissions], id: &str) -> V
         .await
 }
 
-/// The `argsHash`es an interrupt binds.
+/// The `argsHash`es an interrupt binds: each held call's, or for a call the person edited
+/// (`edit-accept`), the edited arguments' — the model's arguments are then not approved.
 fn bound_hashes(row: &InterruptRow) -> BTreeSet<String> {
+    let edits = edits_of(row);
     row.record
         .calls
         .as_array()
         .into_iter()
         .flatten()
-        .filter_map(|c| c["argsHash"].as_str().map(str::to_owned))
+        .filter_map(|c| {
+            let at = (
+                c.get("choice").and_then(Value::as_u64),
+                c.get("index").and_then(Value::as_u64),
+            );
+            let edited = edits
+                .iter()
+                .find(|e| at == (Some(u64::from(e.choice)), Some(e.index as u64)));
+            match edited {
+                Some(e) => Some(e.args_hash.clone()),
+                None => c.get("argsHash").and_then(Value::as_str).map(str::to_owned),
+            }
+        })
         .collect()
 }
 
@@ -454,6 +642,7 @@ async fn resolve_as_host(state: &AppState, id: &str, to: &'static str, reason: &
         by_token: None,
         state: to,
         resume_value: json!({"action": "reject", "decision": "rejected", "reason": reason, "decidedAt": now}),
+        edits: None,
         now_ms: now,
     };
     match state.journal.resolve_interrupt(r).await {
@@ -468,6 +657,7 @@ async fn resolve_as_host(state: &AppState, id: &str, to: &'static str, reason: &
                 },
             );
             state.approvals.notify(id, &row.state);
+            state.ui.notifier.resolved(&row);
             tracing::info!(interrupt = %id, state = %row.state, reason, "approval interrupt resolved by the host");
             row.state
         }
@@ -523,7 +713,9 @@ pub fn routes() -> Router<Arc<AppState>> {
 fn error(status: StatusCode, code: &str, message: &str, details: Option<Value>) -> Response {
     let mut body = json!({"error": code, "message": message});
     if let Some(d) = details {
-        body["details"] = d;
+        if let Some(o) = body.as_object_mut() {
+            o.insert("details".into(), d);
+        }
     }
     let mut resp = (status, body.to_string()).into_response();
     resp.headers_mut().insert(
@@ -545,6 +737,15 @@ fn held_by_agent() -> Box<Response> {
         &TokenError::HeldByAgent.to_string(),
         None,
     ))
+}
+
+/// The verified approver of an admin-plane request ([`approver`]; for the other admin
+/// routes that serve a person, `GET /approvals/events`): the error is the response to send.
+pub(crate) async fn verified_approver(
+    state: &AppState,
+    req: &http::request::Parts,
+) -> Result<Person, Response> {
+    approver(state, req).await.map_err(|r| *r)
 }
 
 /// The verified approver of an admin request: bearer token only (no query string, no link),
@@ -606,8 +807,12 @@ async fn approver(state: &AppState, req: &http::request::Parts) -> Result<Person
     Ok(person)
 }
 
-fn served(row: &InterruptRow) -> Value {
-    json!({
+/// An interrupt as the admin plane, the approval page, the SSE stream and the webhook show
+/// it: ids, run and node, times, policy revision, state, the held calls with their redacted
+/// arguments and why each was held, the interrupt payload's `data`, and — after an
+/// `edit-accept` — the person's edited calls (redacted).
+pub fn served(row: &InterruptRow) -> Value {
+    let mut v = json!({
         "interruptId": row.record.interrupt_id,
         "key": row.record.key,
         "kind": row.record.kind,
@@ -616,12 +821,18 @@ fn served(row: &InterruptRow) -> Value {
         "attempt": row.record.run.attempt,
         "requestedAt": row.record.requested_at_ms,
         "expiresAt": row.record.expires_at_ms,
-        "timeoutMs": row.record.payload["timeoutMs"],
+        "timeoutMs": row.record.payload.get("timeoutMs"),
         "policyRevision": row.record.policy_revision,
         "state": row.state,
         "calls": row.record.calls,
-        "data": row.record.payload["data"],
-    })
+        "data": row.record.payload.get("data"),
+    });
+    if let Some(e) = &row.edits {
+        if let Some(o) = v.as_object_mut() {
+            o.insert("edits".into(), e.clone());
+        }
+    }
+    v
 }
 
 /// `GET /approvals`: the pending, unexpired interrupts bound to the caller, with the held
@@ -646,8 +857,9 @@ async fn list(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
     }
 }
 
-/// `{resumeValue: {action: "accept" | "reject", feedback?}, interruptId?}` (OpenWOP
-/// `ApprovalResume`, plus the interrupt the person reviewed: required by the node form).
+/// `{resumeValue: {action: "accept" | "reject" | "edit-accept", feedback?,
+/// editedArtifactData?}, interruptId?}` (OpenWOP `ApprovalResume`, plus the interrupt the
+/// person reviewed: required by the node form).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct ResolveBody {
@@ -668,6 +880,9 @@ struct ResumeValue {
     action: String,
     #[serde(default)]
     feedback: Option<String>,
+    /// `edit-accept` only: the calls the person changed.
+    #[serde(default)]
+    edited_artifact_data: Option<EditedArtifactData>,
     /// Accepted and ignored: turnguard stamps its own time.
     #[serde(default)]
     #[allow(dead_code)]
@@ -677,6 +892,93 @@ struct ResumeValue {
     #[allow(dead_code)]
     decided_by: Option<Value>,
 }
+
+/// OpenWOP `editedArtifactData` of a `turnguard.tool-calls` artifact: `{calls: [{callId,
+/// arguments}]}`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EditedArtifactData {
+    /// The edited calls.
+    pub calls: Vec<EditedCall>,
+}
+
+/// One call the person edited: the held call's `callId` and the whole new arguments object.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct EditedCall {
+    /// `callId` of a held call of the interrupt.
+    pub call_id: String,
+    /// The arguments the call is to run with (a JSON object).
+    pub arguments: Value,
+}
+
+/// The person's answer to an approval interrupt (OpenWOP approval actions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Accept,
+    Reject,
+    /// Accept with edited arguments (`approval_edit` tools only).
+    EditAccept,
+}
+
+impl Action {
+    /// Parses an OpenWOP approval action; `None` for any other word.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "accept" => Some(Self::Accept),
+            "reject" => Some(Self::Reject),
+            "edit-accept" => Some(Self::EditAccept),
+            _ => None,
+        }
+    }
+    /// The OpenWOP spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Accept => "accept",
+            Self::Reject => "reject",
+            Self::EditAccept => "edit-accept",
+        }
+    }
+}
+
+/// What a person answers: the action, optional feedback, and for `edit-accept` the edited
+/// calls.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub action: Action,
+    pub feedback: Option<String>,
+    pub edits: Vec<EditedCall>,
+}
+
+/// Why a resolution was not taken: an OpenWOP error (status, code, message, details).
+#[derive(Debug, Clone)]
+pub struct Refusal {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+    pub details: Option<Value>,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+            details: None,
+        }
+    }
+    fn bad(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "validation_error", message)
+    }
+    /// The admin-plane error envelope.
+    pub fn response(&self) -> Response {
+        error(self.status, self.code, &self.message, self.details.clone())
+    }
+}
+
+/// Largest edited arguments object accepted, bytes (serialized).
+const MAX_EDIT_BYTES: usize = 32 << 10;
 
 async fn resolve_by_id(
     State(s): State<Arc<AppState>>,
@@ -710,7 +1012,7 @@ async fn resolve(s: Arc<AppState>, target: Target, req: Request<Body>) -> Respon
         Ok(b) => b,
         Err(e) => {
             return bad(format!(
-                "expected {{\"resumeValue\": {{\"action\": \"accept\" | \"reject\", \"feedback\"?: string}}}}; at `{}`: {}",
+                "expected {{\"resumeValue\": {{\"action\": \"accept\" | \"reject\" | \"edit-accept\", \"feedback\"?: string, \"editedArtifactData\"?: {{\"calls\": [{{\"callId\", \"arguments\"}}]}}}}}}; at `{}`: {}",
                 e.path(),
                 e.inner()
             ))
@@ -731,72 +1033,134 @@ async fn resolve(s: Arc<AppState>, target: Target, req: Request<Body>) -> Respon
             interrupt_id,
         },
     };
-    let to = match parsed.resume_value.action.as_str() {
-        "accept" => "accepted",
-        "reject" => "rejected",
-        other => {
-            return bad(format!(
-                "action `{}` is not one of this interrupt's actions (accept, reject)",
-                sanitize_label(other)
-            ))
-        }
+    let Some(action) = Action::parse(&parsed.resume_value.action) else {
+        return bad(format!(
+            "action `{}` is not one of this interrupt's actions (accept, reject, edit-accept where offered)",
+            sanitize_label(&parsed.resume_value.action)
+        ));
     };
+    let edits = parsed
+        .resume_value
+        .edited_artifact_data
+        .map(|d| d.calls)
+        .unwrap_or_default();
+    if action != Action::EditAccept && !edits.is_empty() {
+        return bad("`editedArtifactData` goes only with the action `edit-accept`".into());
+    }
+    let answer = Answer {
+        action,
+        feedback: parsed.resume_value.feedback,
+        edits,
+    };
+    match resolve_as(&s, &person, selector, answer).await {
+        Ok(row) => axum::Json(json!({
+            "interruptId": row.record.interrupt_id,
+            "state": row.state,
+            "resolvedAt": row.resolved_at_ms,
+            "resolvedBy": row.resolved_by,
+            "edited": row.edits.as_ref().and_then(Value::as_array).map_or(0, Vec::len),
+        }))
+        .into_response(),
+        Err(r) => r.response(),
+    }
+}
+
+/// Resolves the interrupt `selector` names as `person` (verified by the caller: a bearer
+/// token on the admin plane, or the approval page's session), by compare-and-set in the
+/// journal: the bound person only, never a token the agent presented, exactly one winner.
+/// For `edit-accept` the edited calls are checked first (a held call of this interrupt,
+/// once each, its tool allows edits, a JSON object of at most 32 KiB), redacted, and bound
+/// by their new `argsHash`; admission runs on them again in the waiting request.
+///
+/// Errors: [`Refusal`] — 400 `validation_error`, 403 `forbidden`, 404 `not_found`, 409
+/// `interrupt_already_resolved`, 503 `turnguard.journal_unavailable`.
+pub async fn resolve_as(
+    s: &AppState,
+    person: &Person,
+    selector: Selector,
+    answer: Answer,
+) -> Result<Box<InterruptRow>, Refusal> {
     let now = now_ms();
-    let mut value =
-        json!({"action": parsed.resume_value.action, "decidedAt": now, "decidedBy": person.sub});
-    if let Some(f) = parsed.resume_value.feedback {
-        value["feedback"] = json!(f.chars().take(MAX_FEEDBACK_CHARS).collect::<String>());
+    let mut action = answer.action;
+    let edits = if action == Action::EditAccept {
+        let edits = edited_calls(s, person, &selector, &answer.edits, now).await?;
+        if edits.is_empty() {
+            // Nothing changed: a plain accept.
+            action = Action::Accept;
+            None
+        } else {
+            Some(edits)
+        }
+    } else {
+        None
+    };
+    let mut value = json!({"action": action.as_str(), "decidedAt": now, "decidedBy": person.sub});
+    if let Some(f) = answer.feedback.filter(|f| !f.trim().is_empty()) {
+        if let Some(o) = value.as_object_mut() {
+            o.insert(
+                "feedback".into(),
+                json!(f.chars().take(MAX_FEEDBACK_CHARS).collect::<String>()),
+            );
+        }
+    }
+    if let Some(e) = &edits {
+        // The event and the resume value name the edited calls, never their arguments.
+        let calls: Vec<Value> = e
+            .iter()
+            .map(|c| json!({"callId": c.get("callId"), "argsHash": c.get("argsHash")}))
+            .collect();
+        if let Some(o) = value.as_object_mut() {
+            o.insert("editedArtifactData".into(), json!({ "calls": calls }));
+        }
     }
     let r = Resolution {
         selector,
         by: Some(person.sub.clone()),
         by_token: person.token.as_ref().map(|t| t.fingerprint.clone()),
-        state: to,
+        state: if action == Action::Reject {
+            "rejected"
+        } else {
+            "accepted"
+        },
         resume_value: value,
+        edits: edits.map(Value::Array),
         now_ms: now,
     };
     match s.journal.resolve_interrupt(r).await {
-        Err(e) => error(
+        Err(e) => Err(Refusal::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "turnguard.journal_unavailable",
-            &format!("the resolution could not be journaled: {e}"),
-            None,
-        ),
-        Ok(Resolved::NotFound) => error(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            "no such interrupt (the node form looks only in its run and node)",
-            None,
-        ),
-        Ok(Resolved::HeldByAgent) => *held_by_agent(),
-        Ok(Resolved::Forbidden(row)) => {
-            tracing::warn!(interrupt = %row.record.interrupt_id, sub = %person.sub, "approval attempt by a person the interrupt is not bound to refused");
-            error(
+            format!("the resolution could not be journaled: {e}"),
+        )),
+        Ok(Resolved::NotFound) => Err(not_found()),
+        Ok(Resolved::HeldByAgent) => {
+            tracing::warn!("approval attempt with the agent's own principal token refused");
+            Err(Refusal::new(
                 StatusCode::FORBIDDEN,
                 "forbidden",
-                "this interrupt is bound to another person",
-                None,
-            )
+                TokenError::HeldByAgent.to_string(),
+            ))
         }
-        Ok(Resolved::AlreadyResolved(row)) => error(
-            StatusCode::CONFLICT,
-            "interrupt_already_resolved",
-            &format!("the interrupt is already {}", row.state),
-            Some(json!({"interruptId": row.record.interrupt_id, "state": row.state})),
-        ),
+        Ok(Resolved::Forbidden(row)) => {
+            tracing::warn!(interrupt = %row.record.interrupt_id, sub = %person.sub, "approval attempt by a person the interrupt is not bound to refused");
+            Err(bound_to_another())
+        }
+        Ok(Resolved::AlreadyResolved(row)) => Err(already(&row)),
         Ok(Resolved::Expired(row)) => {
-            observe(&s, &row, "expired");
+            observe(s, &row, "expired");
             s.approvals.notify(&row.record.interrupt_id, &row.state);
-            error(
+            s.ui.notifier.resolved(&row);
+            let mut r = Refusal::new(
                 StatusCode::CONFLICT,
                 "interrupt_already_resolved",
                 "the interrupt expired before this resolution; its calls are refused (a timeout never approves)",
-                Some(json!({"interruptId": row.record.interrupt_id, "state": row.state})),
-            )
+            );
+            r.details = Some(json!({"interruptId": row.record.interrupt_id, "state": row.state}));
+            Err(r)
         }
         Ok(Resolved::Won(row)) => {
             observe(
-                &s,
+                s,
                 &row,
                 if row.state == "accepted" {
                     "approved"
@@ -805,14 +1169,152 @@ async fn resolve(s: Arc<AppState>, target: Target, req: Request<Body>) -> Respon
                 },
             );
             s.approvals.notify(&row.record.interrupt_id, &row.state);
-            tracing::info!(interrupt = %row.record.interrupt_id, state = %row.state, sub = %person.sub, "approval interrupt resolved");
-            axum::Json(json!({
-                "interruptId": row.record.interrupt_id,
-                "state": row.state,
-                "resolvedAt": row.resolved_at_ms,
-                "resolvedBy": row.resolved_by,
-            }))
-            .into_response()
+            s.ui.notifier.resolved(&row);
+            tracing::info!(interrupt = %row.record.interrupt_id, state = %row.state, sub = %person.sub, edited = row.edits.is_some(), "approval interrupt resolved");
+            Ok(row)
         }
     }
+}
+
+fn not_found() -> Refusal {
+    Refusal::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        "no such interrupt (the node form looks only in its run and node)",
+    )
+}
+
+fn bound_to_another() -> Refusal {
+    Refusal::new(
+        StatusCode::FORBIDDEN,
+        "forbidden",
+        "this interrupt is bound to another person",
+    )
+}
+
+fn already(row: &InterruptRow) -> Refusal {
+    let mut r = Refusal::new(
+        StatusCode::CONFLICT,
+        "interrupt_already_resolved",
+        format!("the interrupt is already {}", row.state),
+    );
+    r.details = Some(json!({"interruptId": row.record.interrupt_id, "state": row.state}));
+    r
+}
+
+/// Checks and redacts the person's edited calls of an `edit-accept` against the interrupt as
+/// raised (only its bound person learns anything about it). Returns the `interrupts.edits`
+/// entries of the calls that changed (their redacted `argsHash` differs from the model's).
+async fn edited_calls(
+    s: &AppState,
+    person: &Person,
+    selector: &Selector,
+    edits: &[EditedCall],
+    now: i64,
+) -> Result<Vec<Value>, Refusal> {
+    let id = match selector {
+        Selector::Id(id)
+        | Selector::Node {
+            interrupt_id: id, ..
+        } => id,
+    };
+    let row = s.journal.interrupt(id).await.map_err(|e| {
+        Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "turnguard.journal_unavailable",
+            format!("the journal could not answer: {e}"),
+        )
+    })?;
+    let row = match (row, selector) {
+        (None, _) => return Err(not_found()),
+        (
+            Some(row),
+            Selector::Node {
+                run_id, node_id, ..
+            },
+        ) if row.record.run.run_id.as_deref() != Some(run_id.as_str())
+            || row.record.run.node_id.as_deref().unwrap_or("default") != node_id =>
+        {
+            return Err(not_found())
+        }
+        (Some(row), _) => row,
+    };
+    if row.record.principal.as_deref() != Some(person.sub.as_str()) {
+        return Err(bound_to_another());
+    }
+    if row.state != "pending" {
+        return Err(already(&row));
+    }
+    let offered = row
+        .record
+        .payload
+        .pointer("/data/actions")
+        .and_then(Value::as_array)
+        .is_some_and(|a| a.iter().any(|x| x == "edit-accept"));
+    if !offered {
+        return Err(Refusal::bad(
+            "this interrupt does not offer `edit-accept`: none of its tools allows edits (catalog `approval_edit`)",
+        ));
+    }
+    if edits.is_empty() {
+        return Err(Refusal::bad(
+            "`edit-accept` needs `editedArtifactData.calls`: the calls you changed, each `{callId, arguments}`",
+        ));
+    }
+    let held: Vec<&Value> = row.record.calls.as_array().into_iter().flatten().collect();
+    let policy = s.policy.snapshot();
+    let mut out = Vec::new();
+    let mut seen = BTreeSet::new();
+    for e in edits {
+        let label = sanitize_label(&e.call_id);
+        if !seen.insert(e.call_id.clone()) {
+            return Err(Refusal::bad(format!("call `{label}` is edited twice")));
+        }
+        let matching: Vec<&&Value> = held
+            .iter()
+            .filter(|c| c.get("callId").and_then(Value::as_str) == Some(e.call_id.as_str()))
+            .collect();
+        let [call] = matching.as_slice() else {
+            return Err(Refusal::bad(format!(
+                "`{label}` is not the callId of exactly one held call of this interrupt"
+            )));
+        };
+        let tool = call.get("toolName").and_then(Value::as_str).unwrap_or("");
+        if call.get("editable") != Some(&Value::Bool(true)) {
+            return Err(Refusal::bad(format!(
+                "`{}` does not allow edits before approval (catalog `approval_edit`)",
+                sanitize_label(tool)
+            )));
+        }
+        if !e.arguments.is_object() {
+            return Err(Refusal::bad(format!(
+                "the edited arguments of `{label}` must be a JSON object"
+            )));
+        }
+        if e.arguments.to_string().len() > MAX_EDIT_BYTES {
+            return Err(Refusal::bad(format!(
+                "the edited arguments of `{label}` are larger than {MAX_EDIT_BYTES} bytes"
+            )));
+        }
+        let tool_id = call.get("toolId").and_then(Value::as_str).unwrap_or("");
+        let (redacted, _) = policy.redactor.redact(tool_id, &e.arguments);
+        let hash = crate::admission::arguments::args_hash(&redacted);
+        let model_hash = call.get("argsHash").and_then(Value::as_str);
+        if model_hash == Some(hash.as_str()) {
+            continue;
+        }
+        out.push(json!({
+            "callId": e.call_id,
+            "choice": call.get("choice"),
+            "index": call.get("index"),
+            "toolName": tool,
+            "toolId": tool_id,
+            "arguments": redacted,
+            "argsHash": hash,
+            "modelArgsHash": model_hash,
+            "editedBy": person.sub,
+            "editedAt": now,
+        }));
+    }
+    Ok(out)
 }

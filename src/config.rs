@@ -172,6 +172,29 @@ pub struct ServeArgs {
     /// var (`TURNGUARD_MCP_TICKET`), comma-separated.
     #[arg(long = "mcp-ticket", value_name = "NAME=required|optional")]
     pub mcp_ticket: Vec<String>,
+    /// Serve the approval page `/ui/approvals` on the admin plane (OpenID Connect sign-in
+    /// against `identity_issuer`; needs `approval_ui_client_id` and
+    /// `approval_ui_redirect_uri`) [default: false]. `--approval-ui` alone means true.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    pub approval_ui: Option<bool>,
+    /// OAuth client id of the approval page at the identity provider (the ID token's `aud`).
+    #[arg(long, value_name = "ID")]
+    pub approval_ui_client_id: Option<String>,
+    /// File holding the approval page's OAuth client secret (confidential client,
+    /// `client_secret_basic`); without it the page is a public client (PKCE only).
+    #[arg(long, value_name = "FILE")]
+    pub approval_ui_client_secret_file: Option<PathBuf>,
+    /// The approval page's redirect URI as registered at the identity provider, ending in
+    /// `/ui/callback` (https, or http on a loopback host).
+    #[arg(long, value_name = "URL")]
+    pub approval_ui_redirect_uri: Option<String>,
+    /// URL that receives a signed POST for every approval interrupt raised and resolved.
+    #[arg(long, value_name = "URL")]
+    pub approval_webhook: Option<String>,
+    /// File holding the webhook's HMAC-SHA256 key (at least 32 bytes); required with
+    /// `approval_webhook`.
+    #[arg(long, value_name = "FILE")]
+    pub approval_webhook_secret_file: Option<PathBuf>,
 }
 
 /// The TOML file: the same keys as the flags, all optional, nothing else.
@@ -215,6 +238,12 @@ struct FileConfig {
     journal_busy_timeout_ms: Option<u64>,
     admin_token_file: Option<PathBuf>,
     mcp: Option<BTreeMap<String, McpFileEntry>>,
+    approval_ui: Option<bool>,
+    approval_ui_client_id: Option<String>,
+    approval_ui_client_secret_file: Option<PathBuf>,
+    approval_ui_redirect_uri: Option<String>,
+    approval_webhook: Option<String>,
+    approval_webhook_secret_file: Option<PathBuf>,
 }
 
 /// One `[mcp.NAME]` entry of the file: a URL, or a table with `url` and `ticket`.
@@ -440,6 +469,18 @@ pub struct Config {
     pub admin_token_file: Option<PathBuf>,
     /// MCP servers behind `/mcp/NAME`, by name ([`crate::mcp`]).
     pub mcp: BTreeMap<String, McpServer>,
+    /// Serve the approval page (`/ui/approvals`, [`crate::approval_ui`]).
+    pub approval_ui: bool,
+    /// OAuth client id of the approval page.
+    pub approval_ui_client_id: Option<String>,
+    /// OAuth client secret file of the approval page (the path is shown, never the secret).
+    pub approval_ui_client_secret_file: Option<PathBuf>,
+    /// Redirect URI of the approval page (`…/ui/callback`).
+    pub approval_ui_redirect_uri: Option<String>,
+    /// Approval webhook URL.
+    pub approval_webhook: Option<String>,
+    /// HMAC key file of the approval webhook (the path is shown, never the key).
+    pub approval_webhook_secret_file: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -492,6 +533,12 @@ impl Default for Config {
             journal_busy_timeout_ms: 1_000,
             admin_token_file: None,
             mcp: BTreeMap::new(),
+            approval_ui: false,
+            approval_ui_client_id: None,
+            approval_ui_client_secret_file: None,
+            approval_ui_redirect_uri: None,
+            approval_webhook: None,
+            approval_webhook_secret_file: None,
         }
     }
 }
@@ -761,6 +808,39 @@ impl Config {
         } else if let Some(v) = file.identity_dev_principal_header {
             c.identity_dev_principal_header = v;
         }
+        // The approval page and notifications (issue 16).
+        if let Some(v) = flags.approval_ui {
+            c.approval_ui = v;
+        } else if let Some(v) = env("TURNGUARD_APPROVAL_UI") {
+            c.approval_ui = flag(v, "TURNGUARD_APPROVAL_UI")?;
+        } else if let Some(v) = file.approval_ui {
+            c.approval_ui = v;
+        }
+        optional!(
+            approval_ui_client_id,
+            "TURNGUARD_APPROVAL_UI_CLIENT_ID",
+            |v: String| v
+        );
+        optional!(
+            approval_ui_client_secret_file,
+            "TURNGUARD_APPROVAL_UI_CLIENT_SECRET_FILE",
+            PathBuf::from
+        );
+        optional!(
+            approval_ui_redirect_uri,
+            "TURNGUARD_APPROVAL_UI_REDIRECT_URI",
+            |v: String| v
+        );
+        optional!(
+            approval_webhook,
+            "TURNGUARD_APPROVAL_WEBHOOK",
+            |v: String| v
+        );
+        optional!(
+            approval_webhook_secret_file,
+            "TURNGUARD_APPROVAL_WEBHOOK_SECRET_FILE",
+            PathBuf::from
+        );
 
         // Protection and shutdown (issue 6).
         let any_ms = |v: u64, _: &str| -> Result<u64, ConfigError> { Ok(v) };
@@ -1254,6 +1334,48 @@ mod tests {
         ] {
             assert!(Config::resolve(&bad, &env_of(&[])).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn approval_ui_keys_layer_like_the_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(
+            &file,
+            "approval_ui = true\napproval_ui_client_id = \"from-file\"\napproval_webhook = \"https://hooks.example/a\"\n",
+        )
+        .unwrap();
+        let flags = ServeArgs {
+            config: Some(file),
+            approval_ui_redirect_uri: Some("http://127.0.0.1:8788/ui/callback".into()),
+            ..Default::default()
+        };
+        let c = Config::resolve(
+            &flags,
+            &env_of(&[("TURNGUARD_APPROVAL_UI_CLIENT_ID", "from-env")]),
+        )
+        .unwrap();
+        assert!(c.approval_ui);
+        assert_eq!(c.approval_ui_client_id.as_deref(), Some("from-env"));
+        assert_eq!(
+            c.approval_ui_redirect_uri.as_deref(),
+            Some("http://127.0.0.1:8788/ui/callback")
+        );
+        assert_eq!(
+            c.approval_webhook.as_deref(),
+            Some("https://hooks.example/a")
+        );
+        let off = Config::resolve(
+            &ServeArgs::default(),
+            &env_of(&[("TURNGUARD_APPROVAL_UI", "false")]),
+        )
+        .unwrap();
+        assert!(!off.approval_ui, "off unless enabled");
+        assert!(Config::resolve(
+            &ServeArgs::default(),
+            &env_of(&[("TURNGUARD_APPROVAL_UI", "yes")])
+        )
+        .is_err());
     }
 
     #[test]

@@ -260,6 +260,43 @@ impl Identity {
         Err(TokenError::Invalid(last))
     }
 
+    /// Verifies an OpenID Connect ID token the approval page received from the identity
+    /// provider's token endpoint (OpenID Connect Core §3.1.3.7) with the same keys, issuer
+    /// and rules as approver tokens: signature, `iss` = `identity_issuer`, `aud` containing
+    /// `client_id` (and `azp` = `client_id` when it names several audiences), `exp`, `nbf`,
+    /// `sub`, and `nonce` equal to the one the sign-in sent. A delegated (`act`) token is
+    /// refused: the page acts as the person.
+    ///
+    /// Errors: [`TokenError::Invalid`] naming what failed (never the token).
+    pub fn verify_id_token(
+        &self,
+        token: &str,
+        client_id: &str,
+        nonce: &str,
+    ) -> Result<Person, TokenError> {
+        let person = self.verify_for(token, client_id)?;
+        // The signature verified: the claims are the identity provider's.
+        let claims = verified_claims(token)?;
+        if claims.get("nonce").and_then(Value::as_str) != Some(nonce) {
+            return Err(TokenError::Invalid(
+                "the ID token's `nonce` is not the one this sign-in sent".into(),
+            ));
+        }
+        if let Some(Value::Array(auds)) = claims.get("aud") {
+            if auds.len() > 1 && claims.get("azp").and_then(Value::as_str) != Some(client_id) {
+                return Err(TokenError::Invalid(
+                    "the ID token names several audiences and its `azp` is not this client".into(),
+                ));
+            }
+        }
+        if person.delegated {
+            return Err(TokenError::Invalid(
+                "the ID token carries a delegation (`act`) claim".into(),
+            ));
+        }
+        Ok(person)
+    }
+
     /// The acting person of a data-plane request: `Turnguard-Principal-Token` verified, or
     /// (development mode only) the plain `Turnguard-Principal` header. `Ok(None)`: no person,
     /// the agent acts. The caller records the token with [`Identity::remember`] before the
@@ -348,6 +385,17 @@ impl Identity {
             token: None,
         })
     }
+}
+
+/// The claims of a token whose signature [`Identity::verify_for`] already verified.
+fn verified_claims(token: &str) -> Result<serde_json::Map<String, Value>, TokenError> {
+    use base64::Engine;
+    let payload = token.split('.').nth(1).unwrap_or_default();
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload)
+        .map_err(|_| TokenError::Invalid("malformed token payload".into()))?;
+    serde_json::from_slice(&bytes)
+        .map_err(|_| TokenError::Invalid("malformed token payload".into()))
 }
 
 /// The person a verified claims set names, with the token's fingerprint.

@@ -21,6 +21,7 @@
 //! | [`identity`] | who acts: the verified person (JWT) on the data plane and the approver on the admin plane |
 //! | [`shutdown`] | graceful shutdown: readiness false, drain within a deadline, flush |
 //! | [`approvals`] | held calls wait for the acting person: approval interrupts, admin resolution |
+//! | [`approval_ui`] | the person in the loop: the approval page (OpenID Connect sign-in), webhook and SSE notifications, the `approvals` CLI |
 //! | [`admin`] | the admin plane: `/metrics`, `/healthz`, `/readyz`, `/config`, approvals |
 //! | [`error`] | the one boundary enum for errors turnguard authors on the wire |
 //! | [`policy`] | the pure policy engine: bundle formats, catalog, Cedar rules, redaction |
@@ -31,6 +32,7 @@
 
 pub mod admin;
 pub mod admission;
+pub mod approval_ui;
 pub mod approvals;
 pub mod body;
 pub mod config;

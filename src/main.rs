@@ -31,6 +31,9 @@ enum Command {
     /// effects and events (arguments only in redacted form).
     #[command(subcommand)]
     Journal(JournalCommand),
+    /// Held calls waiting for you: list, accept, reject (the admin plane's approval API,
+    /// with your own token).
+    Approvals(turnguard::approval_ui::cli::ApprovalsArgs),
     /// Run a scripted OpenAI/Anthropic-compatible model (tests, offline demo).
     MockProvider {
         /// Address to listen on.
@@ -249,6 +252,13 @@ async fn main() -> anyhow::Result<()> {
             let mut out = std::io::stdout().lock();
             out.write_all(text.as_bytes())?;
             Ok(())
+        }
+        Command::Approvals(args) => {
+            use std::io::Write;
+            let report = turnguard::approval_ui::cli::run(&args, &|k| std::env::var(k).ok()).await;
+            let _ = std::io::stdout().lock().write_all(report.stdout.as_bytes());
+            let _ = std::io::stderr().lock().write_all(report.stderr.as_bytes());
+            std::process::exit(report.code);
         }
         Command::MockProvider { listen, script } => {
             init_logs(LogFormat::Text);

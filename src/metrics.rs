@@ -152,6 +152,16 @@ pub struct ApprovalLabels {
     pub result: String,
 }
 
+/// Labels of `turnguard_approval_notifications_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NotificationLabels {
+    /// `webhook` or `sse`.
+    pub channel: String,
+    /// webhook: `delivered`, `retried`, `failed` (every attempt failed), `dropped` (queue
+    /// full); sse: `sent`, `lagged` (a slow subscriber missed events).
+    pub result: String,
+}
+
 /// The metrics handle shared by the data plane, the journal and the admin plane.
 pub struct Metrics {
     registry: Registry,
@@ -192,6 +202,8 @@ pub struct Metrics {
     pub approvals: Family<ApprovalLabels, Counter>,
     /// Time from an approval interrupt being raised to its resolution, seconds.
     pub approval_wait: Family<ApprovalLabels, Histogram>,
+    /// Approval notifications (webhook deliveries, SSE events) by channel and result.
+    pub approval_notifications: Family<NotificationLabels, Counter>,
     /// Whole time of a data-plane request at the edge (arrival to the last body byte sent),
     /// seconds.
     pub request_duration: Family<EdgeLabels, Histogram>,
@@ -391,6 +403,14 @@ impl Metrics {
             "Time from an approval interrupt being raised to its resolution",
             approval_wait.clone(),
         );
+        let approval_notifications = Family::<NotificationLabels, Counter>::default();
+        reg(
+            &mut registry,
+            &mut names,
+            "approval_notifications",
+            "Approval notifications: webhook deliveries and SSE events, by result",
+            approval_notifications.clone(),
+        );
         // Edge and protection metrics (issue 6).
         let request_duration = Family::<EdgeLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.000_5, 2.0, 18))
@@ -508,6 +528,21 @@ impl Metrics {
                 drop(approval_wait.get_or_create(&labels));
             }
         }
+        for (channel, result) in [
+            ("webhook", "delivered"),
+            ("webhook", "retried"),
+            ("webhook", "failed"),
+            ("webhook", "dropped"),
+            ("sse", "sent"),
+            ("sse", "lagged"),
+        ] {
+            approval_notifications
+                .get_or_create(&NotificationLabels {
+                    channel: channel.to_owned(),
+                    result: result.to_owned(),
+                })
+                .inc_by(0);
+        }
         for result in ["ok", "error"] {
             policy_reloads
                 .get_or_create(&ResultLabels {
@@ -530,6 +565,7 @@ impl Metrics {
             replay,
             approvals,
             approval_wait,
+            approval_notifications,
             emissions,
             policy_reloads,
             policy_revision_info,

@@ -608,6 +608,7 @@ fn propose(name: &str, declared: Option<&crate::journal::DeclaredToolRow>) -> bu
         content_trust: ContentTrust::Untrusted,
         business_key: Vec::new(),
         clarification: false,
+        approval_edit: false,
         mode: None,
         idempotency_meta_key: None,
     }

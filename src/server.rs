@@ -54,6 +54,8 @@ pub struct AppState {
     pub approvals: Approvals,
     /// The admin token (`admin_token_file`) that may read run data, if configured.
     pub admin_token: Option<crate::admin::AdminToken>,
+    /// The approval page and approval notifications (webhook, SSE).
+    pub ui: crate::approval_ui::ApprovalUi,
 }
 
 /// Why `serve` could not start.
@@ -71,6 +73,9 @@ pub enum StartError {
     /// The admin token file cannot be used.
     #[error("admin_token_file {file}: {reason}")]
     AdminToken { file: String, reason: String },
+    /// The approval page or webhook settings cannot be used.
+    #[error("approval page or webhook settings")]
+    ApprovalUi(#[from] crate::approval_ui::UiConfigError),
     /// The policy bundle does not load.
     #[error("policy bundle {dir} does not load")]
     Policy { dir: String, source: LoadError },
@@ -153,6 +158,10 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             reason: e.to_string(),
         })
     };
+    let ui = crate::approval_ui::ApprovalUi::load(&config, &identity, Arc::clone(&metrics))?;
+    if ui.enabled() {
+        tracing::info!("approval page on at /ui/approvals (OpenID Connect sign-in)");
+    }
     let data_listener = bind(config.listen).await?;
     let admin_listener = bind(config.admin_listen).await?;
     let addr = data_listener.local_addr().map_err(|e| StartError::Bind {
@@ -185,6 +194,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         ready: AtomicBool::new(false),
         identity,
         approvals: Approvals::default(),
+        ui,
         lifecycle: crate::shutdown::Lifecycle::default(),
     });
     let watcher = reload::watch(

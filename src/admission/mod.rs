@@ -191,8 +191,26 @@ fn decide(
     } else {
         ctx.trust
     };
+    let authorize = |approved: bool| {
+        ctx.policy.rules.authorize(&AuthzRequest {
+            person: ctx.person,
+            agent: ctx.agent,
+            tool,
+            trust: turn_trust.as_str(),
+            provider: ctx.provider,
+            model: turn.model.as_deref().unwrap_or(""),
+            run: ctx.run.unwrap_or(""),
+            approved,
+            args: &args,
+        })
+    };
     // 4. trust
     if let Some(d) = trust::check(turn_trust, tool, approved) {
+        // Never ask a person to approve what authorization refuses anyway.
+        if let Some(refused) = refused_even_if_approved(authorize(true)) {
+            trace.push((Stage::Trust, format!("held: {}", d.reason)));
+            return finish(refused, trace, hash, redacted_args);
+        }
         return finish(d, trace, hash, redacted_args);
     }
     trace.push((
@@ -200,23 +218,20 @@ fn decide(
         format!("pass: turn is {}", ctx.trust.as_str()),
     ));
     // 5. authorization
-    let authz = ctx.policy.rules.authorize(&AuthzRequest {
-        person: ctx.person,
-        agent: ctx.agent,
-        tool,
-        trust: turn_trust.as_str(),
-        provider: ctx.provider,
-        model: turn.model.as_deref().unwrap_or(""),
-        run: ctx.run.unwrap_or(""),
-        approved,
-        args: &args,
-    });
+    let authz = authorize(approved);
     match authz {
         Authz::Permit(rules) => trace.push((
             Stage::Authorization,
             format!("permit: {}", rules.join(", ")),
         )),
         Authz::Hold(rules) => {
+            if !approved {
+                // A hold that an approval would not lift (another rule forbids the approved
+                // call) is refused now.
+                if let Some(d) = refused_even_if_approved(authorize(true)) {
+                    return finish(d, trace, hash, redacted_args);
+                }
+            }
             let mut d = Decision::new(
                 Outcome::Held,
                 Stage::Authorization,
@@ -338,6 +353,43 @@ fn decide(
         d.release_args = redacted_args.as_ref().map(Value::to_string);
     }
     finish(d, trace, hash, redacted_args)
+}
+
+/// A held call would be refused even if the acting person approved it: authorization with
+/// `context.approved = true` forbids it, or a rule still holds it. The refusal is decided at
+/// the authorization stage at once, so no approval interrupt asks the person in vain
+/// (issue 16). `None` when an approval could release it.
+fn refused_even_if_approved(authz: Authz) -> Option<Decision> {
+    match authz {
+        Authz::Permit(_) => None,
+        Authz::Refuse {
+            rules,
+            reason,
+            detail,
+        } => {
+            let mut d = Decision::new(
+                Outcome::Refused,
+                Stage::Authorization,
+                reason,
+                format!("{detail} (refused even if approved, so no approval is asked)"),
+            );
+            d.rules = rules;
+            Some(d)
+        }
+        Authz::Hold(rules) => {
+            let mut d = Decision::new(
+                Outcome::Refused,
+                Stage::Authorization,
+                "approval_cannot_release",
+                format!(
+                    "{} hold(s) the call even when the acting person approves it, so no approval is asked",
+                    rules.join(", ")
+                ),
+            );
+            d.rules = rules;
+            Some(d)
+        }
+    }
 }
 
 /// How the withheld calls of a choice reach the agent (DESIGN.md §4), by the bundle's
@@ -475,13 +527,15 @@ pub fn clarification_unsupported(turn: &Turn, policy: &CompiledPolicy) -> Option
 }
 
 /// Refusal reasons of held calls whose approval interrupt resolved without approving them.
-pub const APPROVAL_REFUSALS: [&str; 6] = [
+pub const APPROVAL_REFUSALS: [&str; 8] = [
     "approval_rejected",
     "approval_expired",
     "no_approver",
     "approval_already_used",
     "approval_unavailable",
     "agent_gone",
+    "edit_refused",
+    "edit_unsupported",
 ];
 
 /// Whether `reason` refuses a held call that was not approved (surfaced as OpenWOP

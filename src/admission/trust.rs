@@ -45,6 +45,103 @@ pub fn of_turn(turn: &Turn, policy: &CompiledPolicy, history: &[ChainLink]) -> C
     }
 }
 
+/// One input that made a turn untrusted, named for the person asked to approve its calls
+/// (tool-turn contract §C; the approval page shows why a call was held). Names and ids come
+/// from the request and are sanitized ([`crate::admission::sanitize_label`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(
+    tag = "kind",
+    rename_all = "kebab-case",
+    rename_all_fields = "camelCase"
+)]
+pub enum UntrustedInput {
+    /// A tool result whose tool's output is untrusted, or whose tool the catalog does not
+    /// know (fail closed).
+    ToolResult {
+        /// The provider's call id the result answers.
+        tool_call_id: String,
+        /// The tool's name, when the transcript names it.
+        tool_name: Option<String>,
+        /// The catalog `toolId` (`turnguard:unknown` when not catalogued).
+        tool_id: String,
+        /// The catalog declares this tool.
+        catalogued: bool,
+    },
+    /// An input of the request the adapter could not vouch for
+    /// ([`crate::model::UntrustedInput`]): provider-executed output in the transcript, content
+    /// the provider fetches, a reused call id, an unrecognised role or item.
+    Request {
+        /// [`crate::model::UntrustedKind::as_str`] (`provider_output`, `unrecognised_input` …).
+        reason: &'static str,
+        /// Its request path (`messages[2].content[1]`), names sanitized.
+        at: String,
+    },
+    /// Provider-executed tool output (a web search, a fetch …) in the same response
+    /// (contract §F).
+    ProviderOutput,
+    /// The stored response chain the request continues (`previous_response_id`) is not
+    /// known to be trusted ([`chain_fault`]).
+    ResponseChain {
+        /// [`ChainFault::reason`].
+        reason: &'static str,
+        /// The response it is about.
+        response_id: String,
+    },
+    /// An earlier turn of the same run was untrusted (the sticky bit of §C).
+    EarlierTurnOfRun {
+        /// The run id.
+        run_id: String,
+    },
+}
+
+/// Most inputs named per turn.
+const MAX_NAMED_INPUTS: usize = 32;
+
+/// The inputs of the request that make [`of_turn`] untrusted, in transcript order (at most
+/// 32). Empty when the request's own inputs are trusted (the run's sticky bit or a response's
+/// own provider output may still make its calls untrusted: the caller adds those).
+pub fn untrusted_inputs(
+    turn: &Turn,
+    policy: &CompiledPolicy,
+    history: &[ChainLink],
+) -> Vec<UntrustedInput> {
+    use crate::admission::sanitize_label;
+    let mut out = Vec::new();
+    for input in &turn.untrusted_inputs {
+        out.push(UntrustedInput::Request {
+            reason: input.kind.as_str(),
+            at: input.at.clone(),
+        });
+    }
+    if let Some(previous) = &turn.previous_response_id {
+        if let Some(f) = chain_fault(previous, history) {
+            out.push(UntrustedInput::ResponseChain {
+                reason: f.reason,
+                response_id: sanitize_label(&f.response_id),
+            });
+        }
+    }
+    for r in &turn.tool_results {
+        let tool = r
+            .tool_name
+            .as_deref()
+            .and_then(|n| policy.catalog.by_name(n));
+        if tool.is_some_and(|t| t.content_trust == ContentTrust::Trusted) {
+            continue;
+        }
+        out.push(UntrustedInput::ToolResult {
+            tool_call_id: sanitize_label(&r.tool_call_id),
+            tool_name: r.tool_name.as_deref().map(sanitize_label),
+            tool_id: tool.map_or(crate::policy::rules::UNKNOWN_TOOL_ID.to_owned(), |t| {
+                t.descriptor.tool_id.clone()
+            }),
+            catalogued: tool.is_some(),
+        });
+    }
+    out.truncate(MAX_NAMED_INPUTS);
+    out
+}
+
 /// Why a response chain makes a turn untrusted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChainFault {

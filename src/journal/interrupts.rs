@@ -49,6 +49,10 @@ pub struct InterruptRow {
     pub resume_value: Option<Value>,
     /// The agent request that used an accepted approval (single use).
     pub consumed_by: Option<String>,
+    /// The person's edited arguments (`edit-accept`): `[{callId, choice, index, arguments
+    /// (redacted), argsHash, modelArgsHash, editedBy, editedAt}]`; `None` when accepted as
+    /// raised, rejected or pending.
+    pub edits: Option<Value>,
     /// This call inserted the row (it was not raised before under this key).
     pub inserted: bool,
 }
@@ -82,8 +86,12 @@ pub struct Resolution {
     pub by_token: Option<String>,
     /// `accepted`, `rejected` or `expired`.
     pub state: &'static str,
-    /// The OpenWOP `resumeValue` (`{action, feedback?, decidedAt}`).
+    /// The OpenWOP `resumeValue` (`{action, feedback?, decidedAt}`; for `edit-accept` the
+    /// edited calls by `callId` and `argsHash` only — never their arguments, which the
+    /// `interrupt.resolved` event carries).
     pub resume_value: Value,
+    /// The person's edited calls (`edit-accept`, redacted), kept in `interrupts.edits`.
+    pub edits: Option<Value>,
     pub now_ms: i64,
 }
 
@@ -116,6 +124,10 @@ pub(super) enum Op {
         principal: String,
         now_ms: i64,
         answer: Option<oneshot::Sender<Vec<InterruptRow>>>,
+    },
+    Get {
+        interrupt_id: String,
+        answer: Option<oneshot::Sender<Option<InterruptRow>>>,
     },
     RunTrust {
         run_id: String,
@@ -192,6 +204,21 @@ impl Journal {
         rx.await.map_err(|_| JournalError::Closed)
     }
 
+    /// One interrupt as it stands now (read through the writer, so it sees every committed
+    /// resolution).
+    pub async fn interrupt(
+        &self,
+        interrupt_id: &str,
+    ) -> Result<Option<InterruptRow>, JournalError> {
+        let (tx, rx) = oneshot::channel();
+        self.submit(super::Op::Interrupt(Box::new(Op::Get {
+            interrupt_id: interrupt_id.to_owned(),
+            answer: Some(tx),
+        })))
+        .await?;
+        rx.await.map_err(|_| JournalError::Closed)
+    }
+
     /// The run's sticky trust bit: records `untrusted` (insert-if-absent, durable) when this
     /// turn is untrusted, and answers whether the run is untrusted (tool-turn contract §C:
     /// once untrusted, always untrusted).
@@ -217,7 +244,7 @@ impl Journal {
 
 const COLUMNS: &str = "interrupt_id, key, kind, run_id, node_id, attempt, request_id, principal,
     policy_revision, payload, calls, requested_at_ms, expires_at_ms, state, resolved_by,
-    resolved_at_ms, resume_value, consumed_by";
+    resolved_at_ms, resume_value, consumed_by, edits";
 
 fn row_of(r: &rusqlite::Row<'_>) -> rusqlite::Result<InterruptRow> {
     let json = |s: Option<String>| s.and_then(|s| serde_json::from_str::<Value>(&s).ok());
@@ -249,6 +276,7 @@ fn row_of(r: &rusqlite::Row<'_>) -> rusqlite::Result<InterruptRow> {
         resolved_at_ms: r.get(15)?,
         resume_value: json(r.get(16)?),
         consumed_by: r.get(17)?,
+        edits: json(r.get(18)?),
         inserted: false,
     })
 }
@@ -357,26 +385,33 @@ pub(super) fn apply(
                 Some(row) if row.state != "pending" => Resolved::AlreadyResolved(Box::new(row)),
                 Some(row) => {
                     let expired = r.by.is_some() && r.now_ms >= row.record.expires_at_ms;
-                    let (state, by, value) = if expired {
+                    let (state, by, value, edits) = if expired {
                         (
                             "expired",
                             None,
                             json!({"action": "reject", "decision": "rejected", "reason": "timeout",
                                    "decidedAt": r.now_ms}),
+                            None,
                         )
                     } else {
-                        (r.state, r.by.clone(), r.resume_value.clone())
+                        (
+                            r.state,
+                            r.by.clone(),
+                            r.resume_value.clone(),
+                            r.edits.as_ref().map(Value::to_string),
+                        )
                     };
                     let changed = tx.execute(
                         "UPDATE interrupts SET state = ?2, resolved_by = ?3, resolved_at_ms = ?4,
-                            resume_value = ?5
+                            resume_value = ?5, edits = ?6
                          WHERE interrupt_id = ?1 AND state = 'pending'",
                         params![
                             row.record.interrupt_id,
                             state,
                             by,
                             r.now_ms,
-                            value.to_string()
+                            value.to_string(),
+                            edits
                         ],
                     )?;
                     match by_id(tx, &row.record.interrupt_id)? {
@@ -431,6 +466,13 @@ pub(super) fn apply(
                 .query_map(params![&*principal, *now_ms], row_of)?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
             reply(replies, answer, rows);
+        }
+        Op::Get {
+            interrupt_id,
+            answer,
+        } => {
+            let row = by_id(tx, interrupt_id)?;
+            reply(replies, answer, row);
         }
         Op::RunTrust {
             run_id,

@@ -3,7 +3,7 @@
 use rusqlite::Connection;
 
 /// The schema version this build writes. Each version's step is additive and runs once.
-pub const VERSION: i64 = 7;
+pub const VERSION: i64 = 8;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -36,6 +36,9 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 7 {
         // The MCP front's ticket lookup (`super::mcp`).
         super::mcp::migrate(conn, 7)?;
+    }
+    if version < 8 {
+        v8(conn)?;
     }
     Ok(())
 }
@@ -300,6 +303,19 @@ fn v6(conn: &Connection) -> rusqlite::Result<()> {
          );
          CREATE INDEX IF NOT EXISTS declared_tools_name ON declared_tools (name);
          PRAGMA user_version = 6;
+         COMMIT;",
+    )
+}
+
+/// Issue 16 (edit before approve): `interrupts.edits`, the person's edited arguments of an
+/// interrupt accepted with OpenWOP `edit-accept` — per call `{callId, choice, index,
+/// arguments (redacted), argsHash, modelArgsHash, editedBy, editedAt}`; the model's redacted
+/// arguments stay in `calls`. `NULL`: accepted (or rejected) as raised.
+fn v8(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         ALTER TABLE interrupts ADD COLUMN edits TEXT;
+         PRAGMA user_version = 8;
          COMMIT;",
     )
 }

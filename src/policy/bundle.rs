@@ -299,6 +299,11 @@ pub struct ToolEntry {
     /// This tool asks the person a question (§E clarification). No name is reserved.
     #[serde(default)]
     pub clarification: bool,
+    /// The acting person may edit this tool's arguments before approving a held call
+    /// (OpenWOP approval action `edit-accept`); the edited call is admitted again from the
+    /// arguments stage before it is released. Default `false`: accept or reject only.
+    #[serde(default)]
+    pub approval_edit: bool,
     /// Per-tool mode; overrides the bundle's.
     #[serde(default)]
     pub mode: Option<Mode>,

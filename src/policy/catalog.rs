@@ -22,6 +22,8 @@ pub struct CatalogTool {
     pub business_key: Vec<String>,
     /// Asks the person a question (§E).
     pub clarification: bool,
+    /// The person may edit the arguments before approving (`approval_edit`).
+    pub approval_edit: bool,
     /// Per-tool mode override.
     pub mode: Option<Mode>,
     /// The `_meta` key the tool's MCP server reads an idempotency key from ([`ToolEntry`]).
@@ -90,6 +92,7 @@ impl Catalog {
                     content_trust,
                     business_key,
                     clarification,
+                    approval_edit,
                     mode,
                     idempotency_meta_key,
                 } = entry.clone();
@@ -148,6 +151,7 @@ impl Catalog {
                     content_trust,
                     business_key,
                     clarification,
+                    approval_edit,
                     mode,
                     idempotency_meta_key,
                     file: file.clone(),
@@ -218,6 +222,7 @@ fn unknown_tool() -> CatalogTool {
         content_trust: ContentTrust::Untrusted,
         business_key: Vec::new(),
         clarification: false,
+        approval_edit: false,
         mode: None,
         idempotency_meta_key: None,
         file: String::new(),

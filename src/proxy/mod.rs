@@ -134,6 +134,9 @@ pub struct Session {
     pub agent_digest: String,
     /// The verified acting person (`sub`); `None`: the agent acts (tool-turn contract §C).
     pub person: Option<String>,
+    /// The inputs that made the turn untrusted, named for the approval interrupt (empty for
+    /// a trusted turn).
+    pub untrusted_inputs: Vec<admission::trust::UntrustedInput>,
 }
 
 /// How held calls stand when a round is decided (tool-turn contract §C).
@@ -141,8 +144,10 @@ pub struct Session {
 pub enum Approval<'a> {
     /// No approval in hand: held calls are held.
     Pending,
-    /// The acting person approved exactly these `argsHash`es (once).
-    Accepted(&'a BTreeSet<String>),
+    /// The acting person approved exactly these `argsHash`es (once); the calls they edited
+    /// (`edit-accept`) carry the edited arguments in the round being decided and are released
+    /// with them, or refused when the edit is not admitted.
+    Accepted(&'a BTreeSet<String>, &'a [crate::approvals::Edited]),
     /// No approval was given: held calls are refused with this reason and explanation.
     Refused(&'static str, &'a str),
 }
@@ -314,7 +319,7 @@ impl Session {
         round: &[ChoiceEmissions],
         approval: Approval<'_>,
     ) -> Vec<ChoiceVerdict> {
-        let approved = |h: &str| matches!(approval, Approval::Accepted(set) if set.contains(h));
+        let approved = |h: &str| matches!(approval, Approval::Accepted(set, _) if set.contains(h));
         let ctx = AdmitCtx {
             policy: &self.policy,
             schemas: &self.state.schemas,
@@ -336,11 +341,14 @@ impl Session {
             let mut decisions = admission::decide_choice(&ctx, &self.turn, choice);
             match approval {
                 Approval::Pending => {}
-                Approval::Accepted(_) => admission::refuse_held(
-                    &mut decisions,
-                    "held_after_approval",
-                    "the call is still held after the approval (a rule holds it whatever the approval)",
-                ),
+                Approval::Accepted(_, edits) => {
+                    admission::refuse_held(
+                        &mut decisions,
+                        "held_after_approval",
+                        "the call is still held after the approval (a rule holds it whatever the approval)",
+                    );
+                    crate::approvals::edited_outcomes(&self.turn, choice, &mut decisions, edits);
+                }
                 Approval::Refused(reason, why) => {
                     admission::refuse_held(&mut decisions, reason, why);
                 }
@@ -678,7 +686,15 @@ async fn turn(
         turn.continue_chain(previous);
     }
     let trust = admission::trust::of_turn(&turn, &policy, &history);
+    let mut untrusted_inputs = admission::trust::untrusted_inputs(&turn, &policy, &history);
     let trust = trust::sticky(state, ctx, trust).await;
+    if trust == ContentTrust::Untrusted && untrusted_inputs.is_empty() {
+        if let Some(run_id) = &ctx.run.run_id {
+            untrusted_inputs.push(admission::trust::UntrustedInput::EarlierTurnOfRun {
+                run_id: admission::sanitize_label(run_id),
+            });
+        }
+    }
     state
         .metrics
         .turns
@@ -740,6 +756,7 @@ async fn turn(
         turn,
         rounds: 0,
         person,
+        untrusted_inputs,
     };
     if let Some(answer) = crate::proxy::recovery::serve_recorded(&session, mode).await? {
         return Ok((answer, false));

@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)] // test code
 
 mod admission_order;
+mod approval_ui;
 mod attacks;
 mod channels;
 mod compat;
