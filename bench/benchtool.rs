@@ -15,6 +15,16 @@
 //!   prints one JSON line: requests, errors, rps, and p50/p99 of the time to first byte, the
 //!   whole stream, and the *release delay* — the time from the upstream sending the last
 //!   argument delta to the agent receiving it.
+//! - `benchtool open --url URL --rate R --connections C --seconds S [--run-prefix P]`: an
+//!   open-loop load generator for the non-stream request (the wrk request of `post.lua`):
+//!   request *i* is due at `start + i / R` whatever the answers do, sent on the first of `C`
+//!   connections that is free. Prints one JSON line: requests, errors, achieved rps, p50 /
+//!   p99 / p99.9 of the latency **from the due time** (so a stall shows as the queueing it
+//!   causes, no coordinated omission) and of the service time from the actual send. Timer
+//!   granularity (tokio's 1 ms wheel) delays sends alike in every configuration; compare the
+//!   configurations, not the absolute numbers.
+//! - `--run-prefix P` (`stream` and `open`): every request carries `Turnguard-Run: P-<n>`, a
+//!   run of its own (run journaling: durable records), for the `*-run` cells.
 //! - `benchtool soak --url URL --admin URL --concurrency N --seconds S --secret-file F
 //!   --issuer ISS --audience AUD`: the mixed traffic of `bench/soak.sh` (issue 11), against
 //!   turnguard in front of `benchtool mock`. Each agent loops over scenarios (weights in
@@ -74,11 +84,18 @@ async fn main() {
             let url = arg(&args, "--url").unwrap();
             let c: usize = arg(&args, "--concurrency").unwrap().parse().unwrap();
             let s: u64 = arg(&args, "--seconds").unwrap().parse().unwrap();
-            stream_load(&url, c, Duration::from_secs(s)).await;
+            stream_load(&url, c, Duration::from_secs(s), arg(&args, "--run-prefix")).await;
+        }
+        Some("open") => {
+            let url = arg(&args, "--url").unwrap();
+            let rate: f64 = arg(&args, "--rate").unwrap().parse().unwrap();
+            let c: usize = arg(&args, "--connections").unwrap().parse().unwrap();
+            let s: u64 = arg(&args, "--seconds").unwrap().parse().unwrap();
+            open_load(&url, rate, c, Duration::from_secs(s), arg(&args, "--run-prefix")).await;
         }
         Some("soak") => soak::run(&args).await,
         _ => {
-            eprintln!("usage: benchtool mock --listen ADDR [--event-delay-us N] | stream --url URL --concurrency N --seconds S | soak (see the module docs)");
+            eprintln!("usage: benchtool mock --listen ADDR [--event-delay-us N] | stream --url URL --concurrency N --seconds S [--run-prefix P] | open --url URL --rate R --connections C --seconds S [--run-prefix P] | soak (see the module docs)");
             std::process::exit(2);
         }
     }
@@ -256,18 +273,26 @@ fn request_body() -> Bytes {
     )
 }
 
+/// The bench's request to `url`, with `Turnguard-Run: run` when given.
+fn bench_request(url: &str, body: Bytes, run: Option<String>) -> Request<Full<Bytes>> {
+    let mut req = Request::post(url)
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer sk-bench");
+    if let Some(run) = run {
+        req = req.header("turnguard-run", run);
+    }
+    req.body(Full::new(body)).unwrap()
+}
+
 async fn one_stream(
     client: &Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
     url: &str,
     body: Bytes,
+    run: Option<String>,
     s: &mut Sample,
 ) {
     let started = Instant::now();
-    let req = Request::post(url)
-        .header("content-type", "application/json")
-        .header("authorization", "Bearer sk-bench")
-        .body(Full::new(body))
-        .unwrap();
+    let req = bench_request(url, body, run);
     let Ok(resp) = client.request(req).await else {
         s.errors += 1;
         return;
@@ -331,7 +356,7 @@ fn pct(v: &mut [u64], p: f64) -> u64 {
     v[i]
 }
 
-async fn stream_load(url: &str, concurrency: usize, duration: Duration) {
+async fn stream_load(url: &str, concurrency: usize, duration: Duration, run: Option<String>) {
     let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
     connector.set_nodelay(true);
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
@@ -341,14 +366,18 @@ async fn stream_load(url: &str, concurrency: usize, duration: Duration) {
     let started = Instant::now();
     let deadline = started + duration;
     let mut tasks = Vec::new();
-    for _ in 0..concurrency {
+    for worker in 0..concurrency {
         let client = client.clone();
         let url = url.to_owned();
         let body = body.clone();
+        let run = run.clone();
         tasks.push(tokio::spawn(async move {
             let mut s = Sample::default();
+            let mut n = 0u64;
             while Instant::now() < deadline {
-                one_stream(&client, &url, body.clone(), &mut s).await;
+                n += 1;
+                let run = run.as_ref().map(|p| format!("{p}-{worker}-{n}"));
+                one_stream(&client, &url, body.clone(), run, &mut s).await;
             }
             s
         }));
@@ -375,6 +404,95 @@ async fn stream_load(url: &str, concurrency: usize, duration: Duration) {
             "total_p99_us": pct(&mut all.total_us, 0.99),
             "release_p50_us": pct(&mut all.release_us, 0.5),
             "release_p99_us": pct(&mut all.release_us, 0.99),
+        })
+    );
+}
+
+/// The non-stream request of `bench/post.lua`.
+fn json_request_body() -> Bytes {
+    Bytes::from_static(br#"{"model":"gpt-4o","stream":false,"messages":[{"role":"user","content":"What is the weather in San Francisco?"}],"tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"location":{"type":"string"},"units":{"type":"string"}}}}}]}"#)
+}
+
+/// Open-loop load (see the module docs): `rate` requests per second over `connections`
+/// connections for `duration`.
+async fn open_load(
+    url: &str,
+    rate: f64,
+    connections: usize,
+    duration: Duration,
+    run: Option<String>,
+) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    connector.set_nodelay(true);
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(connections)
+        .build(connector);
+    let body = json_request_body();
+    let period = Duration::from_secs_f64(1.0 / rate);
+    let total = (rate * duration.as_secs_f64()) as u64;
+    let next = Arc::new(AtomicU64::new(0));
+    let start = tokio::time::Instant::now() + Duration::from_millis(20);
+    let mut tasks = Vec::new();
+    for _ in 0..connections {
+        let (client, url, body, run, next) = (
+            client.clone(),
+            url.to_owned(),
+            body.clone(),
+            run.clone(),
+            next.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let (mut from_due, mut from_send, mut errors) = (Vec::new(), Vec::new(), 0u64);
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= total {
+                    break;
+                }
+                let due = start + period.mul_f64(i as f64);
+                tokio::time::sleep_until(due).await;
+                let sent = tokio::time::Instant::now();
+                let req = bench_request(&url, body.clone(), run.as_ref().map(|p| format!("{p}-{i}")));
+                let ok = match client.request(req).await {
+                    Ok(resp) => {
+                        let status = resp.status();
+                        let read = turnguard::body::read_capped(resp.into_body(), 1 << 20).await;
+                        status == 200 && read.is_ok()
+                    }
+                    Err(_) => false,
+                };
+                let now = tokio::time::Instant::now();
+                if ok {
+                    from_due.push((now - due).as_micros() as u64);
+                    from_send.push((now - sent).as_micros() as u64);
+                } else {
+                    errors += 1;
+                }
+            }
+            (from_due, from_send, errors)
+        }));
+    }
+    let (mut due_all, mut send_all, mut errors) = (Vec::new(), Vec::new(), 0);
+    for t in tasks {
+        let (d, s, e) = t.await.unwrap();
+        due_all.extend(d);
+        send_all.extend(s);
+        errors += e;
+    }
+    let elapsed = start.elapsed().as_secs_f64().max(1e-9);
+    let n = due_all.len();
+    println!(
+        "{}",
+        json!({
+            "requests": n,
+            "errors": errors,
+            "rps": n as f64 / elapsed,
+            "target_rps": rate,
+            "p50_us": pct(&mut due_all, 0.5),
+            "p99_us": pct(&mut due_all, 0.99),
+            "p999_us": pct(&mut due_all, 0.999),
+            "service_p50_us": pct(&mut send_all, 0.5),
+            "service_p99_us": pct(&mut send_all, 0.99),
         })
     );
 }

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # turnguard benchmark: direct vs an nginx hop vs turnguard, interleaved, on loopback only.
-# Bounded: 5 cells × ROUNDS × 3 configurations × SECONDS (defaults: 5 × 3 × 3 × 6 s ≈ 5 min
-# of load plus warm-ups). Not part of CI. See bench/README.md.
+# Bounded: 9 cells × ROUNDS × (2 + one turnguard per allocator) configurations × SECONDS
+# (defaults: 9 × 3 × 3 × 6 s ≈ 8 min of load plus warm-ups). Not part of CI. See bench/README.md.
 #
 #   bench/run.sh                 # needs: wrk, nginx (apt-get install wrk nginx), python3
 #   ROUNDS=1 SECONDS_PER_RUN=3 bench/run.sh   # a quick smoke run
+#   ALLOCATORS="system mimalloc jemalloc" bench/run.sh   # one turnguard per global allocator
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
@@ -15,19 +16,27 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 # Load generator and mock on CPU 0, the proxy under test (nginx or turnguard) alone on CPU 1.
 LOADGEN_CPU=${LOADGEN_CPU:-0}
 PROXY_CPU=${PROXY_CPU:-1}
+# One turnguard build per global allocator (`system` = no feature; `mimalloc`, `jemalloc`:
+# the cargo features of the same name), all measured in the same interleaved run.
+ALLOCATORS=${ALLOCATORS:-system}
+OPEN_RATE=${OPEN_RATE:-1000}
 
 command -v wrk >/dev/null || { echo "wrk is missing: apt-get install wrk" >&2; exit 1; }
 command -v nginx >/dev/null || { echo "nginx is missing: apt-get install nginx" >&2; exit 1; }
 
-echo "== build (release)"
-cargo build --release --locked --bin turnguard --example benchtool 2>&1 | tail -1
-TG=$CARGO_TARGET_DIR/release/turnguard
-TOOL=$CARGO_TARGET_DIR/release/examples/benchtool
-
 rm -rf "$OUT"; mkdir -p "$OUT"
 WORK=$(mktemp -d)
+echo "== build (release)"
+cargo build --release --locked --example benchtool 2>&1 | tail -1
+TOOL=$CARGO_TARGET_DIR/release/examples/benchtool
+for a in $ALLOCATORS; do
+  if [ "$a" = system ]; then features=(); else features=(--features "$a"); fi
+  cargo build --release --locked --bin turnguard "${features[@]}" 2>&1 | tail -1
+  cp "$CARGO_TARGET_DIR/release/turnguard" "$WORK/turnguard-$a"
+done
+TG=$WORK/turnguard-${ALLOCATORS%% *}
 free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
-MOCK_PORT=$(free_port); NGINX_PORT=$(free_port); TG_PORT=$(free_port); TG_ADMIN=$(free_port)
+MOCK_PORT=$(free_port); NGINX_PORT=$(free_port)
 
 PIDS=()
 cleanup() {
@@ -37,7 +46,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "== start mock :$MOCK_PORT, nginx :$NGINX_PORT, turnguard :$TG_PORT (admin :$TG_ADMIN)"
+echo "== start mock :$MOCK_PORT, nginx :$NGINX_PORT, turnguard per allocator ($ALLOCATORS)"
 taskset -c "$LOADGEN_CPU" "$TOOL" mock --listen "127.0.0.1:$MOCK_PORT" --event-delay-us "$EVENT_DELAY_US" &
 PIDS+=($!)
 
@@ -55,64 +64,88 @@ cp -r policy/examples/acme "$WORK/policy"
 sed -i -e 's/^burst = .*/burst = 100000000/' -e 's/^per_minute = .*/per_minute = 100000000/' \
   "$WORK/policy/turnguard.toml"
 "$TG" policy check "$WORK/policy" >/dev/null
-taskset -c "$PROXY_CPU" "$TG" serve --listen "127.0.0.1:$TG_PORT" --admin-listen "127.0.0.1:$TG_ADMIN" \
-  --journal "$WORK/journal.db" --policy "$WORK/policy" --upstream "openai=http://127.0.0.1:$MOCK_PORT" \
-  --log-format json 2> "$OUT/turnguard.log" &
-TG_PID=$!; PIDS+=($TG_PID)
-for _ in $(seq 100); do
-  curl -sf "http://127.0.0.1:$TG_ADMIN/readyz" >/dev/null && curl -sf -o /dev/null "http://127.0.0.1:$NGINX_PORT/healthz-nginx" && break
-  sleep 0.1
-done
-
 declare -A URL=(
   [direct]="http://127.0.0.1:$MOCK_PORT/v1/chat/completions"
   [nginx]="http://127.0.0.1:$NGINX_PORT/v1/chat/completions"
-  [turnguard]="http://127.0.0.1:$TG_PORT/v1/chat/completions"
 )
-ticks() { awk '{print $14+$15}' "/proc/$1/stat"; }
+declare -A PID_OF=() ADMIN_OF=()
+CONFIGS=(direct nginx)
+for a in $ALLOCATORS; do
+  port=$(free_port); admin=$(free_port); cfg=turnguard-$a
+  taskset -c "$PROXY_CPU" "$WORK/turnguard-$a" serve --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$admin" \
+    --journal "$WORK/journal-$a.db" --policy "$WORK/policy" --upstream "openai=http://127.0.0.1:$MOCK_PORT" \
+    --log-format json 2> "$OUT/$cfg.log" &
+  PID_OF[$cfg]=$!; PIDS+=($!)
+  URL[$cfg]="http://127.0.0.1:$port/v1/chat/completions"
+  ADMIN_OF[$cfg]="http://127.0.0.1:$admin"
+  CONFIGS+=("$cfg")
+  for _ in $(seq 100); do curl -sf "http://127.0.0.1:$admin/readyz" >/dev/null && break; sleep 0.1; done
+done
+for _ in $(seq 100); do curl -sf -o /dev/null "http://127.0.0.1:$NGINX_PORT/healthz-nginx" && break; sleep 0.1; done
+
+ticks() { if [ -n "${1:-}" ]; then awk '{print $14+$15}' "/proc/$1/stat"; else echo 0; fi; }
 CLK=$(getconf CLK_TCK)
 
+# Cells: KIND CONCURRENCY. `json*` is wrk (closed loop), `open*` benchtool's open loop at
+# OPEN_RATE requests/s over CONCURRENCY connections, `stream*` benchtool's streaming load;
+# a `run` suffix puts a `Turnguard-Run` of its own on every request (run journaling).
 run_cell() { # kind concurrency config round
-  local kind=$1 c=$2 cfg=$3 round=$4 t0 t1 out
-  t0=$(ticks "$TG_PID")
-  if [ "$kind" = json ]; then
-    out=$(taskset -c "$LOADGEN_CPU" wrk -t1 -c"$c" -d"${SECS}s" --latency -s bench/post.lua "${URL[$cfg]}")
-    echo "$out" > "$OUT/wrk-$kind-c$c-$cfg-r$round.txt"
-    line=$(python3 bench/report.py wrk <<<"$out")
-  else
-    line=$(taskset -c "$LOADGEN_CPU" "$TOOL" stream --url "${URL[$cfg]}" --concurrency "$c" --seconds "$SECS")
-  fi
-  t1=$(ticks "$TG_PID")
+  local kind=$1 c=$2 cfg=$3 round=$4 t0 t1 out pid=${PID_OF[$cfg]:-} prefix=()
+  t0=$(ticks "$pid")
+  case "$kind" in *run) prefix=(--run-prefix "bench-$cfg-$kind-c$c-r$round") ;; esac
+  case "$kind" in
+    json|jsonrun)
+      local script=bench/post.lua; [ "$kind" = jsonrun ] && script=bench/post-run.lua
+      out=$(taskset -c "$LOADGEN_CPU" wrk -t1 -c"$c" -d"${SECS}s" --latency -s "$script" "${URL[$cfg]}")
+      echo "$out" > "$OUT/wrk-$kind-c$c-$cfg-r$round.txt"
+      line=$(python3 bench/report.py wrk <<<"$out") ;;
+    open|openrun)
+      line=$(taskset -c "$LOADGEN_CPU" "$TOOL" open --url "${URL[$cfg]}" --rate "$OPEN_RATE" --connections "$c" --seconds "$SECS" "${prefix[@]}") ;;
+    *)
+      line=$(taskset -c "$LOADGEN_CPU" "$TOOL" stream --url "${URL[$cfg]}" --concurrency "$c" --seconds "$SECS" "${prefix[@]}") ;;
+  esac
+  t1=$(ticks "$pid")
   echo "{\"kind\":\"$kind\",\"c\":$c,\"config\":\"$cfg\",\"round\":$round,\"tg_cpu_ticks\":$((t1-t0)),\"clk_tck\":$CLK,\"result\":$line}" >> "$OUT/results.jsonl"
   echo "   $kind c=$c $cfg r$round: $line"
 }
 
 echo "== warm-up"
-for cfg in direct nginx turnguard; do
+for cfg in "${CONFIGS[@]}"; do
   taskset -c "$LOADGEN_CPU" wrk -t1 -c16 -d2s -s bench/post.lua "${URL[$cfg]}" >/dev/null
 done
 
-echo "== measure (interleaved: every round runs the three configurations back to back)"
-for cell in "json 1" "json 16" "json 64" "stream 1" "stream 16"; do
+echo "== measure (interleaved: every round runs every configuration back to back)"
+for cell in "json 1" "json 16" "json 64" "jsonrun 64" "open 64" "openrun 64" "stream 1" "stream 16" "streamrun 16"; do
   set -- $cell
   for round in $(seq "$ROUNDS"); do
-    for cfg in direct nginx turnguard; do run_cell "$1" "$2" "$cfg" "$round"; done
+    for cfg in "${CONFIGS[@]}"; do run_cell "$1" "$2" "$cfg" "$round"; done
   done
   if [ "$1 $2" = "json 64" ]; then
-    grep VmHWM "/proc/$TG_PID/status" | awk '{print "{\"peak_rss_kib_after_c64\":"$2"}"}' >> "$OUT/rss.jsonl"
+    for cfg in "${CONFIGS[@]}"; do
+      [ -n "${PID_OF[$cfg]:-}" ] || continue
+      grep VmHWM "/proc/${PID_OF[$cfg]}/status" | awk -v c="$cfg" '{print "{\"config\":\""c"\",\"peak_rss_kib_after_c64\":"$2"}"}' >> "$OUT/rss.jsonl"
+    done
   fi
 done
-grep VmHWM "/proc/$TG_PID/status" | awk '{print "{\"peak_rss_kib_end\":"$2"}"}' >> "$OUT/rss.jsonl"
+for cfg in "${CONFIGS[@]}"; do
+  [ -n "${PID_OF[$cfg]:-}" ] || continue
+  grep VmHWM "/proc/${PID_OF[$cfg]}/status" | awk -v c="$cfg" '{print "{\"config\":\""c"\",\"peak_rss_kib_end\":"$2"}"}' >> "$OUT/rss.jsonl"
+done
 for p in $(pgrep -P "$(cat "$WORK/nginx.pid")") "$(cat "$WORK/nginx.pid")"; do
   grep VmHWM "/proc/$p/status" | awk -v p="$p" '{print "{\"nginx_pid\":"p",\"peak_rss_kib\":"$2"}"}' >> "$OUT/rss.jsonl"
 done
-curl -s "http://127.0.0.1:$TG_ADMIN/metrics" > "$OUT/turnguard-metrics.txt"
-# Every call must have been released: a bench of refused calls would measure something else.
-if grep -E '^turnguard_tool_calls_total\{outcome="(invalid|refused|held)' "$OUT/turnguard-metrics.txt"; then
-  echo "turnguard did not release every call: the bench request does not fit the policy" >&2
-  exit 1
-fi
-sqlite3 "$WORK/journal.db" "select count(*) from rounds" > "$OUT/journal-rounds.txt" 2>/dev/null || true
+for cfg in "${CONFIGS[@]}"; do
+  [ -n "${ADMIN_OF[$cfg]:-}" ] || continue
+  curl -s "${ADMIN_OF[$cfg]}/metrics" > "$OUT/$cfg-metrics.txt"
+  # Every call must have been released: a bench of refused calls would measure something else.
+  if grep -E '^turnguard_tool_calls_total\{.*outcome="(invalid|refused|held)' "$OUT/$cfg-metrics.txt"; then
+    echo "$cfg did not release every call: the bench request does not fit the policy" >&2
+    exit 1
+  fi
+done
+for a in $ALLOCATORS; do
+  sqlite3 "$WORK/journal-$a.db" "select count(*) from rounds" > "$OUT/journal-rounds-$a.txt" 2>/dev/null || true
+done
 
 echo "== environment"
 {
@@ -120,11 +153,11 @@ echo "== environment"
   echo "kernel: $(uname -sr)"
   echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) × $(nproc)"
   echo "memory: $(free -m | awk '/Mem:/{print $2}') MiB"
-  echo "turnguard: $($TG --version) ($(git rev-parse --short HEAD))"
+  echo "turnguard: $($TG --version) ($(git rev-parse --short HEAD)); allocators: $ALLOCATORS"
   echo "rustc: $(rustc --version)"
   echo "nginx: $(nginx -v 2>&1 | cut -d/ -f2)"
   echo "wrk: $(wrk -v 2>&1 | head -1)"
-  echo "rounds: $ROUNDS × ${SECS}s per configuration and cell; stream event delay ${EVENT_DELAY_US}µs"
+  echo "rounds: $ROUNDS × ${SECS}s per configuration and cell; stream event delay ${EVENT_DELAY_US}µs; open loop ${OPEN_RATE} req/s"
 } > "$OUT/env.txt"
 cat "$OUT/env.txt"
 python3 bench/report.py summary "$OUT" | tee "$OUT/summary.md"

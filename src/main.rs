@@ -152,6 +152,16 @@ fn init_logs(format: LogFormat) {
     }
 }
 
+// The global allocator: the system's unless built with `--features mimalloc` or
+// `--features jemalloc` (bench/README.md, "Allocator", has the measurements behind the choice).
+#[cfg(all(feature = "mimalloc", not(feature = "jemalloc")))]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[cfg(feature = "jemalloc")]
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
