@@ -203,6 +203,7 @@ mod tests {
     #[test]
     fn a_response_with_provider_output_is_recorded_untrusted() {
         let mut l = ResponseLink {
+            items: Vec::new(),
             response_id: "r".into(),
             previous_response_id: None,
             status: Some("completed".into()),

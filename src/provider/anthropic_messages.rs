@@ -34,6 +34,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         .and_then(Value::as_array)
         .ok_or("`messages` must be an array")?;
     let mut turn = Turn {
+        item_references: Vec::new(),
         api: Api::AnthropicMessages,
         model: obj.get("model").and_then(Value::as_str).map(str::to_owned),
         stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
@@ -68,6 +69,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                 .and_then(Value::as_str)
                 .ok_or_else(|| format!("`tools[{i}].name` must be a string"))?;
             turn.tools.push(DeclaredTool {
+                freeform: None,
                 name: name.to_owned(),
                 schema: t.get("input_schema").cloned(),
             });
@@ -250,6 +252,7 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>,
         .flatten()
         .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
         .map(|b| ToolCall {
+            input: crate::model::CallInput::Json,
             id: b
                 .get("id")
                 .and_then(Value::as_str)
@@ -280,6 +283,7 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>,
         .filter_map(|b| b.get("type").and_then(Value::as_str))
         .any(is_provider_block);
     let out = vec![ChoiceEmissions {
+        output: Vec::new(),
         choice: 0,
         text,
         provider_output,
@@ -552,6 +556,7 @@ impl MessagesStream {
                     self.provider_output = true;
                 }
                 let call = (ty == "tool_use").then(|| ToolCall {
+                    input: crate::model::CallInput::Json,
                     id: cb
                         .get("id")
                         .and_then(Value::as_str)
@@ -684,6 +689,7 @@ impl MessagesStream {
             return Vec::new();
         }
         vec![ChoiceEmissions {
+            output: Vec::new(),
             choice: 0,
             text: None,
             provider_output: self.provider_output,

@@ -161,6 +161,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         Some(_) => return Err("`previous_response_id` must be a string".into()),
     };
     let mut turn = Turn {
+        item_references: Vec::new(),
         api: Api::OpenAiResponses,
         model: str_of(body, "model").map(str::to_owned),
         stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
@@ -183,6 +184,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                 let name = str_of(t, "name")
                     .ok_or_else(|| format!("`tools[{i}].name` must be a string"))?;
                 turn.tools.push(DeclaredTool {
+                    freeform: None,
                     name: name.to_owned(),
                     schema: t.get("parameters").filter(|p| !p.is_null()).cloned(),
                 });
@@ -399,6 +401,7 @@ fn call_name(item: &Value) -> String {
 
 fn call_from_item(item: &Value) -> ToolCall {
     ToolCall {
+        input: crate::model::CallInput::Json,
         id: str_of(item, "call_id")
             .or_else(|| str_of(item, "id"))
             .unwrap_or_default()
@@ -499,6 +502,7 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>,
         .map(call_from_item)
         .collect();
     let out = vec![ChoiceEmissions {
+        output: Vec::new(),
         choice: 0,
         text: output_text(body),
         provider_output: output_items(body).any(|i| kind_of(item_type(i)) == Kind::Provider),
@@ -517,6 +521,7 @@ pub fn response_link(body: &Value, turn: &Turn) -> Option<ResponseLink> {
         note_provider_item(&mut provider_items, item_type(item));
     }
     Some(ResponseLink {
+        items: Vec::new(),
         response_id,
         previous_response_id: turn.previous_response_id.clone(),
         status: str_of(body, "status").map(str::to_owned),
@@ -739,6 +744,7 @@ impl CallAcc {
             None => (self.name.clone(), &self.deltas),
         };
         ToolCall {
+            input: crate::model::CallInput::Json,
             id: self.call_id.clone(),
             name,
             arguments: arguments.clone(),
@@ -1324,6 +1330,7 @@ impl ResponsesStream {
             return Vec::new();
         }
         vec![ChoiceEmissions {
+            output: Vec::new(),
             choice: 0,
             text: None,
             provider_output: !self.provider_items.is_empty(),
@@ -1344,6 +1351,7 @@ impl ResponsesStream {
     /// The journal's record of this response, once its id is known.
     pub fn response_link(&self) -> Option<ResponseLink> {
         Some(ResponseLink {
+            items: Vec::new(),
             response_id: self
                 .provider_response_id
                 .clone()
