@@ -122,6 +122,7 @@ fn api_of(path: &str) -> &'static str {
         "/v1/responses" => "openai_responses",
         "/v1/messages/count_tokens" | "/v1/embeddings" => "passthrough",
         p if p == "/v1/models" || p.starts_with("/v1/models/") => "passthrough",
+        p if p.starts_with("/mcp/") => "mcp",
         _ => "none",
     }
 }

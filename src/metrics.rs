@@ -44,6 +44,9 @@ pub struct CallLabels {
     /// The catalog `toolId`; every tool the catalog does not declare is
     /// `turnguard:unknown` (the label never carries a model-chosen name).
     pub tool: String,
+    /// Where the call was decided: `llm` (emitted by the model, on the provider APIs) or
+    /// `mcp` (a `tools/call` through the MCP front).
+    pub surface: String,
 }
 
 /// Labels of the edge histograms (`turnguard_request_duration_seconds`,

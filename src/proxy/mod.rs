@@ -66,7 +66,8 @@ pub struct RequestCtx {
 }
 
 impl RequestCtx {
-    fn new(headers: &HeaderMap) -> Self {
+    /// The request id and run identity of a request's headers.
+    pub(crate) fn new(headers: &HeaderMap) -> Self {
         let header = |name: &str| {
             headers
                 .get(name)
@@ -479,6 +480,7 @@ impl Session {
                         } else {
                             crate::policy::rules::UNKNOWN_TOOL_ID.to_owned()
                         },
+                        surface: "llm".to_owned(),
                     })
                     .inc();
                 let tool_name = admission::sanitize_label(&call.name);
@@ -816,7 +818,7 @@ pub enum RunMode {
     Replay,
 }
 
-fn run_mode(headers: &HeaderMap) -> Result<RunMode, WireError> {
+pub(crate) fn run_mode(headers: &HeaderMap) -> Result<RunMode, WireError> {
     match headers
         .get("turnguard-mode")
         .map(|v| v.to_str().map(str::trim))
@@ -907,7 +909,11 @@ pub struct RoundBase {
 /// Reads the agent's request body (capped, within `body_read_timeout_ms`), then takes the
 /// data plane's concurrency permit ([`crate::edge::admit`]): a client still sending its body
 /// holds no permit.
-async fn read_request(
+/// Reads a data-plane request body: capped at `max_body_bytes`, within
+/// `body_read_timeout_ms`, then takes the concurrency permit ([`crate::edge::admit`]).
+///
+/// Errors: 413, 408, 400, or 503 when shed.
+pub(crate) async fn read_request(
     state: &AppState,
     parts: &http::request::Parts,
     body: Body,
@@ -1035,7 +1041,7 @@ fn is_event_content_type(v: &str) -> bool {
 /// it goes upstream (tool-turn contract §F). A chat turn (no `Turnguard-Run`) may.
 /// `Turnguard-Run` and `Turnguard-Node` become OpenWOP ids: a run id of `A-Z a-z 0-9 . _ ~ :
 /// / -` (≤ 200), a node id of `A-Z a-z 0-9 . _ ~ : -` (≤ 128, ids.schema.json `nodeId`).
-fn check_run_ids(run: &RunKey) -> Result<(), WireError> {
+pub(crate) fn check_run_ids(run: &RunKey) -> Result<(), WireError> {
     let ok = |s: &str, max: usize, slash: bool| {
         !s.is_empty()
             && s.len() <= max
@@ -1404,9 +1410,19 @@ pub fn round_record(
 /// like its body; a failure is counted and logged (the agent's response is already decided).
 /// A run node's round is committed durably before this returns (tool-turn contract §D); a
 /// chat turn's round is queued (replay and recovery do not apply to chat turns).
-pub async fn record_round(session: &Session, mut rec: RoundRecord) {
-    rec.redact_text(&session.policy.redactor);
-    journal_round(&session.state, rec).await;
+pub async fn record_round(session: &Session, rec: RoundRecord) {
+    record_round_with(&session.state, &session.policy.redactor, rec).await;
+}
+
+/// [`record_round`] for a round decided outside a [`Session`] (the MCP front): its text
+/// fields redacted with `redactor` first.
+pub async fn record_round_with(
+    state: &AppState,
+    redactor: &crate::policy::Redactor,
+    mut rec: RoundRecord,
+) {
+    rec.redact_text(redactor);
+    journal_round(state, rec).await;
 }
 
 async fn journal_round(state: &AppState, rec: RoundRecord) {
