@@ -1079,9 +1079,21 @@ impl ChatStream {
     }
 
     /// Drops what is held (the round is being repaired); the next round's events follow.
-    pub fn abandon(&mut self) {
+    pub fn abandon(&mut self) -> std::collections::BTreeSet<u32> {
+        // The choices whose `delta.role` was only in a held chunk: the agent never got it, so
+        // the repair round's stream must carry it (openai-node requires a role per choice).
+        let owed = self
+            .held
+            .iter()
+            .filter_map(|h| h.json.as_ref())
+            .filter_map(|j| j.get("choices").and_then(Value::as_array))
+            .flatten()
+            .filter(|c| c.pointer("/delta/role").is_some_and(|r| !r.is_null()))
+            .filter_map(choice_index)
+            .collect();
         self.held.clear();
         self.decided = true;
+        owed
     }
 }
 
