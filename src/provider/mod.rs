@@ -110,7 +110,9 @@ pub fn append_repair(api: Api, body: &mut Value, choice: &ChoiceEmissions, items
 }
 
 /// The provider-enforced output schema of a request (`structured` channel, tool-turn
-/// contract §A): Chat `response_format: {type: "json_schema", json_schema: {name, schema}}`.
+/// contract §A): Chat `response_format: {type: "json_schema", json_schema: {name, schema}}`;
+/// Messages `output_config.format` ([`anthropic_messages::structured_schema`]); Responses
+/// `text.format` ([`openai_responses::structured_schema`]).
 pub fn structured_schema(api: Api, body: &Value) -> Option<(String, Value)> {
     match api {
         Api::OpenAiChat => {
@@ -126,7 +128,7 @@ pub fn structured_schema(api: Api, body: &Value) -> Option<(String, Value)> {
                 .to_owned();
             Some((name, js.get("schema")?.clone()))
         }
-        Api::AnthropicMessages => None,
+        Api::AnthropicMessages => anthropic_messages::structured_schema(body),
         Api::OpenAiResponses => openai_responses::structured_schema(body),
     }
 }
