@@ -146,7 +146,7 @@ const CLIENT_TOOLS: [&str; 6] = [
 ];
 
 /// Output item types the provider executed or holds that an agent may echo back in `input`.
-const PROVIDER_ITEMS: [&str; 8] = [
+const PROVIDER_ITEMS: [&str; 7] = [
     "web_search_call",
     "file_search_call",
     "code_interpreter_call",
@@ -154,8 +154,10 @@ const PROVIDER_ITEMS: [&str; 8] = [
     "mcp_call",
     "mcp_list_tools",
     "mcp_approval_request",
-    "item_reference",
 ];
+
+/// Longest stored item id the journal keeps for `item_reference` lookups (characters).
+const MAX_ITEM_ID: usize = 256;
 
 /// Reads a Responses request body.
 ///
@@ -296,9 +298,21 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                     judge_parts(&mut turn, item.get("output"), &format!("input[{i}].output"));
                 }
             }
-            // Provider-executed items echoed back (`web_search_call`, `mcp_call` …), references
-            // to stored items the proxy cannot read (`item_reference`), and an approval that
-            // lets the provider run an MCP call: untrusted (contract §F).
+            // A reference to a stored item the provider fills in, which the proxy cannot read:
+            // untrusted until the trust stage finds it in turnguard's journal as trusted
+            // output (`Turn::resolve_references`).
+            "item_reference" => match str_of(item, "id").filter(|id| id.chars().count() <= MAX_ITEM_ID) {
+                Some(id) => {
+                    turn.item_references.push(crate::model::ItemReference {
+                        id: id.to_owned(),
+                        at: at(),
+                    });
+                    turn.untrusted(UntrustedKind::StoredItem, at());
+                }
+                None => turn.untrusted(UntrustedKind::ProviderOutput, at()),
+            },
+            // Provider-executed items echoed back (`web_search_call`, `mcp_call` …) and an
+            // approval that lets the provider run an MCP call: untrusted (contract §F).
             t if PROVIDER_ITEMS.contains(&t)
                 || matches!(t, "mcp_approval_response" | "tool_search_call" | "tool_search_output") =>
             {
@@ -648,7 +662,7 @@ pub fn response_link(body: &Value, turn: &Turn) -> Option<ResponseLink> {
         note_provider_item(&mut provider_items, item);
     }
     Some(ResponseLink {
-        items: Vec::new(),
+        items: stored_items(body),
         response_id,
         previous_response_id: turn.previous_response_id.clone(),
         status: str_of(body, "status").map(str::to_owned),
@@ -657,6 +671,21 @@ pub fn response_link(body: &Value, turn: &Turn) -> Option<ResponseLink> {
         next_round_index: None,
         calls_so_far: None,
     })
+}
+
+/// The output items of `response` that carry an id, for the journal's `item_reference`
+/// lookups: id, type, and whether the provider executed it (or turnguard does not know it).
+fn stored_items(response: &Value) -> Vec<crate::model::StoredOutputItem> {
+    output_items(response)
+        .filter_map(|item| {
+            let id = str_of(item, "id").filter(|id| id.chars().count() <= MAX_ITEM_ID)?;
+            Some(crate::model::StoredOutputItem {
+                id: id.to_owned(),
+                item_type: sanitize_type(item_type(item)),
+                provider_executed: item_kind(item) == Kind::Provider,
+            })
+        })
+        .collect()
 }
 
 fn note_provider_item(list: &mut Vec<String>, item: &Value) {
@@ -1524,7 +1553,11 @@ impl ResponsesStream {
     /// The journal's record of this response, once its id is known.
     pub fn response_link(&self) -> Option<ResponseLink> {
         Some(ResponseLink {
-            items: Vec::new(),
+            items: self
+                .terminal
+                .as_ref()
+                .map(|t| stored_items(&t.response))
+                .unwrap_or_default(),
             response_id: self
                 .provider_response_id
                 .clone()

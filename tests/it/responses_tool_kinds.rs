@@ -250,3 +250,73 @@ async fn the_responses_websocket_probe_is_declined_with_426() {
     );
     h.stop().await;
 }
+
+/// The Vercel AI SDK's second tool round: the first response's reasoning and message items
+/// sent back as `item_reference`s. References to items turnguard journaled from a trusted
+/// turn take that trust (the write call is released); an unknown reference stays untrusted
+/// (the write call is held, and with nobody to approve it, not released).
+#[tokio::test]
+async fn item_references_take_the_trust_of_the_journaled_items_they_name() {
+    let h = support::start_with_policy(
+        turnguard::mock_provider::Script::default(),
+        BUNDLE,
+    )
+    .await;
+    let note = json!({"name": "save_note", "arguments": {"text": "Paris: sunny"}});
+    h.script(&json!({"responses": [
+        {"reply": {"reasoning": "The weather first.", "text": "Checking.",
+            "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}},
+        {"reply": {"tool_calls": [note.clone()]}},
+        {"reply": {"tool_calls": [note]}}
+    ]}))
+    .await;
+    let tools = json!([
+        {"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
+        {"type": "function", "name": "save_note", "parameters": {"type": "object"}}
+    ]);
+    let user = json!({"role": "user", "content": [{"type": "input_text", "text": "weather, then a note"}]});
+    let first = json!({"model": "m", "tools": tools, "input": [user]});
+    let (status, body) = post_json(&url(&h), &first, &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let resp: Value = serde_json::from_slice(&body).unwrap();
+    let output = resp["output"].as_array().unwrap();
+    let refs: Vec<Value> = output
+        .iter()
+        .filter(|i| i["type"] == "reasoning" || i["type"] == "message")
+        .map(|i| json!({"type": "item_reference", "id": i["id"]}))
+        .collect();
+    assert_eq!(refs.len(), 2, "{resp}");
+    let call = output.iter().find(|i| i["type"] == "function_call").unwrap();
+    let call_id = call["call_id"].clone();
+    let second = |refs: Vec<Value>| {
+        let mut input = vec![user.clone()];
+        input.extend(refs);
+        input.push(json!({"type": "function_call", "call_id": call_id, "name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}));
+        input.push(json!({"type": "function_call_output", "call_id": call_id, "output": "sunny, 21 C"}));
+        json!({"model": "m", "tools": tools, "input": input})
+    };
+    let released = |body: &[u8]| -> bool {
+        let v: Value = serde_json::from_slice(body).unwrap();
+        v["output"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|i| i["type"] == "function_call" && i["name"] == "save_note")
+    };
+    let (status, body) = post_json(&url(&h), &second(refs), &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        released(&body),
+        "journaled references are trusted: {}",
+        String::from_utf8_lossy(&body)
+    );
+    let unknown = vec![json!({"type": "item_reference", "id": "rs_not_journaled"})];
+    let (status, body) = post_json(&url(&h), &second(unknown), &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        !released(&body),
+        "an unknown reference stays untrusted: {}",
+        String::from_utf8_lossy(&body)
+    );
+    h.stop().await;
+}
