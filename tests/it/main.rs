@@ -27,6 +27,7 @@ mod responses_surface;
 mod responses_tool_kinds;
 mod sdk_equivalence;
 mod serve_cli;
+mod shipped_catalogs;
 mod stream_chunking;
 mod support;
 mod trust_approvals;
