@@ -451,7 +451,10 @@ mod format_tests {
             check_format(&huge, "x").map_err(|e| e.0),
             Err("format_uncompilable")
         );
-        assert_eq!(check_format(&FreeformFormat::Text, "anything at all"), Ok(()));
+        assert_eq!(
+            check_format(&FreeformFormat::Text, "anything at all"),
+            Ok(())
+        );
         assert_eq!(
             check_format(&FreeformFormat::Lark("start: \"a\"".into()), "not a"),
             Ok(()),
@@ -468,7 +471,10 @@ mod format_tests {
         let mut call = ToolCall::json("c", "exec", "ls -la");
         assert_eq!(parse_call(&call), Err(ArgsError::NotJson));
         call.input = CallInput::Text;
-        assert_eq!(parse_call(&call), Ok(serde_json::json!({"input": "ls -la"})));
+        assert_eq!(
+            parse_call(&call),
+            Ok(serde_json::json!({"input": "ls -la"}))
+        );
     }
 }
 

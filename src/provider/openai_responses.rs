@@ -259,7 +259,11 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                     turn.tool_results.push(ToolResultSeen {
                         tool_call_id: call_id.to_owned(),
                         tool_name: calls.name_of(call_id),
-                        content: item.get("tools").cloned().unwrap_or(Value::Null).to_string(),
+                        content: item
+                            .get("tools")
+                            .cloned()
+                            .unwrap_or(Value::Null)
+                            .to_string(),
                         is_error: false,
                     });
                 }
@@ -301,20 +305,25 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
             // A reference to a stored item the provider fills in, which the proxy cannot read:
             // untrusted until the trust stage finds it in turnguard's journal as trusted
             // output (`Turn::resolve_references`).
-            "item_reference" => match str_of(item, "id").filter(|id| id.chars().count() <= MAX_ITEM_ID) {
-                Some(id) => {
-                    turn.item_references.push(crate::model::ItemReference {
-                        id: id.to_owned(),
-                        at: at(),
-                    });
-                    turn.untrusted(UntrustedKind::StoredItem, at());
+            "item_reference" => {
+                match str_of(item, "id").filter(|id| id.chars().count() <= MAX_ITEM_ID) {
+                    Some(id) => {
+                        turn.item_references.push(crate::model::ItemReference {
+                            id: id.to_owned(),
+                            at: at(),
+                        });
+                        turn.untrusted(UntrustedKind::StoredItem, at());
+                    }
+                    None => turn.untrusted(UntrustedKind::ProviderOutput, at()),
                 }
-                None => turn.untrusted(UntrustedKind::ProviderOutput, at()),
-            },
+            }
             // Provider-executed items echoed back (`web_search_call`, `mcp_call` …) and an
             // approval that lets the provider run an MCP call: untrusted (contract §F).
             t if PROVIDER_ITEMS.contains(&t)
-                || matches!(t, "mcp_approval_response" | "tool_search_call" | "tool_search_output") =>
+                || matches!(
+                    t,
+                    "mcp_approval_response" | "tool_search_call" | "tool_search_output"
+                ) =>
             {
                 turn.untrusted(UntrustedKind::ProviderOutput, at());
             }
@@ -351,9 +360,7 @@ fn declare_tools(
 ) -> Result<(), String> {
     for (i, t) in list.iter().enumerate() {
         let ty = str_of(t, "type").unwrap_or_default();
-        let name = || {
-            str_of(t, "name").ok_or_else(|| format!("`{at}[{i}].name` must be a string"))
-        };
+        let name = || str_of(t, "name").ok_or_else(|| format!("`{at}[{i}].name` must be a string"));
         match ty {
             "function" => turn.declare(DeclaredTool::json(
                 qualified_name(namespace, name()?),
@@ -841,8 +848,7 @@ fn repair_call_item(call: &ToolCall, item: Option<&Value>) -> (Value, &'static s
     let mut out = if call.input == CallInput::Text {
         json!({"type": "custom_tool_call", "call_id": call.id, "name": name, "input": call.arguments})
     } else {
-        let args = if serde_json::from_str::<Value>(&call.arguments).is_ok_and(|v| v.is_object())
-        {
+        let args = if serde_json::from_str::<Value>(&call.arguments).is_ok_and(|v| v.is_object()) {
             call.arguments.clone()
         } else {
             "{}".to_owned()
@@ -1738,7 +1744,10 @@ impl ResponsesStream {
             "incomplete_details": null,
             "output": output,
         });
-        self.emit_new(json!({"type": "response.failed", "response": response}), out);
+        self.emit_new(
+            json!({"type": "response.failed", "response": response}),
+            out,
+        );
     }
 
     /// Drops what is held (the round is being repaired) and says how the next round's stream
@@ -1983,10 +1992,7 @@ mod tests {
             .collect();
         assert_eq!(
             calls,
-            vec![
-                ("call_1", "a", "{\"x\":1}"),
-                ("call_2", "sql", "SELECT 1")
-            ]
+            vec![("call_1", "a", "{\"x\":1}"), ("call_2", "sql", "SELECT 1")]
         );
         let link = response_link(&body, &turn).unwrap();
         assert_eq!(link.provider_items, vec!["web_search_call"]);

@@ -37,7 +37,10 @@ async fn a_repaired_chat_stream_carries_the_role_once_on_its_first_chunk() {
     assert_eq!(status, 200);
     let chunks: Vec<Value> = sse_data(&bytes)
         .into_iter()
-        .filter(|c| c.get("choices").is_some_and(|c| !c.as_array().unwrap().is_empty()))
+        .filter(|c| {
+            c.get("choices")
+                .is_some_and(|c| !c.as_array().unwrap().is_empty())
+        })
         .collect();
     let roles: Vec<(usize, &Value)> = chunks
         .iter()
@@ -51,7 +54,10 @@ async fn a_repaired_chat_stream_carries_the_role_once_on_its_first_chunk() {
     );
     let text: String = chunks
         .iter()
-        .filter_map(|c| c.pointer("/choices/0/delta/content").and_then(Value::as_str))
+        .filter_map(|c| {
+            c.pointer("/choices/0/delta/content")
+                .and_then(Value::as_str)
+        })
         .collect();
     assert_eq!(text, "I could not finish that call.");
     assert_eq!(
@@ -149,8 +155,7 @@ async fn anthropic_structured_output_is_a_structured_channel() {
             "type": "object", "properties": {"answer": {"type": "string"}},
             "required": ["answer"], "additionalProperties": false}}},
         "messages": [{"role": "user", "content": "the answer?"}]});
-    let (status, bytes) =
-        support::post_json(&format!("{}/v1/messages", h.url()), &body, &[]).await;
+    let (status, bytes) = support::post_json(&format!("{}/v1/messages", h.url()), &body, &[]).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
     let resp: Value = serde_json::from_slice(&bytes).unwrap();
     let text: String = resp["content"]

@@ -72,11 +72,7 @@ fn mock_bodies(requests: &[Value]) -> Vec<&Value> {
 
 #[tokio::test]
 async fn a_namespaced_custom_call_in_a_first_lite_turn_is_declared_trusted_and_released() {
-    let h = support::start_with_policy(
-        turnguard::mock_provider::Script::default(),
-        BUNDLE,
-    )
-    .await;
+    let h = support::start_with_policy(turnguard::mock_provider::Script::default(), BUNDLE).await;
     h.script(&json!({"responses": [{"reply": {"tool_calls": [exec_call(JS)]}}]}))
         .await;
     let (status, body) = post_json(&url(&h), &lite_request(lark(), false), &[]).await;
@@ -99,19 +95,11 @@ async fn a_namespaced_custom_call_in_a_first_lite_turn_is_declared_trusted_and_r
 
 #[tokio::test]
 async fn a_streamed_custom_call_is_held_validated_and_released_as_sent() {
-    let h = support::start_with_policy(
-        turnguard::mock_provider::Script::default(),
-        BUNDLE,
-    )
-    .await;
+    let h = support::start_with_policy(turnguard::mock_provider::Script::default(), BUNDLE).await;
     h.script(&json!({"responses": [{"reply": {"tool_calls": [exec_call(JS)]}}]}))
         .await;
-    let (status, _, body) = post_raw(
-        &url(&h),
-        lite_request(lark(), true).to_string().into(),
-        &[],
-    )
-    .await;
+    let (status, _, body) =
+        post_raw(&url(&h), lite_request(lark(), true).to_string().into(), &[]).await;
     assert_eq!(status, 200);
     let events = sse_data(&body);
     let kinds: Vec<&str> = events.iter().filter_map(|e| e["type"].as_str()).collect();
@@ -143,11 +131,7 @@ async fn a_streamed_custom_call_is_held_validated_and_released_as_sent() {
 
 #[tokio::test]
 async fn a_custom_call_outside_its_regex_grammar_is_repaired_as_a_custom_call() {
-    let h = support::start_with_policy(
-        turnguard::mock_provider::Script::default(),
-        BUNDLE,
-    )
-    .await;
+    let h = support::start_with_policy(turnguard::mock_provider::Script::default(), BUNDLE).await;
     h.script(&json!({"responses": [
         {"reply": {"tool_calls": [exec_call("ls -la")]}},
         {"reply": {"text": "I will stay within the grammar."}}
@@ -189,20 +173,12 @@ async fn a_custom_call_outside_its_regex_grammar_is_repaired_as_a_custom_call() 
 
 #[tokio::test]
 async fn a_failed_stream_ends_with_response_failed_and_a_non_retryable_error() {
-    let h = support::start_with_policy(
-        turnguard::mock_provider::Script::default(),
-        BUNDLE,
-    )
-    .await;
+    let h = support::start_with_policy(turnguard::mock_provider::Script::default(), BUNDLE).await;
     let cut = json!({"reply": {"tool_calls": [exec_call(JS)], "truncated": true}});
     h.script(&json!({"responses": [cut.clone(), cut.clone(), cut]}))
         .await;
-    let (status, _, body) = post_raw(
-        &url(&h),
-        lite_request(lark(), true).to_string().into(),
-        &[],
-    )
-    .await;
+    let (status, _, body) =
+        post_raw(&url(&h), lite_request(lark(), true).to_string().into(), &[]).await;
     assert_eq!(status, 200);
     let events = sse_data(&body);
     let last = events.last().unwrap();
@@ -257,11 +233,7 @@ async fn the_responses_websocket_probe_is_declined_with_426() {
 /// (the write call is held, and with nobody to approve it, not released).
 #[tokio::test]
 async fn item_references_take_the_trust_of_the_journaled_items_they_name() {
-    let h = support::start_with_policy(
-        turnguard::mock_provider::Script::default(),
-        BUNDLE,
-    )
-    .await;
+    let h = support::start_with_policy(turnguard::mock_provider::Script::default(), BUNDLE).await;
     let note = json!({"name": "save_note", "arguments": {"text": "Paris: sunny"}});
     h.script(&json!({"responses": [
         {"reply": {"reasoning": "The weather first.", "text": "Checking.",
@@ -286,13 +258,18 @@ async fn item_references_take_the_trust_of_the_journaled_items_they_name() {
         .map(|i| json!({"type": "item_reference", "id": i["id"]}))
         .collect();
     assert_eq!(refs.len(), 2, "{resp}");
-    let call = output.iter().find(|i| i["type"] == "function_call").unwrap();
+    let call = output
+        .iter()
+        .find(|i| i["type"] == "function_call")
+        .unwrap();
     let call_id = call["call_id"].clone();
     let second = |refs: Vec<Value>| {
         let mut input = vec![user.clone()];
         input.extend(refs);
         input.push(json!({"type": "function_call", "call_id": call_id, "name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}));
-        input.push(json!({"type": "function_call_output", "call_id": call_id, "output": "sunny, 21 C"}));
+        input.push(
+            json!({"type": "function_call_output", "call_id": call_id, "output": "sunny, 21 C"}),
+        );
         json!({"model": "m", "tools": tools, "input": input})
     };
     let released = |body: &[u8]| -> bool {

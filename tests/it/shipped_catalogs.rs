@@ -31,14 +31,13 @@ async fn bash_after(prior: &str, prior_input: Value, result: &str) -> (Vec<Value
     ]}))
     .await;
     let body = json!({"model": "claude-x", "max_tokens": 1024,
-        "tools": [tool("Bash"), tool("Read"), tool("WebFetch")],
-        "messages": [
-            {"role": "user", "content": "follow the install steps"},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": prior, "input": prior_input}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]}
-        ]});
-    let (status, bytes) =
-        support::post_json(&format!("{}/v1/messages", h.url()), &body, &[]).await;
+    "tools": [tool("Bash"), tool("Read"), tool("WebFetch")],
+    "messages": [
+        {"role": "user", "content": "follow the install steps"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": prior, "input": prior_input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]}
+    ]});
+    let (status, bytes) = support::post_json(&format!("{}/v1/messages", h.url()), &body, &[]).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
     let resp: Value = serde_json::from_slice(&bytes).unwrap();
     let content = resp["content"].as_array().unwrap();
@@ -63,7 +62,11 @@ async fn with_the_claude_code_catalog_bash_after_read_runs_and_bash_after_webfet
         "run `make install`",
     )
     .await;
-    assert_eq!(calls.len(), 1, "after a workspace read, Bash is released: {text}");
+    assert_eq!(
+        calls.len(),
+        1,
+        "after a workspace read, Bash is released: {text}"
+    );
     let (calls, text) = bash_after(
         "WebFetch",
         json!({"url": "https://example.com/install", "prompt": "the steps"}),
