@@ -3,10 +3,13 @@
 //!
 //! Output items fall in three kinds:
 //! - **client calls**, which the agent executes and admission decides: `function_call` (the
-//!   `tool` channel of contract §A), and, fail closed, the other client-executed call items
-//!   (`custom_tool_call`, `computer_call`, `local_shell_call`, `shell_call`,
-//!   `apply_patch_call`). Admission has no declared tool for those yet, so they are withheld at
-//!   the name stage rather than released unadmitted;
+//!   `tool` channel of contract §A), `custom_tool_call` (a free-form tool's raw-text input,
+//!   checked against its declared `format`), a `tool_search_call` the client runs
+//!   (`execution: "client"`), and, fail closed, the other client-executed call items
+//!   (`computer_call`, `local_shell_call`, `shell_call`, `apply_patch_call`). Admission has no
+//!   declared tool for those last ones, so they are withheld at the name stage rather than
+//!   released unadmitted. A call's identity is its name qualified by its `namespace`
+//!   (`functions.exec`), as its tool was declared ([`declare_tools`]);
 //! - **model output**: `message`, `reasoning` (passed through; text is never a call);
 //! - **provider-executed** items (`web_search_call`, `file_search_call`,
 //!   `code_interpreter_call`, `image_generation_call`, `mcp_call`, `mcp_list_tools`,
@@ -1970,6 +1973,53 @@ mod tests {
             let t = parse_request(&json!({"input": "hi", "conversation": conversation})).unwrap();
             assert!(!t.untrusted_inputs.is_empty());
         }
+    }
+
+    #[test]
+    fn every_tool_kind_is_declared_under_its_identity() {
+        let body = json!({
+            "tools": [
+                {"type": "custom", "name": "apply_patch"},
+                {"type": "tool_search", "execution": "client", "parameters": {"type": "object"}},
+                {"type": "tool_search"}
+            ],
+            "input": [
+                {"type": "additional_tools", "role": "developer", "tools": [
+                    {"type": "namespace", "name": "functions", "tools": [
+                        {"type": "custom", "name": "exec", "format": {"type": "grammar", "syntax": "regex", "definition": "a+"}},
+                        {"type": "function", "name": "wait", "parameters": {"type": "object"}}
+                    ]}
+                ]},
+                {"role": "user", "content": "go"}
+            ]
+        });
+        let t = parse_request(&body).unwrap();
+        let tools: Vec<(&str, Option<&FreeformFormat>)> = t
+            .tools
+            .iter()
+            .map(|d| (d.name.as_str(), d.freeform.as_ref()))
+            .collect();
+        assert_eq!(
+            tools,
+            vec![
+                ("apply_patch", Some(&FreeformFormat::Text)),
+                ("tool_search", None),
+                ("functions.exec", Some(&FreeformFormat::Regex("a+".into()))),
+                ("functions.wait", None),
+            ]
+        );
+        // The provider-run search is provider output; the host's tools are not a model turn.
+        let at: Vec<&str> = t.untrusted_inputs.iter().map(|u| u.at.as_str()).collect();
+        assert_eq!(at, vec!["tools[2]"]);
+        assert_eq!(t.round_index, 0);
+        let nested = json!({"input": [{"type": "additional_tools", "tools": [
+            {"type": "namespace", "name": "a", "tools": [{"type": "namespace", "name": "b", "tools": []}]}
+        ]}]});
+        assert!(parse_request(&nested).is_err());
+        assert_eq!(
+            freeform_format(Some(&json!({"type": "grammar", "syntax": "ebnf"}))),
+            FreeformFormat::Unknown("grammar/ebnf".into())
+        );
     }
 
     #[test]

@@ -297,3 +297,37 @@ async fn item_references_take_the_trust_of_the_journaled_items_they_name() {
     );
     h.stop().await;
 }
+
+/// An `mcp` tool supplied in an `additional_tools` item (or inside a namespace) is a provider
+/// delegation like a top-level one: refused inside a run (contract §F), before anything goes
+/// upstream.
+#[tokio::test]
+async fn an_mcp_tool_in_additional_tools_is_refused_inside_a_run() {
+    let h = support::start(turnguard::mock_provider::Script::default()).await;
+    let mcp = json!({"type": "mcp", "server_label": "deepwiki", "server_url": "https://mcp.deepwiki.com/mcp"});
+    for (tools, field) in [
+        (
+            json!([mcp.clone()]),
+            "input[0].tools[0] (mcp, server_label deepwiki)",
+        ),
+        (
+            json!([{"type": "namespace", "name": "ext", "tools": [mcp.clone()]}]),
+            "input[0].tools[0].tools[0] (mcp, server_label deepwiki)",
+        ),
+    ] {
+        let req = json!({"model": "m", "input": [
+            {"type": "additional_tools", "role": "developer", "tools": tools},
+            {"role": "user", "content": "hi"}
+        ]});
+        let (status, body) = post_json(&url(&h), &req, &[("turnguard-run", "run-1")]).await;
+        assert_eq!(status, 403, "{}", String::from_utf8_lossy(&body));
+        let err: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            err["error"]["details"]["reason"],
+            "provider_delegation_in_run"
+        );
+        assert_eq!(err["error"]["details"]["field"], field);
+    }
+    assert!(mock_bodies(&h.mock_requests().await).is_empty());
+    h.stop().await;
+}
