@@ -91,7 +91,14 @@ async fn main() {
             let rate: f64 = arg(&args, "--rate").unwrap().parse().unwrap();
             let c: usize = arg(&args, "--connections").unwrap().parse().unwrap();
             let s: u64 = arg(&args, "--seconds").unwrap().parse().unwrap();
-            open_load(&url, rate, c, Duration::from_secs(s), arg(&args, "--run-prefix")).await;
+            open_load(
+                &url,
+                rate,
+                c,
+                Duration::from_secs(s),
+                arg(&args, "--run-prefix"),
+            )
+            .await;
         }
         Some("soak") => soak::run(&args).await,
         _ => {
@@ -452,7 +459,8 @@ async fn open_load(
                 let due = start + period.mul_f64(i as f64);
                 tokio::time::sleep_until(due).await;
                 let sent = tokio::time::Instant::now();
-                let req = bench_request(&url, body.clone(), run.as_ref().map(|p| format!("{p}-{i}")));
+                let req =
+                    bench_request(&url, body.clone(), run.as_ref().map(|p| format!("{p}-{i}")));
                 let ok = match client.request(req).await {
                     Ok(resp) => {
                         let status = resp.status();

@@ -21,6 +21,12 @@ pub enum WireError {
     /// No route serves this method and path (DESIGN.md §1: everything off the allowlist is 404).
     #[error("no route for {method} {path}: turnguard serves only the provider APIs it admits")]
     RouteNotFound { method: String, path: String },
+    /// A WebSocket handshake on a provider path (`GET /v1/responses` with `Upgrade:
+    /// websocket`, the Responses WebSocket transport): turnguard admits that API over HTTP
+    /// only, and answers 426 so a client falls back to HTTP at once (Codex does on 426 only;
+    /// any other status it retries as a failed connection).
+    #[error("turnguard serves {path} over HTTP only, not as a WebSocket: send the request as an HTTP POST")]
+    WebSocketNotServed { path: String },
     /// The request body exceeded the configured cap (`max_body_bytes`).
     #[error("request body exceeds the {limit_bytes}-byte cap (max_body_bytes; raise it with --max-body-bytes)")]
     PayloadTooLarge { limit_bytes: usize },
@@ -90,6 +96,11 @@ impl WireError {
     pub fn parts(&self) -> (StatusCode, &'static str, &'static str) {
         match self {
             Self::RouteNotFound { .. } => (StatusCode::NOT_FOUND, "not_found", "route_not_found"),
+            Self::WebSocketNotServed { .. } => (
+                StatusCode::UPGRADE_REQUIRED,
+                "upgrade_required",
+                "websocket_not_served",
+            ),
             Self::PayloadTooLarge { .. } => (
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "payload_too_large",

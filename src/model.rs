@@ -47,13 +47,59 @@ impl Api {
     }
 }
 
-/// A tool the request declares (`tools[]`), with its input schema when it has one.
-#[derive(Debug, Clone)]
+/// A tool the request declares (`tools[]`, a Responses `additional_tools` input item …), with
+/// its input schema or free-form format when it has one.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct DeclaredTool {
-    /// The provider-facing tool name.
+    /// The tool's identity ([`qualified_name`]): the provider-facing name, qualified
+    /// `namespace.name` when the tool is declared inside a Responses `namespace` tool.
     pub name: String,
     /// JSON Schema of the arguments (`function.parameters` / `input_schema`).
     pub schema: Option<Value>,
+    /// `Some` for a free-form tool (Responses `type: "custom"`): its input is raw text in this
+    /// format, not a JSON object, and the arguments stage checks the format instead of a
+    /// schema. `None`: JSON arguments.
+    pub freeform: Option<FreeformFormat>,
+}
+
+impl DeclaredTool {
+    /// A tool with JSON arguments and an optional schema.
+    pub fn json(name: impl Into<String>, schema: Option<Value>) -> Self {
+        Self {
+            name: name.into(),
+            schema,
+            freeform: None,
+        }
+    }
+}
+
+/// The identity of a tool declared inside a namespace (Responses `type: "namespace"`): a call
+/// names both, so the namespace is part of the name admission and the catalog see —
+/// `namespace.name` (`functions.exec`). Without a namespace, the name itself.
+pub fn qualified_name(namespace: Option<&str>, name: &str) -> String {
+    match namespace {
+        Some(ns) => format!("{ns}.{name}"),
+        None => name.to_owned(),
+    }
+}
+
+/// The input format of a free-form tool (Responses custom tools, `format`; the API's
+/// default is unconstrained text). The arguments stage checks a call's raw input against it
+/// ([`crate::admission::arguments`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FreeformFormat {
+    /// `{"type": "text"}` or no `format`: any text.
+    Text,
+    /// `{"type": "grammar", "syntax": "regex", "definition": D}`: the whole input must match
+    /// the regular expression `D`.
+    Regex(String),
+    /// `{"type": "grammar", "syntax": "lark", "definition": D}`: a Lark grammar, which
+    /// turnguard does not parse (the input is checked as text only; see
+    /// [`crate::admission::arguments`]).
+    Lark(String),
+    /// A format type or grammar syntax turnguard does not know (named here, sanitized): no
+    /// input passes (fail closed).
+    Unknown(String),
 }
 
 /// A tool result the agent sends back in a request (`role: tool` / `tool_result` block).
@@ -115,6 +161,20 @@ pub struct Turn {
     /// `tools[1] (mcp, server_label deepwiki)`. Inside a run such a request is refused
     /// (tool-turn contract §F).
     pub provider_delegations: Vec<String>,
+    /// Responses only: `item_reference` input items, the stored items the provider fills in.
+    /// Each is also an [`UntrustedKind::StoredItem`] input (the proxy cannot read it) until
+    /// [`Turn::resolve_references`] lifts that for the ones turnguard's own journal holds as
+    /// trusted output.
+    pub item_references: Vec<ItemReference>,
+}
+
+/// An `item_reference` input item: the provider's id of a stored item, and where it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ItemReference {
+    /// The stored item's id (`rs_…`, `msg_…`, `fc_…`).
+    pub id: String,
+    /// The request path (`input[3]`), as in the matching [`UntrustedInput::at`].
+    pub at: String,
 }
 
 impl Turn {
@@ -135,9 +195,57 @@ impl Turn {
         }
     }
 
-    /// The declared tool named `name`, if any.
+    /// A request with nothing in it yet, for `api`.
+    pub fn new(api: Api) -> Self {
+        Self {
+            api,
+            model: None,
+            stream: false,
+            tools: Vec::new(),
+            tool_results: Vec::new(),
+            max_output_tokens: None,
+            include_usage: false,
+            round_index: 0,
+            prior_calls: Vec::new(),
+            untrusted_inputs: Vec::new(),
+            usage_for_turnguard: false,
+            previous_response_id: None,
+            provider_delegations: Vec::new(),
+            item_references: Vec::new(),
+        }
+    }
+
+    /// The first declared tool named `name`, if any.
     pub fn declared(&self, name: &str) -> Option<&DeclaredTool> {
         self.tools.iter().find(|t| t.name == name)
+    }
+
+    /// Every declaration of `name` (a tool may be declared more than once: at the top level
+    /// and in an `additional_tools` item, or in two such items). A call must meet all of them.
+    pub fn declarations<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a DeclaredTool> {
+        self.tools.iter().filter(move |t| t.name == name)
+    }
+
+    /// Declares a tool; a declaration equal to one already there is not repeated.
+    pub fn declare(&mut self, tool: DeclaredTool) {
+        if !self.tools.contains(&tool) {
+            self.tools.push(tool);
+        }
+    }
+
+    /// Lifts the [`UntrustedKind::StoredItem`] mark of every `item_reference` whose id is in
+    /// `trusted` (the journal resolved it to output turnguard recorded as trusted; the rule
+    /// is [`crate::admission::trust::reference_fault`]). Every other reference stays
+    /// untrusted.
+    pub fn resolve_references(&mut self, trusted: &std::collections::BTreeSet<String>) {
+        let lifted: Vec<&str> = self
+            .item_references
+            .iter()
+            .filter(|r| trusted.contains(&r.id))
+            .map(|r| r.at.as_str())
+            .collect();
+        self.untrusted_inputs
+            .retain(|u| !(u.kind == UntrustedKind::StoredItem && lifted.contains(&u.at.as_str())));
     }
 
     /// Notes an input that makes the turn untrusted; `at` names it by its request path
@@ -168,6 +276,10 @@ pub enum UntrustedKind {
     DuplicateCallId,
     /// A role, item, block or part type turnguard does not recognise: never skipped.
     Unrecognised,
+    /// A Responses `item_reference`: a stored item the provider fills in, which the proxy
+    /// cannot read. Lifted only when turnguard's journal holds the item as trusted output
+    /// ([`Turn::resolve_references`]).
+    StoredItem,
 }
 
 impl UntrustedKind {
@@ -178,6 +290,7 @@ impl UntrustedKind {
             Self::ProviderFetched => "provider_fetched",
             Self::DuplicateCallId => "duplicate_call_id",
             Self::Unrecognised => "unrecognised_input",
+            Self::StoredItem => "stored_item",
         }
     }
 }
@@ -243,10 +356,40 @@ impl Completion {
 pub struct ToolCall {
     /// The provider's call id (`call_…`, `toolu_…`).
     pub id: String,
-    /// The tool name the model called.
+    /// The tool the model called: its name, qualified `namespace.name` when the call names a
+    /// namespace ([`qualified_name`]).
     pub name: String,
-    /// The arguments exactly as emitted (the concatenation of all deltas), JSON text.
+    /// The input exactly as emitted (the concatenation of all deltas): JSON text, or the raw
+    /// text of a free-form call ([`CallInput::Text`]).
     pub arguments: String,
+    /// How the model wrote the input.
+    pub input: CallInput,
+}
+
+impl ToolCall {
+    /// A call with JSON arguments.
+    pub fn json(
+        id: impl Into<String>,
+        name: impl Into<String>,
+        arguments: impl Into<String>,
+    ) -> Self {
+        Self {
+            id: id.into(),
+            name: name.into(),
+            arguments: arguments.into(),
+            input: CallInput::Json,
+        }
+    }
+}
+
+/// The form of a call's input (which must be the form its tool was declared with).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CallInput {
+    /// JSON arguments (function calls, `tool_use`, the Responses client built-ins).
+    #[default]
+    Json,
+    /// Raw text (a Responses `custom_tool_call`'s `input`), not JSON-quoted.
+    Text,
 }
 
 /// Checks that a response identifies every choice and every call uniquely (DESIGN.md §9:
@@ -292,6 +435,12 @@ pub struct ChoiceEmissions {
     /// The same response carries provider-executed tool output (a web search, a fetch …):
     /// its calls are decided as in an untrusted turn (tool-turn contract §C, §F).
     pub provider_output: bool,
+    /// The choice's output in the provider's own shape, in order, as a repair turn must
+    /// replay it (Anthropic: every content block — `thinking` with its `signature`,
+    /// `redacted_thinking` with its `data`, text, `tool_use` with its input; Responses: the
+    /// output items of the calls). Opaque to everything but the adapter that made it; empty
+    /// when the adapter keeps none (the repair turn is then built from [`Self::calls`]).
+    pub output: Vec<Value>,
 }
 
 /// The outcome of one tool call (tool-turn contract §B).
@@ -437,6 +586,39 @@ pub struct ResponseLink {
     /// own prior calls, then this round's. A request continuing the response counts its
     /// per-node ordinals (and clarification asks) on from them; set with `content_trust`.
     pub calls_so_far: Option<Vec<String>>,
+    /// The response's output items that carry an id, in order: what a later request's
+    /// `item_reference` may name (table `response_items`).
+    pub items: Vec<StoredOutputItem>,
+}
+
+/// One output item of a stored response, as the journal records it for `item_reference`
+/// lookups.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredOutputItem {
+    /// The item's id (`rs_…`, `msg_…`), at most 256 characters.
+    pub id: String,
+    /// Its type (`reasoning`, `message`, `function_call`, `web_search_call` …), sanitized.
+    pub item_type: String,
+    /// The provider executed it (or its type is one turnguard does not know): its content is
+    /// untrusted (tool-turn contract §C, §F).
+    pub provider_executed: bool,
+}
+
+/// What the journal holds of a stored output item an `item_reference` names, with the
+/// response it belongs to (the rule that judges it is
+/// [`crate::admission::trust::reference_fault`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredItemRow {
+    /// The item's id.
+    pub item_id: String,
+    /// The response it was output of.
+    pub response_id: String,
+    /// [`StoredOutputItem::provider_executed`].
+    pub provider_executed: bool,
+    /// That response's final status (`None`: its stream was cut).
+    pub status: Option<String>,
+    /// That response's recorded `contentTrust`.
+    pub content_trust: Option<String>,
 }
 
 /// One stored response of a `previous_response_id` chain as turnguard's journal has it

@@ -456,11 +456,23 @@ async fn models(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response 
 }
 
 async fn not_found(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
-    let resp = WireError::RouteNotFound {
-        method: req.method().to_string(),
-        path: req.uri().path().chars().take(200).collect(),
-    }
-    .response(Surface::of_request(req.uri().path(), req.headers()));
+    let websocket = req
+        .headers()
+        .get(http::header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("websocket"));
+    let error = if websocket && req.uri().path() == "/v1/responses" {
+        // The Responses WebSocket transport: declined so the client posts over HTTP.
+        WireError::WebSocketNotServed {
+            path: "/v1/responses".into(),
+        }
+    } else {
+        WireError::RouteNotFound {
+            method: req.method().to_string(),
+            path: req.uri().path().chars().take(200).collect(),
+        }
+    };
+    let resp = error.response(Surface::of_request(req.uri().path(), req.headers()));
     s.metrics.request("none", resp.status().as_u16(), false);
     resp
 }

@@ -2,6 +2,26 @@
 //! against the request's declared schema (JSON Schema 2020-12 unless the schema says
 //! otherwise), before any gate.
 //!
+//! A free-form tool (Responses `type: "custom"`) takes raw text instead, and its check is the
+//! declared `format`, not a JSON Schema ([`check_format`]):
+//! - `text` (or no format): any text;
+//! - `grammar` with `syntax: "regex"`: the whole input must match the definition, compiled
+//!   by the `regex` crate (the syntax the API's grammar engine uses; a definition that does
+//!   not compile, or compiles past 1 MiB, refuses every input);
+//! - `grammar` with `syntax: "lark"`: **not parsed**. turnguard has no faithful Lark (and
+//!   llguidance-extension) parser, so it checks only that the input is text, as the format
+//!   requires; the call is then judged by its catalog tool like any other (the shipped `codex`
+//!   catalog classifies Codex's free-form `exec` and `apply_patch` as exec and write tools,
+//!   gated in an untrusted turn). The provider constrains the model's sampling to the grammar;
+//!   turnguard does not vouch for it;
+//! - any other format or syntax: no input passes (fail closed).
+//!
+//! A call must have the form its tool was declared with: JSON arguments for a function tool,
+//! raw text for a custom tool (`input_kind_mismatch` otherwise); a tool declared more than
+//! once must meet every declaration. Later stages see a free-form call's input as the object
+//! `{"input": "<the raw text>"}`: the catalog's `inputSchema`, Cedar rules
+//! (`context.args.input`), redaction and `argsHash` all read that form.
+//!
 //! Compiled validators are cached by the SHA-256 of the schema's RFC 8785 form, bounded in
 //! estimated bytes and evicted least recently used first ([`SchemaCache`]); a schema larger
 //! than `max_schema_bytes` is never compiled. No remote
@@ -14,7 +34,7 @@ use jsonschema::{Draft, Validator};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::model::{Decision, Outcome, Stage, ToolCall, Turn};
+use crate::model::{CallInput, Decision, FreeformFormat, Outcome, Stage, ToolCall, Turn};
 
 /// At most this many validation errors are listed in a host-authored explanation.
 const MAX_LISTED_ERRORS: usize = 5;
@@ -40,6 +60,62 @@ pub fn parse(text: &str) -> Result<Value, ArgsError> {
         Ok(v @ Value::Object(_)) => Ok(v),
         Ok(_) => Err(ArgsError::NotObject),
         Err(_) => Err(ArgsError::NotJson),
+    }
+}
+
+/// The call's input as the later stages see it: a JSON call's arguments parsed ([`parse`]),
+/// a free-form call's raw text as `{"input": text}` (never parsed as JSON).
+pub fn parse_call(call: &ToolCall) -> Result<Value, ArgsError> {
+    match call.input {
+        CallInput::Json => parse(&call.arguments),
+        CallInput::Text => Ok(serde_json::json!({ "input": call.arguments })),
+    }
+}
+
+/// Largest compiled program of a `regex` grammar, bytes.
+const MAX_REGEX_BYTES: usize = 1 << 20;
+
+/// Checks a free-form call's raw `input` against its declared `format` (see the module
+/// docs). `Err((reason, message))`: a stable reason code and host-authored text naming what
+/// failed, never the input.
+pub fn check_format(format: &FreeformFormat, input: &str) -> Result<(), (&'static str, String)> {
+    match format {
+        FreeformFormat::Text | FreeformFormat::Lark(_) => Ok(()),
+        FreeformFormat::Regex(definition) => {
+            let anchored = format!(r"\A(?:{definition})\z");
+            let re = regex::RegexBuilder::new(&anchored)
+                .size_limit(MAX_REGEX_BYTES)
+                .dfa_size_limit(MAX_REGEX_BYTES)
+                .build()
+                .map_err(|e| {
+                    (
+                        "format_uncompilable",
+                        format!(
+                            "the declared regex grammar does not compile ({})",
+                            match e {
+                                regex::Error::CompiledTooBig(n) =>
+                                    format!("larger than {n} bytes compiled"),
+                                _ => "invalid syntax".to_owned(),
+                            }
+                        ),
+                    )
+                })?;
+            if re.is_match(input) {
+                Ok(())
+            } else {
+                Err((
+                    "format_violation",
+                    "the input does not match the declared regex grammar".into(),
+                ))
+            }
+        }
+        FreeformFormat::Unknown(what) => Err((
+            "format_unsupported",
+            format!(
+                "the declared input format `{}` is not one turnguard can check (text, or a regex or lark grammar)",
+                super::sanitize_label(what)
+            ),
+        )),
     }
 }
 
@@ -203,8 +279,9 @@ impl SchemaCache {
     }
 }
 
-/// `Some(invalid)` when the arguments are not an object valid against the request's declared
-/// schema and the catalog's `inputSchema`.
+/// `Some(invalid)` when the input does not have the form its tool was declared with, or is
+/// not valid against every declaration of the tool (a JSON object valid against the declared
+/// schema, or free-form text in the declared format) and the catalog's `inputSchema`.
 pub fn check(
     turn: &Turn,
     call: &ToolCall,
@@ -220,6 +297,29 @@ pub fn check(
             message,
         ))
     };
+    let name = super::sanitize_label(&call.name);
+    for declared in turn.declarations(&call.name) {
+        match (&declared.freeform, call.input) {
+            (None, CallInput::Json) => {}
+            (Some(format), CallInput::Text) => {
+                if let Err((reason, message)) = check_format(format, &call.arguments) {
+                    return invalid(reason, message);
+                }
+            }
+            (None, CallInput::Text) => {
+                return invalid(
+                    "input_kind_mismatch",
+                    format!("the tool `{name}` is declared with JSON arguments, but the call carries free-form input"),
+                )
+            }
+            (Some(_), CallInput::Json) => {
+                return invalid(
+                    "input_kind_mismatch",
+                    format!("the tool `{name}` is declared as a free-form (custom) tool, but the call carries JSON arguments"),
+                )
+            }
+        }
+    }
     let args = match args {
         Ok(v) => v,
         Err(ArgsError::NotJson) => {
@@ -235,9 +335,11 @@ pub fn check(
             )
         }
     };
-    let declared = turn.declared(&call.name).and_then(|t| t.schema.as_ref());
-    for (which, schema) in [("declared", declared), ("catalog", catalog_schema)] {
-        let Some(schema) = schema else { continue };
+    let declared = turn
+        .declarations(&call.name)
+        .filter_map(|t| t.schema.as_ref())
+        .map(|s| ("declared", s));
+    for (which, schema) in declared.chain(catalog_schema.map(|s| ("catalog", s))) {
         let compiled = schemas.get(schema);
         let validator = match compiled.as_ref() {
             Ok(v) => v,
@@ -318,6 +420,61 @@ fn type_name(kind: &jsonschema::error::TypeKind) -> String {
             .map(|t| t.to_string())
             .collect::<Vec<_>>()
             .join(" or "),
+    }
+}
+
+#[cfg(test)]
+mod format_tests {
+    use super::*;
+
+    #[test]
+    fn regex_grammars_match_the_whole_input_and_other_formats_are_checked_as_documented() {
+        let digits = FreeformFormat::Regex(r"[0-9]+(,[0-9]+)*".into());
+        assert_eq!(check_format(&digits, "12,7"), Ok(()));
+        for bad in ["12,", "x12", "12 ", ""] {
+            assert_eq!(
+                check_format(&digits, bad).map_err(|e| e.0),
+                Err("format_violation"),
+                "{bad:?}"
+            );
+        }
+        // Alternation is anchored as a whole, not per branch.
+        let alt = FreeformFormat::Regex("a|b".into());
+        assert!(check_format(&alt, "ab").is_err());
+        let broken = FreeformFormat::Regex("(".into());
+        assert_eq!(
+            check_format(&broken, "x").map_err(|e| e.0),
+            Err("format_uncompilable")
+        );
+        let huge = FreeformFormat::Regex(r"\w{1000}{1000}".into());
+        assert_eq!(
+            check_format(&huge, "x").map_err(|e| e.0),
+            Err("format_uncompilable")
+        );
+        assert_eq!(
+            check_format(&FreeformFormat::Text, "anything at all"),
+            Ok(())
+        );
+        assert_eq!(
+            check_format(&FreeformFormat::Lark("start: \"a\"".into()), "not a"),
+            Ok(()),
+            "lark grammars are not parsed (documented)"
+        );
+        assert_eq!(
+            check_format(&FreeformFormat::Unknown("ebnf".into()), "x").map_err(|e| e.0),
+            Err("format_unsupported")
+        );
+    }
+
+    #[test]
+    fn a_free_form_call_is_seen_as_an_input_object() {
+        let mut call = ToolCall::json("c", "exec", "ls -la");
+        assert_eq!(parse_call(&call), Err(ArgsError::NotJson));
+        call.input = CallInput::Text;
+        assert_eq!(
+            parse_call(&call),
+            Ok(serde_json::json!({"input": "ls -la"}))
+        );
     }
 }
 

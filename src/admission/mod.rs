@@ -132,7 +132,7 @@ fn decide(
         d.trace.push((d.stage, note));
         d
     };
-    let args = arguments::parse(&call.arguments);
+    let args = arguments::parse_call(call);
     // Redaction runs for every parsed call so that every record carries the redacted form;
     // it never decides an outcome (stage 7).
     let redacted = args
@@ -331,9 +331,12 @@ fn decide(
     let strip = found > 0
         && ctx.policy.redactor.strip_from_egress
         && tool.descriptor.egress != Some(crate::policy::bundle::Egress::None);
-    if strip && turn.api == crate::model::Api::OpenAiResponses && turn.stream {
-        // Rewriting streamed Responses arguments is not supported: fail closed rather than
-        // release a secret to an egress tool.
+    if strip
+        && ((turn.api == crate::model::Api::OpenAiResponses && turn.stream)
+            || call.input == crate::model::CallInput::Text)
+    {
+        // Rewriting streamed Responses arguments, or a free-form call's raw input, is not
+        // supported: fail closed rather than release a secret to an egress tool.
         let d = Decision::new(
             Outcome::Refused,
             Stage::Redaction,

@@ -1,6 +1,13 @@
 //! Stage 2, **name** (tool-turn contract §B): the called tool must be declared in the
-//! request's `tools`, and known to the catalog or allowed unknown by the bundle
-//! (`unknown_tools`).
+//! request's `tools`, and known to (or allowed unknown by) the catalog (`unknown_tools`).
+//!
+//! A call's identity is its tool's name, qualified `namespace.name` when it names a Responses
+//! namespace ([`crate::model::qualified_name`]): a call to `exec` in namespace `functions`
+//! matches a tool declared as `exec` inside the namespace tool `functions` (whether at the
+//! top level or in an `additional_tools` input item), and the catalog knows it as
+//! `functions.exec`. An unqualified catalog name never matches a namespaced call, so a tool
+//! of another namespace (an MCP server's, say) cannot borrow a catalogued tool's
+//! classification by sharing its short name.
 
 use crate::model::{Decision, Outcome, Stage, ToolCall, Turn};
 use crate::policy::bundle::UnknownTools;

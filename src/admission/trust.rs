@@ -188,6 +188,25 @@ pub fn chain_fault(previous: &str, links: &[ChainLink]) -> Option<ChainFault> {
     fault("unknown_response", want)
 }
 
+/// Judges a stored output item a Responses `item_reference` names, from the journal's row
+/// (`None`: the reference takes the trust of what it points to, which is trusted). The item
+/// must be one turnguard itself relayed and journaled, not executed by the provider, in a
+/// response that completed (or stopped `incomplete`) and was recorded trusted — the rule
+/// [`chain_fault`] applies to each response of a `previous_response_id` chain. A reference
+/// the journal does not hold stays untrusted (the caller never lifts it).
+pub fn reference_fault(row: &crate::model::StoredItemRow) -> Option<&'static str> {
+    if row.provider_executed {
+        return Some("provider_executed");
+    }
+    if row.content_trust.as_deref() != Some(ContentTrust::Trusted.as_str()) {
+        return Some("untrusted_turn");
+    }
+    if !matches!(row.status.as_deref(), Some("completed" | "incomplete")) {
+        return Some("not_completed");
+    }
+    None
+}
+
 /// The `contentTrust` a response is recorded with: the turn's, or untrusted when its output
 /// held provider-executed items (contract §F). A later turn continuing the response reads it.
 pub fn of_response(turn: ContentTrust, link: &ResponseLink) -> ContentTrust {
@@ -300,6 +319,7 @@ mod tests {
     #[test]
     fn a_response_with_provider_output_is_recorded_untrusted() {
         let mut l = ResponseLink {
+            items: Vec::new(),
             response_id: "r".into(),
             previous_response_id: None,
             status: Some("completed".into()),

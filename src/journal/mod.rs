@@ -1139,6 +1139,20 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
                 r.at_ms,
             ],
         )?;
+        for item in &link.items {
+            exec(
+                tx,
+                "INSERT INTO response_items (item_id, response_id, item_type, provider_executed)
+                 VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (item_id) DO NOTHING",
+                params![
+                    item.id,
+                    link.response_id,
+                    item.item_type,
+                    item.provider_executed
+                ],
+            )?;
+        }
     }
     for c in &r.calls {
         exec(

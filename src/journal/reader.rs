@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 
 use super::{JournalError, Recorded, ServedCall, ServedRecord};
-use crate::model::ChainLink;
+use crate::model::{ChainLink, StoredItemRow};
 
 /// One effect row, as `GET /runs/{runId}/effects` projects it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -198,6 +198,35 @@ impl JournalReader {
                 },
             )
             .optional()
+        })
+    }
+
+    /// The journal's rows for the stored output items `ids` names (Responses
+    /// `item_reference`), each with its response's status and `contentTrust`; ids the journal
+    /// does not hold are absent.
+    pub fn stored_items(&self, ids: &[String]) -> Result<Vec<StoredItemRow>, JournalError> {
+        self.with(|c| {
+            let mut st = c.prepare_cached(
+                "SELECT i.response_id, i.provider_executed, r.status, r.content_trust
+                 FROM response_items i JOIN responses r ON r.response_id = i.response_id
+                 WHERE i.item_id = ?1",
+            )?;
+            let mut rows = Vec::new();
+            for id in ids {
+                let row = st
+                    .query_row(params![id], |r| {
+                        Ok(StoredItemRow {
+                            item_id: id.clone(),
+                            response_id: r.get(0)?,
+                            provider_executed: r.get(1)?,
+                            status: r.get(2)?,
+                            content_trust: r.get(3)?,
+                        })
+                    })
+                    .optional()?;
+                rows.extend(row);
+            }
+            Ok(rows)
         })
     }
 

@@ -3,7 +3,7 @@
 use rusqlite::Connection;
 
 /// The schema version this build writes. Each version's step is additive and runs once.
-pub const VERSION: i64 = 8;
+pub const VERSION: i64 = 9;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -40,7 +40,26 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 8 {
         v8(conn)?;
     }
+    if version < 9 {
+        v9(conn)?;
+    }
     Ok(())
+}
+
+/// The output items of stored responses, for Responses `item_reference` lookups
+/// (`crate::admission::trust::reference_fault`).
+fn v9(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         CREATE TABLE IF NOT EXISTS response_items (
+            item_id TEXT PRIMARY KEY,
+            response_id TEXT NOT NULL,
+            item_type TEXT NOT NULL,
+            provider_executed INTEGER NOT NULL
+         );
+         PRAGMA user_version = 9;
+         COMMIT;",
+    )
 }
 
 /// Rounds, tool calls and decisions, tool results.

@@ -284,13 +284,14 @@ impl McpCall {
         let choice = ChoiceEmissions {
             choice: 0,
             completion: Completion::new(CompletionState::Clean, "mcp"),
-            calls: vec![ToolCall {
-                id: String::new(),
-                name: self.catalog_name.clone(),
-                arguments: self.arguments.to_string(),
-            }],
+            calls: vec![ToolCall::json(
+                String::new(),
+                self.catalog_name.clone(),
+                self.arguments.to_string(),
+            )],
             text: None,
             provider_output: false,
+            output: Vec::new(),
         };
         let ticket_hash = self.args_hash.clone().filter(|_| approved);
         let approve = move |h: &str| ticket_hash.as_deref() == Some(h);
@@ -772,22 +773,8 @@ impl Exec {
 /// rewrite, which an MCP call never is.)
 fn mcp_turn(name: &str, declared: &ServerTool) -> Turn {
     Turn {
-        api: Api::OpenAiChat,
-        model: None,
-        stream: false,
-        tools: vec![DeclaredTool {
-            name: name.to_owned(),
-            schema: declared.input_schema.clone(),
-        }],
-        tool_results: Vec::new(),
-        max_output_tokens: None,
-        include_usage: false,
-        round_index: 0,
-        prior_calls: Vec::new(),
-        untrusted_inputs: Vec::new(),
-        usage_for_turnguard: false,
-        previous_response_id: None,
-        provider_delegations: Vec::new(),
+        tools: vec![DeclaredTool::json(name, declared.input_schema.clone())],
+        ..Turn::new(Api::OpenAiChat)
     }
 }
 

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 use super::CallNames;
 use crate::model::{
@@ -34,6 +34,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         .and_then(Value::as_array)
         .ok_or("`messages` must be an array")?;
     let mut turn = Turn {
+        item_references: Vec::new(),
         api: Api::AnthropicMessages,
         model: obj.get("model").and_then(Value::as_str).map(str::to_owned),
         stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
@@ -68,6 +69,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                 .and_then(Value::as_str)
                 .ok_or_else(|| format!("`tools[{i}].name` must be a string"))?;
             turn.tools.push(DeclaredTool {
+                freeform: None,
                 name: name.to_owned(),
                 schema: t.get("input_schema").cloned(),
             });
@@ -250,6 +252,7 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>,
         .flatten()
         .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
         .map(|b| ToolCall {
+            input: crate::model::CallInput::Json,
             id: b
                 .get("id")
                 .and_then(Value::as_str)
@@ -280,6 +283,11 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>,
         .filter_map(|b| b.get("type").and_then(Value::as_str))
         .any(is_provider_block);
     let out = vec![ChoiceEmissions {
+        output: body
+            .get("content")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default(),
         choice: 0,
         text,
         provider_output,
@@ -342,21 +350,65 @@ fn set(v: &mut Value, key: &str, value: Value) {
     }
 }
 
-/// Appends the repair turn: an assistant message with the withheld `tool_use` blocks
-/// (input that is not a JSON object becomes `{}`), then a user message with one
-/// `tool_result` per call (`is_error` as decided) carrying the host text.
+/// The provider-enforced output schema of a Messages request (`structured` channel,
+/// tool-turn contract §A): `output_config.format: {type: "json_schema", schema}` (and the
+/// earlier beta's top-level `output_format` of the same shape). The schema has no name on
+/// this API: the channel is named after the field.
+pub fn structured_schema(body: &Value) -> Option<(String, Value)> {
+    let (field, format) = match body.pointer("/output_config/format") {
+        Some(f) if !f.is_null() => ("output_config.format", f),
+        _ => ("output_format", body.get("output_format")?),
+    };
+    if format.get("type").and_then(Value::as_str) != Some("json_schema") {
+        return None;
+    }
+    Some((field.to_owned(), format.get("schema")?.clone()))
+}
+
+/// Appends the repair turn: the assistant message the model sent, then a user message with
+/// one `tool_result` per repaired call (`is_error` as decided) carrying the host text.
+///
+/// The assistant message replays the model's content blocks in order ([`ChoiceEmissions::
+/// output`]): `thinking` (with its `signature`) and `redacted_thinking` blocks (the API
+/// requires them before the `tool_use` blocks when extended thinking is on), text, provider
+/// tool blocks, and the `tool_use` blocks of the repaired calls with their input (a cut
+/// call's input that is not a JSON object becomes `{}`, as the API itself reports one);
+/// `tool_use` blocks of calls not being repaired are left out, since no result answers
+/// them. Without recorded blocks, the message is the repaired `tool_use` blocks alone.
 pub fn append_repair(body: &mut Value, choice: &ChoiceEmissions, items: &[RepairItem]) {
-    let uses: Vec<Value> = items
+    let object_input = |arguments: &str| {
+        serde_json::from_str::<Value>(arguments)
+            .ok()
+            .filter(Value::is_object)
+            .unwrap_or_else(|| json!({}))
+    };
+    let repaired: Vec<&ToolCall> = items
         .iter()
         .filter_map(|it| choice.calls.get(it.call))
-        .map(|c| {
-            let input = serde_json::from_str::<Value>(&c.arguments)
-                .ok()
-                .filter(Value::is_object)
-                .unwrap_or_else(|| json!({}));
-            json!({"type": "tool_use", "id": c.id, "name": c.name, "input": input})
-        })
         .collect();
+    let uses: Vec<Value> = if choice.output.is_empty() {
+        repaired
+            .iter()
+            .map(|c| json!({"type": "tool_use", "id": c.id, "name": c.name, "input": object_input(&c.arguments)}))
+            .collect()
+    } else {
+        choice
+            .output
+            .iter()
+            .filter_map(|b| {
+                if b.get("type").and_then(Value::as_str) != Some("tool_use") {
+                    return Some(b.clone());
+                }
+                let id = b.get("id").and_then(Value::as_str)?;
+                let call = repaired.iter().find(|c| c.id == id)?;
+                let mut b = b.clone();
+                if !b.get("input").is_some_and(Value::is_object) {
+                    set(&mut b, "input", object_input(&call.arguments));
+                }
+                Some(b)
+            })
+            .collect()
+    };
     let results: Vec<Value> = items
         .iter()
         .filter_map(|it| {
@@ -386,8 +438,50 @@ fn is_provider_block(ty: &str) -> bool {
 struct Block {
     /// A client `tool_use` block (server tools are the provider's and are not admitted here).
     call: Option<ToolCall>,
+    /// The block as the message will hold it: its `content_block_start` form with the
+    /// deltas applied (text, thinking, signature, citations; a `tool_use`'s input is set from
+    /// the call's arguments when the round is read). What a repair turn replays.
+    content: Value,
     /// `content_block_stop` was seen.
     stopped: bool,
+}
+
+/// Applies a `content_block_delta`'s `delta` to the block it extends: `text_delta` and
+/// `thinking_delta` append, `signature_delta` sets the signature, `citations_delta` appends
+/// a citation; any other delta leaves the block as it started.
+fn apply_delta(block: &mut Value, delta: &Value) {
+    let Some(obj) = block.as_object_mut() else {
+        return;
+    };
+    let append = |obj: &mut Map<String, Value>, key: &str, piece: &str| {
+        let mut s = obj
+            .get(key)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        s.push_str(piece);
+        obj.insert(key.to_owned(), Value::String(s));
+    };
+    let text = |key: &str| delta.get(key).and_then(Value::as_str);
+    match delta.get("type").and_then(Value::as_str) {
+        Some("text_delta") => append(obj, "text", text("text").unwrap_or_default()),
+        Some("thinking_delta") => append(obj, "thinking", text("thinking").unwrap_or_default()),
+        Some("signature_delta") => {
+            obj.insert(
+                "signature".into(),
+                json!(text("signature").unwrap_or_default()),
+            );
+        }
+        Some("citations_delta") => {
+            if let Some(c) = delta.get("citation") {
+                let list = obj.entry("citations").or_insert_with(|| json!([]));
+                if let Some(list) = list.as_array_mut() {
+                    list.push(c.clone());
+                }
+            }
+        }
+        _ => {}
+    }
 }
 
 #[derive(Debug)]
@@ -552,6 +646,7 @@ impl MessagesStream {
                     self.provider_output = true;
                 }
                 let call = (ty == "tool_use").then(|| ToolCall {
+                    input: crate::model::CallInput::Json,
                     id: cb
                         .get("id")
                         .and_then(Value::as_str)
@@ -570,6 +665,7 @@ impl MessagesStream {
                     ix,
                     Block {
                         call,
+                        content: cb.clone(),
                         stopped: false,
                     },
                 );
@@ -593,6 +689,8 @@ impl MessagesStream {
                         .and_then(Value::as_str),
                 ) {
                     call.arguments.push_str(p);
+                } else if let Some(delta) = parsed.get("delta") {
+                    apply_delta(&mut b.content, delta);
                 }
             }
             "message_delta" => {
@@ -683,7 +781,21 @@ impl MessagesStream {
         if calls.is_empty() {
             return Vec::new();
         }
+        let output = self
+            .blocks
+            .values()
+            .map(|b| {
+                let mut content = b.content.clone();
+                if let Some(call) = &b.call {
+                    if let Ok(input) = serde_json::from_str::<Value>(&call.arguments) {
+                        set(&mut content, "input", input);
+                    }
+                }
+                content
+            })
+            .collect();
         vec![ChoiceEmissions {
+            output,
             choice: 0,
             text: None,
             provider_output: self.provider_output,

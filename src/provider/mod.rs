@@ -110,7 +110,9 @@ pub fn append_repair(api: Api, body: &mut Value, choice: &ChoiceEmissions, items
 }
 
 /// The provider-enforced output schema of a request (`structured` channel, tool-turn
-/// contract §A): Chat `response_format: {type: "json_schema", json_schema: {name, schema}}`.
+/// contract §A): Chat `response_format: {type: "json_schema", json_schema: {name, schema}}`;
+/// Messages `output_config.format` ([`anthropic_messages::structured_schema`]); Responses
+/// `text.format` ([`openai_responses::structured_schema`]).
 pub fn structured_schema(api: Api, body: &Value) -> Option<(String, Value)> {
     match api {
         Api::OpenAiChat => {
@@ -126,7 +128,7 @@ pub fn structured_schema(api: Api, body: &Value) -> Option<(String, Value)> {
                 .to_owned();
             Some((name, js.get("schema")?.clone()))
         }
-        Api::AnthropicMessages => None,
+        Api::AnthropicMessages => anthropic_messages::structured_schema(body),
         Api::OpenAiResponses => openai_responses::structured_schema(body),
     }
 }
@@ -281,10 +283,9 @@ impl StreamAdapter {
     /// events must be spliced into the agent's stream.
     pub fn abandon(&mut self) -> Splice {
         match self {
-            Self::OpenAiChat(s) => {
-                s.abandon();
-                Splice::OpenAiChat
-            }
+            Self::OpenAiChat(s) => Splice::OpenAiChat {
+                owed_roles: s.abandon(),
+            },
             Self::AnthropicMessages(s) => Splice::AnthropicMessages {
                 offset: s.abandon(),
             },
@@ -306,8 +307,14 @@ impl StreamAdapter {
 /// first round's text: the SDKs must see one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Splice {
-    /// Chat: the role is not repeated (the SDK concatenates string deltas).
-    OpenAiChat,
+    /// Chat: the role is not repeated (the SDK concatenates string deltas), except for the
+    /// choices in `owed_roles`, whose role chunk was held and dropped: the first chunk of
+    /// such a choice in the repair round carries `role: "assistant"` (openai-node throws
+    /// `missing role for choice N` on a stream without one), and later ones do not.
+    OpenAiChat {
+        /// Choice indices the agent has not been sent a `delta.role` for yet.
+        owed_roles: std::collections::BTreeSet<u32>,
+    },
     /// Messages: no second `message_start`; content block indices continue after `offset`.
     AnthropicMessages { offset: u64 },
     /// Responses: the adapter of the next round continues the agent's response itself
@@ -318,13 +325,13 @@ pub enum Splice {
 
 impl Splice {
     /// Rewrites one event of the repair round, or drops it (`None`).
-    pub fn apply(&self, event: Event) -> Option<Event> {
+    pub fn apply(&mut self, event: Event) -> Option<Event> {
         let Some(v) = event.json() else {
             return Some(event);
         };
-        match *self {
+        match self {
             Self::OpenAiResponses(_) => Some(event),
-            Self::OpenAiChat => {
+            Self::OpenAiChat { owed_roles } => {
                 let mut v = v.clone();
                 let mut changed = false;
                 for c in v
@@ -333,13 +340,26 @@ impl Splice {
                     .into_iter()
                     .flatten()
                 {
-                    if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
+                    let index = c
+                        .get("index")
+                        .and_then(Value::as_u64)
+                        .and_then(|i| u32::try_from(i).ok());
+                    let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) else {
+                        continue;
+                    };
+                    if index.is_some_and(|i| owed_roles.remove(&i)) {
+                        if d.get("role") != Some(&Value::from("assistant")) {
+                            d.insert("role".into(), Value::from("assistant"));
+                            changed = true;
+                        }
+                    } else {
                         changed |= d.remove("role").is_some();
                     }
                 }
                 Some(if changed { event.with_json(v) } else { event })
             }
             Self::AnthropicMessages { offset } => {
+                let offset = *offset;
                 if event.kind() == Some("message_start") {
                     return None;
                 }

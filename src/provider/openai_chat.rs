@@ -52,6 +52,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                 .and_then(Value::as_str)
                 .ok_or_else(|| format!("`tools[{i}].function.name` must be a string"))?;
             tools.push(DeclaredTool {
+                freeform: None,
                 name: name.to_owned(),
                 schema: f.get("parameters").cloned(),
             });
@@ -61,6 +62,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         for f in list {
             if let Some(name) = f.get("name").and_then(Value::as_str) {
                 tools.push(DeclaredTool {
+                    freeform: None,
                     name: name.to_owned(),
                     schema: f.get("parameters").cloned(),
                 });
@@ -68,6 +70,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         }
     }
     let mut turn = Turn {
+        item_references: Vec::new(),
         api: Api::OpenAiChat,
         model: obj.get("model").and_then(Value::as_str).map(str::to_owned),
         stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
@@ -305,6 +308,7 @@ fn call_from_message(c: &Value) -> ToolCall {
         None => String::new(),
     };
     ToolCall {
+        input: crate::model::CallInput::Json,
         id: c
             .get("id")
             .and_then(Value::as_str)
@@ -352,6 +356,7 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>,
         }
         let refused = matches!(message.get("refusal"), Some(Value::String(s)) if !s.is_empty());
         out.push(ChoiceEmissions {
+            output: Vec::new(),
             choice: index,
             text: message
                 .get("content")
@@ -690,6 +695,7 @@ impl ChatStream {
                         acc.calls.push(CallAcc {
                             wire_index,
                             call: ToolCall {
+                                input: crate::model::CallInput::Json,
                                 id: String::new(),
                                 name: String::new(),
                                 arguments: String::new(),
@@ -720,6 +726,7 @@ impl ChatStream {
                     acc.calls.push(CallAcc {
                         wire_index: u64::MAX,
                         call: ToolCall {
+                            input: crate::model::CallInput::Json,
                             id: "function_call".into(),
                             name: String::new(),
                             arguments: String::new(),
@@ -875,6 +882,7 @@ impl ChatStream {
             .iter()
             .filter(|(_, c)| !c.calls.is_empty())
             .map(|(&index, c)| ChoiceEmissions {
+                output: Vec::new(),
                 choice: index,
                 text: None,
                 provider_output: false,
@@ -1071,9 +1079,21 @@ impl ChatStream {
     }
 
     /// Drops what is held (the round is being repaired); the next round's events follow.
-    pub fn abandon(&mut self) {
+    pub fn abandon(&mut self) -> std::collections::BTreeSet<u32> {
+        // The choices whose `delta.role` was only in a held chunk: the agent never got it, so
+        // the repair round's stream must carry it (openai-node requires a role per choice).
+        let owed = self
+            .held
+            .iter()
+            .filter_map(|h| h.json.as_ref())
+            .filter_map(|j| j.get("choices").and_then(Value::as_array))
+            .flatten()
+            .filter(|c| c.pointer("/delta/role").is_some_and(|r| !r.is_null()))
+            .filter_map(choice_index)
+            .collect();
         self.held.clear();
         self.decided = true;
+        owed
     }
 }
 

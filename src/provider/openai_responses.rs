@@ -3,10 +3,13 @@
 //!
 //! Output items fall in three kinds:
 //! - **client calls**, which the agent executes and admission decides: `function_call` (the
-//!   `tool` channel of contract §A), and, fail closed, the other client-executed call items
-//!   (`custom_tool_call`, `computer_call`, `local_shell_call`, `shell_call`,
-//!   `apply_patch_call`). Admission has no declared tool for those yet, so they are withheld at
-//!   the name stage rather than released unadmitted;
+//!   `tool` channel of contract §A), `custom_tool_call` (a free-form tool's raw-text input,
+//!   checked against its declared `format`), a `tool_search_call` the client runs
+//!   (`execution: "client"`), and, fail closed, the other client-executed call items
+//!   (`computer_call`, `local_shell_call`, `shell_call`, `apply_patch_call`). Admission has no
+//!   declared tool for those last ones, so they are withheld at the name stage rather than
+//!   released unadmitted. A call's identity is its name qualified by its `namespace`
+//!   (`functions.exec`), as its tool was declared ([`declare_tools`]);
 //! - **model output**: `message`, `reasoning` (passed through; text is never a call);
 //! - **provider-executed** items (`web_search_call`, `file_search_call`,
 //!   `code_interpreter_call`, `image_generation_call`, `mcp_call`, `mcp_list_tools`,
@@ -60,8 +63,9 @@ use sha2::{Digest, Sha256};
 
 use super::CallNames;
 use crate::model::{
-    Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
-    ResponseLink, ToolCall, ToolResultSeen, Turn, UntrustedKind,
+    qualified_name, Api, CallInput, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState,
+    DeclaredTool, FreeformFormat, RepairItem, ResponseLink, ToolCall, ToolResultSeen, Turn,
+    UntrustedKind,
 };
 use crate::sse::{self, Event, Payload};
 
@@ -103,6 +107,17 @@ fn kind_of(ty: &str) -> Kind {
     }
 }
 
+/// The kind of an output (or echoed input) item: [`kind_of`] its type, except that a
+/// `tool_search_call` is a client call only when the client runs it (`execution: "client"`,
+/// Codex's deferred tools); a provider-run search is provider output.
+fn item_kind(item: &Value) -> Kind {
+    match item_type(item) {
+        "tool_search_call" if str_of(item, "execution") == Some("client") => Kind::Call,
+        "tool_search_call" => Kind::Provider,
+        ty => kind_of(ty),
+    }
+}
+
 fn item_type(item: &Value) -> &str {
     item.get("type")
         .and_then(Value::as_str)
@@ -134,7 +149,7 @@ const CLIENT_TOOLS: [&str; 6] = [
 ];
 
 /// Output item types the provider executed or holds that an agent may echo back in `input`.
-const PROVIDER_ITEMS: [&str; 8] = [
+const PROVIDER_ITEMS: [&str; 7] = [
     "web_search_call",
     "file_search_call",
     "code_interpreter_call",
@@ -142,8 +157,10 @@ const PROVIDER_ITEMS: [&str; 8] = [
     "mcp_call",
     "mcp_list_tools",
     "mcp_approval_request",
-    "item_reference",
 ];
+
+/// Longest stored item id the journal keeps for `item_reference` lookups (characters).
+const MAX_ITEM_ID: usize = 256;
 
 /// Reads a Responses request body.
 ///
@@ -161,6 +178,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         Some(_) => return Err("`previous_response_id` must be a string".into()),
     };
     let mut turn = Turn {
+        item_references: Vec::new(),
         api: Api::OpenAiResponses,
         model: str_of(body, "model").map(str::to_owned),
         stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
@@ -177,32 +195,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
     };
     if let Some(list) = obj.get("tools").filter(|v| !v.is_null()) {
         let list = list.as_array().ok_or("`tools` must be an array")?;
-        for (i, t) in list.iter().enumerate() {
-            let ty = str_of(t, "type").unwrap_or_default();
-            if ty == "function" {
-                let name = str_of(t, "name")
-                    .ok_or_else(|| format!("`tools[{i}].name` must be a string"))?;
-                turn.tools.push(DeclaredTool {
-                    name: name.to_owned(),
-                    schema: t.get("parameters").filter(|p| !p.is_null()).cloned(),
-                });
-            }
-            if ty == "mcp" {
-                // The provider would call an MCP server (or a connector) itself, on the
-                // agent's behalf (contract §F).
-                let label = str_of(t, "server_label")
-                    .or_else(|| str_of(t, "connector_id"))
-                    .map(crate::admission::sanitize_label)
-                    .unwrap_or_else(|| "(unlabelled)".into());
-                turn.provider_delegations
-                    .push(format!("tools[{i}] (mcp, server_label {label})"));
-            }
-            if !CLIENT_TOOLS.contains(&ty) && !ty.starts_with("computer") {
-                // A tool the provider runs in this very turn: the model may read its output
-                // before it calls a tool (§C, §F).
-                turn.untrusted(UntrustedKind::ProviderOutput, format!("tools[{i}]"));
-            }
-        }
+        declare_tools(&mut turn, list, None, "tools")?;
     }
     // The provider holds the turns before `previous_response_id`, which this request does not
     // show: the trust stage judges them from turnguard's journal of that response chain
@@ -226,8 +219,8 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         let from_model = match ty {
             "message" => str_of(item, "role") == Some("assistant"),
             "reasoning" => true,
-            "item_reference" | "mcp_approval_response" => false,
-            t => !t.ends_with("_output") && kind_of(t) != Kind::Model,
+            "item_reference" | "mcp_approval_response" | "additional_tools" => false,
+            t => !t.ends_with("_output") && item_kind(item) != Kind::Model,
         };
         if from_model && !in_model_turn {
             turn.round_index = turn.round_index.saturating_add(1);
@@ -253,11 +246,41 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                 );
             }
             "reasoning" => {}
-            t if kind_of(t) == Kind::Call => {
-                let name = str_of(item, "name").unwrap_or(t);
-                turn.prior_calls.push(name.to_owned());
+            // Tools the host supplies in the conversation (Codex's lite shape): host input,
+            // declared like `tools`, never model output.
+            "additional_tools" => {
+                let list = item
+                    .get("tools")
+                    .and_then(Value::as_array)
+                    .ok_or_else(|| format!("`input[{i}].tools` must be an array"))?;
+                declare_tools(&mut turn, list, None, &format!("input[{i}].tools"))?;
+            }
+            // The result of a tool search the agent ran: the tools it loaded, which the
+            // agent (host) supplies; declared like `tools`.
+            "tool_search_output" if str_of(item, "execution") == Some("client") => {
                 if let Some(call_id) = str_of(item, "call_id") {
-                    calls.add(&mut turn, call_id, Some(name), || {
+                    turn.tool_results.push(ToolResultSeen {
+                        tool_call_id: call_id.to_owned(),
+                        tool_name: calls.name_of(call_id),
+                        content: item
+                            .get("tools")
+                            .cloned()
+                            .unwrap_or(Value::Null)
+                            .to_string(),
+                        is_error: false,
+                    });
+                }
+                let list = item
+                    .get("tools")
+                    .and_then(Value::as_array)
+                    .ok_or_else(|| format!("`input[{i}].tools` must be an array"))?;
+                declare_tools(&mut turn, list, None, &format!("input[{i}].tools"))?;
+            }
+            _ if item_kind(item) == Kind::Call => {
+                let name = call_name(item);
+                turn.prior_calls.push(name.clone());
+                if let Some(call_id) = str_of(item, "call_id") {
+                    calls.add(&mut turn, call_id, Some(&name), || {
                         format!("input[{i}].call_id")
                     });
                 }
@@ -282,10 +305,29 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                     judge_parts(&mut turn, item.get("output"), &format!("input[{i}].output"));
                 }
             }
-            // Provider-executed items echoed back (`web_search_call`, `mcp_call` …), references
-            // to stored items the proxy cannot read (`item_reference`), and an approval that
-            // lets the provider run an MCP call: untrusted (contract §F).
-            t if PROVIDER_ITEMS.contains(&t) || t == "mcp_approval_response" => {
+            // A reference to a stored item the provider fills in, which the proxy cannot read:
+            // untrusted until the trust stage finds it in turnguard's journal as trusted
+            // output (`Turn::resolve_references`).
+            "item_reference" => {
+                match str_of(item, "id").filter(|id| id.chars().count() <= MAX_ITEM_ID) {
+                    Some(id) => {
+                        turn.item_references.push(crate::model::ItemReference {
+                            id: id.to_owned(),
+                            at: at(),
+                        });
+                        turn.untrusted(UntrustedKind::StoredItem, at());
+                    }
+                    None => turn.untrusted(UntrustedKind::ProviderOutput, at()),
+                }
+            }
+            // Provider-executed items echoed back (`web_search_call`, `mcp_call` …) and an
+            // approval that lets the provider run an MCP call: untrusted (contract §F).
+            t if PROVIDER_ITEMS.contains(&t)
+                || matches!(
+                    t,
+                    "mcp_approval_response" | "tool_search_call" | "tool_search_output"
+                ) =>
+            {
                 turn.untrusted(UntrustedKind::ProviderOutput, at());
             }
             // Anything else is an item turnguard does not know: untrusted, never skipped.
@@ -296,6 +338,100 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         }
     }
     Ok(turn)
+}
+
+/// Declares the tools of a tool list (`tools`, an `additional_tools` input item's `tools`, a
+/// client `tool_search_output`'s `tools`); `at` is the list's request path.
+///
+/// - `function`: JSON arguments, its `parameters` the schema;
+/// - `custom`: free-form input in its `format` ([`freeform_format`]);
+/// - `namespace`: each of its `tools` declared under the qualified name `namespace.name`
+///   ([`crate::model::qualified_name`]); a namespace inside a namespace is refused (400);
+/// - `tool_search` with `execution: "client"`: the agent runs the search, a call named
+///   `tool_search` with JSON arguments; any other `tool_search` the provider runs;
+/// - `mcp`: a provider delegation (refused inside runs, contract §F), and provider-run;
+/// - every other type the provider runs (or turnguard does not know): its output reaches the
+///   model in this very turn, so the turn is untrusted (§C, §F).
+///
+/// Errors: a function, custom or namespace tool without a string `name`, a `namespace`
+/// without a `tools` array.
+fn declare_tools(
+    turn: &mut Turn,
+    list: &[Value],
+    namespace: Option<&str>,
+    at: &str,
+) -> Result<(), String> {
+    for (i, t) in list.iter().enumerate() {
+        let ty = str_of(t, "type").unwrap_or_default();
+        let name = || str_of(t, "name").ok_or_else(|| format!("`{at}[{i}].name` must be a string"));
+        match ty {
+            "function" => turn.declare(DeclaredTool::json(
+                qualified_name(namespace, name()?),
+                t.get("parameters").filter(|p| !p.is_null()).cloned(),
+            )),
+            "custom" => turn.declare(DeclaredTool {
+                name: qualified_name(namespace, name()?),
+                schema: None,
+                freeform: Some(freeform_format(t.get("format"))),
+            }),
+            "namespace" if namespace.is_none() => {
+                let ns = name()?;
+                let nested = t
+                    .get("tools")
+                    .and_then(Value::as_array)
+                    .ok_or_else(|| format!("`{at}[{i}].tools` must be an array"))?;
+                declare_tools(turn, nested, Some(ns), &format!("{at}[{i}].tools"))?;
+            }
+            "namespace" => {
+                return Err(format!(
+                    "`{at}[{i}]`: a namespace inside a namespace is not a Responses tool"
+                ))
+            }
+            "tool_search" if str_of(t, "execution") == Some("client") => {
+                turn.declare(DeclaredTool::json(
+                    qualified_name(namespace, "tool_search"),
+                    t.get("parameters").filter(|p| !p.is_null()).cloned(),
+                ))
+            }
+            _ => {
+                if ty == "mcp" {
+                    // The provider would call an MCP server (or a connector) itself, on the
+                    // agent's behalf (contract §F).
+                    let label = str_of(t, "server_label")
+                        .or_else(|| str_of(t, "connector_id"))
+                        .map(crate::admission::sanitize_label)
+                        .unwrap_or_else(|| "(unlabelled)".into());
+                    turn.provider_delegations
+                        .push(format!("{at}[{i}] (mcp, server_label {label})"));
+                }
+                if !CLIENT_TOOLS.contains(&ty) && !ty.starts_with("computer") {
+                    // A tool the provider runs in this very turn: the model may read its
+                    // output before it calls a tool (§C, §F).
+                    turn.untrusted(UntrustedKind::ProviderOutput, format!("{at}[{i}]"));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A custom tool's declared `format`: absent or `{"type": "text"}` is text; a `grammar` with
+/// `syntax` `regex` or `lark` its definition; anything else [`FreeformFormat::Unknown`]
+/// (no input passes).
+fn freeform_format(format: Option<&Value>) -> FreeformFormat {
+    let Some(format) = format.filter(|f| !f.is_null()) else {
+        return FreeformFormat::Text;
+    };
+    let definition = || str_of(format, "definition").unwrap_or_default().to_owned();
+    match (str_of(format, "type"), str_of(format, "syntax")) {
+        (Some("text"), _) => FreeformFormat::Text,
+        (Some("grammar"), Some("regex")) => FreeformFormat::Regex(definition()),
+        (Some("grammar"), Some("lark")) => FreeformFormat::Lark(definition()),
+        (Some("grammar"), other) => {
+            FreeformFormat::Unknown(format!("grammar/{}", other.unwrap_or("(no syntax)")))
+        }
+        (other, _) => FreeformFormat::Unknown(other.unwrap_or("(no type)").to_owned()),
+    }
 }
 
 /// Judges a message's `content` (or a call output's `output`): a string or text parts are the
@@ -369,20 +505,21 @@ pub fn classify(
     }
 }
 
-/// The arguments of a client-call item as admission sees them (JSON text).
+/// The input of a client-call item as admission sees it: JSON text, or a custom call's raw
+/// `input` text ([`call_input`]).
 fn call_arguments(item: &Value) -> String {
     match item_type(item) {
-        "function_call" => match item.get("arguments") {
+        "function_call" | "tool_search_call" => match item.get("arguments") {
             Some(Value::String(s)) => s.clone(),
             Some(Value::Null) | None => String::new(),
             Some(other) => other.to_string(),
         },
-        // Free-form input is not JSON arguments: keep it as a JSON string.
-        "custom_tool_call" => item
-            .get("input")
-            .cloned()
-            .unwrap_or(Value::Null)
-            .to_string(),
+        // Free-form input is raw text, exactly as the model wrote it (not JSON-quoted).
+        "custom_tool_call" => match item.get("input") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Null) | None => String::new(),
+            Some(other) => other.to_string(),
+        },
         _ => ["action", "operation", "input"]
             .iter()
             .find_map(|k| item.get(*k))
@@ -391,14 +528,28 @@ fn call_arguments(item: &Value) -> String {
     }
 }
 
+/// A call's identity: its `name` (a client tool search is `tool_search`, a built-in its item
+/// type), qualified by its `namespace` ([`qualified_name`]).
 fn call_name(item: &Value) -> String {
-    str_of(item, "name")
-        .unwrap_or_else(|| item_type(item))
-        .to_owned()
+    let name = match item_type(item) {
+        "tool_search_call" => "tool_search",
+        ty => str_of(item, "name").unwrap_or(ty),
+    };
+    qualified_name(str_of(item, "namespace"), name)
+}
+
+/// A custom tool call's input is raw text; every other call's is JSON.
+fn call_input(item: &Value) -> CallInput {
+    if item_type(item) == "custom_tool_call" {
+        CallInput::Text
+    } else {
+        CallInput::Json
+    }
 }
 
 fn call_from_item(item: &Value) -> ToolCall {
     ToolCall {
+        input: call_input(item),
         id: str_of(item, "call_id")
             .or_else(|| str_of(item, "id"))
             .unwrap_or_default()
@@ -495,13 +646,17 @@ pub fn append_text_repair(body: &mut Value, answer: &str, feedback: &str) {
 /// Errors: two client calls share a `call_id`.
 pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
     let calls = output_items(body)
-        .filter(|i| kind_of(item_type(i)) == Kind::Call)
+        .filter(|i| item_kind(i) == Kind::Call)
         .map(call_from_item)
         .collect();
     let out = vec![ChoiceEmissions {
+        output: output_items(body)
+            .filter(|i| item_kind(i) == Kind::Call)
+            .cloned()
+            .collect(),
         choice: 0,
         text: output_text(body),
-        provider_output: output_items(body).any(|i| kind_of(item_type(i)) == Kind::Provider),
+        provider_output: output_items(body).any(|i| item_kind(i) == Kind::Provider),
         completion: completion_of_response(body, false, turn.max_output_tokens),
         calls,
     }];
@@ -514,9 +669,10 @@ pub fn response_link(body: &Value, turn: &Turn) -> Option<ResponseLink> {
     let response_id = str_of(body, "id")?.to_owned();
     let mut provider_items = Vec::new();
     for item in output_items(body) {
-        note_provider_item(&mut provider_items, item_type(item));
+        note_provider_item(&mut provider_items, item);
     }
     Some(ResponseLink {
+        items: stored_items(body),
         response_id,
         previous_response_id: turn.previous_response_id.clone(),
         status: str_of(body, "status").map(str::to_owned),
@@ -527,8 +683,24 @@ pub fn response_link(body: &Value, turn: &Turn) -> Option<ResponseLink> {
     })
 }
 
-fn note_provider_item(list: &mut Vec<String>, ty: &str) {
-    if kind_of(ty) == Kind::Provider && !list.iter().any(|t| t == ty) {
+/// The output items of `response` that carry an id, for the journal's `item_reference`
+/// lookups: id, type, and whether the provider executed it (or turnguard does not know it).
+fn stored_items(response: &Value) -> Vec<crate::model::StoredOutputItem> {
+    output_items(response)
+        .filter_map(|item| {
+            let id = str_of(item, "id").filter(|id| id.chars().count() <= MAX_ITEM_ID)?;
+            Some(crate::model::StoredOutputItem {
+                id: id.to_owned(),
+                item_type: sanitize_type(item_type(item)),
+                provider_executed: item_kind(item) == Kind::Provider,
+            })
+        })
+        .collect()
+}
+
+fn note_provider_item(list: &mut Vec<String>, item: &Value) {
+    let ty = item_type(item);
+    if item_kind(item) == Kind::Provider && !list.iter().any(|t| t == ty) {
         list.push(sanitize_type(ty));
     }
 }
@@ -577,7 +749,7 @@ fn rewrite_output(
         let mut call_no = 0usize;
         let before = output.len();
         output.retain(|item| {
-            if kind_of(item_type(item)) != Kind::Call {
+            if item_kind(item) != Kind::Call {
                 return true;
             }
             call_no += 1;
@@ -610,7 +782,7 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
     if let Some(items) = body.get_mut("output").and_then(Value::as_array_mut) {
         let mut k = 0;
         for item in items.iter_mut() {
-            if kind_of(item.get("type").and_then(Value::as_str).unwrap_or_default()) != Kind::Call {
+            if item_kind(item) != Kind::Call {
                 continue;
             }
             if let Some(args) = verdict.release_args(k) {
@@ -621,7 +793,7 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
         }
     }
     let any_withheld = output_items(body)
-        .filter(|i| kind_of(item_type(i)) == Kind::Call)
+        .filter(|i| item_kind(i) == Kind::Call)
         .enumerate()
         .any(|(k, _)| !released(k));
     if !any_withheld && verdict.end_turn().is_none() {
@@ -641,16 +813,15 @@ pub fn append_repair(body: &mut Value, choice: &ChoiceEmissions, items: &[Repair
         return;
     };
     let mut input = take_input_items(obj);
+    let mut output_types = Vec::new();
     for it in items {
         if let Some(c) = choice.calls.get(it.call) {
-            let args = if serde_json::from_str::<Value>(&c.arguments).is_ok_and(|v| v.is_object()) {
-                c.arguments.clone()
-            } else {
-                "{}".to_owned()
-            };
-            input.push(json!({"type": "function_call", "call_id": c.id, "name": c.name, "arguments": args}));
+            let (item, output_type) = repair_call_item(c, choice.output.get(it.call));
+            input.push(item);
+            output_types.push(output_type);
         }
     }
+    let mut output_types = output_types.into_iter();
     for it in items {
         if let Some(c) = choice.calls.get(it.call) {
             let text = if it.is_error {
@@ -658,10 +829,44 @@ pub fn append_repair(body: &mut Value, choice: &ChoiceEmissions, items: &[Repair
             } else {
                 it.text.clone()
             };
-            input.push(json!({"type": "function_call_output", "call_id": c.id, "output": text}));
+            let ty = output_types.next().unwrap_or("function_call_output");
+            input.push(json!({"type": ty, "call_id": c.id, "output": text}));
         }
     }
     obj.insert("input".into(), Value::Array(input));
+}
+
+/// A withheld call as a repair round's input item, and the type of the output item that
+/// answers it. A custom call stays a `custom_tool_call` (its `name`, `namespace` and raw
+/// `input` as the model emitted them, answered by a `custom_tool_call_output`); every other
+/// call goes back as a `function_call` with its own name and namespace (arguments that are
+/// not a JSON object become `{}`), answered by a `function_call_output`. No item `id`: the
+/// provider must not look for the reasoning items that produced it.
+fn repair_call_item(call: &ToolCall, item: Option<&Value>) -> (Value, &'static str) {
+    let original = item.filter(|i| str_of(i, "call_id") == Some(call.id.as_str()));
+    let namespace = original.and_then(|i| str_of(i, "namespace"));
+    let name = original
+        .and_then(|i| str_of(i, "name"))
+        .unwrap_or(call.name.as_str());
+    let mut out = if call.input == CallInput::Text {
+        json!({"type": "custom_tool_call", "call_id": call.id, "name": name, "input": call.arguments})
+    } else {
+        let args = if serde_json::from_str::<Value>(&call.arguments).is_ok_and(|v| v.is_object()) {
+            call.arguments.clone()
+        } else {
+            "{}".to_owned()
+        };
+        json!({"type": "function_call", "call_id": call.id, "name": name, "arguments": args})
+    };
+    if let Some(ns) = namespace {
+        set(&mut out, "namespace", json!(ns));
+    }
+    let output_type = if call.input == CallInput::Text {
+        "custom_tool_call_output"
+    } else {
+        "function_call_output"
+    };
+    (out, output_type)
 }
 
 /// How a repair round's stream continues the agent's Responses stream, which already carries
@@ -697,6 +902,10 @@ struct CallAcc {
     /// The `call_id` of each complete item form seen (`output_item.done`, terminal `output`):
     /// the id the agent answers with. A form without it (or with another) is inconsistent.
     final_ids: Vec<Option<String>>,
+    /// JSON arguments or a custom call's raw text (from the announced item's type).
+    input: CallInput,
+    /// The last complete item seen (else the announced one): what a repair round replays.
+    item: Option<Value>,
 }
 
 impl CallAcc {
@@ -708,6 +917,8 @@ impl CallAcc {
                 .unwrap_or_default()
                 .to_owned(),
             name: call_name(item),
+            input: call_input(item),
+            item: Some(item.clone()).filter(|i| i.is_object()),
             ..Self::default()
         }
     }
@@ -725,6 +936,8 @@ impl CallAcc {
         if self.item_id.is_none() {
             self.item_id = str_of(item, "id").map(str::to_owned);
         }
+        self.input = call_input(item);
+        self.item = Some(item.clone());
         self.finals
             .push((Some(call_name(item)), call_arguments(item)));
         self.final_ids
@@ -739,6 +952,7 @@ impl CallAcc {
             None => (self.name.clone(), &self.deltas),
         };
         ToolCall {
+            input: self.input,
             id: self.call_id.clone(),
             name,
             arguments: arguments.clone(),
@@ -1120,10 +1334,9 @@ impl ResponsesStream {
                         return false;
                     }
                 }
-                let ty = item_type(item);
-                let kind = kind_of(ty);
+                let kind = item_kind(item);
                 if kind == Kind::Provider {
-                    note_provider_item(&mut self.provider_items, ty);
+                    note_provider_item(&mut self.provider_items, item);
                 }
                 let dropped = kind == Kind::Call && self.decided;
                 if let Some(id) = str_of(item, "id") {
@@ -1159,21 +1372,22 @@ impl ResponsesStream {
                 }
             }
             "response.custom_tool_call_input.done" => {
-                let input = j.get("input").cloned().unwrap_or(Value::Null).to_string();
+                // The raw text, as the deltas carry it (not JSON-quoted).
+                let input = str_of(j, "input").unwrap_or_default().to_owned();
                 if let Some(call) = self.call_for(j, None) {
+                    call.input = CallInput::Text;
                     call.finals.push((None, input));
                 }
             }
             "response.output_item.done" => {
                 let item = j.get("item").unwrap_or(&Value::Null);
-                let ty = item_type(item);
-                if kind_of(ty) == Kind::Provider {
-                    note_provider_item(&mut self.provider_items, ty);
+                if item_kind(item) == Kind::Provider {
+                    note_provider_item(&mut self.provider_items, item);
                 }
                 if has_refusal_part(item) {
                     self.refused = true;
                 }
-                if kind_of(ty) == Kind::Call {
+                if item_kind(item) == Kind::Call {
                     if let Some(call) = self.call_for(j, Some(item)) {
                         call.absorb(item);
                     }
@@ -1191,9 +1405,8 @@ impl ResponsesStream {
                     self.response_id = str_of(&response, "id").map(str::to_owned);
                 }
                 for item in output_items(&response) {
-                    let ty = item_type(item);
-                    note_provider_item(&mut self.provider_items, ty);
-                    if kind_of(ty) != Kind::Call {
+                    note_provider_item(&mut self.provider_items, item);
+                    if item_kind(item) != Kind::Call {
                         continue;
                     }
                     let call_id = str_of(item, "call_id");
@@ -1323,7 +1536,12 @@ impl ResponsesStream {
         if calls.is_empty() {
             return Vec::new();
         }
+        let output = self
+            .calls()
+            .map(|c| c.item.clone().unwrap_or(Value::Null))
+            .collect();
         vec![ChoiceEmissions {
+            output,
             choice: 0,
             text: None,
             provider_output: !self.provider_items.is_empty(),
@@ -1344,6 +1562,11 @@ impl ResponsesStream {
     /// The journal's record of this response, once its id is known.
     pub fn response_link(&self) -> Option<ResponseLink> {
         Some(ResponseLink {
+            items: self
+                .terminal
+                .as_ref()
+                .map(|t| stored_items(&t.response))
+                .unwrap_or_default(),
             response_id: self
                 .provider_response_id
                 .clone()
@@ -1414,7 +1637,7 @@ impl ResponsesStream {
             .map_or(base, |last| (last + 1).max(base))
             - withheld_ix.len() as u64;
         let is_withheld = |item: &Value| {
-            kind_of(item_type(item)) == Kind::Call
+            item_kind(item) == Kind::Call
                 && [str_of(item, "id"), str_of(item, "call_id")]
                     .iter()
                     .flatten()
@@ -1487,9 +1710,12 @@ impl ResponsesStream {
         }
     }
 
-    /// Drops everything held and ends the stream with an `error` event carrying `code` (an
-    /// outcome surfaced as an error after the headers went out). Like [`Self::cut`], it has an
-    /// `error` object, so the official SDK raises.
+    /// Drops everything held and ends the stream as the API ends a failed response: an
+    /// `error` event carrying `code` (an outcome surfaced as an error after the headers went
+    /// out; the official SDKs raise on it), then `response.failed` ([`Self::emit_failed`]).
+    /// The failed response's `error.code` is `invalid_prompt`, the API's code for a request
+    /// that cannot succeed as sent, so a client that reads it (Codex) stops instead of sending
+    /// the turn again; turnguard's own code is in its `message` and `turnguard_code`.
     pub fn fail(&mut self, code: &str, message: &str, out: &mut Vec<Bytes>) {
         self.held.clear();
         self.decided = true;
@@ -1501,6 +1727,30 @@ impl ResponsesStream {
             "error": {"type": "turnguard_refused", "code": code, "message": message, "param": null}
         });
         self.emit_new(body, out);
+        self.emit_failed("invalid_prompt", code, message, out);
+    }
+
+    /// Sends `response.failed` for the agent's response (its id, the items it was sent, status
+    /// `failed`, `error: {code: api_code, message, turnguard_code}`).
+    fn emit_failed(&mut self, api_code: &str, code: &str, message: &str, out: &mut Vec<Bytes>) {
+        let mut output: Vec<Value> = self
+            .splice
+            .as_ref()
+            .map(|sp| sp.sent.clone())
+            .unwrap_or_default();
+        output.extend(self.sent.values().cloned());
+        let response = json!({
+            "id": self.response_id,
+            "object": "response",
+            "status": "failed",
+            "error": {"code": api_code, "message": format!("{message} (turnguard: {code})"), "turnguard_code": code},
+            "incomplete_details": null,
+            "output": output,
+        });
+        self.emit_new(
+            json!({"type": "response.failed", "response": response}),
+            out,
+        );
     }
 
     /// Drops what is held (the round is being repaired) and says how the next round's stream
@@ -1551,6 +1801,8 @@ impl ResponsesStream {
                 "param": null
             }
         });
+        // No `response.failed`: a cut is transient, and a client that reads the stream as
+        // disconnected (Codex) retries the turn, which is what a cut upstream deserves.
         self.emit_new(body, out);
     }
 }
@@ -1724,6 +1976,53 @@ mod tests {
     }
 
     #[test]
+    fn every_tool_kind_is_declared_under_its_identity() {
+        let body = json!({
+            "tools": [
+                {"type": "custom", "name": "apply_patch"},
+                {"type": "tool_search", "execution": "client", "parameters": {"type": "object"}},
+                {"type": "tool_search"}
+            ],
+            "input": [
+                {"type": "additional_tools", "role": "developer", "tools": [
+                    {"type": "namespace", "name": "functions", "tools": [
+                        {"type": "custom", "name": "exec", "format": {"type": "grammar", "syntax": "regex", "definition": "a+"}},
+                        {"type": "function", "name": "wait", "parameters": {"type": "object"}}
+                    ]}
+                ]},
+                {"role": "user", "content": "go"}
+            ]
+        });
+        let t = parse_request(&body).unwrap();
+        let tools: Vec<(&str, Option<&FreeformFormat>)> = t
+            .tools
+            .iter()
+            .map(|d| (d.name.as_str(), d.freeform.as_ref()))
+            .collect();
+        assert_eq!(
+            tools,
+            vec![
+                ("apply_patch", Some(&FreeformFormat::Text)),
+                ("tool_search", None),
+                ("functions.exec", Some(&FreeformFormat::Regex("a+".into()))),
+                ("functions.wait", None),
+            ]
+        );
+        // The provider-run search is provider output; the host's tools are not a model turn.
+        let at: Vec<&str> = t.untrusted_inputs.iter().map(|u| u.at.as_str()).collect();
+        assert_eq!(at, vec!["tools[2]"]);
+        assert_eq!(t.round_index, 0);
+        let nested = json!({"input": [{"type": "additional_tools", "tools": [
+            {"type": "namespace", "name": "a", "tools": [{"type": "namespace", "name": "b", "tools": []}]}
+        ]}]});
+        assert!(parse_request(&nested).is_err());
+        assert_eq!(
+            freeform_format(Some(&json!({"type": "grammar", "syntax": "ebnf"}))),
+            FreeformFormat::Unknown("grammar/ebnf".into())
+        );
+    }
+
+    #[test]
     fn non_stream_calls_and_rewrite() {
         let mut body = json!({
             "id": "resp_2",
@@ -1743,10 +2042,7 @@ mod tests {
             .collect();
         assert_eq!(
             calls,
-            vec![
-                ("call_1", "a", "{\"x\":1}"),
-                ("call_2", "sql", "\"SELECT 1\"")
-            ]
+            vec![("call_1", "a", "{\"x\":1}"), ("call_2", "sql", "SELECT 1")]
         );
         let link = response_link(&body, &turn).unwrap();
         assert_eq!(link.provider_items, vec!["web_search_call"]);

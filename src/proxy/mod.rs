@@ -682,6 +682,7 @@ async fn turn(
     check_run_ids(&ctx.run)?;
     let policy = state.policy.snapshot();
     let history = trust::response_chain(state, ctx, &mut turn).await;
+    trust::item_references(state, ctx, &mut turn).await;
     if let Some(previous) = history.first() {
         turn.continue_chain(previous);
     }

@@ -194,7 +194,7 @@ impl Pipeline {
                     return None;
                 }
             };
-            let event = match &self.splice {
+            let event = match &mut self.splice {
                 Some(s) => match s.apply(event) {
                     Some(e) => e,
                     None => continue,

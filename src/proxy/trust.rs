@@ -84,6 +84,46 @@ pub async fn response_chain(state: &AppState, ctx: &RequestCtx, turn: &mut Turn)
     links
 }
 
+/// Resolves the turn's Responses `item_reference`s against turnguard's journal: a reference
+/// to an item turnguard relayed and recorded as trusted output
+/// ([`crate::admission::trust::reference_fault`]) takes that trust; every other reference
+/// (unknown, provider-executed, from an untrusted turn) stays untrusted, and so does every
+/// reference when the journal cannot be read (fail closed).
+pub async fn item_references(state: &AppState, ctx: &RequestCtx, turn: &mut Turn) {
+    if turn.item_references.is_empty() {
+        return;
+    }
+    let ids: Vec<String> = turn.item_references.iter().map(|r| r.id.clone()).collect();
+    let reader = state.reader.clone();
+    let rows = match tokio::task::spawn_blocking(move || reader.stored_items(&ids)).await {
+        Ok(Ok(rows)) => rows,
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, request_id = %ctx.request_id, "stored items not readable; item references stay untrusted (fail closed)");
+            return;
+        }
+        Err(e) => {
+            tracing::error!(error = %e, request_id = %ctx.request_id, "stored item lookup failed; item references stay untrusted (fail closed)");
+            return;
+        }
+    };
+    let mut trusted = std::collections::BTreeSet::new();
+    for row in rows {
+        match crate::admission::trust::reference_fault(&row) {
+            None => {
+                trusted.insert(row.item_id);
+            }
+            Some(reason) => tracing::info!(
+                request_id = %ctx.request_id,
+                item_id = %crate::admission::sanitize_label(&row.item_id),
+                response_id = %crate::admission::sanitize_label(&row.response_id),
+                reason,
+                "an item_reference names stored output that is not trusted"
+            ),
+        }
+    }
+    turn.resolve_references(&trusted);
+}
+
 /// The turn's effective `contentTrust`: `turn` (the meet of its inputs), made untrusted when
 /// its run was untrusted before. A journal failure fails closed (untrusted).
 pub async fn sticky(state: &AppState, ctx: &RequestCtx, turn: ContentTrust) -> ContentTrust {

@@ -920,8 +920,15 @@ async fn invalid_arguments_are_repaired_stream_anthropic() {
     assert_eq!(&m2[..m1.len()], &m1[..]);
     let call = &m2[m1.len()];
     assert_eq!(call["role"], "assistant");
-    assert_eq!(call["content"][0]["type"], "tool_use");
-    assert_eq!(call["content"][0]["id"], "toolu_bad");
+    // The model's message replayed in order: its text block, then the withheld call.
+    let types: Vec<&str> = call["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|b| b["type"].as_str())
+        .collect();
+    assert_eq!(types, vec!["text", "tool_use"], "{call}");
+    assert_eq!(call["content"][1]["id"], "toolu_bad");
     let result = &m2[m1.len() + 1];
     assert_eq!(result["role"], "user");
     let block = &result["content"][0];

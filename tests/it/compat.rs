@@ -577,6 +577,28 @@ fn main_requests<'a>(requests: &'a [Value], path: &str) -> Vec<&'a Value> {
         .collect()
 }
 
+/// The policy a CLI case runs with: the compat bundle, or the repository's shipped bundle
+/// (`policy/`) with the shipped catalogs `--catalog` selects (`policy/catalogs/*.toml`).
+#[derive(Clone)]
+enum Setup {
+    Compat,
+    Shipped(&'static [&'static str]),
+}
+
+impl Setup {
+    async fn start(&self, script: Script) -> support::Harness {
+        let setup = self.clone();
+        support::start_with(script, move |c| match setup {
+            Setup::Compat => c.policy = support::own_fixtures().join(BUNDLE),
+            Setup::Shipped(catalogs) => {
+                c.policy = root().join("policy");
+                c.catalog = Some(catalogs.iter().map(|n| (*n).to_owned()).collect());
+            }
+        })
+        .await
+    }
+}
+
 /// Runs Claude Code once in `ws` against turnguard; its `--output-format json` result.
 async fn claude(h: &support::Harness, trip: &Tripwire, ws: &Path, prompt: &str) -> (Value, String) {
     let home = tempfile::tempdir().expect("home");
@@ -622,8 +644,14 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
-/// Bash, then Write, then Read, in one session, with the bundle in `bundle`.
-async fn claude_bash_write_read(trip: &Tripwire, case: &str, bundle: PathBuf) -> Outcome {
+/// Bash, then Write, then Read, in one session, with the bundle in `bundle` (or, with
+/// `catalog`, the shipped bundle with those shipped catalogs, as `--catalog` selects them).
+async fn claude_bash_write_read(
+    trip: &Tripwire,
+    case: &str,
+    bundle: PathBuf,
+    catalog: Option<&[&str]>,
+) -> Outcome {
     let ws = tempfile::tempdir().expect("workspace");
     let dir = ws.path().display().to_string();
     let final_text = "Bash, Write and Read all ran.";
@@ -649,9 +677,13 @@ async fn claude_bash_write_read(trip: &Tripwire, case: &str, bundle: PathBuf) ->
         cli_step("final", json!({"reasoning": "Done.", "text": final_text})),
         side_step(),
     ];
+    let catalog = catalog.map(|c| c.iter().map(|n| (*n).to_owned()).collect());
     let h = support::start_with(
         mock_script(json!({"responses": steps, "strict_thinking": true})),
-        move |c| c.policy = bundle,
+        move |c| {
+            c.policy = bundle;
+            c.catalog = catalog;
+        },
     )
     .await;
     let (out, stderr) = claude(&h, trip, ws.path(), "Run the three tools.").await;
@@ -695,14 +727,23 @@ async fn claude_code() {
             &trip,
             "bash-write-read",
             support::own_fixtures().join(BUNDLE),
+            None,
         )
         .await,
         // The same with the repository's shipped default bundle (`policy/`), as a new user
-        // runs it: no catalog for Claude Code's tools.
+        // runs it (it includes every shipped catalog), and with only `--catalog claude-code`.
         claude_bash_write_read(
             &trip,
             "bash-write-read-default-policy",
             root().join("policy"),
+            None,
+        )
+        .await,
+        claude_bash_write_read(
+            &trip,
+            "bash-write-read-catalog",
+            root().join("policy"),
+            Some(&["claude-code"]),
         )
         .await,
     ];
@@ -765,7 +806,7 @@ async fn claude_code() {
 
 /// Writes `$HOME/.codex/config.toml` pointing Codex at turnguard, with its non-essential
 /// traffic off (issue 12, "Running the CLIs offline").
-fn codex_home(h: &support::Harness, websockets: bool) -> tempfile::TempDir {
+fn codex_home(h: &support::Harness, websockets: bool, web_search: bool) -> tempfile::TempDir {
     let home = tempfile::tempdir().expect("home");
     let dir = home.path().join(".codex");
     std::fs::create_dir_all(&dir).expect("codex home");
@@ -774,7 +815,7 @@ fn codex_home(h: &support::Harness, websockets: bool) -> tempfile::TempDir {
 approval_policy = "never"
 sandbox_mode = "workspace-write"
 check_for_update_on_startup = false
-
+{}
 [model_providers.tg]
 name = "turnguard"
 base_url = "{}/v1"
@@ -790,6 +831,13 @@ remote_plugin = false
 [analytics]
 enabled = false
 "#,
+        // Off: the classic shape would declare the provider-run `web_search` tool, which
+        // makes every turn untrusted (F8); `None`: Codex's default (on, cached).
+        if web_search {
+            ""
+        } else {
+            "web_search = \"disabled\"\n"
+        },
         h.url(),
         websockets
     );
@@ -841,7 +889,7 @@ impl CodexRun {
 }
 
 async fn codex(h: &support::Harness, trip: &Tripwire, ws: &Path, model: Option<&str>) -> CodexRun {
-    codex_with(h, trip, ws, model, false).await
+    codex_with(h, trip, ws, model, false, false).await
 }
 
 /// [`codex`], optionally with the provider's Responses WebSocket transport on
@@ -854,8 +902,9 @@ async fn codex_with(
     ws: &Path,
     model: Option<&str>,
     websockets: bool,
+    web_search: bool,
 ) -> CodexRun {
-    let home = codex_home(h, websockets);
+    let home = codex_home(h, websockets, web_search);
     let mut cmd = command(&node_bin("codex"), home.path(), trip);
     if websockets {
         for var in [
@@ -912,7 +961,13 @@ fn codex_patch_call(lite: bool) -> Value {
 }
 
 /// Two commands, then a patch, then the answer.
-async fn codex_exec_exec_patch(trip: &Tripwire, lite: bool, model: Option<&str>) -> Outcome {
+async fn codex_exec_exec_patch(
+    trip: &Tripwire,
+    lite: bool,
+    model: Option<&str>,
+    setup: Setup,
+    case: &str,
+) -> Outcome {
     let final_text = "Two commands and a patch ran.";
     let steps = vec![
         cli_step(
@@ -927,7 +982,7 @@ async fn codex_exec_exec_patch(trip: &Tripwire, lite: bool, model: Option<&str>)
         cli_step("final", json!({"text": final_text})),
         side_step(),
     ];
-    let h = support::start_with_policy(mock_script(json!({"responses": steps})), BUNDLE).await;
+    let h = setup.start(mock_script(json!({"responses": steps}))).await;
     let ws = tempfile::tempdir().expect("workspace");
     let run = codex(&h, trip, ws.path(), model).await;
     let requests = h.mock_requests().await;
@@ -962,9 +1017,60 @@ async fn codex_exec_exec_patch(trip: &Tripwire, lite: bool, model: Option<&str>)
     }
     h.stop().await;
     Outcome::new(
-        "exec-exec-patch",
+        case,
         p,
         "two commands and apply_patch ran; the final message arrived".into(),
+    )
+}
+
+/// Codex's classic shape with its default web search on: the request declares the
+/// provider-run `web_search` tool, so the turn is untrusted and `exec_command` is held; with
+/// no approver configured it never runs, and Codex shows turnguard's explanation.
+async fn codex_web_search_held(trip: &Tripwire, setup: Setup) -> Outcome {
+    let steps = vec![
+        cli_step(
+            "exec",
+            json!({"tool_calls": [codex_call(false, "echo ran > must-not-exist.txt")]}),
+        ),
+        cli_step("after", json!({"text": "The command was not run."})),
+        side_step(),
+    ];
+    let h = setup.start(mock_script(json!({"responses": steps}))).await;
+    let ws = tempfile::tempdir().expect("workspace");
+    let run = codex_with(&h, trip, ws.path(), Some(CODEX_CLASSIC_MODEL), false, true).await;
+    let requests = h.mock_requests().await;
+    let main = main_requests(&requests, "/v1/responses");
+    let mut p = run.failures();
+    let all: Vec<&Value> = requests.iter().collect();
+    p.extend(unanswered(&all));
+    let declares_web_search = main.first().is_some_and(|r| {
+        r.pointer("/body/tools")
+            .and_then(Value::as_array)
+            .is_some_and(|t| {
+                t.iter().any(|t| {
+                    t.get("type")
+                        .and_then(Value::as_str)
+                        .is_some_and(|ty| ty.starts_with("web_search"))
+                })
+            })
+    });
+    if !declares_web_search {
+        p.push("codex did not declare web_search (the case tests nothing)".into());
+    }
+    if ws.path().join("must-not-exist.txt").exists() {
+        p.push("exec_command ran in an untrusted turn with nobody to approve it".into());
+    }
+    if !run.final_text().starts_with("[turnguard]") {
+        p.push(format!(
+            "codex's final message is {:?}, want turnguard's explanation",
+            truncate(&run.final_text(), 300)
+        ));
+    }
+    h.stop().await;
+    Outcome::new(
+        "web-search-held",
+        p,
+        "with web_search declared, exec_command was held and never ran".into(),
     )
 }
 
@@ -1039,7 +1145,7 @@ async fn codex_websocket_fallback(trip: &Tripwire) -> Outcome {
     let steps = vec![cli_step("final", json!({"text": final_text})), side_step()];
     let h = support::start_with_policy(mock_script(json!({"responses": steps})), BUNDLE).await;
     let ws = tempfile::tempdir().expect("workspace");
-    let run = codex_with(&h, trip, ws.path(), None, true).await;
+    let run = codex_with(&h, trip, ws.path(), None, true, false).await;
     let requests = h.mock_requests().await;
     let mut p: Vec<String> = run
         .failures()
@@ -1069,7 +1175,15 @@ const CODEX_CLASSIC_MODEL: &str = "gpt-5.1-codex";
 async fn codex_lite() {
     let trip = Tripwire::start().await;
     let outcomes = vec![
-        codex_exec_exec_patch(&trip, true, None).await,
+        codex_exec_exec_patch(&trip, true, None, Setup::Compat, "exec-exec-patch").await,
+        codex_exec_exec_patch(
+            &trip,
+            true,
+            None,
+            Setup::Shipped(&["codex"]),
+            "exec-exec-patch-catalog",
+        )
+        .await,
         codex_truncated(&trip, true, None).await,
         codex_websocket_fallback(&trip).await,
     ];
@@ -1085,7 +1199,23 @@ async fn codex_lite() {
 async fn codex_classic() {
     let trip = Tripwire::start().await;
     let outcomes = vec![
-        codex_exec_exec_patch(&trip, false, Some(CODEX_CLASSIC_MODEL)).await,
+        codex_exec_exec_patch(
+            &trip,
+            false,
+            Some(CODEX_CLASSIC_MODEL),
+            Setup::Compat,
+            "exec-exec-patch",
+        )
+        .await,
+        codex_exec_exec_patch(
+            &trip,
+            false,
+            Some(CODEX_CLASSIC_MODEL),
+            Setup::Shipped(&["codex"]),
+            "exec-exec-patch-catalog",
+        )
+        .await,
+        codex_web_search_held(&trip, Setup::Shipped(&["codex"])).await,
         codex_truncated(&trip, false, Some(CODEX_CLASSIC_MODEL)).await,
     ];
     report(

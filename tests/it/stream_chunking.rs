@@ -31,25 +31,14 @@ fn turn(api: Api) -> Turn {
         "final_result",
     ]
     .iter()
-    .map(|n| DeclaredTool {
-        name: (*n).into(),
-        schema: Some(json!({"type": "object"})),
-    })
+    .map(|n| DeclaredTool::json(*n, Some(json!({"type": "object"}))))
     .collect();
     Turn {
-        api,
-        model: None,
         stream: true,
         tools,
-        tool_results: Vec::new(),
         max_output_tokens: Some(4096),
         include_usage: true,
-        round_index: 0,
-        prior_calls: Vec::new(),
-        untrusted_inputs: Vec::new(),
-        usage_for_turnguard: false,
-        previous_response_id: None,
-        provider_delegations: Vec::new(),
+        ..Turn::new(api)
     }
 }
 
