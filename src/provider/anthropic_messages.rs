@@ -91,7 +91,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
             system,
             "system",
             &mut CallNames::default(),
-            false,
+            Within::Message,
         )?;
     }
     let mut calls = CallNames::default();
@@ -124,7 +124,12 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
             None | Some(Value::Null) | Some(Value::String(_)) => {}
             Some(Value::Array(blocks)) => {
                 let at = format!("messages[{i}].content");
-                judge_blocks(&mut turn, blocks, &at, &mut calls, assistant)?;
+                let within = if assistant {
+                    Within::Assistant
+                } else {
+                    Within::Message
+                };
+                judge_blocks(&mut turn, blocks, &at, &mut calls, within)?;
             }
             Some(_) => turn.untrusted(
                 UntrustedKind::Unrecognised,
@@ -143,19 +148,25 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
 /// inside a tool result too; a block type turnguard does not know is
 /// [`UntrustedKind::Unrecognised`].
 ///
+/// A `tool_reference` block (the name of a tool a tool search loaded, Anthropic's tool search)
+/// is known only inside a `tool_result`: it names a tool the agent declares, it carries no
+/// content, and the result's trust is its tool's.
+///
 /// Errors: a `tool_result` without a string `tool_use_id` (the request is malformed).
 fn judge_blocks(
     turn: &mut Turn,
     blocks: &[Value],
     at: &str,
     calls: &mut CallNames,
-    assistant: bool,
+    within: Within,
 ) -> Result<(), String> {
+    let assistant = within == Within::Assistant;
     for (k, b) in blocks.iter().enumerate() {
         let at = format!("{at}[{k}]");
         let ty = b.get("type").and_then(Value::as_str).unwrap_or_default();
         match ty {
             "text" | "thinking" | "redacted_thinking" | "search_result" => {}
+            "tool_reference" if within == Within::ToolResult => {}
             "image" | "document" => judge_source(turn, b, &at),
             "tool_use" if assistant => {
                 let name = b.get("name").and_then(Value::as_str);
@@ -180,7 +191,8 @@ fn judge_blocks(
                     is_error: b.get("is_error").and_then(Value::as_bool) == Some(true),
                 });
                 if let Some(Value::Array(inner)) = b.get("content") {
-                    judge_blocks(turn, inner, &format!("{at}.content"), calls, false)?;
+                    let at = format!("{at}.content");
+                    judge_blocks(turn, inner, &at, calls, Within::ToolResult)?;
                 }
             }
             t if is_provider_block(t) => {
@@ -196,6 +208,17 @@ fn judge_blocks(
     Ok(())
 }
 
+/// Where a list of content blocks is (which block types it may hold).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Within {
+    /// An assistant message: the model's own blocks, calls among them.
+    Assistant,
+    /// A user or system message, the top-level `system`, or inline document content.
+    Message,
+    /// The `content` of a `tool_result`.
+    ToolResult,
+}
+
 /// An `image` / `document` block: inline sources (`base64`, `text`, `content`) are the
 /// message's own; a `url` or `file` source is fetched or held by the provider.
 fn judge_source(turn: &mut Turn, block: &Value, at: &str) {
@@ -205,7 +228,8 @@ fn judge_source(turn: &mut Turn, block: &Value, at: &str) {
             if let Some(Value::Array(inner)) = block.pointer("/source/content") {
                 let at = format!("{at}.source.content");
                 // Inline content carries no tool results; one that does is not recognised.
-                if judge_blocks(turn, inner, &at, &mut CallNames::default(), false).is_err() {
+                let mut none = CallNames::default();
+                if judge_blocks(turn, inner, &at, &mut none, Within::Message).is_err() {
                     turn.untrusted(UntrustedKind::Unrecognised, at);
                 }
             }

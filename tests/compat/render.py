@@ -22,7 +22,7 @@ ROOT = HERE.parent.parent
 START, END = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
 # The SDK cases (the table's columns), and the order of the CLI cases.
 SDK = ["loop", "loop-stream", "truncated", "truncated-stream", "error", "error-stream"]
-CLI_ORDER = ["bash-write-read", "bash-write-read-default-policy", "bash-write-read-catalog", "exec-exec-patch",
+CLI_ORDER = ["bash-write-read", "bash-write-read-default-policy", "bash-write-read-catalog", "webfetch-then-bash-held", "exec-exec-patch",
              "exec-exec-patch-catalog", "web-search-held", "truncated", "websocket-fallback"]
 
 
