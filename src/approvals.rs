@@ -56,7 +56,7 @@ use crate::admission::sanitize_label;
 use crate::body::read_capped;
 use crate::identity::{Person, TokenError};
 use crate::journal::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
-use crate::metrics::ApprovalLabels;
+use crate::metrics::{ApprovalLabels, ApprovalResult};
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Outcome};
 use crate::proxy::{now_ms, Approval, Session};
 use crate::server::AppState;
@@ -303,7 +303,7 @@ pub async fn settle(
         }
     };
     if row.inserted {
-        count(state, "held");
+        count(state, ApprovalResult::Held);
         tracing::info!(interrupt = %id, request_id = %session.ctx.request_id, run = ?session.ctx.run.run_id, tools = %names.join(","), person = person.is_some(), "tool calls held for approval");
     }
     let final_state = match (row.state.as_str(), &row.record.principal) {
@@ -462,9 +462,9 @@ async fn resolve_as_host(state: &AppState, id: &str, to: &'static str, reason: &
                 state,
                 &row,
                 if to == "expired" {
-                    "expired"
+                    ApprovalResult::Expired
                 } else {
-                    "rejected"
+                    ApprovalResult::Rejected
                 },
             );
             state.approvals.notify(id, &row.state);
@@ -482,18 +482,16 @@ async fn resolve_as_host(state: &AppState, id: &str, to: &'static str, reason: &
     }
 }
 
-fn count(state: &AppState, result: &str) {
+fn count(state: &AppState, result: ApprovalResult) {
     state
         .metrics
         .approvals
-        .get_or_create(&ApprovalLabels {
-            result: result.to_owned(),
-        })
+        .get_or_create(&ApprovalLabels { result })
         .inc();
 }
 
 /// Counts a resolution and observes how long the interrupt waited.
-fn observe(state: &AppState, row: &InterruptRow, result: &str) {
+fn observe(state: &AppState, row: &InterruptRow, result: ApprovalResult) {
     count(state, result);
     let waited = row
         .resolved_at_ms
@@ -503,9 +501,7 @@ fn observe(state: &AppState, row: &InterruptRow, result: &str) {
     state
         .metrics
         .approval_wait
-        .get_or_create(&ApprovalLabels {
-            result: result.to_owned(),
-        })
+        .get_or_create(&ApprovalLabels { result })
         .observe(waited as f64 / 1000.0);
 }
 
@@ -785,7 +781,7 @@ async fn resolve(s: Arc<AppState>, target: Target, req: Request<Body>) -> Respon
             Some(json!({"interruptId": row.record.interrupt_id, "state": row.state})),
         ),
         Ok(Resolved::Expired(row)) => {
-            observe(&s, &row, "expired");
+            observe(&s, &row, ApprovalResult::Expired);
             s.approvals.notify(&row.record.interrupt_id, &row.state);
             error(
                 StatusCode::CONFLICT,
@@ -799,9 +795,9 @@ async fn resolve(s: Arc<AppState>, target: Target, req: Request<Body>) -> Respon
                 &s,
                 &row,
                 if row.state == "accepted" {
-                    "approved"
+                    ApprovalResult::Approved
                 } else {
-                    "rejected"
+                    ApprovalResult::Rejected
                 },
             );
             s.approvals.notify(&row.record.interrupt_id, &row.state);

@@ -527,6 +527,9 @@ struct Job {
     /// (`synchronous=FULL`); other records are committed with `synchronous=NORMAL` (WAL: safe
     /// against corruption, may lose the last commits on power loss) and nobody waits.
     durable: bool,
+    /// Counts the job in `turnguard_journal_queue_depth_records` until the writer takes it
+    /// off the queue (or the job is dropped unsent).
+    queued: Option<crate::metrics::GaugeGuard>,
 }
 
 /// Handle to the journal writer. Cheap to clone.
@@ -630,11 +633,13 @@ impl Journal {
             self.metrics.journal_write_failures.inc();
             return Err(JournalError::Closed);
         };
-        self.metrics.journal_queue_depth.inc();
         slot.send(Job {
             op,
             ack: Some(ack),
             durable,
+            queued: Some(crate::metrics::GaugeGuard::new(
+                &self.metrics.journal_queue_depth,
+            )),
         });
         done.await.unwrap_or(Err(JournalError::Closed))
     }
@@ -646,11 +651,13 @@ impl Journal {
             self.metrics.journal_write_failures.inc();
             return Err(JournalError::Closed);
         };
-        self.metrics.journal_queue_depth.inc();
         slot.send(Job {
             op,
             ack: None,
             durable: false,
+            queued: Some(crate::metrics::GaugeGuard::new(
+                &self.metrics.journal_queue_depth,
+            )),
         });
         Ok(())
     }
@@ -802,7 +809,10 @@ fn writer(
                 Err(_) => break,
             }
         }
-        metrics.journal_queue_depth.dec_by(batch.len() as i64);
+        // Off the queue: each job's guard takes it out of the depth gauge.
+        for job in &mut batch {
+            job.queued = None;
+        }
         // One fsync per batch when any record in it must be durable; none otherwise.
         let durable = batch.iter().any(|j| j.durable);
         if durable != full {

@@ -266,6 +266,20 @@ impl JournalReader {
         })
     }
 
+    /// Tool calls released (`executed`) in `run` so far, over every node, attempt and round
+    /// journaled: seeds the run's in-memory counter ([`crate::admission::LimitState::seed`]).
+    pub fn released_calls(&self, run: &str) -> Result<u32, JournalError> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT count(*) FROM rounds r JOIN tool_calls t ON t.request_id = r.request_id
+                 WHERE r.run_id = ?1 AND t.outcome = 'executed'",
+                params![run],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+        })
+    }
+
     /// Recorded rounds a replay of (run, node) served without the agent so far.
     pub fn replay_cursor(&self, run: &str, node: &str) -> Result<u32, JournalError> {
         self.with(|c| {

@@ -163,7 +163,7 @@ impl Session {
         upstream::send(
             &self.state,
             self.turn.api.upstream(),
-            self.turn.api.as_str(),
+            self.turn.api.into(),
             Method::POST,
             &self.path,
             self.headers.clone(),
@@ -470,15 +470,17 @@ impl Session {
                     .metrics
                     .tool_calls
                     .get_or_create(&CallLabels {
-                        outcome: d.outcome.as_str().to_owned(),
-                        stage: d.stage.as_str().to_owned(),
-                        channel: "tool".to_owned(),
-                        mode: if d.enforced { "enforce" } else { "shadow" }.to_owned(),
-                        tool: if self.policy.catalog.by_id(&d.tool_id).is_some() {
-                            d.tool_id.clone()
-                        } else {
-                            crate::policy::rules::UNKNOWN_TOOL_ID.to_owned()
-                        },
+                        outcome: d.outcome,
+                        stage: d.stage,
+                        channel: "tool",
+                        mode: crate::metrics::CallMode::of(d.enforced),
+                        tool: self.state.metrics.tool_label(
+                            if self.policy.catalog.by_id(&d.tool_id).is_some() {
+                                &d.tool_id
+                            } else {
+                                crate::policy::rules::UNKNOWN_TOOL_ID
+                            },
+                        ),
                     })
                     .inc();
                 let tool_name = admission::sanitize_label(&call.name);
@@ -591,7 +593,7 @@ impl Session {
             .metrics
             .repairs
             .get_or_create(&RepairLabels {
-                api: self.turn.api.as_str().to_owned(),
+                api: self.turn.api.into(),
             })
             .inc();
     }
@@ -630,11 +632,38 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Respo
     drop(inflight);
     state
         .metrics
-        .request(api.as_str(), resp.status().as_u16(), stream);
+        .request(api.into(), resp.status().as_u16(), stream);
     if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
         resp.headers_mut().insert("x-request-id", v);
     }
     resp
+}
+
+/// Seeds a run's released-call counter from the journal when it is not in memory (first
+/// turn after a start, or evicted from the LRU), so `tool_calls_per_run` survives both.
+/// An unreadable journal fails the request (503): the budget cannot be known.
+async fn seed_run_counter(state: &Arc<AppState>, ctx: &RequestCtx) -> Result<(), WireError> {
+    let Some(run) = ctx.run.run_id.clone() else {
+        return Ok(());
+    };
+    if !state.limits.needs_seed(&run) {
+        return Ok(());
+    }
+    let reader = Arc::clone(&state.reader);
+    let key = run.clone();
+    let found = tokio::task::spawn_blocking(move || reader.released_calls(&key)).await;
+    match found {
+        Ok(Ok(n)) => {
+            state.limits.seed(&run, n);
+            Ok(())
+        }
+        Ok(Err(e)) => Err(WireError::JournalUnavailable {
+            reason: format!("the run's released calls could not be read ({e})"),
+        }),
+        Err(e) => Err(WireError::JournalUnavailable {
+            reason: format!("the run's released calls could not be read ({e})"),
+        }),
+    }
 }
 
 /// The life of a turn. Returns the response and whether it is a stream.
@@ -677,12 +706,11 @@ async fn turn(
     }
     let trust = admission::trust::of_turn(&turn, &policy, &history);
     let trust = trust::sticky(state, ctx, trust).await;
+    seed_run_counter(state, ctx).await?;
     state
         .metrics
         .turns
-        .get_or_create(&TrustLabels {
-            trust: trust.as_str().to_owned(),
-        })
+        .get_or_create(&TrustLabels { trust })
         .inc();
     if let Some(reason) = admission::clarification_unsupported(&turn, &policy) {
         return Err(WireError::CapabilityNotProvided { reason });
@@ -939,13 +967,11 @@ async fn read_upstream_json(
     let idle = Duration::from_millis(c.upstream_idle_timeout_ms);
     let whole = Duration::from_millis(c.upstream_response_timeout_ms);
     let left = whole.saturating_sub(sent.elapsed());
-    let count = |reason: &str| {
+    let count = |reason: crate::metrics::UpstreamError| {
         state
             .metrics
             .upstream_errors
-            .get_or_create(&crate::metrics::ReasonLabels {
-                reason: reason.to_owned(),
-            })
+            .get_or_create(&crate::metrics::ReasonLabels { reason })
             .inc();
     };
     read_capped_within(body, c.max_response_bytes, Some(idle), left)
@@ -955,14 +981,14 @@ async fn read_upstream_json(
                 "the response body exceeds the {limit}-byte cap (max_response_bytes; raise it with --max-response-bytes)"
             ),
             BodyError::TimedOut(crate::body::TimedOut::Idle(d)) => {
-                count("idle_timeout");
+                count(crate::metrics::UpstreamError::IdleTimeout);
                 format!(
                     "the upstream sent no response body data for {} ms (upstream_idle_timeout_ms; raise it with --upstream-idle-timeout-ms)",
                     d.as_millis()
                 )
             }
             BodyError::TimedOut(crate::body::TimedOut::Deadline(_)) => {
-                count("response_timeout");
+                count(crate::metrics::UpstreamError::ResponseTimeout);
                 format!(
                     "the upstream's response did not complete within {} ms (upstream_response_timeout_ms; raise it with --upstream-response-timeout-ms)",
                     whole.as_millis()
@@ -1301,8 +1327,8 @@ impl Session {
             .metrics
             .emissions
             .get_or_create(&EmissionLabels {
-                channel: spec.channel.as_str().to_owned(),
-                result: result.to_owned(),
+                channel: spec.channel,
+                result,
             })
             .inc();
         rec.channel = Some(spec.channel.as_str());
@@ -1449,7 +1475,7 @@ pub async fn passthrough(
         upstream::send(
             &state,
             upstream_name,
-            "passthrough",
+            crate::metrics::ApiLabel::Passthrough,
             parts.method.clone(),
             &path,
             headers,
@@ -1468,9 +1494,11 @@ pub async fn passthrough(
         }
         Err(e) => e.response(surface),
     };
-    state
-        .metrics
-        .request("passthrough", resp.status().as_u16(), false);
+    state.metrics.request(
+        crate::metrics::ApiLabel::Passthrough,
+        resp.status().as_u16(),
+        false,
+    );
     if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
         resp.headers_mut().insert("x-request-id", v);
     }

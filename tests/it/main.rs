@@ -9,6 +9,7 @@ mod channels;
 mod compat;
 mod crash_recovery;
 mod deploy_files;
+mod dispatch;
 mod dropin;
 mod faults;
 mod field_inputs;
