@@ -218,9 +218,30 @@ fn held_calls(round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) -> Vec<Valu
     calls
 }
 
+/// How a held round's approval interrupt ended. The request path admits the round again with
+/// it ([`crate::proxy::Session::admit`]); this module never decides a round itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settled {
+    /// Accepted and used by this request: exactly these `argsHash`es are approved (once).
+    Accepted(BTreeSet<String>),
+    /// Not approved: held calls are refused with this reason (a closed set,
+    /// [`crate::admission::APPROVAL_REFUSALS`]) and explanation.
+    Refused(&'static str, String),
+}
+
+impl Settled {
+    /// As the [`Approval`] the round is decided again with.
+    pub fn approval(&self) -> Approval<'_> {
+        match self {
+            Self::Accepted(hashes) => Approval::Accepted(hashes),
+            Self::Refused(reason, why) => Approval::Refused(reason, why),
+        }
+    }
+}
+
 /// Resolves a round whose held calls wait: raises (or meets again) the approval interrupt,
-/// waits for its resolution or expiry, and admits the round again — approved for exactly the
-/// bound `argsHash`es, or with the held calls refused. While `agent` is gone nothing is used:
+/// waits for its resolution or expiry, and says how it ended — approved for exactly the
+/// bound `argsHash`es, or with the held calls refused (the caller decides the round again). While `agent` is gone nothing is used:
 /// the wait ends, the interrupt stays as it is (pending, or accepted and unused) for the
 /// agent's re-send, and the held calls are refused for this request (`agent_gone`).
 pub async fn settle(
@@ -228,7 +249,7 @@ pub async fn settle(
     round: &[ChoiceEmissions],
     verdicts: &[ChoiceVerdict],
     agent: &impl AgentEnd,
-) -> Vec<ChoiceVerdict> {
+) -> Settled {
     let state = &session.state;
     let redactor = &session.policy.redactor;
     let calls: Vec<Value> = held_calls(round, verdicts)
@@ -291,15 +312,7 @@ pub async fn settle(
         Ok(row) => row,
         Err(e) => {
             tracing::error!(error = %e, interrupt = %id, "approval interrupt not journaled; held calls refused");
-            return session
-                .decide_round(
-                    round,
-                    Approval::Refused(
-                        "approval_unavailable",
-                        "the approval interrupt could not be journaled, so the call cannot wait for approval (fail closed)",
-                    ),
-                )
-                .await;
+            return Settled::Refused("approval_unavailable", "the approval interrupt could not be journaled, so the call cannot wait for approval (fail closed)".into());
         }
     };
     if row.inserted {
@@ -311,7 +324,7 @@ pub async fn settle(
         ("pending", Some(_)) => match waiter {
             Some(w) => match wait(state, w, &row, agent).await {
                 Some(s) => s,
-                None => return agent_gone(session, round, &id).await,
+                None => return agent_gone(session, &id),
             },
             None => resolve_as_host(state, &id, "expired", "timeout").await,
         },
@@ -320,87 +333,43 @@ pub async fn settle(
     let approval_hashes = bound_hashes(&row);
     match final_state.as_str() {
         // Used only by a request whose agent is there to receive the calls.
-        "accepted" if agent.is_gone() => agent_gone(session, round, &id).await,
+        "accepted" if agent.is_gone() => agent_gone(session, &id),
         "accepted" => match state
             .journal
             .consume_approval(&id, &session.ctx.journal_id)
             .await
         {
             Ok(true) => {
-                session
-                    .decide_round(round, Approval::Accepted(&approval_hashes))
-                    .await
+                Settled::Accepted(approval_hashes)
             }
             Ok(false) => {
-                session
-                    .decide_round(
-                        round,
-                        Approval::Refused(
-                            "approval_already_used",
-                            "this approval was already used by another request; an approval is single-use",
-                        ),
-                    )
-                    .await
+                Settled::Refused("approval_already_used", "this approval was already used by another request; an approval is single-use".into())
             }
             Err(e) => {
                 tracing::error!(error = %e, interrupt = %id, "approval could not be marked used; held calls refused");
-                session
-                    .decide_round(
-                        round,
-                        Approval::Refused(
-                            "approval_unavailable",
-                            "the approval could not be recorded as used (fail closed)",
-                        ),
-                    )
-                    .await
+                Settled::Refused("approval_unavailable", "the approval could not be recorded as used (fail closed)".into())
             }
         },
         "rejected" if row.record.principal.is_none() => {
-            session
-                .decide_round(
-                    round,
-                    Approval::Refused(
-                        "no_approver",
-                        "no verified person acts for this request (no Turnguard-Principal-Token), so nobody can approve the held call",
-                    ),
-                )
-                .await
+            Settled::Refused("no_approver", "no verified person acts for this request (no Turnguard-Principal-Token), so nobody can approve the held call".into())
         }
         "rejected" => {
-            session
-                .decide_round(
-                    round,
-                    Approval::Refused(
-                        "approval_rejected",
-                        "the acting person rejected the held call",
-                    ),
-                )
-                .await
+            Settled::Refused("approval_rejected", "the acting person rejected the held call".into())
         }
         _ => {
             let why = format!(
                 "no approval arrived within {timeout_ms} ms; a timeout never approves"
             );
-            session
-                .decide_round(round, Approval::Refused("approval_expired", &why))
-                .await
+            Settled::Refused("approval_expired", why)
         }
     }
 }
 
 /// The agent left while its held round waited: nothing is used, the held calls are refused for
 /// this request only (the interrupt is left for the agent's re-send).
-async fn agent_gone(session: &Session, round: &[ChoiceEmissions], id: &str) -> Vec<ChoiceVerdict> {
+fn agent_gone(session: &Session, id: &str) -> Settled {
     tracing::info!(interrupt = %id, request_id = %session.ctx.request_id, "the agent left while its held calls waited; the approval is left for its re-send");
-    session
-        .decide_round(
-            round,
-            Approval::Refused(
-                "agent_gone",
-                "the agent left before the held call(s) could be delivered; an approval is used only by a request that receives its calls",
-            ),
-        )
-        .await
+    Settled::Refused("agent_gone", "the agent left before the held call(s) could be delivered; an approval is used only by a request that receives its calls".into())
 }
 
 /// The `argsHash`es an interrupt binds.

@@ -162,6 +162,16 @@ pub struct ServeArgs {
     /// characters; surrounding whitespace is trimmed).
     #[arg(long, value_name = "FILE")]
     pub admin_token_file: Option<PathBuf>,
+    /// An MCP server (Streamable HTTP) to put behind `/mcp/NAME`, as `NAME=URL`, repeatable
+    /// (the MCP front, [`crate::mcp`]). In the env var, comma-separated. In the file, a table
+    /// `[mcp.NAME]` with `url` and `ticket`, or `mcp.NAME = "URL"`.
+    #[arg(long = "mcp", value_name = "NAME=URL")]
+    pub mcp: Vec<String>,
+    /// Whether a `tools/call` inside a run must match an admitted model emission of that run,
+    /// per MCP server, as `NAME=required|optional`, repeatable [default: required]. In the env
+    /// var (`TURNGUARD_MCP_TICKET`), comma-separated.
+    #[arg(long = "mcp-ticket", value_name = "NAME=required|optional")]
+    pub mcp_ticket: Vec<String>,
 }
 
 /// The TOML file: the same keys as the flags, all optional, nothing else.
@@ -204,6 +214,63 @@ struct FileConfig {
     max_schema_cache_bytes: Option<usize>,
     journal_busy_timeout_ms: Option<u64>,
     admin_token_file: Option<PathBuf>,
+    mcp: Option<BTreeMap<String, McpFileEntry>>,
+}
+
+/// One `[mcp.NAME]` entry of the file: a URL, or a table with `url` and `ticket`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum McpFileEntry {
+    Url(String),
+    Table(McpFileTable),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct McpFileTable {
+    url: String,
+    #[serde(default)]
+    ticket: Option<Ticket>,
+}
+
+/// Whether an MCP `tools/call` inside a run needs a ticket: an admitted, released, not yet
+/// executed model emission of that run with the same tool and `argsHash` (DESIGN.md §10).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Ticket {
+    /// Inside a run, a call without a ticket is refused (`no_admitted_emission`). The default.
+    #[default]
+    Required,
+    /// Inside a run, a call without a ticket is admitted on its own (the run's trust applies).
+    Optional,
+}
+
+impl Ticket {
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Required => "required",
+            Self::Optional => "optional",
+        }
+    }
+
+    fn parse(v: &str) -> Option<Self> {
+        match v.trim() {
+            "required" => Some(Self::Required),
+            "optional" => Some(Self::Optional),
+            _ => None,
+        }
+    }
+}
+
+/// An MCP server turnguard fronts at `/mcp/NAME` (Streamable HTTP), fixed at start like every
+/// upstream (no client-chosen hosts).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct McpServer {
+    /// Where the server's MCP endpoint is: scheme, authority and the endpoint path.
+    pub url: Upstream,
+    /// Whether calls inside a run need a ticket.
+    pub ticket: Ticket,
 }
 
 /// Log output format.
@@ -371,6 +438,8 @@ pub struct Config {
     pub journal_busy_timeout_ms: u64,
     /// Admin token file (the path is shown in `/config`, never the token).
     pub admin_token_file: Option<PathBuf>,
+    /// MCP servers behind `/mcp/NAME`, by name ([`crate::mcp`]).
+    pub mcp: BTreeMap<String, McpServer>,
 }
 
 impl Default for Config {
@@ -422,6 +491,7 @@ impl Default for Config {
             max_schema_cache_bytes: 32 << 20,
             journal_busy_timeout_ms: 1_000,
             admin_token_file: None,
+            mcp: BTreeMap::new(),
         }
     }
 }
@@ -785,6 +855,7 @@ impl Config {
             let u = Upstream::parse(url).map_err(|r| value_err(src, r))?;
             c.upstreams.insert(name.to_owned(), u);
         }
+        resolve_mcp(&mut c, flags, env, &file, &file_name)?;
         Ok(c)
     }
 }
@@ -805,6 +876,89 @@ pub fn redact_url(url: &str) -> String {
         Some(s) => format!("{s}://{authority}{tail}"),
         None => format!("{authority}{tail}"),
     }
+}
+
+/// `NAME` of an MCP server: 1-64 of `A-Z a-z 0-9 . _ -` (it is a path segment of `/mcp/NAME`).
+fn mcp_name_ok(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+/// MCP servers: the file's table, then `--mcp` / `TURNGUARD_MCP` (names they set override
+/// the file's), then the ticket settings (`--mcp-ticket` / `TURNGUARD_MCP_TICKET` override
+/// the file's `ticket`).
+fn resolve_mcp(
+    c: &mut Config,
+    flags: &ServeArgs,
+    env: &dyn Fn(&str) -> Option<String>,
+    file: &FileConfig,
+    file_name: &str,
+) -> Result<(), ConfigError> {
+    let server = |name: &str, url: &str, src: &str| -> Result<McpServer, ConfigError> {
+        if !mcp_name_ok(name) {
+            return Err(value_err(
+                src,
+                format!("`{name}` is not an MCP server name (1-64 of A-Z a-z 0-9 . _ -)"),
+            ));
+        }
+        let url = Upstream::parse(url).map_err(|r| value_err(src, r))?;
+        Ok(McpServer {
+            url,
+            ticket: Ticket::default(),
+        })
+    };
+    for (name, entry) in file.mcp.iter().flatten() {
+        let src = format!("{file_name}: `mcp.{name}`");
+        let (url, ticket) = match entry {
+            McpFileEntry::Url(u) => (u.as_str(), None),
+            McpFileEntry::Table(t) => (t.url.as_str(), t.ticket),
+        };
+        let mut s = server(name, url, &src)?;
+        s.ticket = ticket.unwrap_or_default();
+        c.mcp.insert(name.clone(), s);
+    }
+    let list = |flag: &[String], var: &'static str| -> Vec<(String, &'static str)> {
+        if !flag.is_empty() {
+            flag.iter().map(|p| (p.clone(), "flag")).collect()
+        } else {
+            env(var)
+                .map(|v| {
+                    v.split(',')
+                        .map(str::trim)
+                        .filter(|s| !s.is_empty())
+                        .map(|s| (s.to_owned(), var))
+                        .collect()
+                })
+                .unwrap_or_default()
+        }
+    };
+    for (pair, src) in list(&flags.mcp, "TURNGUARD_MCP") {
+        let src = if src == "flag" { "--mcp" } else { src };
+        let (name, url) = pair
+            .split_once('=')
+            .ok_or_else(|| value_err(src, format!("`{pair}` is not NAME=URL")))?;
+        let ticket = c.mcp.get(name).map(|s| s.ticket).unwrap_or_default();
+        let mut s = server(name, url, src)?;
+        s.ticket = ticket;
+        c.mcp.insert(name.to_owned(), s);
+    }
+    for (pair, src) in list(&flags.mcp_ticket, "TURNGUARD_MCP_TICKET") {
+        let src = if src == "flag" { "--mcp-ticket" } else { src };
+        let (name, value) = pair
+            .split_once('=')
+            .ok_or_else(|| value_err(src, format!("`{pair}` is not NAME=required|optional")))?;
+        let ticket = Ticket::parse(value)
+            .ok_or_else(|| value_err(src, format!("`{value}` is not `required` or `optional`")))?;
+        let s = c
+            .mcp
+            .get_mut(name)
+            .ok_or_else(|| value_err(src, format!("no MCP server named `{name}` is configured")))?;
+        s.ticket = ticket;
+    }
+    Ok(())
 }
 
 fn value_err(src: &str, reason: String) -> ConfigError {
@@ -1045,6 +1199,61 @@ mod tests {
         let err = Upstream::parse("ftp://user:s3cret@h").unwrap_err();
         assert!(!err.contains("s3cret") && err.contains("***@h"), "{err}");
         assert_eq!(redact_url("http://h:1/p@x"), "http://h:1/p@x");
+    }
+
+    #[test]
+    fn mcp_servers_layer_like_every_setting() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(
+            &file,
+            "[mcp.github]\nurl = \"http://127.0.0.1:9/mcp\"\nticket = \"optional\"\n[mcp]\nfiles = \"http://127.0.0.1:8/mcp\"\n",
+        )
+        .unwrap();
+        let flags = ServeArgs {
+            config: Some(file.clone()),
+            mcp: vec!["files=http://127.0.0.1:7/x".into()],
+            ..Default::default()
+        };
+        let c = Config::resolve(&flags, &env_of(&[])).unwrap();
+        assert_eq!(c.mcp["github"].ticket, Ticket::Optional);
+        assert_eq!(c.mcp["github"].url.prefix, "/mcp");
+        assert_eq!(c.mcp["files"].url.authority, "127.0.0.1:7");
+        assert_eq!(c.mcp["files"].ticket, Ticket::Required);
+        let c = Config::resolve(
+            &ServeArgs::default(),
+            &env_of(&[
+                (
+                    "TURNGUARD_MCP",
+                    "a=http://127.0.0.1:1/mcp,b=http://127.0.0.1:2/mcp",
+                ),
+                ("TURNGUARD_MCP_TICKET", "b=optional"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.mcp["a"].ticket, Ticket::Required);
+        assert_eq!(c.mcp["b"].ticket, Ticket::Optional);
+        for bad in [
+            ServeArgs {
+                mcp: vec!["bad name=http://x".into()],
+                ..Default::default()
+            },
+            ServeArgs {
+                mcp: vec!["a=ftp://x".into()],
+                ..Default::default()
+            },
+            ServeArgs {
+                mcp_ticket: vec!["nobody=optional".into()],
+                ..Default::default()
+            },
+            ServeArgs {
+                mcp: vec!["a=http://x".into()],
+                mcp_ticket: vec!["a=sometimes".into()],
+                ..Default::default()
+            },
+        ] {
+            assert!(Config::resolve(&bad, &env_of(&[])).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -123,6 +123,7 @@ fn api_of(path: &str) -> ApiLabel {
         "/v1/responses" => ApiLabel::Api(Api::OpenAiResponses),
         "/v1/messages/count_tokens" | "/v1/embeddings" => ApiLabel::Passthrough,
         p if p == "/v1/models" || p.starts_with("/v1/models/") => ApiLabel::Passthrough,
+        p if p.starts_with("/mcp/") => ApiLabel::Mcp,
         _ => ApiLabel::None,
     }
 }

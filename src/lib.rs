@@ -10,6 +10,7 @@
 //! | [`edge`] | the data-plane edge layer: load shedding, request id, access log, timing |
 //! | [`body`] | the capped body reader: the only place a request or response body is collected |
 //! | [`proxy`] | the request path: parse → adapter → record tool results → upstream → admit → surface |
+//! | [`mcp`] | the MCP front: the agent's MCP servers behind `/mcp/NAME`, the same decisions, tickets, exactly-once execution |
 //! | [`sse`] | byte-faithful `text/event-stream` framing (raw bytes kept per event) |
 //! | [`provider`] | one adapter per provider API (Chat Completions, Messages, Responses), into and out of the neutral [`model`] |
 //! | [`model`] | the provider-neutral `Turn`, `ToolCall`, `Completion`, `Decision` |
@@ -26,6 +27,7 @@
 //! | [`policy_cli`] | `turnguard policy check / test / explain / schema` |
 //! | [`reload`] | bundle IO: reading, the embedded default, watch + SIGHUP hot reload |
 //! | [`mock_provider`] | the scripted model used by tests and the offline demo |
+//! | [`mock_mcp`] | the scripted MCP server used by tests and the offline demo |
 
 pub mod admin;
 pub mod admission;
@@ -36,7 +38,9 @@ pub mod edge;
 pub mod error;
 pub mod identity;
 pub mod journal;
+pub mod mcp;
 pub mod metrics;
+pub mod mock_mcp;
 pub mod mock_provider;
 pub mod model;
 pub mod policy;

@@ -40,6 +40,16 @@ enum Command {
         #[arg(long)]
         script: Option<PathBuf>,
     },
+    /// Run a scripted MCP server (Streamable HTTP; tests, offline demo): serves the script's
+    /// tools and counts executions (`GET /_mock/calls`).
+    MockMcp {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:9901")]
+        listen: SocketAddr,
+        /// Script file (JSON; see README "Put your MCP servers behind turnguard").
+        #[arg(long)]
+        script: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -251,6 +261,21 @@ async fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("cannot listen on {listen}"))?;
             let handle = turnguard::mock_provider::spawn(listener, script)?;
             tracing::info!(addr = %handle.addr, "mock provider listening");
+            shutdown_signal().await;
+            handle.abort();
+            Ok(())
+        }
+        Command::MockMcp { listen, script } => {
+            init_logs(LogFormat::Text);
+            let script = match script {
+                Some(p) => turnguard::mock_mcp::McpScript::load(&p)?,
+                None => turnguard::mock_mcp::McpScript::default(),
+            };
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("cannot listen on {listen}"))?;
+            let handle = turnguard::mock_mcp::spawn(listener, script)?;
+            tracing::info!(addr = %handle.addr, "mock MCP server listening");
             shutdown_signal().await;
             handle.abort();
             Ok(())

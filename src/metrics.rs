@@ -43,6 +43,7 @@ label_value!(
     ReplayResult,
     ApprovalResult,
     CallMode,
+    CallSurface,
 );
 
 /// Which surface a data-plane request spoke, as a label.
@@ -52,17 +53,20 @@ pub enum ApiLabel {
     Api(Api),
     /// An emission-free endpoint passed through (`GET /v1/models` …).
     Passthrough,
+    /// The MCP front (`/mcp/{server}`).
+    Mcp,
     /// Any other path (refused with 404).
     None,
 }
 
 impl ApiLabel {
     /// Label value: `openai_chat`, `anthropic_messages`, `openai_responses`, `passthrough`,
-    /// `none`.
+    /// `mcp`, `none`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Api(api) => api.as_str(),
             Self::Passthrough => "passthrough",
+            Self::Mcp => "mcp",
             Self::None => "none",
         }
     }
@@ -117,6 +121,25 @@ impl CallMode {
     }
 }
 
+/// Where a tool call was decided (`turnguard_tool_calls_total{surface}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CallSurface {
+    /// Emitted by the model on a provider API.
+    Llm,
+    /// A `tools/call` through the MCP front.
+    Mcp,
+}
+
+impl CallSurface {
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Llm => "llm",
+            Self::Mcp => "mcp",
+        }
+    }
+}
+
 /// Labels of `turnguard_tool_calls_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CallLabels {
@@ -132,6 +155,9 @@ pub struct CallLabels {
     /// `turnguard:unknown` (the label never carries a model-chosen name). Interned
     /// ([`Metrics::tool_label`]): cloning it allocates nothing.
     pub tool: Arc<str>,
+    /// Where the call was decided: `llm` (emitted by the model, on the provider APIs) or
+    /// `mcp` (a `tools/call` through the MCP front).
+    pub surface: CallSurface,
 }
 
 /// Labels of the edge histograms (`turnguard_request_duration_seconds`,
@@ -280,6 +306,8 @@ pub struct EmissionLabels {
 pub enum ReplayMode {
     Recovery,
     Replay,
+    /// A replayed MCP `tools/call` (the recorded result, never the server).
+    McpReplay,
 }
 
 impl ReplayMode {
@@ -288,6 +316,7 @@ impl ReplayMode {
         match self {
             Self::Recovery => "recovery",
             Self::Replay => "replay",
+            Self::McpReplay => "mcp_replay",
         }
     }
 }
@@ -314,7 +343,7 @@ impl ReplayResult {
 /// Labels of `turnguard_replay_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReplayLabels {
-    /// `recovery` or `replay`.
+    /// `recovery`, `replay` or `mcp_replay`.
     pub mode: ReplayMode,
     /// `hit`, `miss`, `outcome_unknown`.
     pub result: ReplayResult,

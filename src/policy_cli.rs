@@ -609,6 +609,7 @@ fn propose(name: &str, declared: Option<&crate::journal::DeclaredToolRow>) -> bu
         business_key: Vec::new(),
         clarification: false,
         mode: None,
+        idempotency_meta_key: None,
     }
 }
 

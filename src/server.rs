@@ -207,10 +207,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         max_connections: ADMIN_MAX_CONNECTIONS,
         counted: None,
     };
+    let mcp = crate::mcp::McpFront::new(Arc::clone(&state))?;
     let tasks = vec![
         tokio::spawn(serve(
             data_listener,
-            data_router(Arc::clone(&state)),
+            data_router(Arc::clone(&state), &mcp),
             stopped.clone(),
             data,
         )),
@@ -403,10 +404,12 @@ fn prune_task(state: Arc<AppState>) -> JoinHandle<()> {
     })
 }
 
-/// The data plane: the provider APIs turnguard admits, the emission-free allowlist, and 404
-/// for everything else so no surface bypasses the pipeline (DESIGN.md §1).
-fn data_router(state: Arc<AppState>) -> Router {
+/// The data plane: the provider APIs turnguard admits, the emission-free allowlist, the MCP
+/// front (`/mcp/{name}`, [`crate::mcp`]), and 404 for everything else so no surface bypasses
+/// the pipeline (DESIGN.md §1).
+fn data_router(state: Arc<AppState>, mcp: &Arc<crate::mcp::McpFront>) -> Router {
     Router::new()
+        .merge(mcp.routes())
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
         .route("/v1/responses", post(responses))

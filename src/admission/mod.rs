@@ -56,11 +56,15 @@ pub struct AdmitCtx<'a> {
     pub repairs_left: u32,
 }
 
-/// Decides every call of one choice, in emission order, and how the withheld ones surface.
-/// (The proxy runs [`decide_choice`], claims effects, then [`surface`].)
+/// Decides every call of one choice, in emission order, and how the withheld ones surface,
+/// charging the rate buckets of the calls released ([`charge_rate`]) — the proxy's order
+/// without the journal (no effect claims, no approval wait).
 pub fn admit_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) -> ChoiceVerdict {
     let mut decisions = decide_choice(ctx, turn, choice);
-    let surfacing = surface(ctx, &mut decisions);
+    let mut surfacing = surface(ctx, &mut decisions);
+    if surfacing != Surfacing::Wait && charge_rate(ctx, &choice.calls, &mut decisions) {
+        surfacing = surface(ctx, &mut decisions);
+    }
     ChoiceVerdict {
         choice: choice.choice,
         decisions,
@@ -69,7 +73,47 @@ pub fn admit_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) -
     }
 }
 
-/// Stages 1–8 for every call of one choice, in emission order.
+/// Stage 6's (principal, tool) token bucket, applied at dispatch: once per call, only for
+/// calls about to be released (`executed` after [`surface`], and never for a round that
+/// waits), so a round admitted again after its approval is not charged twice. A call whose
+/// bucket is spent becomes `refused` at the limits stage (`rate_limited`, with
+/// `retry_after_secs`; released anyway in shadow mode). Returns whether any decision changed:
+/// the caller then surfaces the choice again. A token already taken for a call that the new
+/// surfacing withholds is not given back (a bucket is never credited: the error is toward
+/// fewer calls).
+pub fn charge_rate(
+    ctx: &AdmitCtx<'_>,
+    calls: &[crate::model::ToolCall],
+    decisions: &mut [Decision],
+) -> bool {
+    let rate = &ctx.policy.settings.limits.rate;
+    let principal = ctx.person.unwrap_or(ctx.agent);
+    let mut changed = false;
+    for (call, d) in calls.iter().zip(decisions.iter_mut()) {
+        if d.outcome != Outcome::Executed {
+            continue;
+        }
+        let tool = ctx.policy.tool(&call.name);
+        if let Err(secs) = ctx.limits.take(principal, &tool.descriptor.tool_id, rate) {
+            d.outcome = Outcome::Refused;
+            d.stage = Stage::Limits;
+            d.reason = "rate_limited";
+            d.message = format!("the rate limit for this tool is spent; retry in {secs} s");
+            d.retry_after_secs = Some(secs);
+            d.enforced = ctx.policy.mode_for(tool) != Mode::Shadow;
+            d.trace.push((
+                Stage::Limits,
+                format!("refused: rate_limited — {}", d.message),
+            ));
+            changed = true;
+        }
+    }
+    changed
+}
+
+/// Stages 1–8 for every call of one choice, in emission order. Pure: reads the policy, the
+/// schema cache and the run counters, changes nothing (the rate bucket is charged at
+/// dispatch, [`charge_rate`]).
 pub fn decide_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) -> Vec<Decision> {
     let mut decisions = Vec::with_capacity(choice.calls.len());
     let mut reached_limits = 0u32;
@@ -292,20 +336,8 @@ fn decide(
             return finish(d, trace, hash, redacted_args);
         }
     }
-    let principal = ctx.person.unwrap_or(ctx.agent);
-    if let Err(secs) = ctx
-        .limits
-        .take(principal, &tool.descriptor.tool_id, &limits.rate)
-    {
-        let mut d = Decision::new(
-            Outcome::Refused,
-            Stage::Limits,
-            "rate_limited",
-            format!("the rate limit for this tool is spent; retry in {secs} s"),
-        );
-        d.retry_after_secs = Some(secs);
-        return finish(d, trace, hash, redacted_args);
-    }
+    // The (principal, tool) token bucket is charged at dispatch, once, for the calls that are
+    // released ([`charge_rate`]): deciding takes nothing.
     trace.push((Stage::Limits, "pass".into()));
     // 7. redaction
     let found = redacted.as_ref().map_or(0, |(_, n)| *n);

@@ -47,11 +47,13 @@
 //! continues the chain is expected to answer them (see the Responses adapter's notes).
 
 mod interrupts;
+mod mcp;
 mod reader;
 pub mod redact;
 mod schema;
 
 pub use interrupts::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
+pub use mcp::{McpReader, TicketRow};
 pub use reader::{DeclaredToolRow, EffectRow, EventRow, JournalReader, LearnRows, RunSummary};
 
 use std::path::{Path, PathBuf};

@@ -3,7 +3,7 @@
 use rusqlite::Connection;
 
 /// The schema version this build writes. Each version's step is additive and runs once.
-pub const VERSION: i64 = 6;
+pub const VERSION: i64 = 7;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -32,6 +32,10 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     }
     if version < 6 {
         v6(conn)?;
+    }
+    if version < 7 {
+        // The MCP front's ticket lookup (`super::mcp`).
+        super::mcp::migrate(conn, 7)?;
     }
     Ok(())
 }

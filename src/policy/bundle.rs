@@ -302,6 +302,12 @@ pub struct ToolEntry {
     /// Per-tool mode; overrides the bundle's.
     #[serde(default)]
     pub mode: Option<Mode>,
+    /// The `_meta` key under which this tool's MCP server accepts an idempotency key (for
+    /// example `io.example/idempotencyKey`). When set, the MCP front puts the call's effect id
+    /// there in every `tools/call` it forwards, so a server that sees the same key twice can
+    /// refuse the second (OpenWOP idempotency.md). Default: none (nothing is added).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_meta_key: Option<String>,
 }
 
 /// `contentTrust` (OpenWOP AI envelope `meta.contentTrust`).

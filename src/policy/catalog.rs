@@ -24,6 +24,8 @@ pub struct CatalogTool {
     pub clarification: bool,
     /// Per-tool mode override.
     pub mode: Option<Mode>,
+    /// The `_meta` key the tool's MCP server reads an idempotency key from ([`ToolEntry`]).
+    pub idempotency_meta_key: Option<String>,
     /// The bundle file it came from.
     pub file: String,
     /// `false` for the unknown-tool stand-in.
@@ -89,6 +91,7 @@ impl Catalog {
                     business_key,
                     clarification,
                     mode,
+                    idempotency_meta_key,
                 } = entry.clone();
                 let id = descriptor.tool_id.clone();
                 let line = line_of_value(text, &id);
@@ -115,6 +118,12 @@ impl Catalog {
                         errors.push(err(format!("`inputSchema` does not compile: {e}")));
                     }
                 }
+                if idempotency_meta_key
+                    .as_deref()
+                    .is_some_and(|k| k.is_empty() || k.len() > 256)
+                {
+                    errors.push(err("`idempotency_meta_key` must be 1-256 characters".into()));
+                }
                 for p in &business_key {
                     if !p.starts_with('/') {
                         errors.push(err(format!(
@@ -140,6 +149,7 @@ impl Catalog {
                     business_key,
                     clarification,
                     mode,
+                    idempotency_meta_key,
                     file: file.clone(),
                     catalogued: true,
                 });
@@ -209,6 +219,7 @@ fn unknown_tool() -> CatalogTool {
         business_key: Vec::new(),
         clarification: false,
         mode: None,
+        idempotency_meta_key: None,
         file: String::new(),
         catalogued: false,
     }

@@ -66,7 +66,8 @@ pub struct RequestCtx {
 }
 
 impl RequestCtx {
-    fn new(headers: &HeaderMap) -> Self {
+    /// The request id and run identity of a request's headers.
+    pub(crate) fn new(headers: &HeaderMap) -> Self {
         let header = |name: &str| {
             headers
                 .get(name)
@@ -299,15 +300,20 @@ impl Session {
     ) -> Vec<ChoiceVerdict> {
         let mut verdicts = self.decide_round(round, Approval::Pending).await;
         if verdicts.iter().any(ChoiceVerdict::waiting) {
-            verdicts = crate::approvals::settle(self, round, &verdicts, agent).await;
+            // Nothing of a waiting round was dispatched (no token, no claim): it is decided
+            // again, once, with the approval's outcome, and dispatched then.
+            let settled = crate::approvals::settle(self, round, &verdicts, agent).await;
+            verdicts = self.decide_round(round, settled.approval()).await;
         }
         self.account(round, &verdicts).await;
         verdicts
     }
 
-    /// Stages 1–8, effect claims and surfacing for every choice of a round, with held calls
-    /// as `approval` says. Claims of a round that waits are given back: nothing is dispatched
-    /// while it waits.
+    /// Stages 1–8 and surfacing for every choice of a round, with held calls as `approval`
+    /// says, then the dispatch stage for a choice that does not wait: the rate buckets of the
+    /// calls released ([`admission::charge_rate`]), then their effect claims, each once; a
+    /// change either makes surfaces the choice again, and a claim of a call that is then
+    /// withheld is given back. A round that waits dispatches nothing.
     pub async fn decide_round(
         &self,
         round: &[ChoiceEmissions],
@@ -344,13 +350,32 @@ impl Session {
                     admission::refuse_held(&mut decisions, reason, why);
                 }
             }
-            let claimed = self.claim_effects(choice, &mut decisions).await;
-            let surfacing = admission::surface(&ctx, &mut decisions);
-            let waits = surfacing == Surfacing::Wait;
-            // A claim taken for a call the surfacing then withheld is given back.
+            let mut surfacing = admission::surface(&ctx, &mut decisions);
             let mut kept = Vec::new();
+            if surfacing == Surfacing::Wait {
+                verdicts.push(ChoiceVerdict {
+                    choice: choice.choice,
+                    decisions,
+                    surfacing,
+                    claims: kept,
+                });
+                continue;
+            }
+            // Dispatch: stage 6's bucket, then the effect claims (stage 8).
+            if admission::charge_rate(&ctx, &choice.calls, &mut decisions) {
+                surfacing = admission::surface(&ctx, &mut decisions);
+            }
+            let executed = |ds: &[crate::model::Decision]| {
+                ds.iter().filter(|d| d.outcome == Outcome::Executed).count()
+            };
+            let before = executed(&decisions);
+            let claimed = self.claim_effects(choice, &mut decisions).await;
+            if executed(&decisions) != before {
+                surfacing = admission::surface(&ctx, &mut decisions);
+            }
+            // A claim taken for a call the surfacing then withheld is given back.
             for (i, effect_id) in claimed {
-                if waits || !decisions[i].released() {
+                if !decisions[i].released() {
                     if let Err(e) = self
                         .state
                         .journal
@@ -481,6 +506,7 @@ impl Session {
                                 crate::policy::rules::UNKNOWN_TOOL_ID
                             },
                         ),
+                        surface: crate::metrics::CallSurface::Llm,
                     })
                     .inc();
                 let tool_name = admission::sanitize_label(&call.name);
@@ -844,7 +870,7 @@ pub enum RunMode {
     Replay,
 }
 
-fn run_mode(headers: &HeaderMap) -> Result<RunMode, WireError> {
+pub(crate) fn run_mode(headers: &HeaderMap) -> Result<RunMode, WireError> {
     match headers
         .get("turnguard-mode")
         .map(|v| v.to_str().map(str::trim))
@@ -935,7 +961,11 @@ pub struct RoundBase {
 /// Reads the agent's request body (capped, within `body_read_timeout_ms`), then takes the
 /// data plane's concurrency permit ([`crate::edge::admit`]): a client still sending its body
 /// holds no permit.
-async fn read_request(
+/// Reads a data-plane request body: capped at `max_body_bytes`, within
+/// `body_read_timeout_ms`, then takes the concurrency permit ([`crate::edge::admit`]).
+///
+/// Errors: 413, 408, 400, or 503 when shed.
+pub(crate) async fn read_request(
     state: &AppState,
     parts: &http::request::Parts,
     body: Body,
@@ -1061,7 +1091,7 @@ fn is_event_content_type(v: &str) -> bool {
 /// it goes upstream (tool-turn contract §F). A chat turn (no `Turnguard-Run`) may.
 /// `Turnguard-Run` and `Turnguard-Node` become OpenWOP ids: a run id of `A-Z a-z 0-9 . _ ~ :
 /// / -` (≤ 200), a node id of `A-Z a-z 0-9 . _ ~ : -` (≤ 128, ids.schema.json `nodeId`).
-fn check_run_ids(run: &RunKey) -> Result<(), WireError> {
+pub(crate) fn check_run_ids(run: &RunKey) -> Result<(), WireError> {
     let ok = |s: &str, max: usize, slash: bool| {
         !s.is_empty()
             && s.len() <= max
@@ -1430,9 +1460,19 @@ pub fn round_record(
 /// like its body; a failure is counted and logged (the agent's response is already decided).
 /// A run node's round is committed durably before this returns (tool-turn contract §D); a
 /// chat turn's round is queued (replay and recovery do not apply to chat turns).
-pub async fn record_round(session: &Session, mut rec: RoundRecord) {
-    rec.redact_text(&session.policy.redactor);
-    journal_round(&session.state, rec).await;
+pub async fn record_round(session: &Session, rec: RoundRecord) {
+    record_round_with(&session.state, &session.policy.redactor, rec).await;
+}
+
+/// [`record_round`] for a round decided outside a [`Session`] (the MCP front): its text
+/// fields redacted with `redactor` first.
+pub async fn record_round_with(
+    state: &AppState,
+    redactor: &crate::policy::Redactor,
+    mut rec: RoundRecord,
+) {
+    rec.redact_text(redactor);
+    journal_round(state, rec).await;
 }
 
 async fn journal_round(state: &AppState, rec: RoundRecord) {

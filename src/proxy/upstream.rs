@@ -139,6 +139,32 @@ pub async fn send(
             .ok_or_else(|| WireError::UpstreamNotConfigured {
                 upstream: upstream.to_owned(),
             })?;
+    send_to(
+        state,
+        target,
+        upstream,
+        api_label,
+        method,
+        path_and_query,
+        headers,
+        body,
+    )
+    .await
+}
+
+/// [`send`] to a configured target (`upstream` names it in errors and metrics): an API
+/// upstream, or an MCP server of the MCP front ([`crate::mcp`]).
+#[allow(clippy::too_many_arguments)]
+pub async fn send_to(
+    state: &AppState,
+    target: &crate::config::Upstream,
+    upstream: &str,
+    api_label: crate::metrics::ApiLabel,
+    method: Method,
+    path_and_query: &str,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response<Incoming>, WireError> {
     let uri = target
         .uri(path_and_query)
         .map_err(|e| WireError::Internal {

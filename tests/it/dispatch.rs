@@ -92,9 +92,10 @@ async fn an_approved_round_charges_the_rate_bucket_once() {
         .collect();
     assert_eq!(names, ["lookup_contact", "send_email"]);
 
-    // The second token is still there.
-    let headers = as_person("alice", "run-rate");
+    // The second token is still there (each turn in a run of its own: the same round of the
+    // same run would be served from its record).
     let url = format!("{}/v1/chat/completions", h.url());
+    let headers = as_person("alice", "run-rate-2");
     let (status, _, body) = support::call("POST", &url, &headers, Some(&trusted_ask())).await;
     assert_eq!(
         status,
@@ -105,6 +106,7 @@ async fn an_approved_round_charges_the_rate_bucket_once() {
     assert_eq!(released_calls(&json_of(&body)).len(), 1);
 
     // And then the bucket is empty.
+    let headers = as_person("alice", "run-rate-3");
     let (status, _, body) = support::call("POST", &url, &headers, Some(&trusted_ask())).await;
     let err = json_of(&body);
     assert_eq!(

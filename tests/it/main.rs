@@ -14,6 +14,7 @@ mod dropin;
 mod faults;
 mod field_inputs;
 mod fuzz;
+mod mcp;
 mod ops_edge;
 mod ops_shutdown;
 mod policy_bundle;

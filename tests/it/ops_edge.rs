@@ -472,7 +472,7 @@ async fn a_scrape_after_traffic_shows_every_catalogued_metric_with_plausible_val
     );
     assert_eq!(
         v(
-            r#"turnguard_tool_calls_total{outcome="executed",stage="dispatch",channel="tool",mode="enforce",tool="turnguard:unknown"}"#
+            r#"turnguard_tool_calls_total{outcome="executed",stage="dispatch",channel="tool",mode="enforce",tool="turnguard:unknown",surface="llm"}"#
         ),
         3.0,
         "one released call per admitted tool-call response"

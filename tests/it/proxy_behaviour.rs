@@ -439,7 +439,7 @@ async fn admin_plane_serves_health_and_metrics() {
     let metrics = String::from_utf8_lossy(&metrics);
     for want in [
         r#"turnguard_requests_total{api="openai_chat",status="200",stream="true"} 1"#,
-        r#"turnguard_tool_calls_total{outcome="invalid",stage="completion",channel="tool",mode="enforce",tool="turnguard:unknown"} 1"#,
+        r#"turnguard_tool_calls_total{outcome="invalid",stage="completion",channel="tool",mode="enforce",tool="turnguard:unknown",surface="llm"} 1"#,
         "turnguard_upstream_latency_seconds_count{api=\"openai_chat\"} 1",
         "turnguard_journal_write_failures_total 0",
     ] {

@@ -1,0 +1,381 @@
+//! The MCP front's upstream leg: sending a message to the configured MCP server (the agent's
+//! headers as a proxy forwards them, turnguard's session id swapped for the server's), and
+//! relaying the answer.
+//!
+//! - Messages turnguard does not decide on (notifications, responses to server-initiated
+//!   requests, `ping`, resources, prompts, unknown methods, `subscriptions/listen`, the GET
+//!   stream) are relayed byte for byte, streams included ([`pass`], [`passthrough`]).
+//! - A request turnguard decides on (`tools/list`, `tools/call`) is relayed through a *hook*
+//!   on its final response ([`respond`]): a JSON answer is read (capped) and handed to the
+//!   hook; an SSE answer is framed ([`crate::sse::SseFramer`]), every event before the final
+//!   response (progress, log messages, server-initiated requests of the handshake era) is
+//!   relayed as it arrives, and the final response goes through the hook before it is sent.
+//!   When the server fails before answering (connection, timeout, a cut stream, bytes that are
+//!   not JSON), the hook is told so and decides what the client gets.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::response::Response;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde_json::Value;
+
+use super::{json_response, Inbound, McpFront};
+use crate::error::WireError;
+use crate::proxy::upstream;
+
+/// What a hook gets: the final JSON-RPC response for the request, or why none came.
+pub type Answer = Result<Value, WireError>;
+/// A hook on the final response: returns the message to send, or `None` to relay the
+/// server's answer unchanged.
+pub type Hook =
+    Box<dyn FnOnce(Answer) -> Pin<Box<dyn Future<Output = Option<Value>> + Send>> + Send>;
+
+fn unavailable(server: &str, reason: impl Into<String>) -> WireError {
+    WireError::UpstreamUnavailable {
+        upstream: format!("mcp:{server}"),
+        reason: reason.into(),
+    }
+}
+
+/// Sends `body` with `method` to MCP server `name`: the agent's headers as a proxy forwards
+/// them (hop-by-hop and `turnguard-*` removed, [`upstream::request_headers`]), the client's
+/// `Mcp-Session-Id` replaced by the server's own (`upstream_session`).
+pub async fn send_raw(
+    front: &McpFront,
+    name: &str,
+    method: Method,
+    headers: &HeaderMap,
+    upstream_session: Option<&str>,
+    body: Bytes,
+) -> Result<http::Response<Incoming>, WireError> {
+    let Some(server) = front.state.config.mcp.get(name) else {
+        return Err(WireError::UpstreamNotConfigured {
+            upstream: format!("mcp:{name}"),
+        });
+    };
+    let mut out = upstream::request_headers(headers, false);
+    out.remove("mcp-session-id");
+    if let Some(s) = upstream_session.and_then(|s| HeaderValue::from_str(s).ok()) {
+        out.insert("mcp-session-id", s);
+    }
+    if method == Method::POST {
+        out.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if !out.contains_key(http::header::ACCEPT) {
+            out.insert(
+                http::header::ACCEPT,
+                HeaderValue::from_static("application/json, text/event-stream"),
+            );
+        }
+    }
+    let path = if server.url.prefix.is_empty() {
+        "/"
+    } else {
+        ""
+    };
+    upstream::send_to(
+        &front.state,
+        &server.url,
+        &format!("mcp:{name}"),
+        crate::metrics::ApiLabel::Mcp,
+        method,
+        path,
+        out,
+        body,
+    )
+    .await
+}
+
+/// [`send_raw`] of a POST for `inbound`'s session (or `upstream_session` when given).
+pub async fn send(
+    front: &McpFront,
+    inbound: &Inbound,
+    upstream_session: Option<&str>,
+    body: Bytes,
+) -> Result<http::Response<Incoming>, WireError> {
+    let session =
+        upstream_session.or_else(|| inbound.session.as_ref().and_then(|s| s.upstream.as_deref()));
+    send_raw(
+        front,
+        &inbound.server_name,
+        Method::POST,
+        &inbound.headers,
+        session,
+        body,
+    )
+    .await
+}
+
+/// The server's response relayed unchanged: status, headers (hop-by-hop removed), body
+/// streamed as it arrives.
+pub fn passthrough(resp: http::Response<Incoming>) -> Response {
+    let (p, b) = resp.into_parts();
+    let mut out = Response::new(Body::new(b));
+    *out.status_mut() = p.status;
+    *out.headers_mut() = upstream::response_headers(&p.headers, true);
+    out
+}
+
+/// Relays `inbound` unchanged and its answer unchanged. Inside a run, `resources/read` and
+/// `prompts/get` bring content into the agent that the model will read: the run is marked
+/// untrusted before they go (tool-turn contract §C: content turnguard cannot judge is
+/// untrusted).
+pub async fn pass(front: &Arc<McpFront>, inbound: Inbound) -> Response {
+    let method = inbound
+        .message
+        .get("method")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if matches!(method, "resources/read" | "prompts/get") {
+        if let Some(run) = inbound.run_id() {
+            if let Err(e) = front
+                .state
+                .journal
+                .run_untrusted(run, true, &inbound.ctx.request_id, inbound.ctx.at_ms)
+                .await
+            {
+                let e = WireError::JournalUnavailable {
+                    reason: e.to_string(),
+                };
+                return json_response(StatusCode::OK, &super::wire_error(&inbound.id(), &e));
+            }
+        }
+    }
+    match send(front, &inbound, None, inbound.raw.clone()).await {
+        Ok(resp) => passthrough(resp),
+        Err(e) => json_response(
+            StatusCode::BAD_GATEWAY,
+            &super::wire_error(&inbound.id(), &e),
+        ),
+    }
+}
+
+/// Reads the whole answer to request `id` (JSON, or the SSE stream up to the response with
+/// that id): for turnguard's own use (`initialize`, a `tools/list` it needs), not relayed.
+pub async fn read_answer(
+    front: &McpFront,
+    resp: http::Response<Incoming>,
+    id: &Value,
+) -> Result<Value, WireError> {
+    let sse = is_event_stream(resp.headers());
+    let cap = front.state.config.max_response_bytes;
+    let body = crate::body::read_capped(resp.into_body(), cap)
+        .await
+        .map_err(|e| unavailable("", format!("response body: {e}")))?;
+    if !sse {
+        return serde_json::from_slice(&body)
+            .map_err(|_| unavailable("", "the MCP server answered with bytes that are not JSON"));
+    }
+    let mut framer = crate::sse::SseFramer::new(front.state.config.max_event_bytes);
+    let mut blocks = framer
+        .push(&body)
+        .map_err(|_| unavailable("", "an SSE event over the size limit"))?;
+    blocks.extend(framer.finish().0);
+    blocks
+        .iter()
+        .filter_map(|b| b.data.as_deref())
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find(|v| is_response_to(v, id))
+        .ok_or_else(|| unavailable("", "the SSE stream ended without the response"))
+}
+
+/// `v` is the JSON-RPC response (result or error) to request `id`.
+pub fn is_response_to(v: &Value, id: &Value) -> bool {
+    v.get("id") == Some(id)
+        && v.get("method").is_none()
+        && (v.get("result").is_some() || v.get("error").is_some())
+}
+
+fn is_event_stream(h: &HeaderMap) -> bool {
+    h.get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.trim_start()
+                .to_ascii_lowercase()
+                .starts_with("text/event-stream")
+        })
+}
+
+/// Relays the answer to request `id` through `hook` (see the module docs).
+pub async fn respond(
+    front: &Arc<McpFront>,
+    server: &str,
+    sent: Result<http::Response<Incoming>, WireError>,
+    id: Value,
+    hook: Hook,
+) -> Response {
+    let resp = match sent {
+        Ok(r) => r,
+        Err(e) => {
+            let msg = hook(Err(e.clone_for_hook())).await;
+            return json_response(
+                StatusCode::OK,
+                &msg.unwrap_or_else(|| super::wire_error(&id, &e)),
+            );
+        }
+    };
+    if is_event_stream(resp.headers()) && resp.status().is_success() {
+        return relay_sse(front, server, resp, id, hook);
+    }
+    let status = resp.status();
+    let headers = upstream::response_headers(resp.headers(), false);
+    let cap = front.state.config.max_response_bytes;
+    let body = match crate::body::read_capped(resp.into_body(), cap).await {
+        Ok(b) => b,
+        Err(e) => {
+            let e = unavailable(server, format!("response body: {e}"));
+            let msg = hook(Err(e.clone_for_hook())).await;
+            return json_response(
+                StatusCode::OK,
+                &msg.unwrap_or_else(|| super::wire_error(&id, &e)),
+            );
+        }
+    };
+    let parsed = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .filter(|v| is_response_to(v, &id));
+    let answer = match parsed {
+        Some(v) => Ok(v),
+        None if status.is_success() => Err(unavailable(
+            server,
+            "the MCP server answered with bytes that are not a JSON-RPC response",
+        )),
+        None => Err(unavailable(server, format!("HTTP {}", status.as_u16()))),
+    };
+    let failed = answer.is_err();
+    match hook(answer).await {
+        Some(msg) => {
+            let mut r = json_response(if failed { StatusCode::OK } else { status }, &msg);
+            for (k, v) in &headers {
+                if k != http::header::CONTENT_TYPE && k != http::header::CONTENT_LENGTH {
+                    r.headers_mut().insert(k.clone(), v.clone());
+                }
+            }
+            r
+        }
+        None => {
+            let mut r = Response::new(Body::from(body));
+            *r.status_mut() = status;
+            *r.headers_mut() = headers;
+            r
+        }
+    }
+}
+
+fn relay_sse(
+    front: &Arc<McpFront>,
+    server: &str,
+    resp: http::Response<Incoming>,
+    id: Value,
+    hook: Hook,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    let headers = upstream::response_headers(resp.headers(), false);
+    let max_event = front.state.config.max_event_bytes;
+    let idle = Duration::from_millis(front.state.config.upstream_idle_timeout_ms);
+    let server = server.to_owned();
+    tokio::spawn(async move {
+        let mut body = resp.into_body();
+        let mut framer = crate::sse::SseFramer::new(max_event);
+        let mut hook = Some(hook);
+        let mut failure: Option<String> = None;
+        // A client that goes away does not stop the read: the final response still goes
+        // through the hook (a decided call's result is recorded either way).
+        let mut client_gone = false;
+        'read: loop {
+            let frame = tokio::time::timeout(idle, body.frame()).await;
+            let data = match frame {
+                Err(_) => {
+                    failure = Some(format!("no event within {} ms", idle.as_millis()));
+                    break;
+                }
+                Ok(None) => break,
+                Ok(Some(Err(e))) => {
+                    failure = Some(format!("the stream broke: {e}"));
+                    break;
+                }
+                Ok(Some(Ok(f))) => match f.into_data() {
+                    Ok(d) => d,
+                    Err(_) => continue,
+                },
+            };
+            let blocks = match framer.push(&data) {
+                Ok(b) => b,
+                Err(_) => {
+                    failure = Some("an SSE event over the size limit".into());
+                    break;
+                }
+            };
+            for block in blocks {
+                let parsed = block
+                    .data
+                    .as_deref()
+                    .and_then(|d| serde_json::from_str::<Value>(d).ok());
+                if let Some(v) = parsed.filter(|v| is_response_to(v, &id)) {
+                    if let Some(h) = hook.take() {
+                        let out = match h(Ok(v)).await {
+                            Some(msg) => crate::sse::encode(Some("message"), &msg.to_string()),
+                            None => block.raw.clone(),
+                        };
+                        let _ = tx.send(Ok(out)).await;
+                    }
+                    // The final response ends the stream (Streamable HTTP: it SHOULD).
+                    break 'read;
+                }
+                if !client_gone && tx.send(Ok(block.raw.clone())).await.is_err() {
+                    client_gone = true;
+                }
+            }
+        }
+        if let Some(h) = hook.take() {
+            let reason =
+                failure.unwrap_or_else(|| "the SSE stream ended without the response".into());
+            let e = unavailable(&server, reason);
+            let msg = h(Err(e.clone_for_hook())).await;
+            let msg = msg.unwrap_or_else(|| super::wire_error(&id, &e));
+            let _ = tx
+                .send(Ok(crate::sse::encode(Some("message"), &msg.to_string())))
+                .await;
+        }
+    });
+    let mut out = Response::new(Body::from_stream(
+        tokio_stream::wrappers::ReceiverStream::new(rx),
+    ));
+    *out.headers_mut() = headers;
+    out.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    out
+}
+
+trait CloneForHook {
+    fn clone_for_hook(&self) -> WireError;
+}
+
+impl CloneForHook for WireError {
+    /// The variants the leg produces, copied (`WireError` is not `Clone`).
+    fn clone_for_hook(&self) -> WireError {
+        match self {
+            WireError::UpstreamUnavailable { upstream, reason } => WireError::UpstreamUnavailable {
+                upstream: upstream.clone(),
+                reason: reason.clone(),
+            },
+            WireError::UpstreamNotConfigured { upstream } => WireError::UpstreamNotConfigured {
+                upstream: upstream.clone(),
+            },
+            other => WireError::Internal {
+                reason: other.to_string(),
+            },
+        }
+    }
+}
