@@ -226,7 +226,7 @@ pub enum Settled {
     Accepted(BTreeSet<String>),
     /// Not approved: held calls are refused with this reason (a closed set,
     /// [`crate::admission::APPROVAL_REFUSALS`]) and explanation.
-    Refused(&'static str, String),
+    Refused(crate::reason::Reason, String),
 }
 
 impl Settled {
@@ -234,7 +234,7 @@ impl Settled {
     pub fn approval(&self) -> Approval<'_> {
         match self {
             Self::Accepted(hashes) => Approval::Accepted(hashes),
-            Self::Refused(reason, why) => Approval::Refused(reason, why),
+            Self::Refused(reason, why) => Approval::Refused(*reason, why),
         }
     }
 }
@@ -312,7 +312,7 @@ pub async fn settle(
         Ok(row) => row,
         Err(e) => {
             tracing::error!(error = %e, interrupt = %id, "approval interrupt not journaled; held calls refused");
-            return Settled::Refused("approval_unavailable", "the approval interrupt could not be journaled, so the call cannot wait for approval (fail closed)".into());
+            return Settled::Refused(crate::reason::Reason::ApprovalUnavailable, "the approval interrupt could not be journaled, so the call cannot wait for approval (fail closed)".into());
         }
     };
     if row.inserted {
@@ -343,24 +343,24 @@ pub async fn settle(
                 Settled::Accepted(approval_hashes)
             }
             Ok(false) => {
-                Settled::Refused("approval_already_used", "this approval was already used by another request; an approval is single-use".into())
+                Settled::Refused(crate::reason::Reason::ApprovalAlreadyUsed, "this approval was already used by another request; an approval is single-use".into())
             }
             Err(e) => {
                 tracing::error!(error = %e, interrupt = %id, "approval could not be marked used; held calls refused");
-                Settled::Refused("approval_unavailable", "the approval could not be recorded as used (fail closed)".into())
+                Settled::Refused(crate::reason::Reason::ApprovalUnavailable, "the approval could not be recorded as used (fail closed)".into())
             }
         },
         "rejected" if row.record.principal.is_none() => {
-            Settled::Refused("no_approver", "no verified person acts for this request (no Turnguard-Principal-Token), so nobody can approve the held call".into())
+            Settled::Refused(crate::reason::Reason::NoApprover, "no verified person acts for this request (no Turnguard-Principal-Token), so nobody can approve the held call".into())
         }
         "rejected" => {
-            Settled::Refused("approval_rejected", "the acting person rejected the held call".into())
+            Settled::Refused(crate::reason::Reason::ApprovalRejected, "the acting person rejected the held call".into())
         }
         _ => {
             let why = format!(
                 "no approval arrived within {timeout_ms} ms; a timeout never approves"
             );
-            Settled::Refused("approval_expired", why)
+            Settled::Refused(crate::reason::Reason::ApprovalExpired, why)
         }
     }
 }
@@ -369,7 +369,7 @@ pub async fn settle(
 /// this request only (the interrupt is left for the agent's re-send).
 fn agent_gone(session: &Session, id: &str) -> Settled {
     tracing::info!(interrupt = %id, request_id = %session.ctx.request_id, "the agent left while its held calls waited; the approval is left for its re-send");
-    Settled::Refused("agent_gone", "the agent left before the held call(s) could be delivered; an approval is used only by a request that receives its calls".into())
+    Settled::Refused(crate::reason::Reason::AgentGone, "the agent left before the held call(s) could be delivered; an approval is used only by a request that receives its calls".into())
 }
 
 /// The `argsHash`es an interrupt binds.

@@ -212,7 +212,7 @@ pub fn check(
     catalog_schema: Option<&Value>,
     schemas: &SchemaCache,
 ) -> Option<Decision> {
-    let invalid = |reason: &'static str, message: String| {
+    let invalid = |reason: crate::reason::Reason, message: String| {
         Some(Decision::new(
             Outcome::Invalid,
             Stage::Arguments,
@@ -224,13 +224,13 @@ pub fn check(
         Ok(v) => v,
         Err(ArgsError::NotJson) => {
             return invalid(
-                "arguments_not_json",
+                crate::reason::Reason::ArgumentsNotJson,
                 "the arguments are not valid JSON".into(),
             )
         }
         Err(ArgsError::NotObject) => {
             return invalid(
-                "arguments_not_object",
+                crate::reason::Reason::ArgumentsNotObject,
                 "the arguments are JSON but not an object".into(),
             )
         }
@@ -243,7 +243,7 @@ pub fn check(
             Ok(v) => v,
             Err(reason) => {
                 return invalid(
-                    "schema_uncompilable",
+                    crate::reason::Reason::SchemaUncompilable,
                     format!("the {which} schema: {reason}"),
                 )
             }
@@ -261,7 +261,7 @@ pub fn check(
         if errors.len() > MAX_LISTED_ERRORS {
             message.push_str("; …");
         }
-        return invalid("schema_violation", message);
+        return invalid(crate::reason::Reason::SchemaViolation, message);
     }
     None
 }

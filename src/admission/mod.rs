@@ -97,7 +97,7 @@ pub fn charge_rate(
         if let Err(secs) = ctx.limits.take(principal, &tool.descriptor.tool_id, rate) {
             d.outcome = Outcome::Refused;
             d.stage = Stage::Limits;
-            d.reason = "rate_limited";
+            d.reason = crate::reason::Reason::RateLimited;
             d.message = format!("the rate limit for this tool is spent; retry in {secs} s");
             d.retry_after_secs = Some(secs);
             d.enforced = ctx.policy.mode_for(tool) != Mode::Shadow;
@@ -126,7 +126,7 @@ pub fn decide_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) 
             // admission found (it is still decided and journaled).
             d.outcome = Outcome::EndedTurn;
             d.stage = Stage::Dispatch;
-            d.reason = "after_clarification";
+            d.reason = crate::reason::Reason::AfterClarification;
             d.message = "a question to the person ended the turn before this call".into();
         }
         if d.outcome == Outcome::Executed {
@@ -223,7 +223,7 @@ fn decide(
         let d = Decision::new(
             Outcome::Invalid,
             Stage::Arguments,
-            "arguments_not_json",
+            crate::reason::Reason::ArgumentsNotJson,
             "the arguments are not valid JSON".into(),
         );
         return finish(d, trace, hash, redacted_args);
@@ -264,7 +264,7 @@ fn decide(
             let mut d = Decision::new(
                 Outcome::Held,
                 Stage::Authorization,
-                "held_by_rule",
+                crate::reason::Reason::HeldByRule,
                 format!(
                     "held for the acting person's approval by {}",
                     rules.join(", ")
@@ -290,7 +290,7 @@ fn decide(
         let d = Decision::new(
             Outcome::Refused,
             Stage::Limits,
-            "rate_limited",
+            crate::reason::Reason::RateLimited,
             format!(
                 "more than {} tool calls in one turn",
                 limits.tool_calls_per_turn
@@ -313,7 +313,7 @@ fn decide(
             let d = Decision::new(
                 Outcome::Refused,
                 Stage::Limits,
-                "clarification_rounds_exceeded",
+                crate::reason::Reason::ClarificationRoundsExceeded,
                 format!(
                     "this run already asked the person {asks} time(s); the limit is {}",
                     limits.clarification_rounds
@@ -327,7 +327,7 @@ fn decide(
             let d = Decision::new(
                 Outcome::Refused,
                 Stage::Limits,
-                "rate_limited",
+                crate::reason::Reason::RateLimited,
                 format!(
                     "the run reached its limit of {} tool calls",
                     limits.tool_calls_per_run
@@ -354,7 +354,7 @@ fn decide(
         let d = Decision::new(
             Outcome::Refused,
             Stage::Redaction,
-            "strip_unsupported",
+            crate::reason::Reason::StripUnsupported,
             "the arguments carry a secret that must be stripped before an egress tool, which this stream cannot rewrite".into(),
         );
         return finish(d, trace, hash, redacted_args);
@@ -363,7 +363,7 @@ fn decide(
     let mut d = Decision::new(
         Outcome::Executed,
         Stage::Dispatch,
-        "released",
+        crate::reason::Reason::Released,
         String::new(),
     );
     if strip {
@@ -395,7 +395,7 @@ pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
     let o = &ctx.policy.settings.outcomes;
     let surface_of = |d: &Decision| match d.outcome {
         // A refusal and context exhaustion are never repaired (§B): they surface at once.
-        Outcome::Invalid if !completion::repairable(d.reason) => match o.invalid_after_repairs {
+        Outcome::Invalid if !d.reason.repairable() => match o.invalid_after_repairs {
             Surface::Repair => Surface::Error,
             s => s,
         },
@@ -429,7 +429,7 @@ pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
     for d in decisions.iter_mut().filter(|d| d.released() && d.enforced) {
         d.outcome = Outcome::EndedTurn;
         d.stage = Stage::Dispatch;
-        d.reason = "turn_ended";
+        d.reason = crate::reason::Reason::TurnEnded;
         d.message = "another call of the same turn was withheld, which ended the turn".into();
     }
     match chosen {
@@ -506,26 +506,10 @@ pub fn clarification_unsupported(turn: &Turn, policy: &CompiledPolicy) -> Option
     ))
 }
 
-/// Refusal reasons of held calls whose approval interrupt resolved without approving them.
-pub const APPROVAL_REFUSALS: [&str; 6] = [
-    "approval_rejected",
-    "approval_expired",
-    "no_approver",
-    "approval_already_used",
-    "approval_unavailable",
-    "agent_gone",
-];
-
-/// Whether `reason` refuses a held call that was not approved (surfaced as OpenWOP
-/// `approval_rejected`).
-pub fn is_approval_refusal(reason: &str) -> bool {
-    APPROVAL_REFUSALS.contains(&reason) || reason == "held_after_approval"
-}
-
 /// After an approval interrupt resolved without approving (rejected, expired, nobody could
 /// approve, the approval was used already): every held call is refused with `reason` — a
 /// timeout never approves (OpenWOP interrupt.md). The deciding stage is kept.
-pub fn refuse_held(decisions: &mut [Decision], reason: &'static str, why: &str) {
+pub fn refuse_held(decisions: &mut [Decision], reason: crate::reason::Reason, why: &str) {
     for d in decisions
         .iter_mut()
         .filter(|d| d.outcome == Outcome::Held && d.enforced)
@@ -540,17 +524,7 @@ pub fn refuse_held(decisions: &mut [Decision], reason: &'static str, why: &str) 
 
 /// The OpenWOP error a withheld call surfaces as, when its outcome is set to `error`.
 pub fn error_for(d: &Decision) -> SurfacedError {
-    let (status, code) = match (d.outcome, d.reason) {
-        (_, "rate_limited") => (429, "rate_limited"),
-        (Outcome::Invalid, r) if completion::error_code(r).is_some() => {
-            (422, completion::error_code(r).unwrap_or("envelope_invalid"))
-        }
-        (Outcome::Refused, r) if is_approval_refusal(r) => (422, "approval_rejected"),
-        (_, "clarification_rounds_exceeded") => (422, "loop_limit_exceeded"),
-        (Outcome::Invalid, _) => (422, "envelope_invalid"),
-        (Outcome::SuppressedRepeat, _) => (409, "turnguard.effect_already_claimed"),
-        _ => (403, "forbidden"),
-    };
+    let (status, code) = d.reason.wire();
     SurfacedError {
         status,
         code,
@@ -569,7 +543,7 @@ pub fn withheld_by_cut(choice: &ChoiceEmissions) -> ChoiceVerdict {
             let mut d = Decision::new(
                 Outcome::Invalid,
                 Stage::Completion,
-                "stream_cut",
+                crate::reason::Reason::StreamCut,
                 "the upstream stream ended before the call was complete".into(),
             );
             d.tool_name = sanitize_label(&call.name);

@@ -110,7 +110,7 @@ pub fn check(trust: ContentTrust, tool: &CatalogTool, approved: bool) -> Option<
     Some(Decision::new(
         Outcome::Held,
         Stage::Trust,
-        "untrusted_turn",
+        crate::reason::Reason::UntrustedTurn,
         format!(
             "this turn read untrusted content, and `{}` ({}) needs the acting person's approval",
             tool.descriptor.tool_id,

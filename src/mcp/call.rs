@@ -170,7 +170,7 @@ pub async fn handle(front: &Arc<McpFront>, inbound: Inbound) -> Response {
         let d = call.stamp(Decision::new(
             Outcome::Refused,
             Stage::Dispatch,
-            "no_admitted_emission",
+            crate::reason::Reason::NoAdmittedEmission,
             "no model emission of this run with this tool and these arguments was admitted and released; the call is not forwarded (turnguard tickets)".into(),
         ));
         return call.withheld(d, &Exec::random()).await;
@@ -314,7 +314,7 @@ impl McpCall {
             self.stamp(Decision::new(
                 Outcome::Refused,
                 Stage::Dispatch,
-                "internal",
+                crate::reason::Reason::Internal,
                 "admission returned no decision".into(),
             ))
         })
@@ -461,7 +461,7 @@ impl McpCall {
                 name: self.name.clone(),
                 outcome: d.outcome.as_str(),
                 stage: d.stage.as_str(),
-                reason: d.reason,
+                reason: d.reason.as_str(),
                 args_hash: d.args_hash.clone(),
                 tool_id: d.tool_id.clone(),
                 enforced: d.enforced,
@@ -512,7 +512,7 @@ impl McpCall {
                 tool_id = %d.tool_id,
                 outcome = d.outcome.as_str(),
                 stage = d.stage.as_str(),
-                reason = d.reason,
+                reason = d.reason.as_str(),
                 "MCP tool call withheld"
             );
         }
@@ -529,9 +529,9 @@ impl McpCall {
         let mut events = vec![self.event("agent.tool-called", called)];
         if withheld {
             let (status, code) = match (d.outcome, d.reason) {
-                (_, "rate_limited") => ("rate_limited", "rate_limited"),
+                (_, crate::reason::Reason::RateLimited) => ("rate_limited", "rate_limited"),
                 (Outcome::Invalid, _) => ("error", "validation_error"),
-                (Outcome::SuppressedRepeat, "tool_outcome_unknown") => {
+                (Outcome::SuppressedRepeat, crate::reason::Reason::ToolOutcomeUnknown) => {
                     ("error", "turnguard.tool_outcome_unknown")
                 }
                 (Outcome::SuppressedRepeat, _) => ("ok", ""),
@@ -609,7 +609,7 @@ impl McpCall {
             } => {
                 d.outcome = Outcome::SuppressedRepeat;
                 d.stage = Stage::Dispatch;
-                d.reason = "effect_already_claimed";
+                d.reason = crate::reason::Reason::EffectRecorded;
                 d.message = "this effect already ran; its recorded result is served and the server is not called".into();
                 self.journal(d, exec, "ok", None).await;
                 self.account(d, exec, true).await;
@@ -621,7 +621,7 @@ impl McpCall {
             Claim::Existing { result: None, .. } => {
                 d.outcome = Outcome::SuppressedRepeat;
                 d.stage = Stage::Dispatch;
-                d.reason = "tool_outcome_unknown";
+                d.reason = crate::reason::Reason::ToolOutcomeUnknown;
                 d.message = "this effect was forwarded before and its result is not recorded (in flight, or in doubt after a failure); it is not run again".into();
                 self.journal(d, exec, "ok", None).await;
                 self.account(d, exec, true).await;
@@ -638,7 +638,7 @@ impl McpCall {
                 // whether it completed — only that it is already done (issue 10 item 11).
                 d.outcome = Outcome::SuppressedRepeat;
                 d.stage = Stage::Dispatch;
-                d.reason = "effect_already_claimed";
+                d.reason = crate::reason::Reason::EffectAlreadyClaimed;
                 d.message = "turnguard: this effect is already done; it is not run again".into();
                 self.journal(d, exec, "ok", None).await;
                 self.account(d, exec, true).await;

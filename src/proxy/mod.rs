@@ -144,7 +144,7 @@ pub enum Approval<'a> {
     /// The acting person approved exactly these `argsHash`es (once).
     Accepted(&'a BTreeSet<String>),
     /// No approval was given: held calls are refused with this reason and explanation.
-    Refused(&'static str, &'a str),
+    Refused(crate::reason::Reason, &'a str),
 }
 
 impl Session {
@@ -343,7 +343,7 @@ impl Session {
                 Approval::Pending => {}
                 Approval::Accepted(_) => admission::refuse_held(
                     &mut decisions,
-                    "held_after_approval",
+                    crate::reason::Reason::HeldAfterApproval,
                     "the call is still held after the approval (a rule holds it whatever the approval)",
                 ),
                 Approval::Refused(reason, why) => {
@@ -460,24 +460,29 @@ impl Session {
                 Ok(Claim::Existing { result, .. }) => {
                     d.outcome = Outcome::SuppressedRepeat;
                     d.stage = Stage::Dispatch;
-                    d.reason = "effect_already_claimed";
-                    d.message = match result {
-                        Some(r) => format!("turnguard: this effect already ran; its recorded result: {r}"),
-                        None => "turnguard: this effect was already dispatched and its result is not recorded yet; it is not run again".into(),
+                    (d.reason, d.message) = match result {
+                        Some(r) => (
+                            crate::reason::Reason::EffectRecorded,
+                            format!("turnguard: this effect already ran; its recorded result: {r}"),
+                        ),
+                        None => (
+                            crate::reason::Reason::EffectAlreadyClaimed,
+                            "turnguard: this effect was already dispatched and its result is not recorded yet; it is not run again".into(),
+                        ),
                     };
                 }
                 // Claimed by another principal or run: their result is theirs to read.
                 Ok(Claim::Foreign) => {
                     d.outcome = Outcome::SuppressedRepeat;
                     d.stage = Stage::Dispatch;
-                    d.reason = "effect_already_claimed";
+                    d.reason = crate::reason::Reason::EffectAlreadyClaimed;
                     d.message =
                         "turnguard: this effect is already done; it is not run again".into();
                 }
                 Err(e) => {
                     d.outcome = Outcome::Refused;
                     d.stage = Stage::Dispatch;
-                    d.reason = "journal_unavailable";
+                    d.reason = crate::reason::Reason::JournalUnavailable;
                     d.message = format!("the effect could not be claimed ({e}); fail closed");
                 }
             }
@@ -521,7 +526,7 @@ impl Session {
                         tool_id = %d.tool_id,
                         outcome = d.outcome.as_str(),
                         stage = d.stage.as_str(),
-                        reason = d.reason,
+                        reason = d.reason.as_str(),
                         surfaced = if d.enforced { surfacing_label(&verdict.surfacing) } else { "release" },
                         mode = if d.enforced { "enforce" } else { "shadow" },
                         "{}",
@@ -541,21 +546,11 @@ impl Session {
                     o.insert("argsHash".into(), json!(h));
                 }
                 events.push(self.event("agent.tool-called", called));
-                let status = match (d.outcome, d.reason) {
-                    (Outcome::Executed, _) | (Outcome::Held, _) => None,
-                    (Outcome::SuppressedRepeat, _) if d.message.contains("its recorded result") => {
-                        Some(("ok", None))
-                    }
-                    (Outcome::SuppressedRepeat, _) => {
-                        Some(("error", Some("turnguard.effect_already_claimed")))
-                    }
-                    (_, "rate_limited") => Some(("rate_limited", Some("rate_limited"))),
-                    (Outcome::Refused, r) if admission::is_approval_refusal(r) => {
-                        Some(("forbidden", Some("approval_rejected")))
-                    }
-                    (Outcome::Refused, _) => Some(("forbidden", Some("forbidden"))),
-                    (Outcome::Invalid, _) => Some(("error", Some("validation_error"))),
-                    (Outcome::EndedTurn, _) => Some(("error", Some("turnguard.turn_ended"))),
+                // The reason says how a call that does not run returns (`Reason::event_status`);
+                // an executed or held call's result event follows from its run.
+                let status = match d.outcome {
+                    Outcome::Executed | Outcome::Held => None,
+                    _ => d.reason.event_status(),
                 };
                 if let Some((status, code)) = status {
                     let mut returned = json!({"agentId": AGENT_ID, "toolName": tool_name, "callId": call_id, "status": status});
@@ -1226,7 +1221,7 @@ pub fn call_records(
                 name: call.name.clone(),
                 outcome: d.outcome.as_str(),
                 stage: d.stage.as_str(),
-                reason: d.reason,
+                reason: d.reason.as_str(),
                 args_hash: d.args_hash.clone(),
                 tool_id: d.tool_id.clone(),
                 enforced: d.enforced,

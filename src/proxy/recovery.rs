@@ -337,14 +337,14 @@ fn verdicts_without(round: &[ChoiceEmissions], recorded: &HashSet<String>) -> Ve
                         Decision::new(
                             Outcome::SuppressedRepeat,
                             Stage::Dispatch,
-                            "result_recorded",
+                            crate::reason::Reason::ResultRecorded,
                             "the call's result is recorded: it is not handed back".into(),
                         )
                     } else {
                         Decision::new(
                             Outcome::Executed,
                             Stage::Dispatch,
-                            "served_from_record",
+                            crate::reason::Reason::ServedFromRecord,
                             String::new(),
                         )
                     }
