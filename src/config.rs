@@ -569,6 +569,12 @@ impl Config {
                 .map_err(|_| value_err(src, format!("`{v}` is not a number of milliseconds")))?;
             ms(n, src)
         };
+        let secs_env = |v: String, src: &str| -> Result<u64, ConfigError> {
+            let n: u64 = v
+                .parse()
+                .map_err(|_| value_err(src, format!("`{v}` is not a number of seconds")))?;
+            ms(n, src)
+        };
         let log = |v: String, src: &str| -> Result<LogFormat, ConfigError> {
             match v.as_str() {
                 "text" => Ok(LogFormat::Text),
@@ -778,7 +784,7 @@ impl Config {
             shed_retry_after_s,
             "TURNGUARD_SHED_RETRY_AFTER_S",
             ms,
-            ms_env
+            secs_env
         );
         number!(
             shutdown_delay_ms,
@@ -1107,6 +1113,19 @@ mod tests {
 
     /// The defaults the READMEs state (README.md's flags table, deploy/README.md's settings)
     /// are the ones in code.
+    /// `shed_retry_after_s` is seconds: its env value is read and reported as seconds, not
+    /// milliseconds.
+    #[test]
+    fn shed_retry_after_is_validated_as_seconds() {
+        let env = |k: &str| (k == "TURNGUARD_SHED_RETRY_AFTER_S").then(|| "soon".to_owned());
+        let e = Config::resolve(&ServeArgs::default(), &env).unwrap_err().to_string();
+        assert!(e.contains("TURNGUARD_SHED_RETRY_AFTER_S"), "{e}");
+        assert!(e.contains("is not a number of seconds"), "{e}");
+        let env = |k: &str| (k == "TURNGUARD_SHED_RETRY_AFTER_S").then(|| "7".to_owned());
+        let c = Config::resolve(&ServeArgs::default(), &env).unwrap();
+        assert_eq!(c.shed_retry_after_s, 7);
+    }
+
     #[test]
     fn readme_defaults_are_the_code_defaults() {
         let d = Config::default();
