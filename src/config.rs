@@ -1118,7 +1118,9 @@ mod tests {
     #[test]
     fn shed_retry_after_is_validated_as_seconds() {
         let env = |k: &str| (k == "TURNGUARD_SHED_RETRY_AFTER_S").then(|| "soon".to_owned());
-        let e = Config::resolve(&ServeArgs::default(), &env).unwrap_err().to_string();
+        let e = Config::resolve(&ServeArgs::default(), &env)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("TURNGUARD_SHED_RETRY_AFTER_S"), "{e}");
         assert!(e.contains("is not a number of seconds"), "{e}");
         let env = |k: &str| (k == "TURNGUARD_SHED_RETRY_AFTER_S").then(|| "7".to_owned());
