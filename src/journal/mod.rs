@@ -211,6 +211,12 @@ impl Recorded {
         }
     }
 
+    /// Keeps only the digest and size because the body is not needed (a chat turn's round
+    /// under `journal_bodies = "runs"`: §D scopes chat turns out of replay and recovery).
+    pub fn digest_only(self) -> Self {
+        self.withheld()
+    }
+
     /// `body` redacted with the request's `redactor` ([`redact::redact_body`]), kept whole if
     /// it fits in `cap` bytes, else its digest with a truncation marker.
     pub fn redacted(body: &[u8], redactor: &crate::policy::Redactor, cap: usize) -> Self {

@@ -1470,7 +1470,13 @@ pub async fn record_round_with(
     journal_round(state, rec).await;
 }
 
-async fn journal_round(state: &AppState, rec: RoundRecord) {
+async fn journal_round(state: &AppState, mut rec: RoundRecord) {
+    // A chat turn is out of replay (§D): its round keeps decisions and the body's digest,
+    // not the body, unless `journal_bodies = "all"`.
+    if rec.run.run_id.is_none() && state.config.journal_bodies != crate::config::JournalBodies::All
+    {
+        rec.response = rec.response.digest_only();
+    }
     let request_id = rec.request_id.clone();
     let result = if rec.run.run_id.is_some() {
         state.journal.record_round(rec).await

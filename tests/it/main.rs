@@ -14,6 +14,7 @@ mod dropin;
 mod faults;
 mod field_inputs;
 mod fuzz;
+mod journal_bodies;
 mod mcp;
 mod ops_edge;
 mod ops_shutdown;
