@@ -30,13 +30,15 @@
 //! The trust rule (judged by [`crate::admission::trust::chain_fault`] over the rows
 //! [`JournalReader::response_chain`] reads, looked up by
 //! [`crate::proxy::trust::response_chain`]): a turn whose request names
-//! `previous_response_id = P` is `trusted` only if the journal knows every link of the chain
-//! from `P` back to a response whose own `previous_response_id` is `NULL`, and every link has
-//! `status` `completed` or `incomplete` (a `NULL` status means the stream was cut and the
-//! provider may have gone on), `provider_executed = 0`, and `content_trust = 'trusted'`.
-//! Anything else — a missing link (a response id turnguard never saw), a chain that leaves
-//! this journal, a link with provider-executed output, a link from an untrusted or unjudged
-//! turn, a chain longer than [`crate::proxy::trust::MAX_CHAIN`] — makes the turn `untrusted`
+//! `previous_response_id = P` is `trusted` only if the journal's row for `P` has `status`
+//! `completed` or `incomplete` (a `NULL` status means the stream was cut and the provider may
+//! have gone on), `provider_executed = 0`, and `content_trust = 'trusted'`. The rule is
+//! inductive: a row is recorded `trusted` only when the turn that produced it was trusted,
+//! and that turn was judged by this rule on the row it continued — so one row stands for the
+//! whole chain back to a response that continued nothing, and only that row is read
+//! ([`crate::proxy::trust::MAX_CHAIN`] = 1). Anything else — a response id turnguard never
+//! saw, a row with provider-executed output, a row from an untrusted or unjudged turn —
+//! makes the turn `untrusted`
 //! (fail closed). Inside a run the bit is then sticky as usual. A `function_call_output` in
 //! such a request answers a call the request does not show: its tool name comes from the
 //! `tool_calls` rows of the response it continues (same `request_id` as that response's
