@@ -64,7 +64,7 @@ use crate::admission::sanitize_label;
 use crate::body::read_capped;
 use crate::identity::{Person, TokenError};
 use crate::journal::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
-use crate::metrics::ApprovalLabels;
+use crate::metrics::{ApprovalLabels, ApprovalResult};
 use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Outcome};
 use crate::proxy::{now_ms, Approval, Session};
 use crate::server::AppState;
@@ -314,7 +314,7 @@ pub fn edited_outcomes(
         if d.outcome == Outcome::Executed && d.enforced {
             if turn.api == Api::OpenAiResponses && turn.stream {
                 d.outcome = Outcome::Refused;
-                d.reason = "edit_unsupported";
+                d.reason = crate::reason::Reason::EditUnsupported;
                 d.message = "the person edited the arguments, and a Responses stream cannot carry edited arguments (fail closed)".into();
                 d.trace.push((d.stage, format!("refused: {}", d.reason)));
             } else {
@@ -334,7 +334,7 @@ pub fn edited_outcomes(
                 d.message
             );
             d.outcome = Outcome::Refused;
-            d.reason = "edit_refused";
+            d.reason = crate::reason::Reason::EditRefused;
             d.trace
                 .push((d.stage, format!("refused: edit_refused — {why}")));
             d.message = why;
@@ -342,9 +342,40 @@ pub fn edited_outcomes(
     }
 }
 
+/// How a held round's approval interrupt ended. The request path admits the round again with
+/// it ([`crate::proxy::Session::admit`]); this module never decides a round itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settled {
+    /// Accepted and used by this request: exactly these `argsHash`es are approved (once),
+    /// with the calls the person edited (`edit-accept`) carrying the edited arguments.
+    Accepted(BTreeSet<String>, Vec<Edited>),
+    /// Not approved: held calls are refused with this reason (one that
+    /// [`crate::reason::Reason::is_approval_refusal`]) and explanation.
+    Refused(crate::reason::Reason, String),
+}
+
+impl Settled {
+    /// The round to decide again: the model's, with the person's edited arguments in place
+    /// of the model's for the calls they edited.
+    pub fn round(&self, round: &[ChoiceEmissions]) -> Vec<ChoiceEmissions> {
+        match self {
+            Self::Accepted(_, edits) if !edits.is_empty() => with_edits(round, edits),
+            _ => round.to_vec(),
+        }
+    }
+
+    /// As the [`Approval`] the round is decided again with.
+    pub fn approval(&self) -> Approval<'_> {
+        match self {
+            Self::Accepted(hashes, edits) => Approval::Accepted(hashes, edits),
+            Self::Refused(reason, why) => Approval::Refused(*reason, why),
+        }
+    }
+}
+
 /// Resolves a round whose held calls wait: raises (or meets again) the approval interrupt,
-/// waits for its resolution or expiry, and admits the round again — approved for exactly the
-/// bound `argsHash`es, or with the held calls refused. While `agent` is gone nothing is used:
+/// waits for its resolution or expiry, and says how it ended — approved for exactly the
+/// bound `argsHash`es, or with the held calls refused (the caller decides the round again). While `agent` is gone nothing is used:
 /// the wait ends, the interrupt stays as it is (pending, or accepted and unused) for the
 /// agent's re-send, and the held calls are refused for this request (`agent_gone`).
 pub async fn settle(
@@ -352,7 +383,7 @@ pub async fn settle(
     round: &[ChoiceEmissions],
     verdicts: &[ChoiceVerdict],
     agent: &impl AgentEnd,
-) -> Vec<ChoiceVerdict> {
+) -> Settled {
     let state = &session.state;
     let redactor = &session.policy.redactor;
     let calls: Vec<Value> = held_calls(session, round, verdicts)
@@ -431,20 +462,12 @@ pub async fn settle(
         Ok(row) => row,
         Err(e) => {
             tracing::error!(error = %e, interrupt = %id, "approval interrupt not journaled; held calls refused");
-            return session
-                .decide_round(
-                    round,
-                    Approval::Refused(
-                        "approval_unavailable",
-                        "the approval interrupt could not be journaled, so the call cannot wait for approval (fail closed)",
-                    ),
-                )
-                .await;
+            return Settled::Refused(crate::reason::Reason::ApprovalUnavailable, "the approval interrupt could not be journaled, so the call cannot wait for approval (fail closed)".into());
         }
     };
     if row.inserted {
         state.ui.notifier.requested(&row);
-        count(state, "held");
+        count(state, ApprovalResult::Held);
         tracing::info!(interrupt = %id, request_id = %session.ctx.request_id, run = ?session.ctx.run.run_id, tools = %names.join(","), person = person.is_some(), "tool calls held for approval");
     }
     let final_state = match (row.state.as_str(), &row.record.principal) {
@@ -452,7 +475,7 @@ pub async fn settle(
         ("pending", Some(_)) => match waiter {
             Some(w) => match wait(state, w, &row, agent).await {
                 Some(s) => s,
-                None => return agent_gone(session, round, &id).await,
+                None => return agent_gone(session, &id),
             },
             None => resolve_as_host(state, &id, "expired", "timeout").await,
         },
@@ -460,7 +483,7 @@ pub async fn settle(
     };
     match final_state.as_str() {
         // Used only by a request whose agent is there to receive the calls.
-        "accepted" if agent.is_gone() => agent_gone(session, round, &id).await,
+        "accepted" if agent.is_gone() => agent_gone(session, &id),
         "accepted" => {
             // The resolution as committed (the raise saw it pending), read before the
             // approval is used: its edits, if any.
@@ -471,110 +494,58 @@ pub async fn settle(
             };
             let Ok(Some(resolved)) = resolved else {
                 tracing::error!(interrupt = %id, "the accepted interrupt could not be read back; held calls refused");
-                return session
-                    .decide_round(
-                        round,
-                        Approval::Refused(
-                            "approval_unavailable",
-                            "the accepted approval could not be read back from the journal (fail closed)",
-                        ),
-                    )
-                    .await;
+                return Settled::Refused(
+                    crate::reason::Reason::ApprovalUnavailable,
+                    "the accepted approval could not be read back from the journal (fail closed)"
+                        .into(),
+                );
             };
-            use_approval(session, round, &id, &resolved).await
+            use_approval(session, &id, &resolved).await
         }
         "rejected" if row.record.principal.is_none() => {
-            session
-                .decide_round(
-                    round,
-                    Approval::Refused(
-                        "no_approver",
-                        "no verified person acts for this request (no Turnguard-Principal-Token), so nobody can approve the held call",
-                    ),
-                )
-                .await
+            Settled::Refused(crate::reason::Reason::NoApprover, "no verified person acts for this request (no Turnguard-Principal-Token), so nobody can approve the held call".into())
         }
         "rejected" => {
-            session
-                .decide_round(
-                    round,
-                    Approval::Refused(
-                        "approval_rejected",
-                        "the acting person rejected the held call",
-                    ),
-                )
-                .await
+            Settled::Refused(crate::reason::Reason::ApprovalRejected, "the acting person rejected the held call".into())
         }
         _ => {
             let why = format!(
                 "no approval arrived within {timeout_ms} ms; a timeout never approves"
             );
-            session
-                .decide_round(round, Approval::Refused("approval_expired", &why))
-                .await
+            Settled::Refused(crate::reason::Reason::ApprovalExpired, why)
         }
     }
 }
 
-/// Uses an accepted approval (single use) and admits the round again: approved for exactly
-/// the bound `argsHash`es, with the person's edited arguments in place of the model's.
-async fn use_approval(
-    session: &Session,
-    round: &[ChoiceEmissions],
-    id: &str,
-    resolved: &InterruptRow,
-) -> Vec<ChoiceVerdict> {
+/// Uses an accepted approval (single use): approved for exactly the bound `argsHash`es, with
+/// the person's edited arguments in place of the model's ([`Settled::round`]).
+async fn use_approval(session: &Session, id: &str, resolved: &InterruptRow) -> Settled {
     match session
         .state
         .journal
         .consume_approval(id, &session.ctx.journal_id)
         .await
     {
-        Ok(true) => {
-            let edits = edits_of(resolved);
-            let hashes = bound_hashes(resolved);
-            let edited = with_edits(round, &edits);
-            session
-                .decide_round(&edited, Approval::Accepted(&hashes, &edits))
-                .await
-        }
-        Ok(false) => session
-            .decide_round(
-                round,
-                Approval::Refused(
-                    "approval_already_used",
-                    "this approval was already used by another request; an approval is single-use",
-                ),
-            )
-            .await,
+        Ok(true) => Settled::Accepted(bound_hashes(resolved), edits_of(resolved)),
+        Ok(false) => Settled::Refused(
+            crate::reason::Reason::ApprovalAlreadyUsed,
+            "this approval was already used by another request; an approval is single-use".into(),
+        ),
         Err(e) => {
             tracing::error!(error = %e, interrupt = %id, "approval could not be marked used; held calls refused");
-            session
-                .decide_round(
-                    round,
-                    Approval::Refused(
-                        "approval_unavailable",
-                        "the approval could not be recorded as used (fail closed)",
-                    ),
-                )
-                .await
+            Settled::Refused(
+                crate::reason::Reason::ApprovalUnavailable,
+                "the approval could not be recorded as used (fail closed)".into(),
+            )
         }
     }
 }
 
 /// The agent left while its held round waited: nothing is used, the held calls are refused for
 /// this request only (the interrupt is left for the agent's re-send).
-async fn agent_gone(session: &Session, round: &[ChoiceEmissions], id: &str) -> Vec<ChoiceVerdict> {
+fn agent_gone(session: &Session, id: &str) -> Settled {
     tracing::info!(interrupt = %id, request_id = %session.ctx.request_id, "the agent left while its held calls waited; the approval is left for its re-send");
-    session
-        .decide_round(
-            round,
-            Approval::Refused(
-                "agent_gone",
-                "the agent left before the held call(s) could be delivered; an approval is used only by a request that receives its calls",
-            ),
-        )
-        .await
+    Settled::Refused(crate::reason::Reason::AgentGone, "the agent left before the held call(s) could be delivered; an approval is used only by a request that receives its calls".into())
 }
 
 /// The `argsHash`es an interrupt binds: each held call's, or for a call the person edited
@@ -651,9 +622,9 @@ async fn resolve_as_host(state: &AppState, id: &str, to: &'static str, reason: &
                 state,
                 &row,
                 if to == "expired" {
-                    "expired"
+                    ApprovalResult::Expired
                 } else {
-                    "rejected"
+                    ApprovalResult::Rejected
                 },
             );
             state.approvals.notify(id, &row.state);
@@ -672,18 +643,16 @@ async fn resolve_as_host(state: &AppState, id: &str, to: &'static str, reason: &
     }
 }
 
-fn count(state: &AppState, result: &str) {
+fn count(state: &AppState, result: ApprovalResult) {
     state
         .metrics
         .approvals
-        .get_or_create(&ApprovalLabels {
-            result: result.to_owned(),
-        })
+        .get_or_create(&ApprovalLabels { result })
         .inc();
 }
 
 /// Counts a resolution and observes how long the interrupt waited.
-fn observe(state: &AppState, row: &InterruptRow, result: &str) {
+fn observe(state: &AppState, row: &InterruptRow, result: ApprovalResult) {
     count(state, result);
     let waited = row
         .resolved_at_ms
@@ -693,9 +662,7 @@ fn observe(state: &AppState, row: &InterruptRow, result: &str) {
     state
         .metrics
         .approval_wait
-        .get_or_create(&ApprovalLabels {
-            result: result.to_owned(),
-        })
+        .get_or_create(&ApprovalLabels { result })
         .observe(waited as f64 / 1000.0);
 }
 
@@ -1147,7 +1114,7 @@ pub async fn resolve_as(
         }
         Ok(Resolved::AlreadyResolved(row)) => Err(already(&row)),
         Ok(Resolved::Expired(row)) => {
-            observe(s, &row, "expired");
+            observe(s, &row, ApprovalResult::Expired);
             s.approvals.notify(&row.record.interrupt_id, &row.state);
             s.ui.notifier.resolved(&row);
             let mut r = Refusal::new(
@@ -1163,9 +1130,9 @@ pub async fn resolve_as(
                 s,
                 &row,
                 if row.state == "accepted" {
-                    "approved"
+                    ApprovalResult::Approved
                 } else {
-                    "rejected"
+                    ApprovalResult::Rejected
                 },
             );
             s.approvals.notify(&row.record.interrupt_id, &row.state);

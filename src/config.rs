@@ -81,6 +81,11 @@ pub struct ServeArgs {
     /// Log format: `text` or `json` [default: text].
     #[arg(long, value_name = "FORMAT")]
     pub log_format: Option<String>,
+    /// Which response bodies the journal keeps: `runs` (rounds of a run node, which
+    /// recovery and replay serve; chat turns keep decisions and digests only) or `all`
+    /// [default: runs].
+    #[arg(long, value_name = "WHICH")]
+    pub journal_bodies: Option<String>,
     /// Data-plane requests (streams included) served at once; more are shed with 503 and
     /// `Retry-After` [default: 512].
     #[arg(long, value_name = "N")]
@@ -215,6 +220,7 @@ struct FileConfig {
     upstream_response_timeout_ms: Option<u64>,
     upstream_idle_timeout_ms: Option<u64>,
     log_format: Option<String>,
+    journal_bodies: Option<String>,
     max_concurrent_requests: Option<usize>,
     shed_retry_after_s: Option<u64>,
     shutdown_delay_ms: Option<u64>,
@@ -300,6 +306,18 @@ pub struct McpServer {
     pub url: Upstream,
     /// Whether calls inside a run need a ticket.
     pub ticket: Ticket,
+}
+
+/// Which upstream response bodies the journal keeps (`journal_bodies`). Tool-turn contract
+/// §D scopes chat turns (no `Turnguard-Run`) out of replay and recovery, so by default their
+/// rounds keep the decisions, calls and the body's digest and size, not the body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JournalBodies {
+    /// Bodies of run rounds only (what recovery and replay serve).
+    Runs,
+    /// Every round's body, chat turns too (redacted as always).
+    All,
 }
 
 /// Log output format.
@@ -424,6 +442,8 @@ pub struct Config {
     pub upstream_response_timeout_ms: u64,
     pub upstream_idle_timeout_ms: u64,
     pub log_format: LogFormat,
+    /// Which response bodies the journal keeps ([`JournalBodies`]).
+    pub journal_bodies: JournalBodies,
     /// Concurrency limit of the data plane; requests over it are shed (503, `Retry-After`).
     pub max_concurrent_requests: usize,
     /// `Retry-After` of a shed request, seconds.
@@ -510,6 +530,7 @@ impl Default for Config {
             upstream_response_timeout_ms: 600_000,
             upstream_idle_timeout_ms: 300_000,
             log_format: LogFormat::Text,
+            journal_bodies: JournalBodies::Runs,
             max_concurrent_requests: 512,
             shed_retry_after_s: 1,
             shutdown_delay_ms: 0,
@@ -616,6 +637,12 @@ impl Config {
                 .map_err(|_| value_err(src, format!("`{v}` is not a number of milliseconds")))?;
             ms(n, src)
         };
+        let secs_env = |v: String, src: &str| -> Result<u64, ConfigError> {
+            let n: u64 = v
+                .parse()
+                .map_err(|_| value_err(src, format!("`{v}` is not a number of seconds")))?;
+            ms(n, src)
+        };
         let log = |v: String, src: &str| -> Result<LogFormat, ConfigError> {
             match v.as_str() {
                 "text" => Ok(LogFormat::Text),
@@ -635,6 +662,15 @@ impl Config {
             log_format,
             "TURNGUARD_LOG_FORMAT",
             |v: String, s: &str| log(v, s)
+        );
+        layer!(
+            journal_bodies,
+            "TURNGUARD_JOURNAL_BODIES",
+            |v: String, src: &str| match v.as_str() {
+                "runs" => Ok(JournalBodies::Runs),
+                "all" => Ok(JournalBodies::All),
+                _ => Err(value_err(src, format!("`{v}` is not `runs` or `all`"))),
+            }
         );
         let tenant = |v: String, src: &str| -> Result<String, ConfigError> {
             let ok = !v.is_empty()
@@ -858,7 +894,7 @@ impl Config {
             shed_retry_after_s,
             "TURNGUARD_SHED_RETRY_AFTER_S",
             ms,
-            ms_env
+            secs_env
         );
         number!(
             shutdown_delay_ms,
@@ -1187,6 +1223,21 @@ mod tests {
 
     /// The defaults the READMEs state (README.md's flags table, deploy/README.md's settings)
     /// are the ones in code.
+    /// `shed_retry_after_s` is seconds: its env value is read and reported as seconds, not
+    /// milliseconds.
+    #[test]
+    fn shed_retry_after_is_validated_as_seconds() {
+        let env = |k: &str| (k == "TURNGUARD_SHED_RETRY_AFTER_S").then(|| "soon".to_owned());
+        let e = Config::resolve(&ServeArgs::default(), &env)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("TURNGUARD_SHED_RETRY_AFTER_S"), "{e}");
+        assert!(e.contains("is not a number of seconds"), "{e}");
+        let env = |k: &str| (k == "TURNGUARD_SHED_RETRY_AFTER_S").then(|| "7".to_owned());
+        let c = Config::resolve(&ServeArgs::default(), &env).unwrap();
+        assert_eq!(c.shed_retry_after_s, 7);
+    }
+
     #[test]
     fn readme_defaults_are_the_code_defaults() {
         let d = Config::default();

@@ -45,7 +45,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::{Surface, WireError};
-use crate::metrics::{EdgeLabels, ShedLabels, ShedReason};
+use crate::metrics::{ApiLabel, EdgeLabels, ShedLabels, ShedReason};
 use crate::server::AppState;
 
 /// The edge's own state: the shared app state and the concurrency permits.
@@ -115,15 +115,16 @@ pub fn upstream_waited(since: Instant, d: Duration) {
 
 /// The provider API label of a data-plane route (the same labels as
 /// `turnguard_requests_total`), from the path only.
-fn api_of(path: &str) -> &'static str {
+fn api_of(path: &str) -> ApiLabel {
+    use crate::model::Api;
     match path {
-        "/v1/chat/completions" => "openai_chat",
-        "/v1/messages" => "anthropic_messages",
-        "/v1/responses" => "openai_responses",
-        "/v1/messages/count_tokens" | "/v1/embeddings" => "passthrough",
-        p if p == "/v1/models" || p.starts_with("/v1/models/") => "passthrough",
-        p if p.starts_with("/mcp/") => "mcp",
-        _ => "none",
+        "/v1/chat/completions" => ApiLabel::Api(Api::OpenAiChat),
+        "/v1/messages" => ApiLabel::Api(Api::AnthropicMessages),
+        "/v1/responses" => ApiLabel::Api(Api::OpenAiResponses),
+        "/v1/messages/count_tokens" | "/v1/embeddings" => ApiLabel::Passthrough,
+        p if p == "/v1/models" || p.starts_with("/v1/models/") => ApiLabel::Passthrough,
+        p if p.starts_with("/mcp/") => ApiLabel::Mcp,
+        _ => ApiLabel::None,
     }
 }
 
@@ -214,7 +215,7 @@ pub fn admit(extensions: &http::Extensions) -> Result<(), WireError> {
                 .metrics
                 .shed_requests
                 .get_or_create(&ShedLabels {
-                    reason: ShedReason::Overloaded.as_str().to_owned(),
+                    reason: ShedReason::Overloaded,
                 })
                 .inc();
             tracing::warn!(
@@ -246,9 +247,7 @@ pub async fn layer(State(edge): State<Arc<Edge>>, mut req: Request, next: Next) 
         let retry_after_s = edge.state.config.shed_retry_after_s;
         metrics
             .shed_requests
-            .get_or_create(&ShedLabels {
-                reason: reason.as_str().to_owned(),
-            })
+            .get_or_create(&ShedLabels { reason })
             .inc();
         metrics.request(api, 503, false);
         let mut resp = WireError::ShuttingDown { retry_after_s }
@@ -257,7 +256,7 @@ pub async fn layer(State(edge): State<Arc<Edge>>, mut req: Request, next: Next) 
         tracing::warn!(
             target: "turnguard::access",
             request_id = %request_id,
-            api,
+            api = api.as_str(),
             method = %method,
             status = 503u16,
             stream = false,
@@ -280,10 +279,7 @@ pub async fn layer(State(edge): State<Arc<Edge>>, mut req: Request, next: Next) 
     set_request_id(resp.headers_mut(), &request_id);
     let stream = is_event_stream(resp.headers());
     let at_headers = started.elapsed();
-    let labels = EdgeLabels {
-        api: api.to_owned(),
-        stream: stream.to_string(),
-    };
+    let labels = EdgeLabels { api, stream };
     let before_body = at_headers.saturating_sub(timing.upstream_wait());
     let log = AccessLog {
         state: Arc::clone(&edge.state),
@@ -340,7 +336,7 @@ struct AccessLog {
 impl AccessLog {
     fn finish(self, complete: bool) {
         let duration = self.started.elapsed();
-        let stream = self.labels.stream == "true";
+        let stream = self.labels.stream;
         // A JSON response's work is all before its headers; a stream adds the relay's work.
         let added = if stream {
             self.before_body + self.timing.work()
@@ -357,7 +353,7 @@ impl AccessLog {
         tracing::info!(
             target: "turnguard::access",
             request_id = %self.request_id,
-            api = %self.labels.api,
+            api = self.labels.api.as_str(),
             method = %self.method,
             status = self.status,
             stream,
@@ -472,10 +468,10 @@ mod tests {
 
     #[test]
     fn routes_map_to_the_request_metric_labels() {
-        assert_eq!(api_of("/v1/chat/completions"), "openai_chat");
-        assert_eq!(api_of("/v1/messages"), "anthropic_messages");
-        assert_eq!(api_of("/v1/models/gpt-4o"), "passthrough");
-        assert_eq!(api_of("/v1/responses"), "openai_responses");
-        assert_eq!(api_of("/v1/files"), "none");
+        assert_eq!(api_of("/v1/chat/completions").as_str(), "openai_chat");
+        assert_eq!(api_of("/v1/messages").as_str(), "anthropic_messages");
+        assert_eq!(api_of("/v1/models/gpt-4o").as_str(), "passthrough");
+        assert_eq!(api_of("/v1/responses").as_str(), "openai_responses");
+        assert_eq!(api_of("/v1/files").as_str(), "none");
     }
 }

@@ -49,6 +49,7 @@ pub mod policy;
 pub mod policy_cli;
 pub mod provider;
 pub mod proxy;
+pub mod reason;
 pub mod recipes;
 pub mod reload;
 pub mod server;

@@ -2,10 +2,13 @@
 //! Names follow `turnguard_<name>_<unit>[_total]`; label values come from enums' `as_str()`,
 //! never from raw user input.
 
+use std::collections::HashSet;
+use std::fmt::Write as _;
 use std::sync::atomic::AtomicI64;
+use std::sync::{Arc, RwLock};
 
 use prometheus_client::encoding::text::encode;
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -13,40 +16,148 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Metric, Registry};
 
+use crate::model::Api;
+
+/// Implements `EncodeLabelValue` for closed enums by their `as_str()` spelling, so a label
+/// set is built from `Copy` values and an increment allocates nothing.
+macro_rules! label_value {
+    ($($t:ty),* $(,)?) => {$(
+        impl EncodeLabelValue for $t {
+            fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
+                encoder.write_str(self.as_str())
+            }
+        }
+    )*};
+}
+
+label_value!(
+    crate::model::Outcome,
+    crate::model::Stage,
+    crate::policy::bundle::ContentTrust,
+    crate::admission::channel::Channel,
+    ApiLabel,
+    ShedReason,
+    UpstreamError,
+    ReloadResult,
+    ReplayMode,
+    ReplayResult,
+    ApprovalResult,
+    CallMode,
+    CallSurface,
+);
+
+/// Which surface a data-plane request spoke, as a label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ApiLabel {
+    /// A model API ([`Api::as_str`]).
+    Api(Api),
+    /// An emission-free endpoint passed through (`GET /v1/models` …).
+    Passthrough,
+    /// The MCP front (`/mcp/{server}`).
+    Mcp,
+    /// Any other path (refused with 404).
+    None,
+}
+
+impl ApiLabel {
+    /// Label value: `openai_chat`, `anthropic_messages`, `openai_responses`, `passthrough`,
+    /// `mcp`, `none`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Api(api) => api.as_str(),
+            Self::Passthrough => "passthrough",
+            Self::Mcp => "mcp",
+            Self::None => "none",
+        }
+    }
+}
+
+impl From<Api> for ApiLabel {
+    fn from(api: Api) -> Self {
+        Self::Api(api)
+    }
+}
+
 /// Labels of `turnguard_requests_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
-    /// Provider API (`openai_chat`, `anthropic_messages`, `passthrough`).
-    pub api: String,
+    /// Provider API or `passthrough` / `none`.
+    pub api: ApiLabel,
     /// HTTP status sent to the agent.
-    pub status: String,
+    pub status: u16,
     /// `true` for an SSE response.
-    pub stream: String,
+    pub stream: bool,
 }
 
 /// Labels of per-API histograms.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ApiLabels {
-    pub api: String,
+    pub api: ApiLabel,
+}
+
+/// `enforce`, or `shadow` when a call was released although its outcome withholds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CallMode {
+    Enforce,
+    Shadow,
+}
+
+impl CallMode {
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Enforce => "enforce",
+            Self::Shadow => "shadow",
+        }
+    }
+
+    /// The mode a decision was applied in.
+    pub fn of(enforced: bool) -> Self {
+        if enforced {
+            Self::Enforce
+        } else {
+            Self::Shadow
+        }
+    }
+}
+
+/// Where a tool call was decided (`turnguard_tool_calls_total{surface}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CallSurface {
+    /// Emitted by the model on a provider API.
+    Llm,
+    /// A `tools/call` through the MCP front.
+    Mcp,
+}
+
+impl CallSurface {
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Llm => "llm",
+            Self::Mcp => "mcp",
+        }
+    }
 }
 
 /// Labels of `turnguard_tool_calls_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CallLabels {
     /// Outcome (tool-turn contract §B).
-    pub outcome: String,
+    pub outcome: crate::model::Outcome,
     /// The stage that decided it.
-    pub stage: String,
-    /// Emission channel (§A); `tool` for provider-native calls.
-    pub channel: String,
+    pub stage: crate::model::Stage,
+    /// Emission channel (§A): always `tool` (provider-native calls).
+    pub channel: &'static str,
     /// `enforce`, or `shadow` when the call was released although the outcome withholds it.
-    pub mode: String,
+    pub mode: CallMode,
     /// The catalog `toolId`; every tool the catalog does not declare is
-    /// `turnguard:unknown` (the label never carries a model-chosen name).
-    pub tool: String,
+    /// `turnguard:unknown` (the label never carries a model-chosen name). Interned
+    /// ([`Metrics::tool_label`]): cloning it allocates nothing.
+    pub tool: Arc<str>,
     /// Where the call was decided: `llm` (emitted by the model, on the provider APIs) or
     /// `mcp` (a `tools/call` through the MCP front).
-    pub surface: String,
+    pub surface: CallSurface,
 }
 
 /// Labels of the edge histograms (`turnguard_request_duration_seconds`,
@@ -55,20 +166,20 @@ pub struct CallLabels {
 pub struct EdgeLabels {
     /// Provider API (`openai_chat`, `anthropic_messages`, `openai_responses`, `passthrough`,
     /// `none`).
-    pub api: String,
+    pub api: ApiLabel,
     /// `true` for an SSE response.
-    pub stream: String,
+    pub stream: bool,
 }
 
 /// Labels of `turnguard_shed_requests_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ShedLabels {
     /// Why the request was shed ([`ShedReason::as_str`]).
-    pub reason: String,
+    pub reason: ShedReason,
 }
 
 /// Why a request was turned away before any work was done on it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ShedReason {
     /// The concurrency limit (`max_concurrent_requests`) was reached.
     Overloaded,
@@ -90,26 +201,80 @@ impl ShedReason {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
     /// The crate version.
-    pub version: String,
+    pub version: &'static str,
+}
+
+/// An upstream failure turnguard saw (`turnguard_upstream_errors_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UpstreamError {
+    /// The connection (or the request) failed.
+    Connect,
+    /// No response within `upstream_response_timeout_ms`.
+    ResponseTimeout,
+    /// No body data for `upstream_idle_timeout_ms`.
+    IdleTimeout,
+    /// A stream ended before its terminal event.
+    StreamCut,
+    /// A repair round could not be sent or answered.
+    RepairRoundFailed,
+}
+
+impl UpstreamError {
+    /// Every reason, in label order (started at 0).
+    pub const ALL: [Self; 5] = [
+        Self::Connect,
+        Self::ResponseTimeout,
+        Self::IdleTimeout,
+        Self::StreamCut,
+        Self::RepairRoundFailed,
+    ];
+
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Connect => "connect",
+            Self::ResponseTimeout => "response_timeout",
+            Self::IdleTimeout => "idle_timeout",
+            Self::StreamCut => "stream_cut",
+            Self::RepairRoundFailed => "repair_round_failed",
+        }
+    }
 }
 
 /// Labels of `turnguard_upstream_errors_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
-    pub reason: String,
+    pub reason: UpstreamError,
+}
+
+/// A policy reload's result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReloadResult {
+    Ok,
+    Error,
+}
+
+impl ReloadResult {
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Error => "error",
+        }
+    }
 }
 
 /// Labels of `turnguard_policy_reloads_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     /// `ok` or `error`.
-    pub result: String,
+    pub result: ReloadResult,
 }
 
 /// Labels of `turnguard_policy_revision_info`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RevisionLabels {
-    /// The active bundle's revision.
+    /// The active bundle's revision (set on reload only, never per request).
     pub revision: String,
 }
 
@@ -117,39 +282,100 @@ pub struct RevisionLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TrustLabels {
     /// The turn's `contentTrust`.
-    pub trust: String,
+    pub trust: crate::policy::bundle::ContentTrust,
 }
 
 /// Labels of `turnguard_repairs_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RepairLabels {
     /// Provider API.
-    pub api: String,
+    pub api: ApiLabel,
 }
 
 /// Labels of `turnguard_emissions_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EmissionLabels {
     /// `structured` or `prompted`.
-    pub channel: String,
-    /// `valid`, `refused`, or the invalid reason.
-    pub result: String,
+    pub channel: crate::admission::channel::Channel,
+    /// `valid`, `refused`, or the invalid reason code (a closed set of static codes).
+    pub result: &'static str,
+}
+
+/// Recovery or replay (`turnguard_replay_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReplayMode {
+    Recovery,
+    Replay,
+    /// A replayed MCP `tools/call` (the recorded result, never the server).
+    McpReplay,
+}
+
+impl ReplayMode {
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Recovery => "recovery",
+            Self::Replay => "replay",
+            Self::McpReplay => "mcp_replay",
+        }
+    }
+}
+
+/// What a recovery or replay lookup found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReplayResult {
+    Hit,
+    Miss,
+    OutcomeUnknown,
+}
+
+impl ReplayResult {
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Hit => "hit",
+            Self::Miss => "miss",
+            Self::OutcomeUnknown => "outcome_unknown",
+        }
+    }
 }
 
 /// Labels of `turnguard_replay_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReplayLabels {
-    /// `recovery` or `replay`.
-    pub mode: String,
+    /// `recovery`, `replay` or `mcp_replay`.
+    pub mode: ReplayMode,
     /// `hit`, `miss`, `outcome_unknown`.
-    pub result: String,
+    pub result: ReplayResult,
+}
+
+/// An approval interrupt raised or resolved (`turnguard_approvals_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ApprovalResult {
+    /// An approval interrupt was raised.
+    Held,
+    Approved,
+    Rejected,
+    Expired,
+}
+
+impl ApprovalResult {
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Held => "held",
+            Self::Approved => "approved",
+            Self::Rejected => "rejected",
+            Self::Expired => "expired",
+        }
+    }
 }
 
 /// Labels of `turnguard_approvals_total` and `turnguard_approval_wait_seconds`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ApprovalLabels {
     /// `held` (an approval interrupt was raised), `approved`, `rejected`, `expired`.
-    pub result: String,
+    pub result: ApprovalResult,
 }
 
 /// Labels of `turnguard_approval_notifications_total`.
@@ -226,6 +452,11 @@ pub struct Metrics {
     pub schema_cache_bytes: Gauge<i64, AtomicI64>,
     /// Compiled schemas evicted (least recently used first) to stay within the budget.
     pub schema_cache_evictions: Counter,
+    /// Per-run released-call counters evicted (least recently used run first) to stay within
+    /// their bound ([`crate::admission::LimitState`]).
+    pub run_counter_evictions: Counter,
+    /// Interned `tool` label values (catalog `toolId`s): bounded by the catalogs loaded.
+    tool_labels: RwLock<HashSet<Arc<str>>>,
 }
 
 /// Counts one unit in a gauge for as long as it lives: `inc` now, `dec` on drop, so a future
@@ -498,33 +729,40 @@ impl Metrics {
             "Compiled schemas evicted to stay within max_schema_cache_bytes",
             schema_cache_evictions.clone(),
         );
+        let run_counter_evictions = Counter::default();
+        reg(
+            &mut registry,
+            &mut names,
+            "run_counter_evictions",
+            "Per-run released-call counters evicted, least recently used run first, to stay within their bound",
+            run_counter_evictions.clone(),
+        );
         build_info
             .get_or_create(&BuildLabels {
-                version: env!("CARGO_PKG_VERSION").to_owned(),
+                version: env!("CARGO_PKG_VERSION"),
             })
             .set(1);
         // Label sets from closed enums start at 0, so `rate()` and alerts see them before the
         // first event.
         for reason in [ShedReason::Overloaded, ShedReason::ShuttingDown] {
             shed_requests
-                .get_or_create(&ShedLabels {
-                    reason: reason.as_str().to_owned(),
-                })
+                .get_or_create(&ShedLabels { reason })
                 .inc_by(0);
         }
-        for reason in UPSTREAM_ERROR_REASONS {
+        for reason in UpstreamError::ALL {
             upstream_errors
-                .get_or_create(&ReasonLabels {
-                    reason: (*reason).to_owned(),
-                })
+                .get_or_create(&ReasonLabels { reason })
                 .inc_by(0);
         }
-        for result in ["held", "approved", "rejected", "expired"] {
-            let labels = ApprovalLabels {
-                result: result.to_owned(),
-            };
+        for result in [
+            ApprovalResult::Held,
+            ApprovalResult::Approved,
+            ApprovalResult::Rejected,
+            ApprovalResult::Expired,
+        ] {
+            let labels = ApprovalLabels { result };
             approvals.get_or_create(&labels).inc_by(0);
-            if result != "held" {
+            if result != ApprovalResult::Held {
                 drop(approval_wait.get_or_create(&labels));
             }
         }
@@ -543,14 +781,14 @@ impl Metrics {
                 })
                 .inc_by(0);
         }
-        for result in ["ok", "error"] {
+        for result in [ReloadResult::Ok, ReloadResult::Error] {
             policy_reloads
-                .get_or_create(&ResultLabels {
-                    result: result.to_owned(),
-                })
+                .get_or_create(&ResultLabels { result })
                 .inc_by(0);
         }
         Self {
+            run_counter_evictions,
+            tool_labels: RwLock::new(HashSet::new()),
             open_connections,
             connections_rejected,
             schema_cache_bytes,
@@ -602,24 +840,42 @@ impl Metrics {
     }
 
     /// Counts one answered request.
-    pub fn request(&self, api: &str, status: u16, stream: bool) {
+    pub fn request(&self, api: ApiLabel, status: u16, stream: bool) {
         self.requests
             .get_or_create(&RequestLabels {
-                api: api.to_owned(),
-                status: status.to_string(),
-                stream: stream.to_string(),
+                api,
+                status,
+                stream,
             })
             .inc();
     }
-}
 
-impl Metrics {
-    /// Counts one policy reload (`ok` or `error`).
-    pub fn policy_reload(&self, result: &str) {
+    /// The interned `tool` label for a catalog `toolId`: the first use of an id allocates,
+    /// every later one clones an `Arc`. Only catalog ids (and `turnguard:unknown`) are
+    /// passed, so the set is bounded by the catalogs loaded.
+    pub fn tool_label(&self, tool_id: &str) -> Arc<str> {
+        if let Some(found) = self
+            .tool_labels
+            .read()
+            .ok()
+            .and_then(|set| set.get(tool_id).cloned())
+        {
+            return found;
+        }
+        let label: Arc<str> = Arc::from(tool_id);
+        if let Ok(mut set) = self.tool_labels.write() {
+            if let Some(found) = set.get(tool_id) {
+                return Arc::clone(found);
+            }
+            set.insert(Arc::clone(&label));
+        }
+        label
+    }
+
+    /// Counts one policy reload.
+    pub fn policy_reload(&self, result: ReloadResult) {
         self.policy_reloads
-            .get_or_create(&ResultLabels {
-                result: result.to_owned(),
-            })
+            .get_or_create(&ResultLabels { result })
             .inc();
     }
 
@@ -637,16 +893,6 @@ impl Metrics {
             .set(1);
     }
 }
-
-/// The `reason` values of `turnguard_upstream_errors_total` the upstream leg and the relay
-/// count (started at 0).
-pub const UPSTREAM_ERROR_REASONS: &[&str] = &[
-    "connect",
-    "response_timeout",
-    "idle_timeout",
-    "stream_cut",
-    "repair_round_failed",
-];
 
 /// Registers `metric` as `turnguard_<name>` and remembers its exposed name.
 fn reg(

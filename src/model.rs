@@ -504,8 +504,8 @@ pub struct Decision {
     pub outcome: Outcome,
     /// The stage that decided it.
     pub stage: Stage,
-    /// A stable reason code (`truncated`, `undeclared_tool`, `schema_violation`, …).
-    pub reason: &'static str,
+    /// Why ([`crate::reason::Reason`]: its spelling, wire code and event status).
+    pub reason: crate::reason::Reason,
     /// Host-authored explanation, built from validator or decision output, never model text.
     pub message: String,
     /// `argsHash`: SHA-256 (hex) of the RFC 8785 form of the *redacted* arguments, when they
@@ -534,7 +534,12 @@ pub struct Decision {
 
 impl Decision {
     /// A decision with only the outcome fields set.
-    pub fn new(outcome: Outcome, stage: Stage, reason: &'static str, message: String) -> Self {
+    pub fn new(
+        outcome: Outcome,
+        stage: Stage,
+        reason: crate::reason::Reason,
+        message: String,
+    ) -> Self {
         Self {
             outcome,
             stage,

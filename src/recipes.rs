@@ -119,21 +119,11 @@ pub fn openwop_run_id(tenant: &str, run: &str) -> String {
     format!("{tenant}/{}", base64url(&Sha256::digest(run.as_bytes())))
 }
 
-/// Unpadded base64url (RFC 4648 §5).
+/// Unpadded base64url (RFC 4648 §5), by the `base64` crate's URL-safe alphabet without
+/// padding.
 pub fn base64url(bytes: &[u8]) -> String {
-    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |acc, (i, b)| acc | (u32::from(*b) << (16 - 8 * i)));
-        let chars = chunk.len() + 1;
-        for i in 0..chars {
-            out.push(char::from(A[((n >> (18 - 6 * i)) & 63) as usize]));
-        }
-    }
-    out
+    use base64::Engine;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
 }
 
 #[cfg(test)]

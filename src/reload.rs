@@ -211,13 +211,13 @@ impl PolicyHandle {
                 let revision = p.revision.clone();
                 let old = self.current.load().revision.clone();
                 self.current.store(Arc::new(p));
-                metrics.policy_reload("ok");
+                metrics.policy_reload(crate::metrics::ReloadResult::Ok);
                 metrics.policy_revision(&old, &revision);
                 tracing::info!(revision = %revision, previous = %old, "policy bundle reloaded");
                 Ok(revision)
             }
             Err(e) => {
-                metrics.policy_reload("error");
+                metrics.policy_reload(crate::metrics::ReloadResult::Error);
                 tracing::error!(error = %e, kept = %self.current.load().revision, "policy reload failed; keeping the last good bundle");
                 Err(e)
             }

@@ -181,6 +181,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         metrics.schema_cache_evictions.clone(),
     ));
     let admin_token = crate::admin::AdminToken::load(config.admin_token_file.as_deref())?;
+    let metrics_evictions = metrics.run_counter_evictions.clone();
     let state = Arc::new(AppState {
         admin_token,
         client: upstream::client(&config),
@@ -190,7 +191,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         metrics,
         schemas,
         policy: Arc::clone(&policy),
-        limits: LimitState::default(),
+        limits: LimitState::new(metrics_evictions),
         ready: AtomicBool::new(false),
         identity,
         approvals: Approvals::default(),
@@ -381,12 +382,23 @@ const HEALTH_PROBE_OK: Duration = Duration::from_secs(5);
 /// Probe interval while they fail.
 const HEALTH_PROBE_FAILING: Duration = Duration::from_secs(1);
 
-/// Deletes journal records past `journal_retention_days`, hourly (and once at start).
+/// How often full rate-limit buckets are dropped ([`LimitState::sweep`]).
+const LIMITS_SWEEP: Duration = Duration::from_secs(60);
+
+/// Housekeeping: deletes journal records past `journal_retention_days`, hourly (and once at
+/// start), and sweeps full rate-limit buckets every [`LIMITS_SWEEP`].
 fn prune_task(state: Arc<AppState>) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(3600));
+        let mut sweep = tokio::time::interval(LIMITS_SWEEP);
         loop {
-            tick.tick().await;
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = sweep.tick() => {
+                    state.limits.sweep();
+                    continue;
+                }
+            }
             let keep_ms = i64::try_from(
                 state
                     .config
@@ -473,6 +485,10 @@ async fn not_found(State(s): State<Arc<AppState>>, req: Request<Body>) -> Respon
         }
     };
     let resp = error.response(Surface::of_request(req.uri().path(), req.headers()));
-    s.metrics.request("none", resp.status().as_u16(), false);
+    s.metrics.request(
+        crate::metrics::ApiLabel::None,
+        resp.status().as_u16(),
+        false,
+    );
     resp
 }

@@ -78,7 +78,10 @@ const MAX_REGEX_BYTES: usize = 1 << 20;
 /// Checks a free-form call's raw `input` against its declared `format` (see the module
 /// docs). `Err((reason, message))`: a stable reason code and host-authored text naming what
 /// failed, never the input.
-pub fn check_format(format: &FreeformFormat, input: &str) -> Result<(), (&'static str, String)> {
+pub fn check_format(
+    format: &FreeformFormat,
+    input: &str,
+) -> Result<(), (crate::reason::Reason, String)> {
     match format {
         FreeformFormat::Text | FreeformFormat::Lark(_) => Ok(()),
         FreeformFormat::Regex(definition) => {
@@ -89,7 +92,7 @@ pub fn check_format(format: &FreeformFormat, input: &str) -> Result<(), (&'stati
                 .build()
                 .map_err(|e| {
                     (
-                        "format_uncompilable",
+                        crate::reason::Reason::FormatUncompilable,
                         format!(
                             "the declared regex grammar does not compile ({})",
                             match e {
@@ -104,13 +107,13 @@ pub fn check_format(format: &FreeformFormat, input: &str) -> Result<(), (&'stati
                 Ok(())
             } else {
                 Err((
-                    "format_violation",
+                    crate::reason::Reason::FormatViolation,
                     "the input does not match the declared regex grammar".into(),
                 ))
             }
         }
         FreeformFormat::Unknown(what) => Err((
-            "format_unsupported",
+            crate::reason::Reason::FormatUnsupported,
             format!(
                 "the declared input format `{}` is not one turnguard can check (text, or a regex or lark grammar)",
                 super::sanitize_label(what)
@@ -289,7 +292,7 @@ pub fn check(
     catalog_schema: Option<&Value>,
     schemas: &SchemaCache,
 ) -> Option<Decision> {
-    let invalid = |reason: &'static str, message: String| {
+    let invalid = |reason: crate::reason::Reason, message: String| {
         Some(Decision::new(
             Outcome::Invalid,
             Stage::Arguments,
@@ -308,13 +311,13 @@ pub fn check(
             }
             (None, CallInput::Text) => {
                 return invalid(
-                    "input_kind_mismatch",
+                    crate::reason::Reason::InputKindMismatch,
                     format!("the tool `{name}` is declared with JSON arguments, but the call carries free-form input"),
                 )
             }
             (Some(_), CallInput::Json) => {
                 return invalid(
-                    "input_kind_mismatch",
+                    crate::reason::Reason::InputKindMismatch,
                     format!("the tool `{name}` is declared as a free-form (custom) tool, but the call carries JSON arguments"),
                 )
             }
@@ -324,13 +327,13 @@ pub fn check(
         Ok(v) => v,
         Err(ArgsError::NotJson) => {
             return invalid(
-                "arguments_not_json",
+                crate::reason::Reason::ArgumentsNotJson,
                 "the arguments are not valid JSON".into(),
             )
         }
         Err(ArgsError::NotObject) => {
             return invalid(
-                "arguments_not_object",
+                crate::reason::Reason::ArgumentsNotObject,
                 "the arguments are JSON but not an object".into(),
             )
         }
@@ -345,7 +348,7 @@ pub fn check(
             Ok(v) => v,
             Err(reason) => {
                 return invalid(
-                    "schema_uncompilable",
+                    crate::reason::Reason::SchemaUncompilable,
                     format!("the {which} schema: {reason}"),
                 )
             }
@@ -363,7 +366,7 @@ pub fn check(
         if errors.len() > MAX_LISTED_ERRORS {
             message.push_str("; …");
         }
-        return invalid("schema_violation", message);
+        return invalid(crate::reason::Reason::SchemaViolation, message);
     }
     None
 }
@@ -434,7 +437,7 @@ mod format_tests {
         for bad in ["12,", "x12", "12 ", ""] {
             assert_eq!(
                 check_format(&digits, bad).map_err(|e| e.0),
-                Err("format_violation"),
+                Err(crate::reason::Reason::FormatViolation),
                 "{bad:?}"
             );
         }
@@ -444,12 +447,12 @@ mod format_tests {
         let broken = FreeformFormat::Regex("(".into());
         assert_eq!(
             check_format(&broken, "x").map_err(|e| e.0),
-            Err("format_uncompilable")
+            Err(crate::reason::Reason::FormatUncompilable)
         );
         let huge = FreeformFormat::Regex(r"\w{1000}{1000}".into());
         assert_eq!(
             check_format(&huge, "x").map_err(|e| e.0),
-            Err("format_uncompilable")
+            Err(crate::reason::Reason::FormatUncompilable)
         );
         assert_eq!(
             check_format(&FreeformFormat::Text, "anything at all"),
@@ -462,7 +465,7 @@ mod format_tests {
         );
         assert_eq!(
             check_format(&FreeformFormat::Unknown("ebnf".into()), "x").map_err(|e| e.0),
-            Err("format_unsupported")
+            Err(crate::reason::Reason::FormatUnsupported)
         );
     }
 

@@ -16,7 +16,7 @@ use super::arguments::SchemaCache;
 use crate::model::{Completion, CompletionState};
 
 /// Which channel a text answer belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Channel {
     Structured,
     Prompted,

@@ -30,17 +30,17 @@ pub fn check(completion: &Completion) -> Option<Decision> {
     let (reason, message) = match completion.state {
         CompletionState::Clean => return None,
         CompletionState::Truncated => (
-            "truncated",
+            crate::reason::Reason::Truncated,
             format!(
                 "the model output was cut by the token limit ({reason}) before the call was known to be complete"
             ),
         ),
         CompletionState::Refused => (
-            "refused_completion",
+            crate::reason::Reason::RefusedCompletion,
             format!("the model output ended in a refusal ({reason}); a refusal is not retried"),
         ),
         CompletionState::ContextExhausted => (
-            "context_window_exceeded",
+            crate::reason::Reason::ContextWindowExceeded,
             format!(
                 "the model's context window is full ({reason}); the call was cut and asking again cannot fit"
             ),
@@ -54,20 +54,11 @@ pub fn check(completion: &Completion) -> Option<Decision> {
     ))
 }
 
-/// Whether a withheld call (or text answer) with this reason may be repaired: everything but
-/// a refusal and context exhaustion.
+/// Whether a text answer the structured / prompted channel refused with this reason may be
+/// repaired: everything but a refusal and context exhaustion (a call's decision:
+/// [`crate::reason::Reason::repairable`]).
 pub fn repairable(reason: &str) -> bool {
     !matches!(reason, "refused_completion" | "context_window_exceeded")
-}
-
-/// The OpenWOP code a completion-stage reason surfaces with as an error (422), when it has
-/// its own: `envelope_refusal`, `envelope_truncation_unrecoverable`.
-pub fn error_code(reason: &str) -> Option<&'static str> {
-    match reason {
-        "refused_completion" => Some("envelope_refusal"),
-        "context_window_exceeded" => Some("envelope_truncation_unrecoverable"),
-        _ => None,
-    }
 }
 
 /// The OpenWOP code of a text answer the structured / prompted channel refused, by its

@@ -56,11 +56,15 @@ pub struct AdmitCtx<'a> {
     pub repairs_left: u32,
 }
 
-/// Decides every call of one choice, in emission order, and how the withheld ones surface.
-/// (The proxy runs [`decide_choice`], claims effects, then [`surface`].)
+/// Decides every call of one choice, in emission order, and how the withheld ones surface,
+/// charging the rate buckets of the calls released ([`charge_rate`]) — the proxy's order
+/// without the journal (no effect claims, no approval wait).
 pub fn admit_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) -> ChoiceVerdict {
     let mut decisions = decide_choice(ctx, turn, choice);
-    let surfacing = surface(ctx, &mut decisions);
+    let mut surfacing = surface(ctx, &mut decisions);
+    if surfacing != Surfacing::Wait && charge_rate(ctx, &choice.calls, &mut decisions) {
+        surfacing = surface(ctx, &mut decisions);
+    }
     ChoiceVerdict {
         choice: choice.choice,
         decisions,
@@ -69,7 +73,47 @@ pub fn admit_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) -
     }
 }
 
-/// Stages 1–8 for every call of one choice, in emission order.
+/// Stage 6's (principal, tool) token bucket, applied at dispatch: once per call, only for
+/// calls about to be released (`executed` after [`surface`], and never for a round that
+/// waits), so a round admitted again after its approval is not charged twice. A call whose
+/// bucket is spent becomes `refused` at the limits stage (`rate_limited`, with
+/// `retry_after_secs`; released anyway in shadow mode). Returns whether any decision changed:
+/// the caller then surfaces the choice again. A token already taken for a call that the new
+/// surfacing withholds is not given back (a bucket is never credited: the error is toward
+/// fewer calls).
+pub fn charge_rate(
+    ctx: &AdmitCtx<'_>,
+    calls: &[crate::model::ToolCall],
+    decisions: &mut [Decision],
+) -> bool {
+    let rate = &ctx.policy.settings.limits.rate;
+    let principal = ctx.person.unwrap_or(ctx.agent);
+    let mut changed = false;
+    for (call, d) in calls.iter().zip(decisions.iter_mut()) {
+        if d.outcome != Outcome::Executed {
+            continue;
+        }
+        let tool = ctx.policy.tool(&call.name);
+        if let Err(secs) = ctx.limits.take(principal, &tool.descriptor.tool_id, rate) {
+            d.outcome = Outcome::Refused;
+            d.stage = Stage::Limits;
+            d.reason = crate::reason::Reason::RateLimited;
+            d.message = format!("the rate limit for this tool is spent; retry in {secs} s");
+            d.retry_after_secs = Some(secs);
+            d.enforced = ctx.policy.mode_for(tool) != Mode::Shadow;
+            d.trace.push((
+                Stage::Limits,
+                format!("refused: rate_limited — {}", d.message),
+            ));
+            changed = true;
+        }
+    }
+    changed
+}
+
+/// Stages 1–8 for every call of one choice, in emission order. Pure: reads the policy, the
+/// schema cache and the run counters, changes nothing (the rate bucket is charged at
+/// dispatch, [`charge_rate`]).
 pub fn decide_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) -> Vec<Decision> {
     let mut decisions = Vec::with_capacity(choice.calls.len());
     let mut reached_limits = 0u32;
@@ -82,7 +126,7 @@ pub fn decide_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) 
             // admission found (it is still decided and journaled).
             d.outcome = Outcome::EndedTurn;
             d.stage = Stage::Dispatch;
-            d.reason = "after_clarification";
+            d.reason = crate::reason::Reason::AfterClarification;
             d.message = "a question to the person ended the turn before this call".into();
         }
         if d.outcome == Outcome::Executed {
@@ -179,7 +223,7 @@ fn decide(
         let d = Decision::new(
             Outcome::Invalid,
             Stage::Arguments,
-            "arguments_not_json",
+            crate::reason::Reason::ArgumentsNotJson,
             "the arguments are not valid JSON".into(),
         );
         return finish(d, trace, hash, redacted_args);
@@ -235,7 +279,7 @@ fn decide(
             let mut d = Decision::new(
                 Outcome::Held,
                 Stage::Authorization,
-                "held_by_rule",
+                crate::reason::Reason::HeldByRule,
                 format!(
                     "held for the acting person's approval by {}",
                     rules.join(", ")
@@ -261,7 +305,7 @@ fn decide(
         let d = Decision::new(
             Outcome::Refused,
             Stage::Limits,
-            "rate_limited",
+            crate::reason::Reason::RateLimited,
             format!(
                 "more than {} tool calls in one turn",
                 limits.tool_calls_per_turn
@@ -284,7 +328,7 @@ fn decide(
             let d = Decision::new(
                 Outcome::Refused,
                 Stage::Limits,
-                "clarification_rounds_exceeded",
+                crate::reason::Reason::ClarificationRoundsExceeded,
                 format!(
                     "this run already asked the person {asks} time(s); the limit is {}",
                     limits.clarification_rounds
@@ -298,7 +342,7 @@ fn decide(
             let d = Decision::new(
                 Outcome::Refused,
                 Stage::Limits,
-                "rate_limited",
+                crate::reason::Reason::RateLimited,
                 format!(
                     "the run reached its limit of {} tool calls",
                     limits.tool_calls_per_run
@@ -307,20 +351,8 @@ fn decide(
             return finish(d, trace, hash, redacted_args);
         }
     }
-    let principal = ctx.person.unwrap_or(ctx.agent);
-    if let Err(secs) = ctx
-        .limits
-        .take(principal, &tool.descriptor.tool_id, &limits.rate)
-    {
-        let mut d = Decision::new(
-            Outcome::Refused,
-            Stage::Limits,
-            "rate_limited",
-            format!("the rate limit for this tool is spent; retry in {secs} s"),
-        );
-        d.retry_after_secs = Some(secs);
-        return finish(d, trace, hash, redacted_args);
-    }
+    // The (principal, tool) token bucket is charged at dispatch, once, for the calls that are
+    // released ([`charge_rate`]): deciding takes nothing.
     trace.push((Stage::Limits, "pass".into()));
     // 7. redaction
     let found = redacted.as_ref().map_or(0, |(_, n)| *n);
@@ -340,7 +372,7 @@ fn decide(
         let d = Decision::new(
             Outcome::Refused,
             Stage::Redaction,
-            "strip_unsupported",
+            crate::reason::Reason::StripUnsupported,
             "the arguments carry a secret that must be stripped before an egress tool, which this stream cannot rewrite".into(),
         );
         return finish(d, trace, hash, redacted_args);
@@ -349,7 +381,7 @@ fn decide(
     let mut d = Decision::new(
         Outcome::Executed,
         Stage::Dispatch,
-        "released",
+        crate::reason::Reason::Released,
         String::new(),
     );
     if strip {
@@ -383,7 +415,7 @@ fn refused_even_if_approved(authz: Authz) -> Option<Decision> {
             let mut d = Decision::new(
                 Outcome::Refused,
                 Stage::Authorization,
-                "approval_cannot_release",
+                crate::reason::Reason::ApprovalCannotRelease,
                 format!(
                     "{} hold(s) the call even when the acting person approves it, so no approval is asked",
                     rules.join(", ")
@@ -418,7 +450,7 @@ pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
     let o = &ctx.policy.settings.outcomes;
     let surface_of = |d: &Decision| match d.outcome {
         // A refusal and context exhaustion are never repaired (§B): they surface at once.
-        Outcome::Invalid if !completion::repairable(d.reason) => match o.invalid_after_repairs {
+        Outcome::Invalid if !d.reason.repairable() => match o.invalid_after_repairs {
             Surface::Repair => Surface::Error,
             s => s,
         },
@@ -452,7 +484,7 @@ pub fn surface(ctx: &AdmitCtx<'_>, decisions: &mut [Decision]) -> Surfacing {
     for d in decisions.iter_mut().filter(|d| d.released() && d.enforced) {
         d.outcome = Outcome::EndedTurn;
         d.stage = Stage::Dispatch;
-        d.reason = "turn_ended";
+        d.reason = crate::reason::Reason::TurnEnded;
         d.message = "another call of the same turn was withheld, which ended the turn".into();
     }
     match chosen {
@@ -529,28 +561,10 @@ pub fn clarification_unsupported(turn: &Turn, policy: &CompiledPolicy) -> Option
     ))
 }
 
-/// Refusal reasons of held calls whose approval interrupt resolved without approving them.
-pub const APPROVAL_REFUSALS: [&str; 8] = [
-    "approval_rejected",
-    "approval_expired",
-    "no_approver",
-    "approval_already_used",
-    "approval_unavailable",
-    "agent_gone",
-    "edit_refused",
-    "edit_unsupported",
-];
-
-/// Whether `reason` refuses a held call that was not approved (surfaced as OpenWOP
-/// `approval_rejected`).
-pub fn is_approval_refusal(reason: &str) -> bool {
-    APPROVAL_REFUSALS.contains(&reason) || reason == "held_after_approval"
-}
-
 /// After an approval interrupt resolved without approving (rejected, expired, nobody could
 /// approve, the approval was used already): every held call is refused with `reason` — a
 /// timeout never approves (OpenWOP interrupt.md). The deciding stage is kept.
-pub fn refuse_held(decisions: &mut [Decision], reason: &'static str, why: &str) {
+pub fn refuse_held(decisions: &mut [Decision], reason: crate::reason::Reason, why: &str) {
     for d in decisions
         .iter_mut()
         .filter(|d| d.outcome == Outcome::Held && d.enforced)
@@ -565,17 +579,7 @@ pub fn refuse_held(decisions: &mut [Decision], reason: &'static str, why: &str) 
 
 /// The OpenWOP error a withheld call surfaces as, when its outcome is set to `error`.
 pub fn error_for(d: &Decision) -> SurfacedError {
-    let (status, code) = match (d.outcome, d.reason) {
-        (_, "rate_limited") => (429, "rate_limited"),
-        (Outcome::Invalid, r) if completion::error_code(r).is_some() => {
-            (422, completion::error_code(r).unwrap_or("envelope_invalid"))
-        }
-        (Outcome::Refused, r) if is_approval_refusal(r) => (422, "approval_rejected"),
-        (_, "clarification_rounds_exceeded") => (422, "loop_limit_exceeded"),
-        (Outcome::Invalid, _) => (422, "envelope_invalid"),
-        (Outcome::SuppressedRepeat, _) => (409, "turnguard.effect_already_claimed"),
-        _ => (403, "forbidden"),
-    };
+    let (status, code) = d.reason.wire();
     SurfacedError {
         status,
         code,
@@ -594,7 +598,7 @@ pub fn withheld_by_cut(choice: &ChoiceEmissions) -> ChoiceVerdict {
             let mut d = Decision::new(
                 Outcome::Invalid,
                 Stage::Completion,
-                "stream_cut",
+                crate::reason::Reason::StreamCut,
                 "the upstream stream ended before the call was complete".into(),
             );
             d.tool_name = sanitize_label(&call.name);

@@ -21,7 +21,7 @@ pub fn check(turn: &Turn, call: &ToolCall, policy: &CompiledPolicy) -> Option<De
         return Some(Decision::new(
             Outcome::Invalid,
             Stage::Name,
-            "undeclared_tool",
+            crate::reason::Reason::UndeclaredTool,
             format!("the tool `{name}` is not declared in this request's tools"),
         ));
     }
@@ -31,7 +31,7 @@ pub fn check(turn: &Turn, call: &ToolCall, policy: &CompiledPolicy) -> Option<De
         return Some(Decision::new(
             Outcome::Refused,
             Stage::Name,
-            "unknown_tool",
+            crate::reason::Reason::UnknownTool,
             format!("the tool `{name}` is not in the tool catalog, and this bundle refuses unknown tools"),
         ));
     }

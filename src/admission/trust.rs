@@ -155,37 +155,34 @@ pub struct ChainFault {
     pub response_id: String,
 }
 
-/// Judges the chain a request continues from `previous`: `links` are the journal's rows
-/// from `previous` back, each followed by the one its `previous_response_id` names. `None`
-/// means every response of the chain is known, completed, free of provider-executed output
-/// and from a trusted turn, back to one that continued nothing.
+/// Judges the chain a request continues from `previous` by its last link, inductively:
+/// `links[0]` must be the journal's row for `previous`, completed, free of provider-executed
+/// output and recorded `trusted`. A response is recorded `trusted` only when the turn that
+/// produced it was trusted ([`of_response`]), and that turn was judged by this same rule on
+/// the response it continued — so a trusted link stands for its whole chain back to a
+/// response that continued nothing, and one link is read, not the chain (nor is a chain
+/// whose old links were pruned judged unknown). Later entries of `links` are not consulted.
+/// `None` means the chain is trusted.
 pub fn chain_fault(previous: &str, links: &[ChainLink]) -> Option<ChainFault> {
-    let fault = |reason, id: &str| {
+    let fault = |reason| {
         Some(ChainFault {
             reason,
-            response_id: id.to_owned(),
+            response_id: previous.to_owned(),
         })
     };
-    let mut want = previous;
-    for link in links {
-        if link.response_id != want {
-            break;
-        }
-        if link.provider_executed {
-            return fault("provider_executed", want);
-        }
-        if link.content_trust.as_deref() != Some(ContentTrust::Trusted.as_str()) {
-            return fault("untrusted_turn", want);
-        }
-        if !matches!(link.status.as_deref(), Some("completed" | "incomplete")) {
-            return fault("not_completed", want);
-        }
-        match &link.previous_response_id {
-            None => return None,
-            Some(p) => want = p,
-        }
+    let Some(link) = links.first().filter(|l| l.response_id == previous) else {
+        return fault("unknown_response");
+    };
+    if link.provider_executed {
+        return fault("provider_executed");
     }
-    fault("unknown_response", want)
+    if link.content_trust.as_deref() != Some(ContentTrust::Trusted.as_str()) {
+        return fault("untrusted_turn");
+    }
+    if !matches!(link.status.as_deref(), Some("completed" | "incomplete")) {
+        return fault("not_completed");
+    }
+    None
 }
 
 /// Judges a stored output item a Responses `item_reference` names, from the journal's row
@@ -226,7 +223,7 @@ pub fn check(trust: ContentTrust, tool: &CatalogTool, approved: bool) -> Option<
     Some(Decision::new(
         Outcome::Held,
         Stage::Trust,
-        "untrusted_turn",
+        crate::reason::Reason::UntrustedTurn,
         format!(
             "this turn read untrusted content, and `{}` ({}) needs the acting person's approval",
             tool.descriptor.tool_id,
@@ -262,58 +259,52 @@ mod tests {
     }
 
     #[test]
-    fn a_clean_chain_back_to_its_start_is_trusted() {
+    fn a_trusted_completed_last_link_stands_for_its_chain() {
         let chain = [
             link("r3", Some("r2")),
             link("r2", Some("r1")),
             link("r1", None),
         ];
         assert_eq!(chain_fault("r3", &chain), None);
+        assert_eq!(
+            chain_fault("r3", &chain[..1]),
+            None,
+            "one link is enough: its trust was judged on the link before it"
+        );
         let mut incomplete = chain.clone();
-        incomplete[1].status = Some("incomplete".into());
+        incomplete[0].status = Some("incomplete".into());
         assert_eq!(chain_fault("r3", &incomplete), None);
     }
 
     #[test]
-    fn any_bad_or_missing_link_is_a_fault() {
-        let chain = vec![
-            link("r3", Some("r2")),
-            link("r2", Some("r1")),
-            link("r1", None),
-        ];
+    fn a_bad_or_missing_last_link_is_a_fault() {
+        let chain = vec![link("r3", Some("r2")), link("r2", Some("r1"))];
         let reason = |c: &[ChainLink]| chain_fault("r3", c).map(|f| (f.reason, f.response_id));
         assert_eq!(reason(&[]), Some(("unknown_response", "r3".into())));
+        let wrong_start = [link("r2", Some("r1")), link("r1", None)];
         assert_eq!(
-            reason(&chain[..2]),
-            Some(("unknown_response", "r1".into())),
-            "the chain leaves the journal"
+            reason(&wrong_start),
+            Some(("unknown_response", "r3".into()))
         );
         let mut c = chain.clone();
-        c[2].provider_executed = true;
-        assert_eq!(reason(&c), Some(("provider_executed", "r1".into())));
+        c[0].provider_executed = true;
+        assert_eq!(reason(&c), Some(("provider_executed", "r3".into())));
         let mut c = chain.clone();
-        c[1].content_trust = Some("untrusted".into());
-        assert_eq!(reason(&c), Some(("untrusted_turn", "r2".into())));
+        c[0].content_trust = Some("untrusted".into());
+        assert_eq!(reason(&c), Some(("untrusted_turn", "r3".into())));
         let mut c = chain.clone();
-        c[1].content_trust = None;
-        assert_eq!(reason(&c), Some(("untrusted_turn", "r2".into())));
+        c[0].content_trust = None;
+        assert_eq!(
+            reason(&c),
+            Some(("untrusted_turn", "r3".into())),
+            "never judged"
+        );
         let mut c = chain.clone();
         c[0].status = None;
         assert_eq!(reason(&c), Some(("not_completed", "r3".into())));
         let mut c = chain.clone();
         c[0].status = Some("failed".into());
         assert_eq!(reason(&c), Some(("not_completed", "r3".into())));
-        // Links that do not follow one another are never trusted.
-        let skipped = [link("r3", Some("r2")), link("r1", None)];
-        assert_eq!(reason(&skipped), Some(("unknown_response", "r2".into())));
-        let wrong_start = [link("r2", Some("r1")), link("r1", None)];
-        assert_eq!(
-            reason(&wrong_start),
-            Some(("unknown_response", "r3".into()))
-        );
-        // A cycle (impossible from a provider) ends where the walk stopped: unknown.
-        let cycle = [link("r3", Some("r2")), link("r2", Some("r3"))];
-        assert_eq!(reason(&cycle), Some(("unknown_response", "r3".into())));
     }
 
     #[test]

@@ -16,9 +16,8 @@
 //! It keeps its own read-only connection so that its lookups never wait on the shared reader.
 
 use std::path::Path;
-use std::sync::Mutex;
 
-use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
+use rusqlite::{params, Connection, OptionalExtension};
 
 use super::JournalError;
 
@@ -39,30 +38,16 @@ pub struct TicketRow {
     pub content_trust: Option<String>,
 }
 
-/// A read-only journal connection for the MCP front.
+/// Read-only journal connections for the MCP front (a [`super::reader::ReadPool`]).
 pub struct McpReader {
-    conn: Mutex<Connection>,
-}
-
-fn err(e: rusqlite::Error) -> JournalError {
-    JournalError::Write(e.to_string())
+    pool: super::reader::ReadPool,
 }
 
 impl McpReader {
     /// Opens `path` read-only (the writer must have created it).
     pub fn open(path: &Path) -> Result<Self, JournalError> {
-        let conn = Connection::open_with_flags(
-            path,
-            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-        )
-        .map_err(|e| JournalError::Open {
-            path: path.to_owned(),
-            reason: e.to_string(),
-        })?;
-        conn.busy_timeout(std::time::Duration::from_secs(5))
-            .map_err(err)?;
         Ok(Self {
-            conn: Mutex::new(conn),
+            pool: super::reader::ReadPool::open(path, super::reader::READ_CONNECTIONS)?,
         })
     }
 
@@ -70,8 +55,7 @@ impl McpReader {
         &self,
         f: impl FnOnce(&Connection) -> rusqlite::Result<T>,
     ) -> Result<T, JournalError> {
-        let conn = self.conn.lock().map_err(|_| JournalError::Closed)?;
-        f(&conn).map_err(err)
+        self.pool.with(f)
     }
 
     /// Released model emissions of `run` named one of `names` with `args_hash`, oldest first.

@@ -30,13 +30,15 @@
 //! The trust rule (judged by [`crate::admission::trust::chain_fault`] over the rows
 //! [`JournalReader::response_chain`] reads, looked up by
 //! [`crate::proxy::trust::response_chain`]): a turn whose request names
-//! `previous_response_id = P` is `trusted` only if the journal knows every link of the chain
-//! from `P` back to a response whose own `previous_response_id` is `NULL`, and every link has
-//! `status` `completed` or `incomplete` (a `NULL` status means the stream was cut and the
-//! provider may have gone on), `provider_executed = 0`, and `content_trust = 'trusted'`.
-//! Anything else — a missing link (a response id turnguard never saw), a chain that leaves
-//! this journal, a link with provider-executed output, a link from an untrusted or unjudged
-//! turn, a chain longer than [`crate::proxy::trust::MAX_CHAIN`] — makes the turn `untrusted`
+//! `previous_response_id = P` is `trusted` only if the journal's row for `P` has `status`
+//! `completed` or `incomplete` (a `NULL` status means the stream was cut and the provider may
+//! have gone on), `provider_executed = 0`, and `content_trust = 'trusted'`. The rule is
+//! inductive: a row is recorded `trusted` only when the turn that produced it was trusted,
+//! and that turn was judged by this rule on the row it continued — so one row stands for the
+//! whole chain back to a response that continued nothing, and only that row is read
+//! ([`crate::proxy::trust::MAX_CHAIN`] = 1). Anything else — a response id turnguard never
+//! saw, a row with provider-executed output, a row from an untrusted or unjudged turn —
+//! makes the turn `untrusted`
 //! (fail closed). Inside a run the bit is then sticky as usual. A `function_call_output` in
 //! such a request answers a call the request does not show: its tool name comes from the
 //! `tool_calls` rows of the response it continues (same `request_id` as that response's
@@ -209,6 +211,12 @@ impl Recorded {
             truncated: true,
             ..self
         }
+    }
+
+    /// Keeps only the digest and size because the body is not needed (a chat turn's round
+    /// under `journal_bodies = "runs"`: §D scopes chat turns out of replay and recovery).
+    pub fn digest_only(self) -> Self {
+        self.withheld()
     }
 
     /// `body` redacted with the request's `redactor` ([`redact::redact_body`]), kept whole if
@@ -529,6 +537,9 @@ struct Job {
     /// (`synchronous=FULL`); other records are committed with `synchronous=NORMAL` (WAL: safe
     /// against corruption, may lose the last commits on power loss) and nobody waits.
     durable: bool,
+    /// Counts the job in `turnguard_journal_queue_depth_records` until the writer takes it
+    /// off the queue (or the job is dropped unsent).
+    queued: Option<crate::metrics::GaugeGuard>,
 }
 
 /// Handle to the journal writer. Cheap to clone.
@@ -632,11 +643,13 @@ impl Journal {
             self.metrics.journal_write_failures.inc();
             return Err(JournalError::Closed);
         };
-        self.metrics.journal_queue_depth.inc();
         slot.send(Job {
             op,
             ack: Some(ack),
             durable,
+            queued: Some(crate::metrics::GaugeGuard::new(
+                &self.metrics.journal_queue_depth,
+            )),
         });
         done.await.unwrap_or(Err(JournalError::Closed))
     }
@@ -648,11 +661,13 @@ impl Journal {
             self.metrics.journal_write_failures.inc();
             return Err(JournalError::Closed);
         };
-        self.metrics.journal_queue_depth.inc();
         slot.send(Job {
             op,
             ack: None,
             durable: false,
+            queued: Some(crate::metrics::GaugeGuard::new(
+                &self.metrics.journal_queue_depth,
+            )),
         });
         Ok(())
     }
@@ -804,7 +819,10 @@ fn writer(
                 Err(_) => break,
             }
         }
-        metrics.journal_queue_depth.dec_by(batch.len() as i64);
+        // Off the queue: each job's guard takes it out of the depth gauge.
+        for job in &mut batch {
+            job.queued = None;
+        }
         // One fsync per batch when any record in it must be durable; none otherwise.
         let durable = batch.iter().any(|j| j.durable);
         if durable != full {

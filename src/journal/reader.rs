@@ -1,8 +1,10 @@
-//! Reading the journal: a separate read-only connection (WAL lets it read while the writer
-//! commits), used by recovery and replay lookups, the admin plane and `turnguard journal`.
+//! Reading the journal: a small pool of read-only connections ([`ReadPool`]; WAL lets them
+//! read while the writer commits), used by recovery and replay lookups, chain trust, the
+//! admin plane and `turnguard journal` — never through the writer's queue.
 
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, TryLockError};
 
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 
@@ -74,9 +76,63 @@ pub struct DeclaredToolRow {
     pub api: String,
 }
 
-/// A read-only journal connection.
+/// Read-only connections a reader keeps open. WAL readers block neither each other nor the
+/// writer, so this many reads (recovery lookups, chain trust, the admin plane) run at once;
+/// none goes through the writer's queue.
+pub const READ_CONNECTIONS: usize = 4;
+
+/// A small pool of read-only connections to one journal file: a read takes a free
+/// connection, or waits for the next one in turn when all are busy.
+pub struct ReadPool {
+    conns: Vec<Mutex<Connection>>,
+    next: AtomicUsize,
+}
+
+impl ReadPool {
+    /// Opens `n` (at least 1) read-only connections to `path` (the writer must have created
+    /// it), each with a 5 s busy timeout.
+    pub fn open(path: &Path, n: usize) -> Result<Self, JournalError> {
+        let mut conns = Vec::with_capacity(n.max(1));
+        for _ in 0..n.max(1) {
+            let conn = Connection::open_with_flags(
+                path,
+                OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+            )
+            .map_err(|e| JournalError::Open {
+                path: path.to_owned(),
+                reason: e.to_string(),
+            })?;
+            conn.busy_timeout(std::time::Duration::from_secs(5))
+                .map_err(err)?;
+            conns.push(Mutex::new(conn));
+        }
+        Ok(Self {
+            conns,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// Runs `f` on a free connection (a poisoned one is never used: `Closed`).
+    pub fn with<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+    ) -> Result<T, JournalError> {
+        for c in &self.conns {
+            match c.try_lock() {
+                Ok(conn) => return f(&conn).map_err(err),
+                Err(TryLockError::WouldBlock) => {}
+                Err(TryLockError::Poisoned(_)) => return Err(JournalError::Closed),
+            }
+        }
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
+        let conn = self.conns[i].lock().map_err(|_| JournalError::Closed)?;
+        f(&conn).map_err(err)
+    }
+}
+
+/// A read-only view of the journal (a [`ReadPool`] of [`READ_CONNECTIONS`]).
 pub struct JournalReader {
-    conn: Mutex<Connection>,
+    pool: ReadPool,
 }
 
 fn err(e: rusqlite::Error) -> JournalError {
@@ -86,18 +142,8 @@ fn err(e: rusqlite::Error) -> JournalError {
 impl JournalReader {
     /// Opens `path` read-only (the writer must have created it).
     pub fn open(path: &Path) -> Result<Self, JournalError> {
-        let conn = Connection::open_with_flags(
-            path,
-            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-        )
-        .map_err(|e| JournalError::Open {
-            path: path.to_owned(),
-            reason: e.to_string(),
-        })?;
-        conn.busy_timeout(std::time::Duration::from_secs(5))
-            .map_err(err)?;
         Ok(Self {
-            conn: Mutex::new(conn),
+            pool: ReadPool::open(path, READ_CONNECTIONS)?,
         })
     }
 
@@ -105,8 +151,7 @@ impl JournalReader {
         &self,
         f: impl FnOnce(&Connection) -> rusqlite::Result<T>,
     ) -> Result<T, JournalError> {
-        let conn = self.conn.lock().map_err(|_| JournalError::Closed)?;
-        f(&conn).map_err(err)
+        self.pool.with(f)
     }
 
     /// The served record of (run, node, attempt, round), if any.
@@ -292,6 +337,20 @@ impl JournalReader {
                 |r| r.get(0),
             )
             .optional()
+        })
+    }
+
+    /// Tool calls released (`executed`) in `run` so far, over every node, attempt and round
+    /// journaled: seeds the run's in-memory counter ([`crate::admission::LimitState::seed`]).
+    pub fn released_calls(&self, run: &str) -> Result<u32, JournalError> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT count(*) FROM rounds r JOIN tool_calls t ON t.request_id = r.request_id
+                 WHERE r.run_id = ?1 AND t.outcome = 'executed'",
+                params![run],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
         })
     }
 
@@ -484,5 +543,33 @@ impl JournalReader {
             }
             Ok(out)
         })
+    }
+}
+
+#[cfg(test)]
+mod pool_tests {
+    use super::*;
+
+    /// A read runs while another holds a connection: reads are not serialized on one
+    /// connection (a nested read on a single shared connection would wait forever).
+    #[test]
+    fn a_read_does_not_wait_for_another_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.db");
+        let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
+        let (journal, writer) = crate::journal::Journal::open(&path, metrics).unwrap();
+        let reader = std::sync::Arc::new(JournalReader::open(&path).unwrap());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let r = std::sync::Arc::clone(&reader);
+        std::thread::spawn(move || {
+            let nested = r.with(|_held| Ok(r.replay_cursor("run", "node")));
+            let _ = tx.send(nested);
+        });
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the second read ran while the first held its connection");
+        assert_eq!(got.unwrap().unwrap(), 0);
+        drop(journal);
+        writer.join();
     }
 }

@@ -54,7 +54,7 @@ use crate::error::WireError;
 use crate::journal::{
     CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, TicketRow, ToolResultRecord,
 };
-use crate::metrics::{CallLabels, ReplayLabels};
+use crate::metrics::{CallLabels, ReplayLabels, ReplayMode, ReplayResult};
 use crate::model::{
     Api, ChoiceEmissions, Completion, CompletionState, Decision, DeclaredTool, Outcome, Stage,
     ToolCall, Turn,
@@ -170,7 +170,7 @@ pub async fn handle(front: &Arc<McpFront>, inbound: Inbound) -> Response {
         let d = call.stamp(Decision::new(
             Outcome::Refused,
             Stage::Dispatch,
-            "no_admitted_emission",
+            crate::reason::Reason::NoAdmittedEmission,
             "no model emission of this run with this tool and these arguments was admitted and released; the call is not forwarded (turnguard tickets)".into(),
         ));
         return call.withheld(d, &Exec::random()).await;
@@ -307,17 +307,18 @@ impl McpCall {
             approved: &approve,
             repairs_left: 0,
         };
-        admission::decide_choice(&ctx, &turn, &choice)
-            .into_iter()
-            .next()
-            .unwrap_or_else(|| {
-                self.stamp(Decision::new(
-                    Outcome::Refused,
-                    Stage::Dispatch,
-                    "internal",
-                    "admission returned no decision".into(),
-                ))
-            })
+        let mut decisions = admission::decide_choice(&ctx, &turn, &choice);
+        // An MCP call goes out right after it is decided (no surfacing, no wait): this is its
+        // dispatch, where its rate bucket is charged, once.
+        admission::charge_rate(&ctx, &choice.calls, &mut decisions);
+        decisions.into_iter().next().unwrap_or_else(|| {
+            self.stamp(Decision::new(
+                Outcome::Refused,
+                Stage::Dispatch,
+                crate::reason::Reason::Internal,
+                "admission returned no decision".into(),
+            ))
+        })
     }
 
     /// The execution identity of this call (see [`Exec`]).
@@ -461,7 +462,7 @@ impl McpCall {
                 name: self.name.clone(),
                 outcome: d.outcome.as_str(),
                 stage: d.stage.as_str(),
-                reason: d.reason,
+                reason: d.reason.as_str(),
                 args_hash: d.args_hash.clone(),
                 tool_id: d.tool_id.clone(),
                 enforced: d.enforced,
@@ -487,16 +488,18 @@ impl McpCall {
             .metrics
             .tool_calls
             .get_or_create(&CallLabels {
-                outcome: d.outcome.as_str().to_owned(),
-                stage: d.stage.as_str().to_owned(),
-                channel: "tool".to_owned(),
-                mode: if d.enforced { "enforce" } else { "shadow" }.to_owned(),
-                tool: if self.policy.catalog.by_id(&d.tool_id).is_some() {
-                    d.tool_id.clone()
-                } else {
-                    crate::policy::rules::UNKNOWN_TOOL_ID.to_owned()
-                },
-                surface: "mcp".to_owned(),
+                outcome: d.outcome,
+                stage: d.stage,
+                channel: "tool",
+                mode: crate::metrics::CallMode::of(d.enforced),
+                tool: state.metrics.tool_label(
+                    if self.policy.catalog.by_id(&d.tool_id).is_some() {
+                        &d.tool_id
+                    } else {
+                        crate::policy::rules::UNKNOWN_TOOL_ID
+                    },
+                ),
+                surface: crate::metrics::CallSurface::Mcp,
             })
             .inc();
         let tool_name = admission::sanitize_label(&self.name);
@@ -510,7 +513,7 @@ impl McpCall {
                 tool_id = %d.tool_id,
                 outcome = d.outcome.as_str(),
                 stage = d.stage.as_str(),
-                reason = d.reason,
+                reason = d.reason.as_str(),
                 "MCP tool call withheld"
             );
         }
@@ -527,9 +530,9 @@ impl McpCall {
         let mut events = vec![self.event("agent.tool-called", called)];
         if withheld {
             let (status, code) = match (d.outcome, d.reason) {
-                (_, "rate_limited") => ("rate_limited", "rate_limited"),
+                (_, crate::reason::Reason::RateLimited) => ("rate_limited", "rate_limited"),
                 (Outcome::Invalid, _) => ("error", "validation_error"),
-                (Outcome::SuppressedRepeat, "tool_outcome_unknown") => {
+                (Outcome::SuppressedRepeat, crate::reason::Reason::ToolOutcomeUnknown) => {
                     ("error", "turnguard.tool_outcome_unknown")
                 }
                 (Outcome::SuppressedRepeat, _) => ("ok", ""),
@@ -607,7 +610,7 @@ impl McpCall {
             } => {
                 d.outcome = Outcome::SuppressedRepeat;
                 d.stage = Stage::Dispatch;
-                d.reason = "effect_already_claimed";
+                d.reason = crate::reason::Reason::EffectRecorded;
                 d.message = "this effect already ran; its recorded result is served and the server is not called".into();
                 self.journal(d, exec, "ok", None).await;
                 self.account(d, exec, true).await;
@@ -619,7 +622,7 @@ impl McpCall {
             Claim::Existing { result: None, .. } => {
                 d.outcome = Outcome::SuppressedRepeat;
                 d.stage = Stage::Dispatch;
-                d.reason = "tool_outcome_unknown";
+                d.reason = crate::reason::Reason::ToolOutcomeUnknown;
                 d.message = "this effect was forwarded before and its result is not recorded (in flight, or in doubt after a failure); it is not run again".into();
                 self.journal(d, exec, "ok", None).await;
                 self.account(d, exec, true).await;
@@ -636,7 +639,7 @@ impl McpCall {
                 // whether it completed — only that it is already done (issue 10 item 11).
                 d.outcome = Outcome::SuppressedRepeat;
                 d.stage = Stage::Dispatch;
-                d.reason = "effect_already_claimed";
+                d.reason = crate::reason::Reason::EffectAlreadyClaimed;
                 d.message = "turnguard: this effect is already done; it is not run again".into();
                 self.journal(d, exec, "ok", None).await;
                 self.account(d, exec, true).await;
@@ -944,14 +947,14 @@ fn output_violation(call: &McpCall, msg: &Value) -> Option<String> {
 
 /// Replay: the recorded result of this call's execution in the run; never the server.
 async fn replay(call: &McpCall) -> Response {
-    let count = |result: &str| {
+    let count = |result: ReplayResult| {
         call.front
             .state
             .metrics
             .replay
             .get_or_create(&ReplayLabels {
-                mode: "mcp_replay".to_owned(),
-                result: result.to_owned(),
+                mode: ReplayMode::McpReplay,
+                result,
             })
             .inc();
     };
@@ -990,7 +993,7 @@ async fn replay(call: &McpCall) -> Response {
     .await;
     match found {
         Ok(Ok(Some(r))) => {
-            count("hit");
+            count(ReplayResult::Hit);
             let mut resp = json_response(StatusCode::OK, &call.recorded_message(&r));
             resp.headers_mut().insert(
                 "turnguard-served",
@@ -1010,7 +1013,7 @@ async fn replay(call: &McpCall) -> Response {
             })
         }
     }
-    count("miss");
+    count(ReplayResult::Miss);
     call.fail(&WireError::ReplaySourceMissing {
         reason: format!(
             "run `{}` has no recorded result of `{}` with these arguments",

@@ -300,7 +300,7 @@ pub async fn handle(call: McpCall, mut d: Decision, ticket: Option<TicketRow>) -
     if rounds >= limit {
         d.outcome = Outcome::Refused;
         d.stage = Stage::Limits;
-        d.reason = "clarification_rounds_exceeded";
+        d.reason = crate::reason::Reason::ClarificationRoundsExceeded;
         d.message = format!("the person was asked {rounds} time(s) for this call; the limit is {limit} (`limits.clarification_rounds`)");
         let exec = super::call::Exec::random();
         call.journal(&d, &exec, "ok", None).await;

@@ -212,10 +212,11 @@ async fn handle_post(
     req: Request<Body>,
 ) -> Response {
     let resp = post_inner(&front, &name, req).await;
-    front
-        .state
-        .metrics
-        .request("mcp", resp.status().as_u16(), is_sse(&resp));
+    front.state.metrics.request(
+        crate::metrics::ApiLabel::Mcp,
+        resp.status().as_u16(),
+        is_sse(&resp),
+    );
     resp
 }
 
@@ -391,10 +392,11 @@ async fn handle_get(
     req: Request<Body>,
 ) -> Response {
     let resp = session::stream(&front, &name, req.headers()).await;
-    front
-        .state
-        .metrics
-        .request("mcp", resp.status().as_u16(), is_sse(&resp));
+    front.state.metrics.request(
+        crate::metrics::ApiLabel::Mcp,
+        resp.status().as_u16(),
+        is_sse(&resp),
+    );
     resp
 }
 
@@ -407,7 +409,7 @@ async fn handle_delete(
     front
         .state
         .metrics
-        .request("mcp", resp.status().as_u16(), false);
+        .request(crate::metrics::ApiLabel::Mcp, resp.status().as_u16(), false);
     resp
 }
 

@@ -86,7 +86,7 @@ pub async fn send_raw(
         &front.state,
         &server.url,
         &format!("mcp:{name}"),
-        "mcp",
+        crate::metrics::ApiLabel::Mcp,
         method,
         path,
         out,

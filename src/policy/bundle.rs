@@ -316,7 +316,7 @@ pub struct ToolEntry {
 }
 
 /// `contentTrust` (OpenWOP AI envelope `meta.contentTrust`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum ContentTrust {
     Trusted,

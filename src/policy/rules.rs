@@ -103,7 +103,7 @@ pub enum Authz {
     /// Refused: a forbid, no permit, an unrepresentable argument or an evaluation error.
     Refuse {
         rules: Vec<String>,
-        reason: &'static str,
+        reason: crate::reason::Reason,
         detail: String,
     },
 }
@@ -297,11 +297,14 @@ impl Rules {
             uid("Action", "call"),
             uid("Tool", &req.tool.descriptor.tool_id),
         ) else {
-            return refuse("rule_error", "an entity id could not be formed".into());
+            return refuse(
+                crate::reason::Reason::RuleError,
+                "an entity id could not be formed".into(),
+            );
         };
         let args = match to_cedar(req.args, req.tool.input_schema()) {
             Ok(a) => a,
-            Err(why) => return refuse("args_unrepresentable", why),
+            Err(why) => return refuse(crate::reason::Reason::ArgsUnrepresentable, why),
         };
         let context = Context::from_pairs([
             (
@@ -327,10 +330,16 @@ impl Rules {
             ("args".to_owned(), args),
         ]);
         let Ok(context) = context else {
-            return refuse("rule_error", "the context could not be built".into());
+            return refuse(
+                crate::reason::Reason::RuleError,
+                "the context could not be built".into(),
+            );
         };
         let Ok(request) = Request::new(principal, action, resource, context, None) else {
-            return refuse("rule_error", "the request could not be built".into());
+            return refuse(
+                crate::reason::Reason::RuleError,
+                "the request could not be built".into(),
+            );
         };
         let response = self
             .authorizer
@@ -348,7 +357,7 @@ impl Rules {
         if !errors.is_empty() {
             return Authz::Refuse {
                 rules,
-                reason: "rule_error",
+                reason: crate::reason::Reason::RuleError,
                 detail: errors.join("; "),
             };
         }
@@ -356,7 +365,7 @@ impl Rules {
             Decision::Allow => Authz::Permit(rules),
             Decision::Deny if rules.is_empty() => Authz::Refuse {
                 rules,
-                reason: "no_permit",
+                reason: crate::reason::Reason::NoPermit,
                 detail: "no rule permits this call (default deny)".into(),
             },
             Decision::Deny => {
@@ -367,7 +376,7 @@ impl Rules {
                     Authz::Refuse {
                         detail: format!("forbidden by {}", rules.join(", ")),
                         rules,
-                        reason: "forbidden",
+                        reason: crate::reason::Reason::Forbidden,
                     }
                 }
             }

@@ -2054,7 +2054,7 @@ mod tests {
                     crate::model::Outcome::Invalid
                 },
                 crate::model::Stage::Name,
-                "r",
+                crate::reason::Reason::Released,
                 String::new(),
             )
         };

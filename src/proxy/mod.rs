@@ -149,7 +149,7 @@ pub enum Approval<'a> {
     /// with them, or refused when the edit is not admitted.
     Accepted(&'a BTreeSet<String>, &'a [crate::approvals::Edited]),
     /// No approval was given: held calls are refused with this reason and explanation.
-    Refused(&'static str, &'a str),
+    Refused(crate::reason::Reason, &'a str),
 }
 
 impl Session {
@@ -169,7 +169,7 @@ impl Session {
         upstream::send(
             &self.state,
             self.turn.api.upstream(),
-            self.turn.api.as_str(),
+            self.turn.api.into(),
             Method::POST,
             &self.path,
             self.headers.clone(),
@@ -305,15 +305,22 @@ impl Session {
     ) -> Vec<ChoiceVerdict> {
         let mut verdicts = self.decide_round(round, Approval::Pending).await;
         if verdicts.iter().any(ChoiceVerdict::waiting) {
-            verdicts = crate::approvals::settle(self, round, &verdicts, agent).await;
+            // Nothing of a waiting round was dispatched (no token, no claim): it is decided
+            // again, once, with the approval's outcome, and dispatched then.
+            // An `edit-accept` decides the person's arguments in place of the model's.
+            let settled = crate::approvals::settle(self, round, &verdicts, agent).await;
+            let decided = settled.round(round);
+            verdicts = self.decide_round(&decided, settled.approval()).await;
         }
         self.account(round, &verdicts).await;
         verdicts
     }
 
-    /// Stages 1–8, effect claims and surfacing for every choice of a round, with held calls
-    /// as `approval` says. Claims of a round that waits are given back: nothing is dispatched
-    /// while it waits.
+    /// Stages 1–8 and surfacing for every choice of a round, with held calls as `approval`
+    /// says, then the dispatch stage for a choice that does not wait: the rate buckets of the
+    /// calls released ([`admission::charge_rate`]), then their effect claims, each once; a
+    /// change either makes surfaces the choice again, and a claim of a call that is then
+    /// withheld is given back. A round that waits dispatches nothing.
     pub async fn decide_round(
         &self,
         round: &[ChoiceEmissions],
@@ -344,7 +351,7 @@ impl Session {
                 Approval::Accepted(_, edits) => {
                     admission::refuse_held(
                         &mut decisions,
-                        "held_after_approval",
+                        crate::reason::Reason::HeldAfterApproval,
                         "the call is still held after the approval (a rule holds it whatever the approval)",
                     );
                     crate::approvals::edited_outcomes(&self.turn, choice, &mut decisions, edits);
@@ -353,13 +360,32 @@ impl Session {
                     admission::refuse_held(&mut decisions, reason, why);
                 }
             }
-            let claimed = self.claim_effects(choice, &mut decisions).await;
-            let surfacing = admission::surface(&ctx, &mut decisions);
-            let waits = surfacing == Surfacing::Wait;
-            // A claim taken for a call the surfacing then withheld is given back.
+            let mut surfacing = admission::surface(&ctx, &mut decisions);
             let mut kept = Vec::new();
+            if surfacing == Surfacing::Wait {
+                verdicts.push(ChoiceVerdict {
+                    choice: choice.choice,
+                    decisions,
+                    surfacing,
+                    claims: kept,
+                });
+                continue;
+            }
+            // Dispatch: stage 6's bucket, then the effect claims (stage 8).
+            if admission::charge_rate(&ctx, &choice.calls, &mut decisions) {
+                surfacing = admission::surface(&ctx, &mut decisions);
+            }
+            let executed = |ds: &[crate::model::Decision]| {
+                ds.iter().filter(|d| d.outcome == Outcome::Executed).count()
+            };
+            let before = executed(&decisions);
+            let claimed = self.claim_effects(choice, &mut decisions).await;
+            if executed(&decisions) != before {
+                surfacing = admission::surface(&ctx, &mut decisions);
+            }
+            // A claim taken for a call the surfacing then withheld is given back.
             for (i, effect_id) in claimed {
-                if waits || !decisions[i].released() {
+                if !decisions[i].released() {
                     if let Err(e) = self
                         .state
                         .journal
@@ -444,24 +470,29 @@ impl Session {
                 Ok(Claim::Existing { result, .. }) => {
                     d.outcome = Outcome::SuppressedRepeat;
                     d.stage = Stage::Dispatch;
-                    d.reason = "effect_already_claimed";
-                    d.message = match result {
-                        Some(r) => format!("turnguard: this effect already ran; its recorded result: {r}"),
-                        None => "turnguard: this effect was already dispatched and its result is not recorded yet; it is not run again".into(),
+                    (d.reason, d.message) = match result {
+                        Some(r) => (
+                            crate::reason::Reason::EffectRecorded,
+                            format!("turnguard: this effect already ran; its recorded result: {r}"),
+                        ),
+                        None => (
+                            crate::reason::Reason::EffectAlreadyClaimed,
+                            "turnguard: this effect was already dispatched and its result is not recorded yet; it is not run again".into(),
+                        ),
                     };
                 }
                 // Claimed by another principal or run: their result is theirs to read.
                 Ok(Claim::Foreign) => {
                     d.outcome = Outcome::SuppressedRepeat;
                     d.stage = Stage::Dispatch;
-                    d.reason = "effect_already_claimed";
+                    d.reason = crate::reason::Reason::EffectAlreadyClaimed;
                     d.message =
                         "turnguard: this effect is already done; it is not run again".into();
                 }
                 Err(e) => {
                     d.outcome = Outcome::Refused;
                     d.stage = Stage::Dispatch;
-                    d.reason = "journal_unavailable";
+                    d.reason = crate::reason::Reason::JournalUnavailable;
                     d.message = format!("the effect could not be claimed ({e}); fail closed");
                 }
             }
@@ -479,16 +510,18 @@ impl Session {
                     .metrics
                     .tool_calls
                     .get_or_create(&CallLabels {
-                        outcome: d.outcome.as_str().to_owned(),
-                        stage: d.stage.as_str().to_owned(),
-                        channel: "tool".to_owned(),
-                        mode: if d.enforced { "enforce" } else { "shadow" }.to_owned(),
-                        tool: if self.policy.catalog.by_id(&d.tool_id).is_some() {
-                            d.tool_id.clone()
-                        } else {
-                            crate::policy::rules::UNKNOWN_TOOL_ID.to_owned()
-                        },
-                        surface: "llm".to_owned(),
+                        outcome: d.outcome,
+                        stage: d.stage,
+                        channel: "tool",
+                        mode: crate::metrics::CallMode::of(d.enforced),
+                        tool: self.state.metrics.tool_label(
+                            if self.policy.catalog.by_id(&d.tool_id).is_some() {
+                                &d.tool_id
+                            } else {
+                                crate::policy::rules::UNKNOWN_TOOL_ID
+                            },
+                        ),
+                        surface: crate::metrics::CallSurface::Llm,
                     })
                     .inc();
                 let tool_name = admission::sanitize_label(&call.name);
@@ -503,7 +536,7 @@ impl Session {
                         tool_id = %d.tool_id,
                         outcome = d.outcome.as_str(),
                         stage = d.stage.as_str(),
-                        reason = d.reason,
+                        reason = d.reason.as_str(),
                         surfaced = if d.enforced { surfacing_label(&verdict.surfacing) } else { "release" },
                         mode = if d.enforced { "enforce" } else { "shadow" },
                         "{}",
@@ -523,21 +556,11 @@ impl Session {
                     o.insert("argsHash".into(), json!(h));
                 }
                 events.push(self.event("agent.tool-called", called));
-                let status = match (d.outcome, d.reason) {
-                    (Outcome::Executed, _) | (Outcome::Held, _) => None,
-                    (Outcome::SuppressedRepeat, _) if d.message.contains("its recorded result") => {
-                        Some(("ok", None))
-                    }
-                    (Outcome::SuppressedRepeat, _) => {
-                        Some(("error", Some("turnguard.effect_already_claimed")))
-                    }
-                    (_, "rate_limited") => Some(("rate_limited", Some("rate_limited"))),
-                    (Outcome::Refused, r) if admission::is_approval_refusal(r) => {
-                        Some(("forbidden", Some("approval_rejected")))
-                    }
-                    (Outcome::Refused, _) => Some(("forbidden", Some("forbidden"))),
-                    (Outcome::Invalid, _) => Some(("error", Some("validation_error"))),
-                    (Outcome::EndedTurn, _) => Some(("error", Some("turnguard.turn_ended"))),
+                // The reason says how a call that does not run returns (`Reason::event_status`);
+                // an executed or held call's result event follows from its run.
+                let status = match d.outcome {
+                    Outcome::Executed | Outcome::Held => None,
+                    _ => d.reason.event_status(),
                 };
                 if let Some((status, code)) = status {
                     let mut returned = json!({"agentId": AGENT_ID, "toolName": tool_name, "callId": call_id, "status": status});
@@ -601,7 +624,7 @@ impl Session {
             .metrics
             .repairs
             .get_or_create(&RepairLabels {
-                api: self.turn.api.as_str().to_owned(),
+                api: self.turn.api.into(),
             })
             .inc();
     }
@@ -640,11 +663,38 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Respo
     drop(inflight);
     state
         .metrics
-        .request(api.as_str(), resp.status().as_u16(), stream);
+        .request(api.into(), resp.status().as_u16(), stream);
     if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
         resp.headers_mut().insert("x-request-id", v);
     }
     resp
+}
+
+/// Seeds a run's released-call counter from the journal when it is not in memory (first
+/// turn after a start, or evicted from the LRU), so `tool_calls_per_run` survives both.
+/// An unreadable journal fails the request (503): the budget cannot be known.
+async fn seed_run_counter(state: &Arc<AppState>, ctx: &RequestCtx) -> Result<(), WireError> {
+    let Some(run) = ctx.run.run_id.clone() else {
+        return Ok(());
+    };
+    if !state.limits.needs_seed(&run) {
+        return Ok(());
+    }
+    let reader = Arc::clone(&state.reader);
+    let key = run.clone();
+    let found = tokio::task::spawn_blocking(move || reader.released_calls(&key)).await;
+    match found {
+        Ok(Ok(n)) => {
+            state.limits.seed(&run, n);
+            Ok(())
+        }
+        Ok(Err(e)) => Err(WireError::JournalUnavailable {
+            reason: format!("the run's released calls could not be read ({e})"),
+        }),
+        Err(e) => Err(WireError::JournalUnavailable {
+            reason: format!("the run's released calls could not be read ({e})"),
+        }),
+    }
 }
 
 /// The life of a turn. Returns the response and whether it is a stream.
@@ -696,12 +746,11 @@ async fn turn(
             });
         }
     }
+    seed_run_counter(state, ctx).await?;
     state
         .metrics
         .turns
-        .get_or_create(&TrustLabels {
-            trust: trust.as_str().to_owned(),
-        })
+        .get_or_create(&TrustLabels { trust })
         .inc();
     if let Some(reason) = admission::clarification_unsupported(&turn, &policy) {
         return Err(WireError::CapabilityNotProvided { reason });
@@ -963,13 +1012,11 @@ async fn read_upstream_json(
     let idle = Duration::from_millis(c.upstream_idle_timeout_ms);
     let whole = Duration::from_millis(c.upstream_response_timeout_ms);
     let left = whole.saturating_sub(sent.elapsed());
-    let count = |reason: &str| {
+    let count = |reason: crate::metrics::UpstreamError| {
         state
             .metrics
             .upstream_errors
-            .get_or_create(&crate::metrics::ReasonLabels {
-                reason: reason.to_owned(),
-            })
+            .get_or_create(&crate::metrics::ReasonLabels { reason })
             .inc();
     };
     read_capped_within(body, c.max_response_bytes, Some(idle), left)
@@ -979,14 +1026,14 @@ async fn read_upstream_json(
                 "the response body exceeds the {limit}-byte cap (max_response_bytes; raise it with --max-response-bytes)"
             ),
             BodyError::TimedOut(crate::body::TimedOut::Idle(d)) => {
-                count("idle_timeout");
+                count(crate::metrics::UpstreamError::IdleTimeout);
                 format!(
                     "the upstream sent no response body data for {} ms (upstream_idle_timeout_ms; raise it with --upstream-idle-timeout-ms)",
                     d.as_millis()
                 )
             }
             BodyError::TimedOut(crate::body::TimedOut::Deadline(_)) => {
-                count("response_timeout");
+                count(crate::metrics::UpstreamError::ResponseTimeout);
                 format!(
                     "the upstream's response did not complete within {} ms (upstream_response_timeout_ms; raise it with --upstream-response-timeout-ms)",
                     whole.as_millis()
@@ -1194,7 +1241,7 @@ pub fn call_records(
                 name: call.name.clone(),
                 outcome: d.outcome.as_str(),
                 stage: d.stage.as_str(),
-                reason: d.reason,
+                reason: d.reason.as_str(),
                 args_hash: d.args_hash.clone(),
                 tool_id: d.tool_id.clone(),
                 enforced: d.enforced,
@@ -1325,8 +1372,8 @@ impl Session {
             .metrics
             .emissions
             .get_or_create(&EmissionLabels {
-                channel: spec.channel.as_str().to_owned(),
-                result: result.to_owned(),
+                channel: spec.channel,
+                result,
             })
             .inc();
         rec.channel = Some(spec.channel.as_str());
@@ -1443,7 +1490,13 @@ pub async fn record_round_with(
     journal_round(state, rec).await;
 }
 
-async fn journal_round(state: &AppState, rec: RoundRecord) {
+async fn journal_round(state: &AppState, mut rec: RoundRecord) {
+    // A chat turn is out of replay (§D): its round keeps decisions and the body's digest,
+    // not the body, unless `journal_bodies = "all"`.
+    if rec.run.run_id.is_none() && state.config.journal_bodies != crate::config::JournalBodies::All
+    {
+        rec.response = rec.response.digest_only();
+    }
     let request_id = rec.request_id.clone();
     let result = if rec.run.run_id.is_some() {
         state.journal.record_round(rec).await
@@ -1483,7 +1536,7 @@ pub async fn passthrough(
         upstream::send(
             &state,
             upstream_name,
-            "passthrough",
+            crate::metrics::ApiLabel::Passthrough,
             parts.method.clone(),
             &path,
             headers,
@@ -1502,9 +1555,11 @@ pub async fn passthrough(
         }
         Err(e) => e.response(surface),
     };
-    state
-        .metrics
-        .request("passthrough", resp.status().as_u16(), false);
+    state.metrics.request(
+        crate::metrics::ApiLabel::Passthrough,
+        resp.status().as_u16(),
+        false,
+    );
     if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
         resp.headers_mut().insert("x-request-id", v);
     }

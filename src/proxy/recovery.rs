@@ -42,7 +42,7 @@ use super::stream::{Finish, Pipeline};
 use super::{RunMode, Session};
 use crate::error::WireError;
 use crate::journal::{JournalError, JournalReader, ServedRecord};
-use crate::metrics::ReplayLabels;
+use crate::metrics::{ReplayLabels, ReplayMode, ReplayResult};
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Decision, Outcome, Stage, Surfacing};
 use crate::provider;
 
@@ -89,15 +89,12 @@ pub async fn serve_recorded(
     let (run_id, node) = (run_id.clone(), node.clone());
     let round = session.turn.round_index;
     let digest = session.agent_digest.clone();
-    let count = |mode: &str, result: &str| {
+    let count = |mode: ReplayMode, result: ReplayResult| {
         session
             .state
             .metrics
             .replay
-            .get_or_create(&ReplayLabels {
-                mode: mode.to_owned(),
-                result: result.to_owned(),
-            })
+            .get_or_create(&ReplayLabels { mode, result })
             .inc();
     };
     match mode {
@@ -117,20 +114,20 @@ pub async fn serve_recorded(
             match found {
                 None => Ok(None),
                 Some(Recovery::OutcomeUnknown(name)) => {
-                    count("recovery", "outcome_unknown");
+                    count(ReplayMode::Recovery, ReplayResult::OutcomeUnknown);
                     Err(WireError::ToolOutcomeUnknown { calls: name })
                 }
                 Some(Recovery::Miss) => {
-                    count("recovery", "miss");
+                    count(ReplayMode::Recovery, ReplayResult::Miss);
                     Ok(None)
                 }
                 Some(Recovery::Serve(rec, recorded)) => match serve(session, &rec, &recorded) {
                     Some(resp) => {
-                        count("recovery", "hit");
+                        count(ReplayMode::Recovery, ReplayResult::Hit);
                         Ok(Some(resp))
                     }
                     None => {
-                        count("recovery", "miss");
+                        count(ReplayMode::Recovery, ReplayResult::Miss);
                         Ok(None)
                     }
                 },
@@ -145,7 +142,7 @@ pub async fn serve_recorded(
             match result {
                 Ok((rec, recorded, skipped_before, skipped_now)) => {
                     let Some(resp) = serve(session, &rec, &recorded) else {
-                        count("replay", "miss");
+                        count(ReplayMode::Replay, ReplayResult::Miss);
                         return Err(WireError::ReplaySourceMissing {
                             reason: format!(
                                 "round {} could not be served without its recorded calls",
@@ -161,11 +158,11 @@ pub async fn serve_recorded(
                             .await
                             .map_err(unavailable)?;
                     }
-                    count("replay", "hit");
+                    count(ReplayMode::Replay, ReplayResult::Hit);
                     Ok(Some(resp))
                 }
                 Err(e) => {
-                    count("replay", "miss");
+                    count(ReplayMode::Replay, ReplayResult::Miss);
                     Err(e)
                 }
             }
@@ -340,14 +337,14 @@ fn verdicts_without(round: &[ChoiceEmissions], recorded: &HashSet<String>) -> Ve
                         Decision::new(
                             Outcome::SuppressedRepeat,
                             Stage::Dispatch,
-                            "result_recorded",
+                            crate::reason::Reason::ResultRecorded,
                             "the call's result is recorded: it is not handed back".into(),
                         )
                     } else {
                         Decision::new(
                             Outcome::Executed,
                             Stage::Dispatch,
-                            "served_from_record",
+                            crate::reason::Reason::ServedFromRecord,
                             String::new(),
                         )
                     }

@@ -24,10 +24,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::{call_records, join, record_round, round_record, upstream, RoundBase, Session};
 use crate::admission::channel::{ChannelSpec, ChannelVerdict};
 use crate::admission::SchemaCache;
-use crate::metrics::{ApiLabels, ReasonLabels};
+use crate::metrics::{ApiLabels, ReasonLabels, UpstreamError};
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Surfacing, Turn};
 use crate::provider::{Splice, StreamAdapter};
-use crate::server::AppState;
 use crate::sse::{Event, Payload, SseBlock, SseFramer};
 
 /// Chunks buffered toward a slow agent before the relay waits (back-pressure).
@@ -541,7 +540,8 @@ async fn run(
     tx: mpsc::Sender<Result<Bytes, Infallible>>,
     timing: Option<Arc<crate::edge::Timing>>,
 ) {
-    let _inflight = InflightStream::new(&session.state);
+    // Counts the relay in `turnguard_inflight_streams` for as long as it lives.
+    let _inflight = crate::metrics::GaugeGuard::new(&session.state.metrics.inflight_streams);
     let mut relay = RelayCtx {
         timing,
         cut: session.state.lifecycle.cut_signal(),
@@ -634,7 +634,7 @@ async fn run(
                     .chars()
                     .take(80)
                     .collect::<String>();
-                count(&session, "repair_round_failed");
+                count(&session, UpstreamError::RepairRoundFailed);
                 let why = if let Some(Err(e)) = &next_coding {
                     e.clone()
                 } else if resp.status().is_success() {
@@ -649,7 +649,7 @@ async fn run(
                 return;
             }
             Err(e) => {
-                count(&session, "repair_round_failed");
+                count(&session, UpstreamError::RepairRoundFailed);
                 let mut p =
                     Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
                 p.adapter
@@ -709,22 +709,6 @@ struct RelayCtx {
     first_byte: bool,
 }
 
-/// Counts a relay in `turnguard_inflight_streams` for as long as it lives.
-struct InflightStream(Arc<AppState>);
-
-impl InflightStream {
-    fn new(state: &Arc<AppState>) -> Self {
-        state.metrics.inflight_streams.inc();
-        Self(Arc::clone(state))
-    }
-}
-
-impl Drop for InflightStream {
-    fn drop(&mut self) {
-        self.0.metrics.inflight_streams.dec();
-    }
-}
-
 async fn read_round(
     session: &Session,
     pipeline: &mut Pipeline,
@@ -761,7 +745,7 @@ async fn read_round(
                     .metrics
                     .upstream_ttfb
                     .get_or_create(&ApiLabels {
-                        api: session.turn.api.as_str().to_owned(),
+                        api: session.turn.api.into(),
                     })
                     .observe(sent.elapsed().as_secs_f64());
             }
@@ -801,7 +785,7 @@ async fn read_round(
         }
     };
     if cut.is_some() {
-        count(session, "stream_cut");
+        count(session, UpstreamError::StreamCut);
     }
     loop {
         match pipeline.finish(cut.clone(), &mut out) {
@@ -865,7 +849,7 @@ async fn decide(
         .metrics
         .hold_latency
         .get_or_create(&ApiLabels {
-            api: session.turn.api.as_str().to_owned(),
+            api: session.turn.api.into(),
         })
         .observe(started.elapsed().as_secs_f64());
     if agent.tx.is_closed() {
@@ -948,14 +932,12 @@ async fn record(
     record_round(session, rec).await;
 }
 
-fn count(session: &Session, reason: &str) {
+fn count(session: &Session, reason: UpstreamError) {
     session
         .state
         .metrics
         .upstream_errors
-        .get_or_create(&ReasonLabels {
-            reason: reason.to_owned(),
-        })
+        .get_or_create(&ReasonLabels { reason })
         .inc();
 }
 

@@ -15,9 +15,10 @@ use crate::server::AppState;
 
 use super::RequestCtx;
 
-/// Links followed back from `previous_response_id` at most; a longer chain is unknown
-/// (untrusted).
-pub const MAX_CHAIN: usize = 10_000;
+/// Links read back from `previous_response_id`: one. Chain trust is inductive (a stored
+/// response is `trusted` only if its own chain was; [`crate::admission::trust::chain_fault`]),
+/// so the last link stands for the chain.
+pub const MAX_CHAIN: usize = 1;
 
 /// The journal's links of the response chain `turn` continues, from its
 /// `previous_response_id` back (empty when it continues none, when the journal does not know

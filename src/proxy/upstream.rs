@@ -16,7 +16,7 @@ use hyper_util::rt::TokioExecutor;
 
 use crate::config::Config;
 use crate::error::WireError;
-use crate::metrics::{ApiLabels, ReasonLabels};
+use crate::metrics::{ApiLabels, ReasonLabels, UpstreamError};
 use crate::server::AppState;
 
 /// The upstream HTTP client type.
@@ -125,7 +125,7 @@ pub fn response_headers(upstream: &HeaderMap, keep_length: bool) -> HeaderMap {
 pub async fn send(
     state: &AppState,
     upstream: &str,
-    api_label: &str,
+    api_label: crate::metrics::ApiLabel,
     method: Method,
     path_and_query: &str,
     headers: HeaderMap,
@@ -159,7 +159,7 @@ pub async fn send_to(
     state: &AppState,
     target: &crate::config::Upstream,
     upstream: &str,
-    api_label: &str,
+    api_label: crate::metrics::ApiLabel,
     method: Method,
     path_and_query: &str,
     headers: HeaderMap,
@@ -180,13 +180,11 @@ pub async fn send_to(
     *req.headers_mut() = headers;
     let started = Instant::now();
     let timeout = Duration::from_millis(state.config.upstream_response_timeout_ms);
-    let unavailable = |reason: &str, detail: String| {
+    let unavailable = |reason: UpstreamError, detail: String| {
         state
             .metrics
             .upstream_errors
-            .get_or_create(&ReasonLabels {
-                reason: reason.to_owned(),
-            })
+            .get_or_create(&ReasonLabels { reason })
             .inc();
         WireError::UpstreamUnavailable {
             upstream: upstream.to_owned(),
@@ -198,7 +196,7 @@ pub async fn send_to(
     let resp = match result {
         Err(_) => {
             return Err(unavailable(
-                "response_timeout",
+                UpstreamError::ResponseTimeout,
                 format!("no response headers within {} ms", timeout.as_millis()),
             ))
         }
@@ -208,16 +206,14 @@ pub async fn send_to(
             } else {
                 "request failed".to_owned()
             };
-            return Err(unavailable("connect", detail));
+            return Err(unavailable(UpstreamError::Connect, detail));
         }
         Ok(Ok(r)) => r,
     };
     state
         .metrics
         .upstream_latency
-        .get_or_create(&ApiLabels {
-            api: api_label.to_owned(),
-        })
+        .get_or_create(&ApiLabels { api: api_label })
         .observe(started.elapsed().as_secs_f64());
     Ok(resp)
 }

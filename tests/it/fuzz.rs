@@ -317,7 +317,7 @@ fn verdict_for(choice: &ChoiceEmissions, pattern: u32) -> ChoiceVerdict {
                     Outcome::Invalid
                 },
                 Stage::Name,
-                "fuzz",
+                turnguard::reason::Reason::Released,
                 String::new(),
             );
             if released && pattern % 3 == 0 {

@@ -497,6 +497,66 @@ async fn response_chain_trust_comes_from_turnguards_own_journal() {
 // ---------------------------------------------------------------------------------------------
 // Must-show 2a: v2-tool-admission-order on the Responses surface
 
+/// Chain trust is inductive: a turn continuing a stored response reads that one row, whose
+/// `trusted` stands for its own chain. So a clean chain whose oldest response has left the
+/// journal (pruned by retention) still releases a write; before, the whole chain was walked
+/// and the missing link made the turn untrusted.
+#[tokio::test(flavor = "multi_thread")]
+async fn chain_trust_reads_one_link_and_survives_a_pruned_start() {
+    let h = support::start_with_policy(Script::default(), "policy-order").await;
+    let r1 = response("resp_p1", vec![message("msg_p1", "Hello.")], false);
+    let r2 = response("resp_p2", vec![message("msg_p2", "Sure.")], false);
+    let r3 = response(
+        "resp_p3",
+        vec![fcall(
+            "call_pay_p",
+            "wire_money",
+            r#"{"amount": 50, "to": "DE89"}"#,
+        )],
+        false,
+    );
+    h.script(&json!({"responses": [{"json": r1}, {"json": r2}, {"json": r3}]}))
+        .await;
+    let tools = json!([tool(
+        "wire_money",
+        json!({"type": "object", "properties": {"amount": {"type": "number"}, "to": {"type": "string"}}, "required": ["amount", "to"]})
+    )]);
+    let ask = |previous: Option<&str>, text: &str| {
+        let mut r = json!({"model": "gpt-5", "input": text, "tools": tools});
+        if let Some(p) = previous {
+            r["previous_response_id"] = json!(p);
+        }
+        r
+    };
+    assert_eq!(send(&h, &ask(None, "Hi."), &[]).await.status, 200);
+    assert_eq!(
+        send(&h, &ask(Some("resp_p1"), "Pay 50 to DE89 next."), &[])
+            .await
+            .status,
+        200
+    );
+    // The chain's start leaves the journal (as `journal_retention_days` prunes it).
+    let db = rusqlite::Connection::open(h.journal()).unwrap();
+    db.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+    let gone = db
+        .execute("DELETE FROM responses WHERE response_id = 'resp_p1'", [])
+        .unwrap();
+    assert_eq!(gone, 1);
+    drop(db);
+    let paid = send(&h, &ask(Some("resp_p2"), "Do it."), &[]).await;
+    assert_eq!(paid.status, 200, "{}", paid.text());
+    assert_eq!(
+        paid.calls(),
+        vec![(
+            "call_pay_p".to_owned(),
+            "wire_money".to_owned(),
+            json!({"amount": 50, "to": "DE89"})
+        )],
+        "the trusted last link stands for its chain: {}",
+        paid.text()
+    );
+}
+
 fn order_tools() -> Value {
     json!([
         tool(

@@ -1,0 +1,70 @@
+//! What the journal keeps of a round's response (`journal_bodies`): a chat turn (no
+//! `Turnguard-Run`) is out of replay and recovery (tool-turn contract §D), so by default its
+//! round keeps the decisions and the body's digest and size, not the body; a run's round keeps
+//! its (redacted) body, which recovery and replay serve; `journal_bodies = "all"` keeps both.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)] // test code
+
+use serde_json::{json, Value};
+use turnguard::config::JournalBodies;
+use turnguard::mock_provider::Script;
+
+use crate::support;
+
+fn answer(text: &str) -> Value {
+    json!({"json": {
+        "id": "chatcmpl-bodies", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    }})
+}
+
+/// Sends a chat turn (`x-request-id: chat-1`) and a run's turn (`run-1`), stops turnguard and
+/// returns (bytes kept, digest) of each round's response.
+async fn rounds(bodies: JournalBodies) -> [(i64, String); 2] {
+    let h = support::start_with(Script::default(), move |c| c.journal_bodies = bodies).await;
+    h.script(&json!({"responses": [answer("hello from a chat turn"), answer("hello from a run")]}))
+        .await;
+    let url = format!("{}/v1/chat/completions", h.url());
+    let body = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]});
+    for headers in [
+        vec![("x-request-id", "chat-1".to_owned())],
+        vec![
+            ("x-request-id", "run-1".to_owned()),
+            ("turnguard-run", "run-bodies".to_owned()),
+        ],
+    ] {
+        let (status, _, resp) = support::call("POST", &url, &headers, Some(&body)).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
+    }
+    let dir = h.stop().await;
+    let db = support::journal(&dir.path().join("journal.db"));
+    ["chat-1", "run-1"].map(|client| {
+        db.query_row(
+            "SELECT coalesce(length(response), 0), response_digest FROM rounds WHERE client_request_id = ?1",
+            [client],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_chat_turn_keeps_the_digest_not_the_body_by_default() {
+    let [chat, run] = rounds(JournalBodies::Runs).await;
+    assert_eq!(chat.0, 0, "a chat turn's body is not kept");
+    assert_eq!(chat.1.len(), 64, "its digest is: {}", chat.1);
+    assert!(
+        run.0 > 0,
+        "a run's round keeps its body (recovery serves it)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn journal_bodies_all_keeps_chat_turn_bodies_too() {
+    let [chat, run] = rounds(JournalBodies::All).await;
+    assert!(
+        chat.0 > 0,
+        "journal_bodies = all keeps the chat turn's body"
+    );
+    assert!(run.0 > 0);
+}
