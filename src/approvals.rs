@@ -63,7 +63,9 @@ use tokio::sync::watch;
 use crate::admission::sanitize_label;
 use crate::body::read_capped;
 use crate::identity::{Person, TokenError};
-use crate::journal::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
+use crate::journal::{
+    InterruptRecord, InterruptRow, InterruptState, Resolution, Resolved, Selector,
+};
 use crate::metrics::{ApprovalLabels, ApprovalResult};
 use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Outcome};
 use crate::proxy::{now_ms, Approval, Session};
@@ -111,14 +113,14 @@ const MAX_FEEDBACK_CHARS: usize = 4000;
 /// this only wakes the waiters early.
 #[derive(Default)]
 pub struct Approvals {
-    waiters: Mutex<HashMap<String, watch::Sender<Option<String>>>>,
+    waiters: Mutex<HashMap<String, watch::Sender<Option<InterruptState>>>>,
 }
 
 /// One waiting request's subscription; removes the entry when the last waiter leaves.
 struct Waiter<'a> {
     approvals: &'a Approvals,
     id: String,
-    rx: watch::Receiver<Option<String>>,
+    rx: watch::Receiver<Option<InterruptState>>,
 }
 
 impl Drop for Waiter<'_> {
@@ -146,10 +148,10 @@ impl Approvals {
     }
 
     /// Wakes the requests waiting on `id` with its final state.
-    fn notify(&self, id: &str, state: &str) {
+    fn notify(&self, id: &str, state: InterruptState) {
         if let Ok(map) = self.waiters.lock() {
             if let Some(tx) = map.get(id) {
-                tx.send_replace(Some(state.to_owned()));
+                tx.send_replace(Some(state));
             }
         }
     }
@@ -470,24 +472,26 @@ pub async fn settle(
         count(state, ApprovalResult::Held);
         tracing::info!(interrupt = %id, request_id = %session.ctx.request_id, run = ?session.ctx.run.run_id, tools = %names.join(","), person = person.is_some(), "tool calls held for approval");
     }
-    let final_state = match (row.state.as_str(), &row.record.principal) {
-        ("pending", None) => resolve_as_host(state, &id, "rejected", "no_approver").await,
-        ("pending", Some(_)) => match waiter {
+    let final_state = match (row.state, &row.record.principal) {
+        (InterruptState::Pending, None) => {
+            resolve_as_host(state, &id, InterruptState::Rejected, "no_approver").await
+        }
+        (InterruptState::Pending, Some(_)) => match waiter {
             Some(w) => match wait(state, w, &row, agent).await {
                 Some(s) => s,
                 None => return agent_gone(session, &id),
             },
-            None => resolve_as_host(state, &id, "expired", "timeout").await,
+            None => resolve_as_host(state, &id, InterruptState::Expired, "timeout").await,
         },
-        (s, _) => s.to_owned(),
+        (s, _) => s,
     };
-    match final_state.as_str() {
+    match final_state {
         // Used only by a request whose agent is there to receive the calls.
-        "accepted" if agent.is_gone() => agent_gone(session, &id),
-        "accepted" => {
+        InterruptState::Accepted if agent.is_gone() => agent_gone(session, &id),
+        InterruptState::Accepted => {
             // The resolution as committed (the raise saw it pending), read before the
             // approval is used: its edits, if any.
-            let resolved = if row.state == "accepted" {
+            let resolved = if row.state == InterruptState::Accepted {
                 Ok(Some(row.clone()))
             } else {
                 state.journal.interrupt(&id).await
@@ -502,13 +506,15 @@ pub async fn settle(
             };
             use_approval(session, &id, &resolved).await
         }
-        "rejected" if row.record.principal.is_none() => {
+        InterruptState::Rejected if row.record.principal.is_none() => {
             Settled::Refused(crate::reason::Reason::NoApprover, "no verified person acts for this request (no Turnguard-Principal-Token), so nobody can approve the held call".into())
         }
-        "rejected" => {
+        InterruptState::Rejected => {
             Settled::Refused(crate::reason::Reason::ApprovalRejected, "the acting person rejected the held call".into())
         }
-        _ => {
+        // Expired, or (cannot happen: the host's resolution never leaves it) still pending:
+        // a timeout never approves.
+        InterruptState::Expired | InterruptState::Pending => {
             let why = format!(
                 "no approval arrived within {timeout_ms} ms; a timeout never approves"
             );
@@ -581,11 +587,11 @@ async fn wait(
     mut waiter: Waiter<'_>,
     row: &InterruptRow,
     agent: &impl AgentEnd,
-) -> Option<String> {
+) -> Option<InterruptState> {
     let gone = agent.gone();
     tokio::pin!(gone);
     loop {
-        if let Some(s) = waiter.rx.borrow_and_update().clone() {
+        if let Some(s) = *waiter.rx.borrow_and_update() {
             return Some(s);
         }
         let left = row.record.expires_at_ms.saturating_sub(now_ms());
@@ -600,12 +606,25 @@ async fn wait(
             () = &mut gone => return None,
         }
     }
-    Some(resolve_as_host(state, &row.record.interrupt_id, "expired", "timeout").await)
+    Some(
+        resolve_as_host(
+            state,
+            &row.record.interrupt_id,
+            InterruptState::Expired,
+            "timeout",
+        )
+        .await,
+    )
 }
 
 /// The host resolves an interrupt (timeout, or nobody can approve). A resolution that won
 /// first stands. Returns the final state; `expired` when the journal cannot answer.
-async fn resolve_as_host(state: &AppState, id: &str, to: &'static str, reason: &str) -> String {
+async fn resolve_as_host(
+    state: &AppState,
+    id: &str,
+    to: InterruptState,
+    reason: &str,
+) -> InterruptState {
     let now = now_ms();
     let r = Resolution {
         selector: Selector::Id(id.to_owned()),
@@ -621,13 +640,13 @@ async fn resolve_as_host(state: &AppState, id: &str, to: &'static str, reason: &
             observe(
                 state,
                 &row,
-                if to == "expired" {
+                if to == InterruptState::Expired {
                     ApprovalResult::Expired
                 } else {
                     ApprovalResult::Rejected
                 },
             );
-            state.approvals.notify(id, &row.state);
+            state.approvals.notify(id, row.state);
             state.ui.notifier.resolved(&row);
             tracing::info!(interrupt = %id, state = %row.state, reason, "approval interrupt resolved by the host");
             row.state
@@ -635,10 +654,10 @@ async fn resolve_as_host(state: &AppState, id: &str, to: &'static str, reason: &
         Ok(Resolved::AlreadyResolved(row) | Resolved::Expired(row) | Resolved::Forbidden(row)) => {
             row.state
         }
-        Ok(Resolved::NotFound | Resolved::HeldByAgent) => "expired".to_owned(),
+        Ok(Resolved::NotFound | Resolved::HeldByAgent) => InterruptState::Expired,
         Err(e) => {
             tracing::error!(error = %e, interrupt = %id, "approval interrupt resolution not journaled; held calls refused");
-            "expired".to_owned()
+            InterruptState::Expired
         }
     }
 }
@@ -1085,9 +1104,9 @@ pub async fn resolve_as(
         by: Some(person.sub.clone()),
         by_token: person.token.as_ref().map(|t| t.fingerprint.clone()),
         state: if action == Action::Reject {
-            "rejected"
+            InterruptState::Rejected
         } else {
-            "accepted"
+            InterruptState::Accepted
         },
         resume_value: value,
         edits: edits.map(Value::Array),
@@ -1115,7 +1134,7 @@ pub async fn resolve_as(
         Ok(Resolved::AlreadyResolved(row)) => Err(already(&row)),
         Ok(Resolved::Expired(row)) => {
             observe(s, &row, ApprovalResult::Expired);
-            s.approvals.notify(&row.record.interrupt_id, &row.state);
+            s.approvals.notify(&row.record.interrupt_id, row.state);
             s.ui.notifier.resolved(&row);
             let mut r = Refusal::new(
                 StatusCode::CONFLICT,
@@ -1129,13 +1148,13 @@ pub async fn resolve_as(
             observe(
                 s,
                 &row,
-                if row.state == "accepted" {
+                if row.state == InterruptState::Accepted {
                     ApprovalResult::Approved
                 } else {
                     ApprovalResult::Rejected
                 },
             );
-            s.approvals.notify(&row.record.interrupt_id, &row.state);
+            s.approvals.notify(&row.record.interrupt_id, row.state);
             s.ui.notifier.resolved(&row);
             tracing::info!(interrupt = %row.record.interrupt_id, state = %row.state, sub = %person.sub, edited = row.edits.is_some(), "approval interrupt resolved");
             Ok(row)
@@ -1209,7 +1228,7 @@ async fn edited_calls(
     if row.record.principal.as_deref() != Some(person.sub.as_str()) {
         return Err(bound_to_another());
     }
-    if row.state != "pending" {
+    if row.state != InterruptState::Pending {
         return Err(already(&row));
     }
     let offered = row

@@ -44,6 +44,8 @@ label_value!(
     ApprovalResult,
     CallMode,
     CallSurface,
+    NotificationChannel,
+    NotificationResult,
 );
 
 /// Which surface a data-plane request spoke, as a label.
@@ -378,14 +380,94 @@ pub struct ApprovalLabels {
     pub result: ApprovalResult,
 }
 
-/// Labels of `turnguard_approval_notifications_total`.
+/// How an approval notification went (`turnguard_approval_notifications_total`); each
+/// belongs to one [`NotificationChannel`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NotificationResult {
+    /// Webhook: delivered (a 2xx answer).
+    Delivered,
+    /// Webhook: an attempt failed and is retried.
+    Retried,
+    /// Webhook: every attempt failed.
+    Failed,
+    /// Webhook: the delivery queue was full.
+    Dropped,
+    /// SSE: sent to a subscriber.
+    Sent,
+    /// SSE: a slow subscriber missed events.
+    Lagged,
+}
+
+impl NotificationResult {
+    /// Every result, for pre-registering the series.
+    pub const ALL: [Self; 6] = [
+        Self::Delivered,
+        Self::Retried,
+        Self::Failed,
+        Self::Dropped,
+        Self::Sent,
+        Self::Lagged,
+    ];
+
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Delivered => "delivered",
+            Self::Retried => "retried",
+            Self::Failed => "failed",
+            Self::Dropped => "dropped",
+            Self::Sent => "sent",
+            Self::Lagged => "lagged",
+        }
+    }
+
+    /// The channel this result is reported on.
+    pub fn channel(self) -> NotificationChannel {
+        match self {
+            Self::Delivered | Self::Retried | Self::Failed | Self::Dropped => {
+                NotificationChannel::Webhook
+            }
+            Self::Sent | Self::Lagged => NotificationChannel::Sse,
+        }
+    }
+}
+
+/// Which channel an approval notification went out on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NotificationChannel {
+    Webhook,
+    Sse,
+}
+
+impl NotificationChannel {
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Webhook => "webhook",
+            Self::Sse => "sse",
+        }
+    }
+}
+
+/// Labels of `turnguard_approval_notifications_total` (built by
+/// [`NotificationLabels::of`], so a result is never counted on the wrong channel).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NotificationLabels {
     /// `webhook` or `sse`.
-    pub channel: String,
+    pub channel: NotificationChannel,
     /// webhook: `delivered`, `retried`, `failed` (every attempt failed), `dropped` (queue
     /// full); sse: `sent`, `lagged` (a slow subscriber missed events).
-    pub result: String,
+    pub result: NotificationResult,
+}
+
+impl NotificationLabels {
+    /// The labels of `result`, on its channel.
+    pub fn of(result: NotificationResult) -> Self {
+        Self {
+            channel: result.channel(),
+            result,
+        }
+    }
 }
 
 /// The metrics handle shared by the data plane, the journal and the admin plane.
@@ -766,19 +848,9 @@ impl Metrics {
                 drop(approval_wait.get_or_create(&labels));
             }
         }
-        for (channel, result) in [
-            ("webhook", "delivered"),
-            ("webhook", "retried"),
-            ("webhook", "failed"),
-            ("webhook", "dropped"),
-            ("sse", "sent"),
-            ("sse", "lagged"),
-        ] {
+        for result in NotificationResult::ALL {
             approval_notifications
-                .get_or_create(&NotificationLabels {
-                    channel: channel.to_owned(),
-                    result: result.to_owned(),
-                })
+                .get_or_create(&NotificationLabels::of(result))
                 .inc_by(0);
         }
         for result in [ReloadResult::Ok, ReloadResult::Error] {

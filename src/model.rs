@@ -583,7 +583,7 @@ pub struct ResponseLink {
     /// The response's `contentTrust` (`trusted` / `untrusted`), judged by the trust stage
     /// ([`crate::admission::trust::of_response`]) before the response is recorded; `None`
     /// until then (the chain rule reads a missing value as untrusted).
-    pub content_trust: Option<&'static str>,
+    pub content_trust: Option<crate::policy::bundle::ContentTrust>,
     /// The round index a request continuing this response takes (before the model turns it
     /// carries itself); set with `content_trust`.
     pub next_round_index: Option<u32>,
@@ -622,8 +622,9 @@ pub struct StoredItemRow {
     pub provider_executed: bool,
     /// That response's final status (`None`: its stream was cut).
     pub status: Option<String>,
-    /// That response's recorded `contentTrust`.
-    pub content_trust: Option<String>,
+    /// That response's recorded `contentTrust` (a stored value outside the vocabulary fails
+    /// the read).
+    pub content_trust: Option<crate::policy::bundle::ContentTrust>,
 }
 
 /// One stored response of a `previous_response_id` chain as turnguard's journal has it
@@ -642,8 +643,9 @@ pub struct ChainLink {
     pub status: Option<String>,
     /// Its output held provider-executed items.
     pub provider_executed: bool,
-    /// The `contentTrust` recorded for it (`None`: not judged).
-    pub content_trust: Option<String>,
+    /// The `contentTrust` recorded for it (`None`: not judged; a stored value outside the
+    /// vocabulary fails the read).
+    pub content_trust: Option<crate::policy::bundle::ContentTrust>,
     /// [`ResponseLink::next_round_index`] as recorded (`None` in journals older than v4).
     pub next_round_index: Option<u32>,
     /// [`ResponseLink::calls_so_far`] as recorded (`None` in journals older than v4).

@@ -176,7 +176,7 @@ pub fn chain_fault(previous: &str, links: &[ChainLink]) -> Option<ChainFault> {
     if link.provider_executed {
         return fault("provider_executed");
     }
-    if link.content_trust.as_deref() != Some(ContentTrust::Trusted.as_str()) {
+    if link.content_trust != Some(ContentTrust::Trusted) {
         return fault("untrusted_turn");
     }
     if !matches!(link.status.as_deref(), Some("completed" | "incomplete")) {
@@ -195,7 +195,7 @@ pub fn reference_fault(row: &crate::model::StoredItemRow) -> Option<&'static str
     if row.provider_executed {
         return Some("provider_executed");
     }
-    if row.content_trust.as_deref() != Some(ContentTrust::Trusted.as_str()) {
+    if row.content_trust != Some(ContentTrust::Trusted) {
         return Some("untrusted_turn");
     }
     if !matches!(row.status.as_deref(), Some("completed" | "incomplete")) {
@@ -252,7 +252,7 @@ mod tests {
             previous_response_id: prev.map(str::to_owned),
             status: Some("completed".into()),
             provider_executed: false,
-            content_trust: Some("trusted".into()),
+            content_trust: Some(ContentTrust::Trusted),
             next_round_index: None,
             calls_so_far: None,
         }
@@ -290,7 +290,7 @@ mod tests {
         c[0].provider_executed = true;
         assert_eq!(reason(&c), Some(("provider_executed", "r3".into())));
         let mut c = chain.clone();
-        c[0].content_trust = Some("untrusted".into());
+        c[0].content_trust = Some(ContentTrust::Untrusted);
         assert_eq!(reason(&c), Some(("untrusted_turn", "r3".into())));
         let mut c = chain.clone();
         c[0].content_trust = None;

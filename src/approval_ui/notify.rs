@@ -33,7 +33,7 @@ use tokio::sync::{broadcast, mpsc};
 use super::UiConfigError;
 use crate::config::Config;
 use crate::journal::InterruptRow;
-use crate::metrics::{Metrics, NotificationLabels};
+use crate::metrics::{Metrics, NotificationLabels, NotificationResult};
 use crate::proxy::now_ms;
 use crate::server::AppState;
 
@@ -132,8 +132,8 @@ impl Notifier {
         }
     }
 
-    fn count(&self, channel: &str, result: &str) {
-        count(&self.metrics, channel, result);
+    fn count(&self, result: NotificationResult) {
+        count(&self.metrics, result);
     }
 
     /// An interrupt was raised.
@@ -164,7 +164,7 @@ impl Notifier {
                 "interrupt": interrupt,
             });
             if tx.try_send(body).is_err() {
-                self.count("webhook", "dropped");
+                self.count(NotificationResult::Dropped);
                 tracing::warn!(interrupt = %row.record.interrupt_id, "approval webhook queue full; notification dropped");
             }
         }
@@ -181,13 +181,10 @@ impl Notifier {
     }
 }
 
-fn count(metrics: &Metrics, channel: &str, result: &str) {
+fn count(metrics: &Metrics, result: NotificationResult) {
     metrics
         .approval_notifications
-        .get_or_create(&NotificationLabels {
-            channel: channel.to_owned(),
-            result: result.to_owned(),
-        })
+        .get_or_create(&NotificationLabels::of(result))
         .inc();
 }
 
@@ -205,7 +202,7 @@ async fn deliver(w: Webhook, mut rx: mpsc::Receiver<Value>, metrics: Arc<Metrics
         let mut delivered = false;
         for attempt in 0..WEBHOOK_ATTEMPTS {
             if attempt > 0 {
-                count(&metrics, "webhook", "retried");
+                count(&metrics, NotificationResult::Retried);
                 tokio::time::sleep(WEBHOOK_BACKOFF * 2u32.pow(attempt - 1)).await;
             }
             let req = http::Request::post(w.url.clone())
@@ -236,8 +233,11 @@ async fn deliver(w: Webhook, mut rx: mpsc::Receiver<Value>, metrics: Arc<Metrics
         }
         count(
             &metrics,
-            "webhook",
-            if delivered { "delivered" } else { "failed" },
+            if delivered {
+                NotificationResult::Delivered
+            } else {
+                NotificationResult::Failed
+            },
         );
     }
 }
@@ -307,12 +307,12 @@ pub async fn events(State(s): State<Arc<AppState>>, req: Request<Body>) -> Respo
                 _ = tokio::time::sleep(Duration::from_millis(left.min(86_400_000) as u64)) => return,
                 got = rx.recv() => match got {
                     Ok(n) if n.principal.as_deref() == Some(sub.as_str()) => {
-                        count(&metrics, "sse", "sent");
+                        count(&metrics, NotificationResult::Sent);
                         sse_event(n.event, &n.interrupt)
                     }
                     Ok(_) => continue,
                     Err(broadcast::error::RecvError::Lagged(_)) => {
-                        count(&metrics, "sse", "lagged");
+                        count(&metrics, NotificationResult::Lagged);
                         Bytes::from_static(b"event: lagged\ndata: {}\n\n")
                     }
                     Err(broadcast::error::RecvError::Closed) => return,

@@ -25,7 +25,7 @@ use serde_json::Value;
 use super::session::{self, UiSession};
 use crate::approvals::{self, Action, Answer, EditedCall};
 use crate::body::read_capped;
-use crate::journal::{InterruptRow, Selector};
+use crate::journal::{InterruptRow, InterruptState, Selector};
 use crate::proxy::now_ms;
 use crate::server::AppState;
 
@@ -547,9 +547,11 @@ pub async fn resolve(
                 .flatten()
                 .map(|c| str_at(c, "toolName"))
                 .collect();
-            let what = match (row.state.as_str(), row.edits.is_some()) {
-                ("accepted", true) => "Accepted with your edits (checked again before release)",
-                ("accepted", false) => "Accepted",
+            let what = match (row.state, row.edits.is_some()) {
+                (InterruptState::Accepted, true) => {
+                    "Accepted with your edits (checked again before release)"
+                }
+                (InterruptState::Accepted, false) => "Accepted",
                 _ => "Rejected",
             };
             s.ui.sessions

@@ -10,7 +10,7 @@ use rusqlite::{params, OptionalExtension};
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
-use super::{insert_event, EventRecord, Journal, JournalError, RunKey};
+use super::{insert_event, EventRecord, InterruptState, Journal, JournalError, RunKey};
 
 /// An interrupt to raise.
 #[derive(Debug, Clone)]
@@ -40,8 +40,9 @@ pub struct InterruptRecord {
 #[derive(Debug, Clone)]
 pub struct InterruptRow {
     pub record: InterruptRecord,
-    /// `pending`, `accepted`, `rejected` or `expired`.
-    pub state: String,
+    /// Where it stands (read from `interrupts.state`; a stored value outside the
+    /// vocabulary makes the read fail with [`JournalError::Unreadable`]).
+    pub state: InterruptState,
     /// Who resolved it (`sub`); `None` for the host (timeout, no approver) or pending.
     pub resolved_by: Option<String>,
     pub resolved_at_ms: Option<i64>,
@@ -84,8 +85,9 @@ pub struct Resolution {
     /// The claims fingerprint of the resolver's token ([`crate::identity::TokenId`]): a
     /// token presented on the data plane (table `principal_tokens`) never resolves.
     pub by_token: Option<String>,
-    /// `accepted`, `rejected` or `expired`.
-    pub state: &'static str,
+    /// [`InterruptState::Accepted`], [`InterruptState::Rejected`] or
+    /// [`InterruptState::Expired`].
+    pub state: InterruptState,
     /// The OpenWOP `resumeValue` (`{action, feedback?, decidedAt}`; for `edit-accept` the
     /// edited calls by `callId` and `argsHash` only — never their arguments, which the
     /// `interrupt.resolved` event carries).
@@ -113,8 +115,11 @@ pub enum Resolved {
 }
 
 pub(super) enum Op {
-    Raise(InterruptRecord, Option<oneshot::Sender<InterruptRow>>),
-    Resolve(Resolution, Option<oneshot::Sender<Resolved>>),
+    Raise(
+        InterruptRecord,
+        Option<oneshot::Sender<Answer<InterruptRow>>>,
+    ),
+    Resolve(Resolution, Option<oneshot::Sender<Answer<Resolved>>>),
     Consume {
         interrupt_id: String,
         request_id: String,
@@ -123,11 +128,11 @@ pub(super) enum Op {
     Pending {
         principal: String,
         now_ms: i64,
-        answer: Option<oneshot::Sender<Vec<InterruptRow>>>,
+        answer: Option<oneshot::Sender<Answer<Vec<InterruptRow>>>>,
     },
     Get {
         interrupt_id: String,
-        answer: Option<oneshot::Sender<Option<InterruptRow>>>,
+        answer: Option<oneshot::Sender<Answer<Option<InterruptRow>>>>,
     },
     RunTrust {
         run_id: String,
@@ -137,6 +142,10 @@ pub(super) enum Op {
         answer: Option<oneshot::Sender<bool>>,
     },
 }
+
+/// An operation's answer: [`JournalError::Unreadable`] when a row it read holds a value
+/// outside its column's vocabulary (that operation is refused; the batch goes on).
+pub(super) type Answer<T> = Result<T, JournalError>;
 
 /// Deferred answers, sent only after the batch committed.
 pub(super) type Replies = Vec<Box<dyn FnOnce() + Send>>;
@@ -160,7 +169,7 @@ impl Journal {
         let (tx, rx) = oneshot::channel();
         self.submit(super::Op::Interrupt(Box::new(Op::Raise(rec, Some(tx)))))
             .await?;
-        rx.await.map_err(|_| JournalError::Closed)
+        rx.await.map_err(|_| JournalError::Closed)?
     }
 
     /// Resolves an interrupt by compare-and-set from `pending`; committed (with its
@@ -169,7 +178,7 @@ impl Journal {
         let (tx, rx) = oneshot::channel();
         self.submit(super::Op::Interrupt(Box::new(Op::Resolve(r, Some(tx)))))
             .await?;
-        rx.await.map_err(|_| JournalError::Closed)
+        rx.await.map_err(|_| JournalError::Closed)?
     }
 
     /// Uses an accepted approval: `true` for the one request that may release its calls.
@@ -201,7 +210,7 @@ impl Journal {
             answer: Some(tx),
         })))
         .await?;
-        rx.await.map_err(|_| JournalError::Closed)
+        rx.await.map_err(|_| JournalError::Closed)?
     }
 
     /// One interrupt as it stands now (read through the writer, so it sees every committed
@@ -216,7 +225,7 @@ impl Journal {
             answer: Some(tx),
         })))
         .await?;
-        rx.await.map_err(|_| JournalError::Closed)
+        rx.await.map_err(|_| JournalError::Closed)?
     }
 
     /// The run's sticky trust bit: records `untrusted` (insert-if-absent, durable) when this
@@ -308,6 +317,22 @@ fn node_of(row: &InterruptRow) -> String {
         .unwrap_or_else(|| "default".into())
 }
 
+/// The answer of an operation that reads interrupt rows: a row holding a value outside its
+/// column's vocabulary refuses this operation ([`JournalError::Unreadable`]) without failing
+/// the batch; any other error fails the batch as before.
+fn guarded<T>(read: rusqlite::Result<T>) -> rusqlite::Result<Answer<T>> {
+    match read {
+        Ok(v) => Ok(Ok(v)),
+        Err(e) => match super::states::unknown_value(&e) {
+            Some(v) => {
+                tracing::error!(error = %v, "interrupt row refused: its stored value is not one turnguard knows (fail closed)");
+                Ok(Err(JournalError::Unreadable(v.clone())))
+            }
+            None => Err(e),
+        },
+    }
+}
+
 pub(super) fn apply(
     tx: &rusqlite::Transaction<'_>,
     op: &mut Op,
@@ -315,129 +340,11 @@ pub(super) fn apply(
 ) -> rusqlite::Result<()> {
     match op {
         Op::Raise(rec, answer) => {
-            let inserted = tx.execute(
-                "INSERT INTO interrupts (interrupt_id, key, kind, run_id, node_id, attempt,
-                    request_id, principal, policy_revision, payload, calls, requested_at_ms,
-                    expires_at_ms, state)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, 'pending')
-                 ON CONFLICT DO NOTHING",
-                params![
-                    rec.interrupt_id,
-                    rec.key,
-                    rec.kind,
-                    rec.run.run_id,
-                    rec.run.node_id,
-                    rec.run.attempt,
-                    rec.request_id,
-                    rec.principal,
-                    rec.policy_revision,
-                    rec.payload.to_string(),
-                    rec.calls.to_string(),
-                    rec.requested_at_ms,
-                    rec.expires_at_ms,
-                ],
-            )? == 1;
-            let mut row = tx.query_row(
-                &format!("SELECT {COLUMNS} FROM interrupts WHERE key = ?1"),
-                params![rec.key],
-                row_of,
-            )?;
-            row.inserted = inserted;
-            if inserted {
-                let mut payload = rec.payload.clone();
-                payload["interruptId"] = json!(rec.interrupt_id);
-                payload["nodeId"] = json!(node_of(&row));
-                insert_event(
-                    tx,
-                    &event(&row, "interrupt.requested", payload, rec.requested_at_ms),
-                )?;
-            }
+            let row = guarded(raise(tx, rec))?;
             reply(replies, answer, row);
         }
         Op::Resolve(r, answer) => {
-            let held_by_agent = match &r.by_token {
-                Some(fp) => {
-                    tx.query_row(
-                        "SELECT count(*) FROM principal_tokens WHERE fingerprint = ?1",
-                        params![fp],
-                        |row| row.get::<_, i64>(0),
-                    )? > 0
-                }
-                None => false,
-            };
-            let found = match &r.selector {
-                Selector::Id(id) => by_id(tx, id)?,
-                Selector::Node {
-                    run_id,
-                    node_id,
-                    interrupt_id,
-                } => by_id(tx, interrupt_id)?.filter(|row| {
-                    row.record.run.run_id.as_deref() == Some(run_id.as_str())
-                        && node_of(row) == *node_id
-                }),
-            };
-            let outcome = match found {
-                _ if held_by_agent => Resolved::HeldByAgent,
-                None => Resolved::NotFound,
-                Some(row) if r.by.is_some() && row.record.principal != r.by => {
-                    Resolved::Forbidden(Box::new(row))
-                }
-                Some(row) if row.state != "pending" => Resolved::AlreadyResolved(Box::new(row)),
-                Some(row) => {
-                    let expired = r.by.is_some() && r.now_ms >= row.record.expires_at_ms;
-                    let (state, by, value, edits) = if expired {
-                        (
-                            "expired",
-                            None,
-                            json!({"action": "reject", "decision": "rejected", "reason": "timeout",
-                                   "decidedAt": r.now_ms}),
-                            None,
-                        )
-                    } else {
-                        (
-                            r.state,
-                            r.by.clone(),
-                            r.resume_value.clone(),
-                            r.edits.as_ref().map(Value::to_string),
-                        )
-                    };
-                    let changed = tx.execute(
-                        "UPDATE interrupts SET state = ?2, resolved_by = ?3, resolved_at_ms = ?4,
-                            resume_value = ?5, edits = ?6
-                         WHERE interrupt_id = ?1 AND state = 'pending'",
-                        params![
-                            row.record.interrupt_id,
-                            state,
-                            by,
-                            r.now_ms,
-                            value.to_string(),
-                            edits
-                        ],
-                    )?;
-                    match by_id(tx, &row.record.interrupt_id)? {
-                        Some(now) if changed == 1 => {
-                            insert_event(
-                                tx,
-                                &event(
-                                    &now,
-                                    "interrupt.resolved",
-                                    json!({"nodeId": node_of(&now),
-                                           "interruptId": now.record.interrupt_id,
-                                           "kind": now.record.kind, "resumeValue": value}),
-                                    r.now_ms,
-                                ),
-                            )?;
-                            if expired {
-                                Resolved::Expired(Box::new(now))
-                            } else {
-                                Resolved::Won(Box::new(now))
-                            }
-                        }
-                        Some(now) => Resolved::AlreadyResolved(Box::new(now)),
-                        None => Resolved::NotFound,
-                    }
-                }
-            };
+            let outcome = guarded(resolve(tx, r))?;
             reply(replies, answer, outcome);
         }
         Op::Consume {
@@ -457,21 +364,14 @@ pub(super) fn apply(
             now_ms,
             answer,
         } => {
-            let mut stmt = tx.prepare(&format!(
-                "SELECT {COLUMNS} FROM interrupts
-                 WHERE state = 'pending' AND principal = ?1 AND expires_at_ms > ?2
-                 ORDER BY requested_at_ms LIMIT 500"
-            ))?;
-            let rows = stmt
-                .query_map(params![&*principal, *now_ms], row_of)?
-                .collect::<rusqlite::Result<Vec<_>>>()?;
+            let rows = guarded(pending(tx, principal, *now_ms))?;
             reply(replies, answer, rows);
         }
         Op::Get {
             interrupt_id,
             answer,
         } => {
-            let row = by_id(tx, interrupt_id)?;
+            let row = guarded(by_id(tx, interrupt_id))?;
             reply(replies, answer, row);
         }
         Op::RunTrust {
@@ -497,4 +397,236 @@ pub(super) fn apply(
         }
     }
     Ok(())
+}
+
+/// Insert-if-absent on the key, with its `interrupt.requested` event when inserted.
+fn raise(tx: &rusqlite::Transaction<'_>, rec: &InterruptRecord) -> rusqlite::Result<InterruptRow> {
+    let inserted = tx.execute(
+        "INSERT INTO interrupts (interrupt_id, key, kind, run_id, node_id, attempt,
+            request_id, principal, policy_revision, payload, calls, requested_at_ms,
+            expires_at_ms, state)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, 'pending')
+         ON CONFLICT DO NOTHING",
+        params![
+            rec.interrupt_id,
+            rec.key,
+            rec.kind,
+            rec.run.run_id,
+            rec.run.node_id,
+            rec.run.attempt,
+            rec.request_id,
+            rec.principal,
+            rec.policy_revision,
+            rec.payload.to_string(),
+            rec.calls.to_string(),
+            rec.requested_at_ms,
+            rec.expires_at_ms,
+        ],
+    )? == 1;
+    let mut row = tx.query_row(
+        &format!("SELECT {COLUMNS} FROM interrupts WHERE key = ?1"),
+        params![rec.key],
+        row_of,
+    )?;
+    row.inserted = inserted;
+    if inserted {
+        let mut payload = rec.payload.clone();
+        payload["interruptId"] = json!(rec.interrupt_id);
+        payload["nodeId"] = json!(node_of(&row));
+        insert_event(
+            tx,
+            &event(&row, "interrupt.requested", payload, rec.requested_at_ms),
+        )?;
+    }
+    Ok(row)
+}
+
+/// The compare-and-set from `pending`, with its `interrupt.resolved` event when it won.
+fn resolve(tx: &rusqlite::Transaction<'_>, r: &Resolution) -> rusqlite::Result<Resolved> {
+    let held_by_agent = match &r.by_token {
+        Some(fp) => {
+            tx.query_row(
+                "SELECT count(*) FROM principal_tokens WHERE fingerprint = ?1",
+                params![fp],
+                |row| row.get::<_, i64>(0),
+            )? > 0
+        }
+        None => false,
+    };
+    let found = match &r.selector {
+        Selector::Id(id) => by_id(tx, id)?,
+        Selector::Node {
+            run_id,
+            node_id,
+            interrupt_id,
+        } => by_id(tx, interrupt_id)?.filter(|row| {
+            row.record.run.run_id.as_deref() == Some(run_id.as_str()) && node_of(row) == *node_id
+        }),
+    };
+    Ok(match found {
+        _ if held_by_agent => Resolved::HeldByAgent,
+        None => Resolved::NotFound,
+        Some(row) if r.by.is_some() && row.record.principal != r.by => {
+            Resolved::Forbidden(Box::new(row))
+        }
+        Some(row) if row.state != InterruptState::Pending => {
+            Resolved::AlreadyResolved(Box::new(row))
+        }
+        Some(row) => {
+            let expired = r.by.is_some() && r.now_ms >= row.record.expires_at_ms;
+            let (state, by, value, edits) = if expired {
+                (
+                    InterruptState::Expired,
+                    None,
+                    json!({"action": "reject", "decision": "rejected", "reason": "timeout",
+                           "decidedAt": r.now_ms}),
+                    None,
+                )
+            } else {
+                (
+                    r.state,
+                    r.by.clone(),
+                    r.resume_value.clone(),
+                    r.edits.as_ref().map(Value::to_string),
+                )
+            };
+            let changed = tx.execute(
+                "UPDATE interrupts SET state = ?2, resolved_by = ?3, resolved_at_ms = ?4,
+                    resume_value = ?5, edits = ?6
+                 WHERE interrupt_id = ?1 AND state = 'pending'",
+                params![
+                    row.record.interrupt_id,
+                    state,
+                    by,
+                    r.now_ms,
+                    value.to_string(),
+                    edits
+                ],
+            )?;
+            match by_id(tx, &row.record.interrupt_id)? {
+                Some(now) if changed == 1 => {
+                    insert_event(
+                        tx,
+                        &event(
+                            &now,
+                            "interrupt.resolved",
+                            json!({"nodeId": node_of(&now),
+                                   "interruptId": now.record.interrupt_id,
+                                   "kind": now.record.kind, "resumeValue": value}),
+                            r.now_ms,
+                        ),
+                    )?;
+                    if expired {
+                        Resolved::Expired(Box::new(now))
+                    } else {
+                        Resolved::Won(Box::new(now))
+                    }
+                }
+                Some(now) => Resolved::AlreadyResolved(Box::new(now)),
+                None => Resolved::NotFound,
+            }
+        }
+    })
+}
+
+/// Pending, unexpired interrupts bound to `principal`, oldest first (at most 500).
+fn pending(
+    tx: &rusqlite::Transaction<'_>,
+    principal: &str,
+    now_ms: i64,
+) -> rusqlite::Result<Vec<InterruptRow>> {
+    let mut stmt = tx.prepare(&format!(
+        "SELECT {COLUMNS} FROM interrupts
+         WHERE state = 'pending' AND principal = ?1 AND expires_at_ms > ?2
+         ORDER BY requested_at_ms LIMIT 500"
+    ))?;
+    let rows = stmt
+        .query_map(params![principal, now_ms], row_of)?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(key: &str) -> InterruptRecord {
+        InterruptRecord {
+            interrupt_id: format!("int_{key}"),
+            key: key.to_owned(),
+            kind: "approval",
+            run: RunKey {
+                run_id: Some("run-1".into()),
+                node_id: Some("node-1".into()),
+                attempt: Some(1),
+            },
+            request_id: "req-1".into(),
+            principal: Some("alice".into()),
+            policy_revision: "rev".into(),
+            payload: json!({"kind": "approval", "key": key}),
+            calls: json!([]),
+            requested_at_ms: 1,
+            expires_at_ms: i64::MAX,
+        }
+    }
+
+    /// An interrupt whose stored state turnguard does not know is refused on every read and
+    /// resolution with an error naming the value — never read as pending or accepted, never
+    /// usable as an approval — and the refusal fails only that operation: the writer and the
+    /// journal's health go on.
+    #[tokio::test]
+    async fn an_unknown_stored_state_is_refused_not_defaulted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.db");
+        let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
+        let (journal, writer) = Journal::open(&path, metrics).unwrap();
+        let row = journal.raise_interrupt(record("k1")).await.unwrap();
+        assert_eq!(row.state, InterruptState::Pending);
+        let id = row.record.interrupt_id.clone();
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute(
+            "UPDATE interrupts SET state = 'approved' WHERE interrupt_id = ?1",
+            params![id],
+        )
+        .unwrap();
+
+        let err = journal.interrupt(&id).await.unwrap_err();
+        assert!(
+            matches!(&err, JournalError::Unreadable(v) if v.column == "interrupts.state" && v.value == "approved"),
+            "{err}"
+        );
+        assert!(err.to_string().contains("`approved`"), "{err}");
+        let accept = Resolution {
+            selector: Selector::Id(id.clone()),
+            by: Some("alice".into()),
+            by_token: None,
+            state: InterruptState::Accepted,
+            resume_value: json!({"action": "accept", "decidedAt": 2}),
+            edits: None,
+            now_ms: 2,
+        };
+        assert!(matches!(
+            journal.resolve_interrupt(accept).await,
+            Err(JournalError::Unreadable(_))
+        ));
+        assert!(matches!(
+            journal.raise_interrupt(record("k1")).await,
+            Err(JournalError::Unreadable(_))
+        ));
+        assert!(!journal.consume_approval(&id, "req-2").await.unwrap());
+
+        let other = journal.raise_interrupt(record("k2")).await.unwrap();
+        let read = journal.interrupt(&other.record.interrupt_id).await.unwrap();
+        assert_eq!(read.map(|r| r.state), Some(InterruptState::Pending));
+        let stored: String = conn
+            .query_row(
+                "SELECT state FROM interrupts WHERE interrupt_id = ?1",
+                params![id],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(stored, "approved", "nothing was written over it");
+        drop(journal);
+        writer.join();
+    }
 }

@@ -35,7 +35,7 @@ pub struct TicketRow {
     pub node_id: Option<String>,
     pub attempt: Option<u32>,
     /// The `contentTrust` of the turn that emitted it.
-    pub content_trust: Option<String>,
+    pub content_trust: Option<crate::policy::bundle::ContentTrust>,
 }
 
 /// Read-only journal connections for the MCP front (a [`super::reader::ReadPool`]).

@@ -53,10 +53,12 @@ mod mcp;
 mod reader;
 pub mod redact;
 mod schema;
+mod states;
 
 pub use interrupts::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
 pub use mcp::{McpReader, TicketRow};
 pub use reader::{DeclaredToolRow, EffectRow, EventRow, JournalReader, LearnRows, RunSummary};
+pub use states::{InterruptState, RoundState, UnknownValue};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -90,6 +92,10 @@ pub enum JournalError {
     /// ([`JournalHealth`]).
     #[error("the journal is failing durable writes ({0}); turnguard retries in the background")]
     Failing(String),
+    /// A stored row holds a value outside its column's vocabulary (an interrupt state, a
+    /// `contentTrust`): the row is refused, never read as a default (fail closed).
+    #[error("journal row unreadable: {0}")]
+    Unreadable(UnknownValue),
 }
 
 /// Whether the journal's writes currently succeed (issue 11: readiness tells the truth about
@@ -350,8 +356,9 @@ pub struct RoundRecord {
     pub finish_reason: Option<String>,
     pub upstream_status: Option<u16>,
     pub latency_ms: u64,
-    /// `ok`, `upstream_error`, `failed` (stream cut, invalid response), `client_gone`.
-    pub state: &'static str,
+    /// How the round ended (`ok`, `upstream_error`, `failed`: stream cut, invalid response,
+    /// `client_gone`, `surfaced_error`, `repaired`).
+    pub state: RoundState,
     pub error: Option<String>,
     /// The response as received from upstream (SSE bytes for a stream).
     pub response: Recorded,
@@ -364,7 +371,7 @@ pub struct RoundRecord {
     /// `valid`, `refused`, or the invalid reason.
     pub channel_result: Option<String>,
     /// The turn's `contentTrust` after the run's sticky bit (tool-turn contract §C).
-    pub content_trust: Option<&'static str>,
+    pub content_trust: Option<crate::policy::bundle::ContentTrust>,
 }
 
 impl RoundRecord {

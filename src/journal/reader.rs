@@ -136,7 +136,10 @@ pub struct JournalReader {
 }
 
 fn err(e: rusqlite::Error) -> JournalError {
-    JournalError::Write(e.to_string())
+    match super::states::unknown_value(&e) {
+        Some(v) => JournalError::Unreadable(v.clone()),
+        None => JournalError::Write(e.to_string()),
+    }
 }
 
 impl JournalReader {

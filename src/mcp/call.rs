@@ -52,7 +52,8 @@ use crate::admission::{self, AdmitCtx};
 use crate::config::Ticket;
 use crate::error::WireError;
 use crate::journal::{
-    CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, TicketRow, ToolResultRecord,
+    CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RoundState, TicketRow,
+    ToolResultRecord,
 };
 use crate::metrics::{CallLabels, ReplayLabels, ReplayMode, ReplayResult};
 use crate::model::{
@@ -261,11 +262,8 @@ impl McpCall {
     async fn decide(&mut self, declared: &ServerTool, ticket: Option<&TicketRow>) -> Decision {
         let (trust, approved) = match ticket {
             Some(t) => (
-                if t.content_trust.as_deref() == Some(ContentTrust::Trusted.as_str()) {
-                    ContentTrust::Trusted
-                } else {
-                    ContentTrust::Untrusted
-                },
+                // Not judged (`None`): untrusted.
+                t.content_trust.unwrap_or(ContentTrust::Untrusted),
                 true,
             ),
             None if self.inbound.run_id().is_some() => (
@@ -384,7 +382,7 @@ impl McpCall {
 
     /// Answers a call admission withheld (or the ticket refused): journaled, counted, events.
     async fn withheld(&self, d: Decision, exec: &Exec) -> Response {
-        self.journal(&d, exec, "ok", None).await;
+        self.journal(&d, exec, RoundState::Ok, None).await;
         self.account(&d, exec, true).await;
         if d.outcome == Outcome::Invalid {
             // A tool execution error the model can correct (MCP tools "Error Handling").
@@ -429,7 +427,7 @@ impl McpCall {
         &self,
         d: &Decision,
         exec: &Exec,
-        state: &'static str,
+        state: RoundState,
         error: Option<String>,
     ) {
         let ctx = &self.inbound.ctx;
@@ -474,7 +472,7 @@ impl McpCall {
             response_link: None,
             channel: None,
             channel_result: None,
-            content_trust: Some(self.trust.as_str()),
+            content_trust: Some(self.trust),
         };
         crate::proxy::record_round_with(&self.front.state, &self.policy.redactor, rec).await;
     }
@@ -612,7 +610,7 @@ impl McpCall {
                 d.stage = Stage::Dispatch;
                 d.reason = crate::reason::Reason::EffectRecorded;
                 d.message = "this effect already ran; its recorded result is served and the server is not called".into();
-                self.journal(d, exec, "ok", None).await;
+                self.journal(d, exec, RoundState::Ok, None).await;
                 self.account(d, exec, true).await;
                 Ok(Some(json_response(
                     StatusCode::OK,
@@ -624,7 +622,7 @@ impl McpCall {
                 d.stage = Stage::Dispatch;
                 d.reason = crate::reason::Reason::ToolOutcomeUnknown;
                 d.message = "this effect was forwarded before and its result is not recorded (in flight, or in doubt after a failure); it is not run again".into();
-                self.journal(d, exec, "ok", None).await;
+                self.journal(d, exec, RoundState::Ok, None).await;
                 self.account(d, exec, true).await;
                 let e = WireError::ToolOutcomeUnknown {
                     calls: admission::sanitize_label(&self.name),
@@ -641,7 +639,7 @@ impl McpCall {
                 d.stage = Stage::Dispatch;
                 d.reason = crate::reason::Reason::EffectAlreadyClaimed;
                 d.message = "turnguard: this effect is already done; it is not run again".into();
-                self.journal(d, exec, "ok", None).await;
+                self.journal(d, exec, RoundState::Ok, None).await;
                 self.account(d, exec, true).await;
                 Ok(Some(json_response(
                     StatusCode::OK,
@@ -831,7 +829,7 @@ async fn dispatch(call: McpCall, mut d: Decision, exec: Exec) -> Response {
         call.inbound.raw.clone()
     };
     tokio::join!(
-        call.journal(&d, &exec, "ok", None),
+        call.journal(&d, &exec, RoundState::Ok, None),
         call.account(&d, &exec, false)
     );
     // From here the call has left: it runs in its own task, so a client that goes away does

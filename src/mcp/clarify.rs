@@ -37,7 +37,7 @@ use tokio::sync::oneshot;
 use super::call::McpCall;
 use super::session::Era;
 use super::{code, json_response, openwop_error, rpc_error};
-use crate::journal::TicketRow;
+use crate::journal::{RoundState, TicketRow};
 use crate::model::{Decision, Outcome, Stage};
 
 /// The `inputRequests` key of turnguard's ask.
@@ -214,7 +214,7 @@ async fn complete(
         Err(e) => return super::wire_error(&id, &e),
     }
     tokio::join!(
-        call.journal(d, &exec, "ok", None),
+        call.journal(d, &exec, RoundState::Ok, None),
         call.account(d, &exec, false)
     );
     let message = json!({"jsonrpc": "2.0", "id": id, "result": result});
@@ -303,7 +303,7 @@ pub async fn handle(call: McpCall, mut d: Decision, ticket: Option<TicketRow>) -
         d.reason = crate::reason::Reason::ClarificationRoundsExceeded;
         d.message = format!("the person was asked {rounds} time(s) for this call; the limit is {limit} (`limits.clarification_rounds`)");
         let exec = super::call::Exec::random();
-        call.journal(&d, &exec, "ok", None).await;
+        call.journal(&d, &exec, RoundState::Ok, None).await;
         call.account(&d, &exec, true).await;
         return json_response(
             StatusCode::OK,

@@ -32,8 +32,8 @@ use crate::admission::{self, AdmitCtx};
 use crate::body::{read_capped_within, BodyError};
 use crate::error::{Surface, WireError};
 use crate::journal::{
-    CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RunKey, ServedCall,
-    ServedRecord, ToolResultRecord,
+    CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RoundState, RunKey,
+    ServedCall, ServedRecord, ToolResultRecord,
 };
 use crate::metrics::{CallLabels, EmissionLabels, RepairLabels, TrustLabels};
 use crate::model::{
@@ -188,7 +188,7 @@ impl Session {
         calls: &[CallRecord],
     ) -> Option<crate::model::ResponseLink> {
         link.map(|mut l| {
-            l.content_trust = Some(admission::trust::of_response(self.trust, &l).as_str());
+            l.content_trust = Some(admission::trust::of_response(self.trust, &l));
             l.next_round_index = Some(self.turn.round_index.saturating_add(1));
             l.calls_so_far = Some(
                 self.turn
@@ -1273,7 +1273,7 @@ async fn surface_json(
     let mut json: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(_) => {
-            let mut rec = round_record(session, base, "failed", &body);
+            let mut rec = round_record(session, base, RoundState::Failed, &body);
             rec.error = Some("upstream response is not JSON".into());
             record_round(session, rec).await;
             return Err(WireError::UpstreamUnavailable {
@@ -1287,7 +1287,7 @@ async fn surface_json(
         Err(why) => {
             // One emission, one decision: a response that does not identify each choice and
             // call uniquely is not decided call by call; it fails closed.
-            let mut rec = round_record(session, base, "failed", &body);
+            let mut rec = round_record(session, base, RoundState::Failed, &body);
             rec.error = Some(why.clone());
             record_round(session, rec).await;
             return Err(WireError::UpstreamUnavailable {
@@ -1304,7 +1304,7 @@ async fn surface_json(
     let verdicts = session
         .admit(&with_calls, &crate::approvals::InRequest)
         .await;
-    let mut rec = round_record(session, base, "ok", &body);
+    let mut rec = round_record(session, base, RoundState::Ok, &body);
     if has_secrets(&verdicts) {
         rec.response = rec.response.withheld();
     }
@@ -1317,7 +1317,7 @@ async fn surface_json(
         Surfacing::Error(e) => Some(e.clone()),
         _ => None,
     }) {
-        rec.state = "surfaced_error";
+        rec.state = RoundState::SurfacedError;
         JsonRound::Error(e)
     } else if let Some((choice, items)) =
         with_calls
@@ -1328,7 +1328,7 @@ async fn surface_json(
                 _ => None,
             })
     {
-        rec.state = "repaired";
+        rec.state = RoundState::Repaired;
         JsonRound::Repair(session.repaired(choice, items))
     } else if let Some(next) = session.check_channel(&round, &mut rec) {
         next
@@ -1384,7 +1384,7 @@ impl Session {
         // Context exhaustion is not repaired: a longer transcript cannot fit either.
         let repairable = admission::completion::repairable(reason);
         if repairable && self.repairs_left > 0 && n_choices(&self.body) == 1 {
-            rec.state = "repaired";
+            rec.state = RoundState::Repaired;
             let mut next = self.body.clone();
             let feedback = format!(
                 "turnguard: {message}. Answer again with only a JSON document valid against the schema `{}`.",
@@ -1397,7 +1397,7 @@ impl Session {
             );
             return Some(JsonRound::Repair(next));
         }
-        rec.state = "surfaced_error";
+        rec.state = RoundState::SurfacedError;
         let code = admission::completion::channel_error_code(reason);
         Some(JsonRound::Error(SurfacedError {
             status: 422,
@@ -1438,7 +1438,7 @@ pub fn join<'a>(items: impl Iterator<Item = &'a str>) -> String {
 pub fn round_record(
     session: &Session,
     base: &RoundBase,
-    round_state: &'static str,
+    round_state: RoundState,
     response: &[u8],
 ) -> RoundRecord {
     let ctx = &session.ctx;
@@ -1467,7 +1467,7 @@ pub fn round_record(
         response_link: None,
         channel: None,
         channel_result: None,
-        content_trust: Some(session.trust.as_str()),
+        content_trust: Some(session.trust),
     }
 }
 
@@ -1509,7 +1509,7 @@ async fn journal_round(state: &AppState, mut rec: RoundRecord) {
 }
 
 fn record_upstream_error(session: &Session, base: &RoundBase) {
-    let mut rec = round_record(session, base, "upstream_error", b"");
+    let mut rec = round_record(session, base, RoundState::UpstreamError, b"");
     rec.redact_text(&session.policy.redactor);
     let state = Arc::clone(&session.state);
     tokio::spawn(async move { journal_round(&state, rec).await });

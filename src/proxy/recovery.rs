@@ -41,7 +41,7 @@ use serde_json::Value;
 use super::stream::{Finish, Pipeline};
 use super::{RunMode, Session};
 use crate::error::WireError;
-use crate::journal::{JournalError, JournalReader, ServedRecord};
+use crate::journal::{JournalError, JournalReader, RoundState, ServedRecord};
 use crate::metrics::{ReplayLabels, ReplayMode, ReplayResult};
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Decision, Outcome, Stage, Surfacing};
 use crate::provider;
@@ -389,7 +389,7 @@ fn without_calls_sse(session: &Session, body: &[u8], recorded: &HashSet<String>)
                 let verdicts = verdicts_without(&round, recorded);
                 pipeline.release(round, verdicts, &mut out);
             }
-            Finish::Ended("ok", _) => break,
+            Finish::Ended(RoundState::Ok, _) => break,
             Finish::Ended(..) => return None,
         }
     }

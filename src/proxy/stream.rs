@@ -24,6 +24,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::{call_records, join, record_round, round_record, upstream, RoundBase, Session};
 use crate::admission::channel::{ChannelSpec, ChannelVerdict};
 use crate::admission::SchemaCache;
+use crate::journal::RoundState;
 use crate::metrics::{ApiLabels, ReasonLabels, UpstreamError};
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Surfacing, Turn};
 use crate::provider::{Splice, StreamAdapter};
@@ -84,7 +85,7 @@ pub enum Finish {
     /// Calls are held and the stream is complete: admit them, release, and finish again.
     Decide(Vec<ChoiceEmissions>),
     /// The round is over: its journal state and error.
-    Ended(&'static str, Option<String>),
+    Ended(RoundState, Option<String>),
 }
 
 impl Pipeline {
@@ -311,7 +312,7 @@ impl Pipeline {
     pub fn finish(&mut self, cut: Option<String>, out: &mut Vec<Bytes>) -> Finish {
         if let Some(reason) = self.broken.clone() {
             self.adapter.cut(&reason, out);
-            return Finish::Ended("failed", Some(reason));
+            return Finish::Ended(RoundState::Failed, Some(reason));
         }
         if cut.is_none() && !self.framer_drained {
             self.framer_drained = true;
@@ -342,7 +343,7 @@ impl Pipeline {
             }
             if let Some(reason) = self.broken.clone() {
                 self.adapter.cut(&reason, out);
-                return Finish::Ended("failed", Some(reason));
+                return Finish::Ended(RoundState::Failed, Some(reason));
             }
         }
         if cut.is_none()
@@ -351,7 +352,7 @@ impl Pipeline {
             && !self.settle_channel(out)
         {
             return Finish::Ended(
-                "surfaced_error",
+                RoundState::SurfacedError,
                 Some("the text answer did not meet its channel's schema".to_owned()),
             );
         }
@@ -362,24 +363,24 @@ impl Pipeline {
                 }
                 if self.adapter.failed() {
                     Finish::Ended(
-                        "upstream_error",
+                        RoundState::UpstreamError,
                         Some("the provider sent an error event".to_owned()),
                     )
                 } else {
-                    Finish::Ended("ok", None)
+                    Finish::Ended(RoundState::Ok, None)
                 }
             }
             None => {
                 self.adapter
                     .cut("the stream ended before its terminal event", out);
                 Finish::Ended(
-                    "failed",
+                    RoundState::Failed,
                     Some("upstream stream ended before its terminal event".to_owned()),
                 )
             }
             Some(reason) => {
                 self.adapter.cut(&reason, out);
-                Finish::Ended("failed", Some(reason))
+                Finish::Ended(RoundState::Failed, Some(reason))
             }
         }
     }
@@ -518,7 +519,7 @@ enum RoundEnd {
     /// Ask the model again with this body; splice its stream like this.
     Repair(Value, Splice),
     /// The agent's stream is complete (or failed): journal state and error.
-    Done(&'static str, Option<String>),
+    Done(RoundState, Option<String>),
     /// The agent went away.
     ClientGone,
 }
@@ -576,16 +577,16 @@ async fn run(
         )
         .await;
         let (state, error) = match &end {
-            RoundEnd::Repair(..) => ("repaired", None),
+            RoundEnd::Repair(..) => (RoundState::Repaired, None),
             RoundEnd::Done(s, e) => (*s, e.clone()),
             RoundEnd::ClientGone => (
-                "client_gone",
+                RoundState::ClientGone,
                 Some("the agent closed the stream".to_owned()),
             ),
         };
         let secrets = pipeline.decided.iter().any(|(_, v)| super::has_secrets(v));
         record(&session, &base, &pipeline, capture, state, error, secrets).await;
-        if state == "ok" {
+        if state == RoundState::Ok {
             let calls: Vec<_> = pipeline
                 .decided
                 .iter()
@@ -767,7 +768,7 @@ async fn read_round(
                 }
                 Next::Stop => {
                     return if agent.send_all(&mut out).await {
-                        RoundEnd::Done("surfaced_error", None)
+                        RoundEnd::Done(RoundState::SurfacedError, None)
                     } else {
                         RoundEnd::ClientGone
                     };
@@ -798,7 +799,7 @@ async fn read_round(
                     }
                     Next::Stop => {
                         agent.send_all(&mut out).await;
-                        return RoundEnd::Done("surfaced_error", None);
+                        return RoundEnd::Done(RoundState::SurfacedError, None);
                     }
                     Next::Gone => return RoundEnd::ClientGone,
                 }
@@ -910,7 +911,7 @@ async fn record(
     base: &RoundBase,
     pipeline: &Pipeline,
     capture: Capture,
-    state: &'static str,
+    state: RoundState,
     error: Option<String>,
     secrets: bool,
 ) {
@@ -972,7 +973,7 @@ mod tests {
         }
         assert!(matches!(
             p.finish(None, &mut out),
-            Finish::Ended("ok", None)
+            Finish::Ended(RoundState::Ok, None)
         ));
         let joined: Vec<u8> = out.iter().flat_map(|b| b.to_vec()).collect();
         assert_eq!(

@@ -136,7 +136,7 @@ fn relay_with(
                 p.release(round, v, &mut out);
             }
             Finish::Ended(state, _) => {
-                assert_eq!(state, "ok");
+                assert_eq!(state.as_str(), "ok");
                 break;
             }
         }
