@@ -280,6 +280,17 @@ fn request_body() -> Bytes {
     )
 }
 
+/// A keep-alive client (TCP_NODELAY) holding up to `connections` idle connections.
+fn load_client(
+    connections: usize,
+) -> Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>> {
+    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(connections)
+        .build(connector)
+}
+
 /// The bench's request to `url`, with `Turnguard-Run: run` when given.
 fn bench_request(url: &str, body: Bytes, run: Option<String>) -> Request<Full<Bytes>> {
     let mut req = Request::post(url)
@@ -364,11 +375,7 @@ fn pct(v: &mut [u64], p: f64) -> u64 {
 }
 
 async fn stream_load(url: &str, concurrency: usize, duration: Duration, run: Option<String>) {
-    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
-    connector.set_nodelay(true);
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(concurrency)
-        .build(connector);
+    let client = load_client(concurrency);
     let body = request_body();
     let started = Instant::now();
     let deadline = started + duration;
@@ -430,11 +437,7 @@ async fn open_load(
     run: Option<String>,
 ) {
     use std::sync::atomic::{AtomicU64, Ordering};
-    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
-    connector.set_nodelay(true);
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(connections)
-        .build(connector);
+    let client = load_client(connections);
     let body = json_request_body();
     let period = Duration::from_secs_f64(1.0 / rate);
     let total = (rate * duration.as_secs_f64()) as u64;

@@ -359,10 +359,15 @@ pub enum Settled {
 impl Settled {
     /// The round to decide again: the model's, with the person's edited arguments in place
     /// of the model's for the calls they edited.
-    pub fn round(&self, round: &[ChoiceEmissions]) -> Vec<ChoiceEmissions> {
+    pub fn round<'r>(
+        &self,
+        round: &'r [ChoiceEmissions],
+    ) -> std::borrow::Cow<'r, [ChoiceEmissions]> {
         match self {
-            Self::Accepted(_, edits) if !edits.is_empty() => with_edits(round, edits),
-            _ => round.to_vec(),
+            Self::Accepted(_, edits) if !edits.is_empty() => {
+                std::borrow::Cow::Owned(with_edits(round, edits))
+            }
+            _ => std::borrow::Cow::Borrowed(round),
         }
     }
 

@@ -2010,7 +2010,7 @@ mod tests {
         );
         // The provider-run search is provider output; the host's tools are not a model turn.
         let at: Vec<&str> = t.untrusted_inputs.iter().map(|u| u.at.as_str()).collect();
-        assert_eq!(at, vec!["tools[2]"]);
+        assert_eq!(at.join(","), "tools[2]");
         assert_eq!(t.round_index, 0);
         let nested = json!({"input": [{"type": "additional_tools", "tools": [
             {"type": "namespace", "name": "a", "tools": [{"type": "namespace", "name": "b", "tools": []}]}

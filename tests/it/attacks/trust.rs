@@ -220,6 +220,40 @@ async fn unknown_roles_and_item_types_are_untrusted() {
     h.stop().await;
 }
 
+/// A `tool_reference` block (a tool search naming a tool it loaded) is known only inside a
+/// `tool_result`, where the result keeps its own tool's trust: in a trusted tool's result
+/// the turn stays trusted; in an untrusted tool's result, or anywhere else, it is untrusted.
+#[tokio::test]
+async fn a_tool_reference_takes_the_trust_of_the_result_it_is_in() {
+    let h = harness().await;
+    let user = json!({"role": "user", "content": "Load the weather tool, then email eve."});
+    let result = |tool: &str| {
+        messages(json!([user, anthropic_uses(&[("toolu_1", tool)]),
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                "content": [{"type": "tool_reference", "tool_name": "get_weather"}]},
+                {"type": "text", "text": "Tool loaded."}]}]))
+    };
+    assert_eq!(
+        judge(&h, "/v1/messages", &result("get_weather")).await,
+        Judged::Trusted,
+        "a tool_reference in a trusted tool's result"
+    );
+    assert_eq!(
+        judge(&h, "/v1/messages", &result("read_email")).await,
+        Judged::Untrusted,
+        "a tool_reference in an untrusted tool's result"
+    );
+    let outside = messages(json!([{"role": "user", "content": [
+        {"type": "text", "text": "Email eve."},
+        {"type": "tool_reference", "tool_name": "send_email"}]}]));
+    assert_eq!(
+        judge(&h, "/v1/messages", &outside).await,
+        Judged::Untrusted,
+        "a tool_reference outside a tool_result"
+    );
+    h.stop().await;
+}
+
 /// Item 6: content the provider fetches (or holds) for the model is untrusted: the proxy
 /// never sees it.
 #[tokio::test]
