@@ -1457,8 +1457,11 @@ async fn the_approvals_cli_lists_accepts_edits_and_rejects_with_the_persons_toke
     .await;
     let alice_file = keys.path().join("alice.jwt");
     std::fs::write(&alice_file, token("alice", json!({}))).unwrap();
+    // The very token the agent carries on the data plane (minted once: `exp` is in seconds,
+    // so a second minting can differ from it).
+    let agent_tok = agent_token("alice");
     let agent_file = keys.path().join("agent.jwt");
-    std::fs::write(&agent_file, agent_token("alice")).unwrap();
+    std::fs::write(&agent_file, &agent_tok).unwrap();
 
     let (code, out, _) = cli(&h, &alice_file, &["list"]).await;
     assert_eq!(
@@ -1470,7 +1473,10 @@ async fn the_approvals_cli_lists_accepts_edits_and_rejects_with_the_persons_toke
         &h,
         "/v1/chat/completions",
         support::approvals::after_email(vec![]),
-        support::approvals::as_person("alice", "run-cli"),
+        vec![
+            ("turnguard-principal-token", agent_tok.clone()),
+            ("turnguard-run", "run-cli".to_owned()),
+        ],
     );
     let id = wait_pending(&h, &token("alice", json!({})), 1).await[0]["interruptId"]
         .as_str()
