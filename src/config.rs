@@ -45,8 +45,9 @@ pub struct ServeArgs {
     /// Policy bundle directory [default: ./policy].
     #[arg(long, value_name = "DIR")]
     pub policy: Option<PathBuf>,
-    /// SQLite journal file [default: ./turnguard.db].
-    #[arg(long, value_name = "PATH")]
+    /// Journal: a SQLite file, or a `postgres://` URL for a journal shared by replicas
+    /// [default: ./turnguard.db].
+    #[arg(long, value_name = "PATH|URL")]
     pub journal: Option<PathBuf>,
     /// Shipped tool catalogs to include, comma-separated (`claude-code`, `codex`,
     /// `openai-agents`, or `none`); replaces the bundle's `catalogs` list [default: the
@@ -432,7 +433,8 @@ pub struct Config {
     /// Shipped catalogs to include instead of the bundle's `catalogs` list
     /// ([`crate::policy::catalogs`]); `None`: the bundle's list.
     pub catalog: Option<Vec<String>>,
-    pub journal: PathBuf,
+    /// Where the journal lives ([`crate::journal::JournalLocation`]).
+    pub journal: crate::journal::JournalLocation,
     pub upstreams: BTreeMap<String, Upstream>,
     pub max_body_bytes: usize,
     pub max_response_bytes: usize,
@@ -520,7 +522,7 @@ impl Default for Config {
             policy: PathBuf::from("./policy"),
             policy_explicit: false,
             catalog: None,
-            journal: PathBuf::from("./turnguard.db"),
+            journal: crate::journal::JournalLocation::Sqlite(PathBuf::from("./turnguard.db")),
             upstreams,
             max_body_bytes: 8 << 20,
             max_response_bytes: 32 << 20,
@@ -700,14 +702,18 @@ impl Config {
             same,
             path_env,
         )?;
+        let mut journal = PathBuf::from(c.journal.to_string());
         resolve_path(
-            &mut c.journal,
+            &mut journal,
             &flags.journal,
             env("TURNGUARD_JOURNAL"),
             &file.journal,
             same,
             path_env,
         )?;
+        if flags.journal.is_some() || env("TURNGUARD_JOURNAL").is_some() || file.journal.is_some() {
+            c.journal = crate::journal::JournalLocation::from(journal);
+        }
         // Shipped catalogs: a list in the file and flags, comma-separated in the environment.
         c.catalog = flags
             .catalog

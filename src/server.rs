@@ -67,6 +67,9 @@ pub enum StartError {
     /// The journal could not be opened.
     #[error(transparent)]
     Journal(#[from] JournalError),
+    /// The journal location names a backend this build cannot open.
+    #[error("journal {0}: PostgreSQL journals are not supported by this build yet")]
+    JournalBackend(String),
     /// The identity configuration cannot be used.
     #[error(transparent)]
     Identity(#[from] IdentityConfigError),
@@ -146,12 +149,15 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             .with_embedded_fallback(!config.policy_explicit)
             .with_catalogs(config.catalog.clone()),
     );
+    let Some(journal_path) = config.journal.sqlite_path() else {
+        return Err(StartError::JournalBackend(config.journal.to_string()));
+    };
     let (journal, writer) = Journal::open_with(
-        &config.journal,
+        journal_path,
         Arc::clone(&metrics),
         Duration::from_millis(config.journal_busy_timeout_ms),
     )?;
-    let reader = Arc::new(JournalReader::open(&config.journal)?);
+    let reader = Arc::new(JournalReader::open(journal_path)?);
     let bind = |addr: SocketAddr| async move {
         TcpListener::bind(addr).await.map_err(|e| StartError::Bind {
             addr,

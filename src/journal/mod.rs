@@ -49,6 +49,7 @@
 //! continues the chain is expected to answer them (see the Responses adapter's notes).
 
 mod interrupts;
+mod location;
 mod mcp;
 mod reader;
 pub mod redact;
@@ -56,6 +57,7 @@ mod schema;
 mod states;
 
 pub use interrupts::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
+pub use location::JournalLocation;
 pub use mcp::{McpReader, TicketRow};
 pub use reader::{DeclaredToolRow, EffectRow, EventRow, JournalReader, LearnRows, RunSummary};
 pub use states::{InterruptState, RoundState, UnknownValue};

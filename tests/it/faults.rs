@@ -909,7 +909,7 @@ async fn a_full_disk_fails_durable_requests_and_readiness_recovers() {
     let j = journal.clone();
     let h = support::start_with(Script::default(), move |c| {
         c.policy = run_bundle();
-        c.journal = j;
+        c.journal = j.into();
     })
     .await;
     h.script(&text_answer()).await;
