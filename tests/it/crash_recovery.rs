@@ -54,6 +54,7 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::support;
 use serde_json::{json, Value};
 
 /// Trials of the 10-round run.
@@ -203,7 +204,7 @@ impl Turnguard {
             .arg("serve")
             .args(["--listen", &self.data, "--admin-listen", &self.admin])
             .arg("--journal")
-            .arg(&self.journal)
+            .arg(support::journal_arg(&self.journal))
             .arg("--policy")
             .arg(bundle())
             .args(["--upstream", &format!("openai=http://{}", self.mock)])
@@ -572,16 +573,13 @@ fn arm_watch(
     let fired = Arc::new(AtomicBool::new(false));
     let (s, f) = (Arc::clone(&stop), Arc::clone(&fired));
     let thread = std::thread::spawn(move || {
-        let db = rusqlite::Connection::open_with_flags(
-            &journal,
-            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-        )
-        .unwrap();
-        let mut st = db.prepare(sql).unwrap();
+        let db = support::journal(&journal);
+        let params: Vec<support::db::DbValue> = params
+            .iter()
+            .map(|p| support::db::DbValue::Text(p.clone()))
+            .collect();
         while !s.load(Ordering::SeqCst) {
-            let n: i64 = st
-                .query_row(rusqlite::params_from_iter(params.iter()), |r| r.get(0))
-                .unwrap_or(0);
+            let n: i64 = db.query_row(sql, params.clone(), |r| r.get(0)).unwrap_or(0);
             if n > 0 {
                 if kill(&handle) {
                     f.store(true, Ordering::SeqCst);
@@ -832,14 +830,10 @@ fn kill_nine_at_random_points_releases_each_charge_exactly_once() {
         }
         // The journal agrees: one effect per charge, each completed.
         tg.ensure_running();
-        let db = rusqlite::Connection::open_with_flags(
-            &tg.journal,
-            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-        )
-        .unwrap();
+        let db = support::journal(&tg.journal);
         let (effects, completed): (i64, i64) = db
             .query_row(
-                "SELECT count(*), coalesce(sum(state = 'completed'), 0) FROM effects WHERE run_id = ?1",
+                "SELECT count(*), coalesce(sum(CASE WHEN state = 'completed' THEN 1 ELSE 0 END), 0) FROM effects WHERE run_id = ?1",
                 [format!("crash-t{t}")],
                 |r| Ok((r.get(0)?, r.get(1)?)),
             )
@@ -952,11 +946,7 @@ fn concurrent_executors_of_one_effect_claim_it_once() {
                 .map(|(r, s)| (r, &s.text))
                 .collect::<Vec<_>>()
         );
-        let db = rusqlite::Connection::open_with_flags(
-            &tg.journal,
-            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-        )
-        .unwrap();
+        let db = support::journal(&tg.journal);
         let claims: i64 = db
             .query_row(
                 "SELECT count(*) FROM effects WHERE run_id LIKE ?1",
