@@ -6,6 +6,8 @@
 #   bench/run.sh                 # needs: wrk, nginx (apt-get install wrk nginx), python3
 #   ROUNDS=1 SECONDS_PER_RUN=3 bench/run.sh   # a quick smoke run
 #   ALLOCATORS="system mimalloc jemalloc" bench/run.sh   # one turnguard per global allocator
+#   JOURNALS="sqlite postgres" bench/run.sh   # + a turnguard on a PostgreSQL journal (a
+#                                # throwaway cluster from .ci/postgres.sh, or BENCH_PG_URL)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
@@ -20,6 +22,10 @@ PROXY_CPU=${PROXY_CPU:-1}
 # the cargo features of the same name), all measured in the same interleaved run.
 ALLOCATORS=${ALLOCATORS:-system}
 OPEN_RATE=${OPEN_RATE:-1000}
+# Journal backends: `sqlite` (a file, the embedded default) and/or `postgres` (config names get
+# a `-pg` suffix). PostgreSQL runs on the load generator's CPU, so the proxy's core stays its
+# own; its CPU is reported separately (postgres-cpu.txt), not in turnguard's per-request CPU.
+JOURNALS=${JOURNALS:-sqlite}
 
 command -v wrk >/dev/null || { echo "wrk is missing: apt-get install wrk" >&2; exit 1; }
 command -v nginx >/dev/null || { echo "nginx is missing: apt-get install nginx" >&2; exit 1; }
@@ -44,7 +50,7 @@ cleanup() {
   [ -f "$WORK/nginx.pid" ] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null || true
   wait 2>/dev/null || true
 }
-trap cleanup EXIT
+trap 'cleanup; stop_pg 2>/dev/null || true' EXIT
 
 echo "== start mock :$MOCK_PORT, nginx :$NGINX_PORT, turnguard per allocator ($ALLOCATORS)"
 taskset -c "$LOADGEN_CPU" "$TOOL" mock --listen "127.0.0.1:$MOCK_PORT" --event-delay-us "$EVENT_DELAY_US" &
@@ -70,17 +76,29 @@ declare -A URL=(
 )
 declare -A PID_OF=() ADMIN_OF=()
 CONFIGS=(direct nginx)
-for a in $ALLOCATORS; do
-  port=$(free_port); admin=$(free_port); cfg=turnguard-$a
+PG_DIR=""
+if [[ " $JOURNALS " == *" postgres "* ]] && [ -z "${BENCH_PG_URL:-}" ]; then
+  read -r PG_DIR BENCH_PG_URL < <(TURNGUARD_CI_PG_PORT=${BENCH_PG_PORT:-55433} .ci/postgres.sh)
+  PG_PID=$(head -1 "$PG_DIR/db/postmaster.pid")
+  for p in "$PG_PID" $(pgrep -P "$PG_PID"); do taskset -pc "$LOADGEN_CPU" "$p" >/dev/null; done
+fi
+stop_pg() { [ -n "$PG_DIR" ] && .ci/postgres.sh stop "$PG_DIR"; }
+pg_db() { # name → URL of a fresh database on the bench cluster
+  psql -q "$BENCH_PG_URL" -c "DROP DATABASE IF EXISTS $1" -c "CREATE DATABASE $1" >/dev/null
+  python3 -c 'import sys,urllib.parse as u;p=u.urlsplit(sys.argv[1]);print(u.urlunsplit(p._replace(path="/"+sys.argv[2])))' "$BENCH_PG_URL" "$1"
+}
+for a in $ALLOCATORS; do for j in $JOURNALS; do
+  port=$(free_port); admin=$(free_port); cfg=turnguard-$a; journal="$WORK/journal-$a.db"
+  if [ "$j" = postgres ]; then cfg=turnguard-$a-pg; journal=$(pg_db "bench_${a}"); fi
   taskset -c "$PROXY_CPU" "$WORK/turnguard-$a" serve --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$admin" \
-    --journal "$WORK/journal-$a.db" --policy "$WORK/policy" --upstream "openai=http://127.0.0.1:$MOCK_PORT" \
+    --journal "$journal" --policy "$WORK/policy" --upstream "openai=http://127.0.0.1:$MOCK_PORT" \
     --log-format json 2> "$OUT/$cfg.log" &
   PID_OF[$cfg]=$!; PIDS+=($!)
   URL[$cfg]="http://127.0.0.1:$port/v1/chat/completions"
   ADMIN_OF[$cfg]="http://127.0.0.1:$admin"
   CONFIGS+=("$cfg")
   for _ in $(seq 100); do curl -sf "http://127.0.0.1:$admin/readyz" >/dev/null && break; sleep 0.1; done
-done
+done; done
 for _ in $(seq 100); do curl -sf -o /dev/null "http://127.0.0.1:$NGINX_PORT/healthz-nginx" && break; sleep 0.1; done
 
 ticks() { if [ -n "${1:-}" ]; then awk '{print $14+$15}' "/proc/$1/stat"; else echo 0; fi; }
@@ -146,6 +164,13 @@ done
 for a in $ALLOCATORS; do
   sqlite3 "$WORK/journal-$a.db" "select count(*) from rounds" > "$OUT/journal-rounds-$a.txt" 2>/dev/null || true
 done
+if [ -n "$PG_DIR" ]; then
+  # PostgreSQL's own CPU over the whole run (the postmaster and its live children; backends
+  # that already exited are not counted), beside turnguard's.
+  ticks_pg=0
+  for p in "$PG_PID" $(pgrep -P "$PG_PID"); do ticks_pg=$((ticks_pg + $(awk '{print $14+$15}' "/proc/$p/stat"))); done
+  echo "postgres cpu ticks (whole run, clk_tck $CLK): $ticks_pg" > "$OUT/postgres-cpu.txt"
+fi
 
 echo "== environment"
 {
@@ -153,7 +178,8 @@ echo "== environment"
   echo "kernel: $(uname -sr)"
   echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) × $(nproc)"
   echo "memory: $(free -m | awk '/Mem:/{print $2}') MiB"
-  echo "turnguard: $($TG --version) ($(git rev-parse --short HEAD)); allocators: $ALLOCATORS"
+  echo "turnguard: $($TG --version) ($(git rev-parse --short HEAD)); allocators: $ALLOCATORS; journals: $JOURNALS"
+  [ -n "${BENCH_PG_URL:-}" ] && echo "postgresql: $(psql "$BENCH_PG_URL" -Atc 'show server_version'), on CPU $LOADGEN_CPU"
   echo "rustc: $(rustc --version)"
   echo "nginx: $(nginx -v 2>&1 | cut -d/ -f2)"
   echo "wrk: $(wrk -v 2>&1 | head -1)"
