@@ -77,11 +77,21 @@ pub struct ServeArgs {
     /// Shipped tool catalogs to include, comma-separated (`claude-code`, `codex`,
     /// `openai-agents`, or `none`); replaces the bundle's `catalogs` list [default: the
     /// bundle's list; the default bundle includes all three].
-    #[arg(long, value_name = "NAMES", value_delimiter = ',', env = "TURNGUARD_CATALOG")]
+    #[arg(
+        long,
+        value_name = "NAMES",
+        value_delimiter = ',',
+        env = "TURNGUARD_CATALOG"
+    )]
     pub catalog: Option<Vec<String>>,
     /// Upstream `NAME=URL`, repeatable [defaults: openai=https://api.openai.com,
     /// anthropic=https://api.anthropic.com]. In the env var, comma-separated.
-    #[arg(long = "upstream", value_name = "NAME=URL", env = "TURNGUARD_UPSTREAM", value_delimiter = ',')]
+    #[arg(
+        long = "upstream",
+        value_name = "NAME=URL",
+        env = "TURNGUARD_UPSTREAM",
+        value_delimiter = ','
+    )]
     #[serde(skip)]
     pub upstream: Vec<String>,
     /// Largest request body accepted, bytes [default: 8 MiB].
@@ -142,7 +152,11 @@ pub struct ServeArgs {
     pub identity_audience: Option<String>,
     /// Expected `aud` of approver tokens on the admin plane [default: identity_audience].
     /// A distinct audience keeps the agent's principal token from ever approving.
-    #[arg(long, value_name = "AUDIENCE", env = "TURNGUARD_IDENTITY_APPROVAL_AUDIENCE")]
+    #[arg(
+        long,
+        value_name = "AUDIENCE",
+        env = "TURNGUARD_IDENTITY_APPROVAL_AUDIENCE"
+    )]
     pub identity_approval_audience: Option<String>,
     /// JWKS file with the identity provider's public keys (RS256, ES256, EdDSA).
     #[arg(long, value_name = "FILE", env = "TURNGUARD_IDENTITY_JWKS")]
@@ -151,7 +165,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE", env = "TURNGUARD_IDENTITY_PUBLIC_KEY")]
     pub identity_public_key: Option<PathBuf>,
     /// File holding an HS256 shared secret (development only; logged as such at start).
-    #[arg(long, value_name = "FILE", env = "TURNGUARD_IDENTITY_HS256_SECRET_FILE")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "TURNGUARD_IDENTITY_HS256_SECRET_FILE"
+    )]
     pub identity_hs256_secret_file: Option<PathBuf>,
     /// Development only: trust a plain `Turnguard-Principal` header as the verified person on
     /// both planes [default: false]. Logged loudly at start.
@@ -197,13 +215,23 @@ pub struct ServeArgs {
     /// An MCP server (Streamable HTTP) to put behind `/mcp/NAME`, as `NAME=URL`, repeatable
     /// (the MCP front, [`crate::mcp`]). In the env var, comma-separated. In the file, a table
     /// `[mcp.NAME]` with `url` and `ticket`, or `mcp.NAME = "URL"`.
-    #[arg(long = "mcp", value_name = "NAME=URL", env = "TURNGUARD_MCP", value_delimiter = ',')]
+    #[arg(
+        long = "mcp",
+        value_name = "NAME=URL",
+        env = "TURNGUARD_MCP",
+        value_delimiter = ','
+    )]
     #[serde(skip)]
     pub mcp: Vec<String>,
     /// Whether a `tools/call` inside a run must match an admitted model emission of that run,
     /// per MCP server, as `NAME=required|optional`, repeatable [default: required]. In the env
     /// var (`TURNGUARD_MCP_TICKET`), comma-separated.
-    #[arg(long = "mcp-ticket", value_name = "NAME=required|optional", env = "TURNGUARD_MCP_TICKET", value_delimiter = ',')]
+    #[arg(
+        long = "mcp-ticket",
+        value_name = "NAME=required|optional",
+        env = "TURNGUARD_MCP_TICKET",
+        value_delimiter = ','
+    )]
     #[serde(skip)]
     pub mcp_ticket: Vec<String>,
     /// Serve the approval page `/ui/approvals` on the admin plane (OpenID Connect sign-in
@@ -216,7 +244,11 @@ pub struct ServeArgs {
     pub approval_ui_client_id: Option<String>,
     /// File holding the approval page's OAuth client secret (confidential client,
     /// `client_secret_basic`); without it the page is a public client (PKCE only).
-    #[arg(long, value_name = "FILE", env = "TURNGUARD_APPROVAL_UI_CLIENT_SECRET_FILE")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "TURNGUARD_APPROVAL_UI_CLIENT_SECRET_FILE"
+    )]
     pub approval_ui_client_secret_file: Option<PathBuf>,
     /// The approval page's redirect URI as registered at the identity provider, ending in
     /// `/ui/callback` (https, or http on a loopback host).
@@ -227,7 +259,11 @@ pub struct ServeArgs {
     pub approval_webhook: Option<String>,
     /// File holding the webhook's HMAC-SHA256 key (at least 32 bytes); required with
     /// `approval_webhook`.
-    #[arg(long, value_name = "FILE", env = "TURNGUARD_APPROVAL_WEBHOOK_SECRET_FILE")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "TURNGUARD_APPROVAL_WEBHOOK_SECRET_FILE"
+    )]
     pub approval_webhook_secret_file: Option<PathBuf>,
 }
 
@@ -285,9 +321,8 @@ mod check {
     /// `host:port` with a literal IP.
     pub fn address<'de, D: Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
         let v = String::deserialize(d)?;
-        v.parse().map_err(|_| {
-            D::Error::custom(format!("`{v}` is not an address like 127.0.0.1:8787"))
-        })
+        v.parse()
+            .map_err(|_| D::Error::custom(format!("`{v}` is not an address like 127.0.0.1:8787")))
     }
 
     /// A SQLite path or a `postgres://` URL ([`crate::journal::JournalLocation`]).
@@ -302,8 +337,7 @@ mod check {
         let v = String::deserialize(d)?;
         let ok = !v.is_empty()
             && v.len() <= 64
-            && v
-                .chars()
+            && v.chars()
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '~' | '-'));
         if !ok {
             return Err(D::Error::custom(format!(
@@ -524,7 +558,12 @@ impl ServeArgs {
         let mut mcp: BTreeMap<String, Dict> = BTreeMap::new();
         for (key, field, list, what) in [
             ("mcp", "url", &self.mcp, "NAME=URL"),
-            ("mcp_ticket", "ticket", &self.mcp_ticket, "NAME=required|optional"),
+            (
+                "mcp_ticket",
+                "ticket",
+                &self.mcp_ticket,
+                "NAME=required|optional",
+            ),
         ] {
             for (server, v) in pairs(list, key, what)? {
                 mcp_name(&server).map_err(|r| value_err(&name(key), r))?;
@@ -592,7 +631,6 @@ impl Config {
         Ok(c)
     }
 }
-
 
 /// Whether an MCP `tools/call` inside a run needs a ticket: an admitted, released, not yet
 /// executed model emission of that run with the same tool and `argsHash` (DESIGN.md §10).
@@ -737,7 +775,6 @@ impl serde::Serialize for Upstream {
         st.end()
     }
 }
-
 
 /// The resolved configuration of `turnguard serve`: each field is the setting of the same
 /// name in [`ServeArgs`] (which documents it), typed, defaulted ([`Config::default`]) and
@@ -908,7 +945,6 @@ impl Default for Config {
         }
     }
 }
-
 
 /// `url` with the userinfo of its authority (`user:pass@`) replaced by `***@`, for messages.
 pub fn redact_url(url: &str) -> String {
