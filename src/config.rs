@@ -81,7 +81,8 @@ pub struct ServeArgs {
         long,
         value_name = "NAMES",
         value_delimiter = ',',
-        env = "TURNGUARD_CATALOG"
+        env = "TURNGUARD_CATALOG",
+        value_parser = parse::name
     )]
     pub catalog: Option<Vec<String>>,
     /// Upstream `NAME=URL`, repeatable [defaults: openai=https://api.openai.com,
@@ -287,6 +288,10 @@ mod parse {
     }
     pub fn days(v: &str) -> Result<u64, String> {
         number(v, "a number of days")
+    }
+    /// A name of a list (`--catalog a, b`): surrounding whitespace is not part of it.
+    pub fn name(v: &str) -> Result<String, String> {
+        Ok(v.trim().to_owned())
     }
     pub fn boolean(v: &str) -> Result<bool, String> {
         match v.trim() {
@@ -545,7 +550,7 @@ impl ServeArgs {
                 let (n, v) = pair.split_once('=').ok_or_else(|| {
                     value_err(&name(key), format!("`{}` is not {what}", redact_url(pair)))
                 })?;
-                out.push((n.to_owned(), Value::from(v)));
+                out.push((n.trim().to_owned(), Value::from(v.trim())));
             }
             Ok::<_, ConfigError>(out)
         };
@@ -1336,6 +1341,184 @@ mod tests {
             &env_of(&[("TURNGUARD_APPROVAL_UI", "yes")])
         )
         .is_err());
+    }
+
+    /// A value's error names the layer it came from: the flag, the variable, or the file and
+    /// key; the check is the same for every layer.
+    #[test]
+    fn errors_name_the_setting_and_its_layer() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        let with_file = |text: &str| {
+            std::fs::write(&file, text).unwrap();
+            ServeArgs {
+                config: Some(file.clone()),
+                ..Default::default()
+            }
+        };
+        let err = |flags: &ServeArgs, env: &[(&str, &str)]| {
+            Config::resolve(flags, &env_of(env))
+                .unwrap_err()
+                .to_string()
+        };
+        let zero = "must be greater than 0";
+        let f = with_file("max_event_bytes = 0\n");
+        assert_eq!(
+            err(&f, &[]),
+            format!("{}: at `max_event_bytes`: {zero}", file.display())
+        );
+        let flags = ServeArgs {
+            max_event_bytes: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(err(&flags, &[]), format!("--max-event-bytes: {zero}"));
+        assert_eq!(
+            err(&ServeArgs::default(), &[("TURNGUARD_MAX_EVENT_BYTES", "0")]),
+            format!("TURNGUARD_MAX_EVENT_BYTES: {zero}")
+        );
+        // The winning layer's value is the one checked: a good flag hides a bad env value.
+        let good = ServeArgs {
+            max_event_bytes: Some(5),
+            ..Default::default()
+        };
+        let c = Config::resolve(&good, &env_of(&[("TURNGUARD_MAX_EVENT_BYTES", "0")])).unwrap();
+        assert_eq!(c.max_event_bytes, 5);
+        // Syntax of a variable: its unit.
+        assert_eq!(
+            err(
+                &ServeArgs::default(),
+                &[("TURNGUARD_MAX_EVENT_BYTES", "4MiB")]
+            ),
+            "TURNGUARD_MAX_EVENT_BYTES: `4MiB` is not a byte count"
+        );
+        assert_eq!(
+            err(&ServeArgs::default(), &[("TURNGUARD_LISTEN", "localhost")]),
+            "TURNGUARD_LISTEN: `localhost` is not an address like 127.0.0.1:8787"
+        );
+        // Types and values in the file.
+        let f = with_file("max_event_bytes = \"big\"\n");
+        let e = err(&f, &[]);
+        assert!(e.contains("at `max_event_bytes`: invalid type"), "{e}");
+        let f = with_file("tenant = \"a b\"\n");
+        assert!(err(&f, &[]).contains("at `tenant`: `a b` is not a tenant id"));
+        let f = with_file("log_format = \"xml\"\n");
+        let e = err(&f, &[]);
+        assert!(
+            e.contains("at `log_format`: unknown variant: found `xml`"),
+            "{e}"
+        );
+        let f =
+            with_file("[mcp.files]\nurl = \"http://127.0.0.1:1/mcp\"\ntickets = \"optional\"\n");
+        let e = err(&f, &[]);
+        assert!(
+            e.contains("at `mcp.files.tickets`: unknown field: found `tickets`"),
+            "{e}"
+        );
+        let f = with_file("listen = [\n");
+        assert!(err(&f, &[]).starts_with(&format!("{}: ", file.display())));
+        // Map entries name the setting and the entry.
+        assert_eq!(
+            err(
+                &ServeArgs::default(),
+                &[("TURNGUARD_UPSTREAM", "openai=http://127.0.0.1:1,b=ftp://x")]
+            ),
+            "TURNGUARD_UPSTREAM: `b`: `ftp://x`: the scheme must be http or https"
+        );
+        let bad_ticket = ServeArgs {
+            mcp: vec!["a=http://127.0.0.1:1/mcp".into()],
+            mcp_ticket: vec!["a=sometimes".into()],
+            ..Default::default()
+        };
+        let e = err(&bad_ticket, &[]);
+        assert!(
+            e.starts_with("--mcp-ticket: `a`: unknown variant: found `sometimes`"),
+            "{e}"
+        );
+        let e = err(
+            &ServeArgs::default(),
+            &[("TURNGUARD_MCP_TICKET", "nobody=optional")],
+        );
+        assert!(
+            e.contains("`nobody`: no MCP server of this name is configured"),
+            "{e}"
+        );
+    }
+
+    /// Tables (upstreams, MCP servers) layer name by name: a layer overrides the names it
+    /// sets and keeps the others; an MCP ticket set in one layer applies to a server of
+    /// another.
+    #[test]
+    fn tables_layer_name_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(
+            &file,
+            "[upstream]\nopenai = \"http://127.0.0.1:1/file\"\nlocal = \"http://127.0.0.1:1/local\"\n[mcp]\nfiles = \"http://127.0.0.1:1/mcp\"\n",
+        )
+        .unwrap();
+        let flags = ServeArgs {
+            config: Some(file),
+            upstream: vec!["openai=http://127.0.0.1:1/flag".into()],
+            mcp_ticket: vec!["files=optional".into()],
+            ..Default::default()
+        };
+        let c = Config::resolve(
+            &flags,
+            &env_of(&[(
+                "TURNGUARD_UPSTREAM",
+                "openai=http://127.0.0.1:1/env, other=http://127.0.0.1:1/other,",
+            )]),
+        )
+        .unwrap();
+        let prefix = |n: &str| c.upstreams[n].prefix.clone();
+        assert_eq!(prefix("openai"), "/flag");
+        assert_eq!(prefix("other"), "/other");
+        assert_eq!(prefix("local"), "/local");
+        assert_eq!(c.upstreams["anthropic"].authority, "api.anthropic.com");
+        assert_eq!(c.upstreams.len(), 4);
+        assert_eq!(c.mcp["files"].ticket, Ticket::Optional);
+        assert_eq!(c.mcp["files"].url.prefix, "/mcp");
+        // A list variable is comma-separated; whitespace around a name is not part of it.
+        let c = Config::resolve(
+            &ServeArgs::default(),
+            &env_of(&[("TURNGUARD_CATALOG", "claude-code, codex")]),
+        )
+        .unwrap();
+        assert_eq!(c.catalog, Some(vec!["claude-code".into(), "codex".into()]));
+    }
+
+    /// `policy_explicit` is set by any layer that names the policy, never by the default.
+    #[test]
+    fn policy_is_explicit_when_any_layer_sets_it() {
+        let none = Config::resolve(&ServeArgs::default(), &env_of(&[])).unwrap();
+        assert!(!none.policy_explicit);
+        assert_eq!(none.policy, PathBuf::from("./policy"));
+        let env = Config::resolve(
+            &ServeArgs::default(),
+            &env_of(&[("TURNGUARD_POLICY", "/etc/tg")]),
+        )
+        .unwrap();
+        assert!(env.policy_explicit);
+        assert_eq!(env.policy, PathBuf::from("/etc/tg"));
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(
+            &file,
+            "policy = \"/srv/tg\"\njournal = \"postgres://u:p@db/tg\"\n",
+        )
+        .unwrap();
+        let c = Config::resolve(
+            &ServeArgs::default(),
+            &env_of(&[("TURNGUARD_CONFIG", file.to_str().unwrap())]),
+        )
+        .unwrap();
+        assert!(c.policy_explicit);
+        assert_eq!(c.policy, PathBuf::from("/srv/tg"));
+        assert!(
+            matches!(c.journal, crate::journal::JournalLocation::Postgres(_)),
+            "{:?}",
+            c.journal
+        );
     }
 
     #[test]
