@@ -85,8 +85,9 @@ pub struct ServeArgs {
         value_parser = parse::name
     )]
     pub catalog: Option<Vec<String>>,
-    /// Upstream `NAME=URL`, repeatable [defaults: openai=https://api.openai.com,
-    /// anthropic=https://api.anthropic.com]. In the env var, comma-separated.
+    /// Upstream `NAME=URL`, repeatable or comma-separated; each overrides the upstream of its
+    /// name [defaults: openai=https://api.openai.com, anthropic=https://api.anthropic.com].
+    /// In the file, a table `[upstream]` of `NAME = "URL"`.
     #[arg(
         long = "upstream",
         value_name = "NAME=URL",
@@ -214,8 +215,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE", env = "TURNGUARD_ADMIN_TOKEN_FILE")]
     pub admin_token_file: Option<PathBuf>,
     /// An MCP server (Streamable HTTP) to put behind `/mcp/NAME`, as `NAME=URL`, repeatable
-    /// (the MCP front, [`crate::mcp`]). In the env var, comma-separated. In the file, a table
-    /// `[mcp.NAME]` with `url` and `ticket`, or `mcp.NAME = "URL"`.
+    /// or comma-separated (the MCP front, [`crate::mcp`]). In the file, a table `[mcp.NAME]`
+    /// with `url` and `ticket`, or `mcp.NAME = "URL"`.
     #[arg(
         long = "mcp",
         value_name = "NAME=URL",
@@ -225,8 +226,8 @@ pub struct ServeArgs {
     #[serde(skip)]
     pub mcp: Vec<String>,
     /// Whether a `tools/call` inside a run must match an admitted model emission of that run,
-    /// per MCP server, as `NAME=required|optional`, repeatable [default: required]. In the env
-    /// var (`TURNGUARD_MCP_TICKET`), comma-separated.
+    /// per MCP server, as `NAME=required|optional`, repeatable or comma-separated [default:
+    /// required]. In the file, `ticket` in `[mcp.NAME]`.
     #[arg(
         long = "mcp-ticket",
         value_name = "NAME=required|optional",
@@ -293,6 +294,7 @@ mod parse {
     pub fn name(v: &str) -> Result<String, String> {
         Ok(v.trim().to_owned())
     }
+    /// `true` or `1`, `false` or `0`.
     pub fn boolean(v: &str) -> Result<bool, String> {
         match v.trim() {
             "true" | "1" => Ok(true),
