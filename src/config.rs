@@ -1,6 +1,13 @@
 //! Configuration: embedded defaults, then an optional TOML file (`--config FILE`), then
 //! `TURNGUARD_<NAME>` environment variables, then command-line flags (flags win).
 //!
+//! One definition per setting, in two halves that share its name: the [`ServeArgs`] field is
+//! its surface (flag `--NAME`, variable `TURNGUARD_NAME` through clap's `env`, file key
+//! `NAME`, the doc `--help` shows, the value's syntax); the [`Config`] field is its type,
+//! default ([`Config::default`]) and validation (`deserialize_with`, one check for every
+//! source). [`Config::resolve`] stacks the layers with `figment` and deserializes `Config`
+//! once, so an error names the key and the layer its value came from.
+//!
 //! Nothing here reads the process environment: [`Config::resolve`] takes the environment as
 //! a lookup function, so tests pass their own.
 
@@ -8,8 +15,10 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use clap::Args;
-use serde::Deserialize;
+use clap::{Args, FromArgMatches};
+use figment::value::{Dict, Value};
+use figment::{Figment, Metadata, Profile, Provider};
+use serde::{Deserialize, Deserializer};
 
 /// Why the configuration could not be built. Each variant names the source and the key.
 #[derive(Debug, thiserror::Error)]
@@ -17,256 +26,617 @@ pub enum ConfigError {
     /// The config file could not be read.
     #[error("cannot read config file {file}: {reason}")]
     Read { file: PathBuf, reason: String },
-    /// The config file is not valid (unknown key, wrong type …).
+    /// The config file is not TOML.
+    #[error("{file}: {reason}")]
+    Syntax { file: PathBuf, reason: String },
+    /// A key of the config file is not valid (unknown key, wrong type, bad value …).
     #[error("{file}: at `{path}`: {reason}")]
     File {
         file: PathBuf,
         path: String,
         reason: String,
     },
-    /// A value (flag, env var or file key) is not valid.
+    /// A flag's or environment variable's value is not valid; `source_name` is the flag
+    /// (`--max-body-bytes`) or the variable (`TURNGUARD_MAX_BODY_BYTES`).
     #[error("{source_name}: {reason}")]
     Value { source_name: String, reason: String },
 }
 
-/// `turnguard serve` flags. Every flag is also a key of the TOML file and a
-/// `TURNGUARD_<NAME>` environment variable (upper-case, `-` → `_`).
-#[derive(Debug, Clone, Default, Args)]
+/// The upstreams every configuration starts with; the file, env and flags override by name.
+const DEFAULT_UPSTREAMS: [(&str, &str); 2] = [
+    ("openai", "https://api.openai.com"),
+    ("anthropic", "https://api.anthropic.com"),
+];
+
+/// `turnguard serve` flags: the settings. Every flag is also a key of the TOML file (its
+/// field name, for example `admin_listen`) and the environment variable clap's `env` names
+/// (`TURNGUARD_<NAME>`, upper case); `--help` lists both. A list flag takes its values
+/// repeated or comma-separated (the variable: comma-separated).
+///
+/// Each field is `None` (or empty) when not set, so lower layers show through; the value's
+/// type, default and validation are the [`Config`] field of the same name.
+#[derive(Debug, Clone, Default, Args, serde::Serialize)]
 pub struct ServeArgs {
     /// TOML config file; keys are the flag names with `_` (for example `admin_listen`).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "TURNGUARD_CONFIG")]
+    #[serde(skip)]
     pub config: Option<PathBuf>,
     /// Data-plane address [default: 127.0.0.1:8787].
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", env = "TURNGUARD_LISTEN")]
     pub listen: Option<String>,
     /// Admin-plane address (metrics, health) [default: 127.0.0.1:8788].
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", env = "TURNGUARD_ADMIN_LISTEN")]
     pub admin_listen: Option<String>,
     /// Policy bundle directory [default: ./policy].
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", env = "TURNGUARD_POLICY")]
     pub policy: Option<PathBuf>,
     /// Journal: a SQLite file, or a `postgres://` URL for a journal shared by replicas
     /// [default: ./turnguard.db].
-    #[arg(long, value_name = "PATH|URL")]
+    #[arg(long, value_name = "PATH|URL", env = "TURNGUARD_JOURNAL")]
     pub journal: Option<PathBuf>,
     /// Shipped tool catalogs to include, comma-separated (`claude-code`, `codex`,
     /// `openai-agents`, or `none`); replaces the bundle's `catalogs` list [default: the
     /// bundle's list; the default bundle includes all three].
-    #[arg(long, value_name = "NAMES", value_delimiter = ',')]
+    #[arg(
+        long,
+        value_name = "NAMES",
+        value_delimiter = ',',
+        env = "TURNGUARD_CATALOG",
+        value_parser = parse::name
+    )]
     pub catalog: Option<Vec<String>>,
-    /// Upstream `NAME=URL`, repeatable [defaults: openai=https://api.openai.com,
-    /// anthropic=https://api.anthropic.com]. In the env var, comma-separated.
-    #[arg(long = "upstream", value_name = "NAME=URL")]
+    /// Upstream `NAME=URL`, repeatable or comma-separated; each overrides the upstream of its
+    /// name [defaults: openai=https://api.openai.com, anthropic=https://api.anthropic.com].
+    /// In the file, a table `[upstream]` of `NAME = "URL"`.
+    #[arg(
+        long = "upstream",
+        value_name = "NAME=URL",
+        env = "TURNGUARD_UPSTREAM",
+        value_delimiter = ','
+    )]
+    #[serde(skip)]
     pub upstream: Vec<String>,
     /// Largest request body accepted, bytes [default: 8 MiB].
-    #[arg(long, value_name = "BYTES")]
+    #[arg(long, value_name = "BYTES", env = "TURNGUARD_MAX_BODY_BYTES", value_parser = parse::bytes)]
     pub max_body_bytes: Option<usize>,
     /// Largest non-stream upstream response turnguard parses, bytes [default: 32 MiB].
-    #[arg(long, value_name = "BYTES")]
+    #[arg(long, value_name = "BYTES", env = "TURNGUARD_MAX_RESPONSE_BYTES", value_parser = parse::bytes)]
     pub max_response_bytes: Option<usize>,
     /// Largest single SSE event, bytes [default: 4 MiB].
-    #[arg(long, value_name = "BYTES")]
+    #[arg(long, value_name = "BYTES", env = "TURNGUARD_MAX_EVENT_BYTES", value_parser = parse::bytes)]
     pub max_event_bytes: Option<usize>,
     /// Largest record body kept in the journal, bytes; larger ones keep a digest [default: 1 MiB].
-    #[arg(long, value_name = "BYTES")]
+    #[arg(long, value_name = "BYTES", env = "TURNGUARD_JOURNAL_MAX_RECORD_BYTES", value_parser = parse::bytes)]
     pub journal_max_record_bytes: Option<usize>,
     /// Upstream connect timeout, milliseconds [default: 10000].
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "MS", env = "TURNGUARD_UPSTREAM_CONNECT_TIMEOUT_MS", value_parser = parse::millis)]
     pub upstream_connect_timeout_ms: Option<u64>,
     /// Time to the upstream's response headers, milliseconds [default: 600000].
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "MS", env = "TURNGUARD_UPSTREAM_RESPONSE_TIMEOUT_MS", value_parser = parse::millis)]
     pub upstream_response_timeout_ms: Option<u64>,
     /// Longest silence inside an upstream body, milliseconds [default: 300000].
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "MS", env = "TURNGUARD_UPSTREAM_IDLE_TIMEOUT_MS", value_parser = parse::millis)]
     pub upstream_idle_timeout_ms: Option<u64>,
     /// Log format: `text` or `json` [default: text].
-    #[arg(long, value_name = "FORMAT")]
+    #[arg(long, value_name = "FORMAT", env = "TURNGUARD_LOG_FORMAT")]
     pub log_format: Option<String>,
     /// Which response bodies the journal keeps: `runs` (rounds of a run node, which
     /// recovery and replay serve; chat turns keep decisions and digests only) or `all`
     /// [default: runs].
-    #[arg(long, value_name = "WHICH")]
+    #[arg(long, value_name = "WHICH", env = "TURNGUARD_JOURNAL_BODIES")]
     pub journal_bodies: Option<String>,
     /// Data-plane requests (streams included) served at once; more are shed with 503 and
     /// `Retry-After` [default: 512].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", env = "TURNGUARD_MAX_CONCURRENT_REQUESTS", value_parser = parse::count)]
     pub max_concurrent_requests: Option<usize>,
     /// `Retry-After` sent with a shed request, seconds [default: 1].
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(long, value_name = "SECONDS", env = "TURNGUARD_SHED_RETRY_AFTER_S", value_parser = parse::seconds)]
     pub shed_retry_after_s: Option<u64>,
     /// On SIGTERM, time between readiness going false and the listeners closing,
     /// milliseconds (0 = close at once) [default: 0].
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "MS", env = "TURNGUARD_SHUTDOWN_DELAY_MS", value_parser = parse::millis)]
     pub shutdown_delay_ms: Option<u64>,
     /// On SIGTERM, how long in-flight requests and streams may take to finish before they
     /// are cut, milliseconds [default: 30000].
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "MS", env = "TURNGUARD_SHUTDOWN_GRACE_MS", value_parser = parse::millis)]
     pub shutdown_grace_ms: Option<u64>,
     /// Tenant id in effect identities (RFC 0150) [default: default].
-    #[arg(long, value_name = "ID")]
+    #[arg(long, value_name = "ID", env = "TURNGUARD_TENANT")]
     pub tenant: Option<String>,
     /// Days run records and effects are kept before pruning; at least 14 [default: 30].
-    #[arg(long, value_name = "DAYS")]
+    #[arg(long, value_name = "DAYS", env = "TURNGUARD_JOURNAL_RETENTION_DAYS", value_parser = parse::days)]
     pub journal_retention_days: Option<u64>,
     /// Expected `iss` of principal tokens (`Turnguard-Principal-Token`, approver tokens).
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", env = "TURNGUARD_IDENTITY_ISSUER")]
     pub identity_issuer: Option<String>,
     /// Expected `aud` of principal tokens.
-    #[arg(long, value_name = "AUDIENCE")]
+    #[arg(long, value_name = "AUDIENCE", env = "TURNGUARD_IDENTITY_AUDIENCE")]
     pub identity_audience: Option<String>,
     /// Expected `aud` of approver tokens on the admin plane [default: identity_audience].
     /// A distinct audience keeps the agent's principal token from ever approving.
-    #[arg(long, value_name = "AUDIENCE")]
+    #[arg(
+        long,
+        value_name = "AUDIENCE",
+        env = "TURNGUARD_IDENTITY_APPROVAL_AUDIENCE"
+    )]
     pub identity_approval_audience: Option<String>,
     /// JWKS file with the identity provider's public keys (RS256, ES256, EdDSA).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "TURNGUARD_IDENTITY_JWKS")]
     pub identity_jwks: Option<PathBuf>,
     /// PEM public key file of the identity provider (RSA → RS256, P-256 → ES256, Ed25519 → EdDSA).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "TURNGUARD_IDENTITY_PUBLIC_KEY")]
     pub identity_public_key: Option<PathBuf>,
     /// File holding an HS256 shared secret (development only; logged as such at start).
-    #[arg(long, value_name = "FILE")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "TURNGUARD_IDENTITY_HS256_SECRET_FILE"
+    )]
     pub identity_hs256_secret_file: Option<PathBuf>,
     /// Development only: trust a plain `Turnguard-Principal` header as the verified person on
     /// both planes [default: false]. Logged loudly at start.
-    #[arg(long, value_name = "BOOL")]
+    #[arg(long, value_name = "BOOL", env = "TURNGUARD_IDENTITY_DEV_PRINCIPAL_HEADER", value_parser = parse::boolean)]
     pub identity_dev_principal_header: Option<bool>,
     /// How long a held call waits for the acting person's approval, milliseconds; then it is
     /// refused (a timeout never approves) [default: 300000].
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "MS", env = "TURNGUARD_APPROVAL_TIMEOUT_MS", value_parser = parse::millis)]
     pub approval_timeout_ms: Option<u64>,
     /// Interval of SSE comment keep-alives while a streamed call waits, milliseconds
     /// [default: 15000].
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "MS", env = "TURNGUARD_APPROVAL_KEEPALIVE_MS", value_parser = parse::millis)]
     pub approval_keepalive_ms: Option<u64>,
     /// Time a data-plane or admin client has to send a request's headers (and the longest an
     /// idle keep-alive connection is kept), milliseconds; then the connection is closed
     /// [default: 30000].
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "MS", env = "TURNGUARD_HEADER_READ_TIMEOUT_MS", value_parser = parse::millis)]
     pub header_read_timeout_ms: Option<u64>,
     /// Time a client has to send a whole request body, milliseconds; then 408 [default: 30000].
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "MS", env = "TURNGUARD_BODY_READ_TIMEOUT_MS", value_parser = parse::millis)]
     pub body_read_timeout_ms: Option<u64>,
     /// Data-plane connections open at once; more are closed at accept. Keep it below the
     /// process's file-descriptor limit (`ulimit -n`) [default: 1024].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", env = "TURNGUARD_MAX_CONNECTIONS", value_parser = parse::count)]
     pub max_connections: Option<usize>,
     /// Largest JSON Schema turnguard compiles (a declared tool schema, a `response_format`
     /// schema), bytes of its JSON; a request declaring a larger one is 413 [default: 256 KiB].
-    #[arg(long, value_name = "BYTES")]
+    #[arg(long, value_name = "BYTES", env = "TURNGUARD_MAX_SCHEMA_BYTES", value_parser = parse::bytes)]
     pub max_schema_bytes: Option<usize>,
     /// Memory budget of the compiled-schema cache, bytes, estimated as 32 × each schema's
     /// JSON size; least recently used schemas are evicted past it [default: 32 MiB].
-    #[arg(long, value_name = "BYTES")]
+    #[arg(long, value_name = "BYTES", env = "TURNGUARD_MAX_SCHEMA_CACHE_BYTES", value_parser = parse::bytes)]
     pub max_schema_cache_bytes: Option<usize>,
     /// How long a journal write waits for a lock another process holds, milliseconds; then
     /// the write fails [default: 1000].
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "MS", env = "TURNGUARD_JOURNAL_BUSY_TIMEOUT_MS", value_parser = parse::millis)]
     pub journal_busy_timeout_ms: Option<u64>,
     /// File holding the admin token: `Authorization: Bearer <token>` then reads run data
     /// (`/runs/{runId}/events`, `/runs/{runId}/effects`) on the admin plane (at least 16
     /// characters; surrounding whitespace is trimmed).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "TURNGUARD_ADMIN_TOKEN_FILE")]
     pub admin_token_file: Option<PathBuf>,
     /// An MCP server (Streamable HTTP) to put behind `/mcp/NAME`, as `NAME=URL`, repeatable
-    /// (the MCP front, [`crate::mcp`]). In the env var, comma-separated. In the file, a table
-    /// `[mcp.NAME]` with `url` and `ticket`, or `mcp.NAME = "URL"`.
-    #[arg(long = "mcp", value_name = "NAME=URL")]
+    /// or comma-separated (the MCP front, [`crate::mcp`]). In the file, a table `[mcp.NAME]`
+    /// with `url` and `ticket`, or `mcp.NAME = "URL"`.
+    #[arg(
+        long = "mcp",
+        value_name = "NAME=URL",
+        env = "TURNGUARD_MCP",
+        value_delimiter = ','
+    )]
+    #[serde(skip)]
     pub mcp: Vec<String>,
     /// Whether a `tools/call` inside a run must match an admitted model emission of that run,
-    /// per MCP server, as `NAME=required|optional`, repeatable [default: required]. In the env
-    /// var (`TURNGUARD_MCP_TICKET`), comma-separated.
-    #[arg(long = "mcp-ticket", value_name = "NAME=required|optional")]
+    /// per MCP server, as `NAME=required|optional`, repeatable or comma-separated [default:
+    /// required]. In the file, `ticket` in `[mcp.NAME]`.
+    #[arg(
+        long = "mcp-ticket",
+        value_name = "NAME=required|optional",
+        env = "TURNGUARD_MCP_TICKET",
+        value_delimiter = ','
+    )]
+    #[serde(skip)]
     pub mcp_ticket: Vec<String>,
     /// Serve the approval page `/ui/approvals` on the admin plane (OpenID Connect sign-in
     /// against `identity_issuer`; needs `approval_ui_client_id` and
     /// `approval_ui_redirect_uri`) [default: false]. `--approval-ui` alone means true.
-    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", env = "TURNGUARD_APPROVAL_UI", value_parser = parse::boolean)]
     pub approval_ui: Option<bool>,
     /// OAuth client id of the approval page at the identity provider (the ID token's `aud`).
-    #[arg(long, value_name = "ID")]
+    #[arg(long, value_name = "ID", env = "TURNGUARD_APPROVAL_UI_CLIENT_ID")]
     pub approval_ui_client_id: Option<String>,
     /// File holding the approval page's OAuth client secret (confidential client,
     /// `client_secret_basic`); without it the page is a public client (PKCE only).
-    #[arg(long, value_name = "FILE")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "TURNGUARD_APPROVAL_UI_CLIENT_SECRET_FILE"
+    )]
     pub approval_ui_client_secret_file: Option<PathBuf>,
     /// The approval page's redirect URI as registered at the identity provider, ending in
     /// `/ui/callback` (https, or http on a loopback host).
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", env = "TURNGUARD_APPROVAL_UI_REDIRECT_URI")]
     pub approval_ui_redirect_uri: Option<String>,
     /// URL that receives a signed POST for every approval interrupt raised and resolved.
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", env = "TURNGUARD_APPROVAL_WEBHOOK")]
     pub approval_webhook: Option<String>,
     /// File holding the webhook's HMAC-SHA256 key (at least 32 bytes); required with
     /// `approval_webhook`.
-    #[arg(long, value_name = "FILE")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "TURNGUARD_APPROVAL_WEBHOOK_SECRET_FILE"
+    )]
     pub approval_webhook_secret_file: Option<PathBuf>,
 }
 
-/// The TOML file: the same keys as the flags, all optional, nothing else.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileConfig {
-    listen: Option<String>,
-    admin_listen: Option<String>,
-    policy: Option<PathBuf>,
-    journal: Option<PathBuf>,
-    catalog: Option<Vec<String>>,
-    upstream: Option<BTreeMap<String, String>>,
-    max_body_bytes: Option<usize>,
-    max_response_bytes: Option<usize>,
-    max_event_bytes: Option<usize>,
-    journal_max_record_bytes: Option<usize>,
-    upstream_connect_timeout_ms: Option<u64>,
-    upstream_response_timeout_ms: Option<u64>,
-    upstream_idle_timeout_ms: Option<u64>,
-    log_format: Option<String>,
-    journal_bodies: Option<String>,
-    max_concurrent_requests: Option<usize>,
-    shed_retry_after_s: Option<u64>,
-    shutdown_delay_ms: Option<u64>,
-    shutdown_grace_ms: Option<u64>,
-    tenant: Option<String>,
-    journal_retention_days: Option<u64>,
-    identity_issuer: Option<String>,
-    identity_audience: Option<String>,
-    identity_approval_audience: Option<String>,
-    identity_jwks: Option<PathBuf>,
-    identity_public_key: Option<PathBuf>,
-    identity_hs256_secret_file: Option<PathBuf>,
-    identity_dev_principal_header: Option<bool>,
-    approval_timeout_ms: Option<u64>,
-    approval_keepalive_ms: Option<u64>,
-    header_read_timeout_ms: Option<u64>,
-    body_read_timeout_ms: Option<u64>,
-    max_connections: Option<usize>,
-    max_schema_bytes: Option<usize>,
-    max_schema_cache_bytes: Option<usize>,
-    journal_busy_timeout_ms: Option<u64>,
-    admin_token_file: Option<PathBuf>,
-    mcp: Option<BTreeMap<String, McpFileEntry>>,
-    approval_ui: Option<bool>,
-    approval_ui_client_id: Option<String>,
-    approval_ui_client_secret_file: Option<PathBuf>,
-    approval_ui_redirect_uri: Option<String>,
-    approval_webhook: Option<String>,
-    approval_webhook_secret_file: Option<PathBuf>,
+/// The value syntax of the flags and variables (clap value parsers): each says which unit
+/// it wanted. Ranges are checked once, on the resolved value ([`check`]).
+mod parse {
+    fn number<T: std::str::FromStr>(v: &str, what: &str) -> Result<T, String> {
+        v.trim().parse().map_err(|_| format!("`{v}` is not {what}"))
+    }
+    pub fn bytes(v: &str) -> Result<usize, String> {
+        number(v, "a byte count")
+    }
+    pub fn count(v: &str) -> Result<usize, String> {
+        number(v, "a count")
+    }
+    pub fn millis(v: &str) -> Result<u64, String> {
+        number(v, "a number of milliseconds")
+    }
+    pub fn seconds(v: &str) -> Result<u64, String> {
+        number(v, "a number of seconds")
+    }
+    pub fn days(v: &str) -> Result<u64, String> {
+        number(v, "a number of days")
+    }
+    /// A name of a list (`--catalog a, b`): surrounding whitespace is not part of it.
+    pub fn name(v: &str) -> Result<String, String> {
+        Ok(v.trim().to_owned())
+    }
+    /// `true` or `1`, `false` or `0`.
+    pub fn boolean(v: &str) -> Result<bool, String> {
+        match v.trim() {
+            "true" | "1" => Ok(true),
+            "false" | "0" => Ok(false),
+            _ => Err(format!("`{v}` is not `true` or `false`")),
+        }
+    }
 }
 
-/// One `[mcp.NAME]` entry of the file: a URL, or a table with `url` and `ticket`.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum McpFileEntry {
-    Url(String),
-    Table(McpFileTable),
+/// The checks of [`Config`]'s fields, run on the value whatever layer it came from.
+mod check {
+    use std::net::SocketAddr;
+    use std::path::PathBuf;
+
+    use serde::de::Error;
+    use serde::{Deserialize, Deserializer};
+
+    /// A count, size or duration that must not be 0.
+    pub fn positive<'de, D, T>(d: D) -> Result<T, D::Error>
+    where
+        D: Deserializer<'de>,
+        T: Deserialize<'de> + Default + PartialEq,
+    {
+        let v = T::deserialize(d)?;
+        if v == T::default() {
+            return Err(D::Error::custom("must be greater than 0"));
+        }
+        Ok(v)
+    }
+
+    /// `host:port` with a literal IP.
+    pub fn address<'de, D: Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
+        let v = String::deserialize(d)?;
+        v.parse()
+            .map_err(|_| D::Error::custom(format!("`{v}` is not an address like 127.0.0.1:8787")))
+    }
+
+    /// A SQLite path or a `postgres://` URL ([`crate::journal::JournalLocation`]).
+    pub fn journal<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<crate::journal::JournalLocation, D::Error> {
+        Ok(PathBuf::deserialize(d)?.into())
+    }
+
+    /// Tenant id of effect identities (RFC 0150): 1-64 unreserved URI characters.
+    pub fn tenant<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+        let v = String::deserialize(d)?;
+        let ok = !v.is_empty()
+            && v.len() <= 64
+            && v.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '~' | '-'));
+        if !ok {
+            return Err(D::Error::custom(format!(
+                "`{v}` is not a tenant id (1-64 of A-Z a-z 0-9 . _ ~ -)"
+            )));
+        }
+        Ok(v)
+    }
+
+    /// Run records are kept at least 14 days (OpenWOP idempotency.md).
+    pub fn retention_days<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        let v = u64::deserialize(d)?;
+        if v < 14 {
+            return Err(D::Error::custom(
+                "records are kept at least 14 days (OpenWOP idempotency.md)",
+            ));
+        }
+        Ok(v)
+    }
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct McpFileTable {
-    url: String,
-    #[serde(default)]
-    ticket: Option<Ticket>,
+impl<'de> Deserialize<'de> for Upstream {
+    /// From `http(s)://host[:port][/prefix]` ([`Upstream::parse`]; errors never show
+    /// credentials).
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let url = String::deserialize(d)?;
+        Upstream::parse(&url).map_err(serde::de::Error::custom)
+    }
+}
+
+impl<'de> Deserialize<'de> for McpServer {
+    /// From `{ url, ticket? }` (the file's `mcp.NAME = "URL"` is read as `{ url }`).
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Entry {
+            url: Option<Upstream>,
+            #[serde(default)]
+            ticket: Ticket,
+        }
+        let e = Entry::deserialize(d)?;
+        let url = e.url.ok_or_else(|| {
+            serde::de::Error::custom(
+                "no MCP server of this name is configured (its ticket is set, its URL is not)",
+            )
+        })?;
+        Ok(Self {
+            url,
+            ticket: e.ticket,
+        })
+    }
+}
+
+/// Names of the figment layers ([`Metadata::name`]), which errors are attributed by.
+const DEFAULTS: &str = "defaults";
+const FILE: &str = "file";
+const ENV: &str = "env";
+const FLAGS: &str = "flags";
+
+/// One layer of settings for figment: a dictionary of keys (the [`ServeArgs`] field names)
+/// and the layer's name.
+struct Layer {
+    name: &'static str,
+    file: Option<PathBuf>,
+    dict: Dict,
+}
+
+impl Provider for Layer {
+    fn metadata(&self) -> Metadata {
+        match &self.file {
+            Some(path) => Metadata::named(self.name).source(path.as_path()),
+            None => Metadata::named(self.name),
+        }
+    }
+
+    fn data(&self) -> Result<figment::value::Map<Profile, Dict>, figment::Error> {
+        Ok(Profile::Default.collect(self.dict.clone()))
+    }
+}
+
+/// The settings as clap declares them: each one's flag and variable, by key.
+struct Settings {
+    /// `ServeArgs` as a clap command that reads no environment (values are looked up by
+    /// [`Settings::env_layer`] through the caller's lookup).
+    command: clap::Command,
+    /// key → (`--flag`, `TURNGUARD_VAR`).
+    names: BTreeMap<String, (String, String)>,
+}
+
+impl Settings {
+    fn new() -> Self {
+        let declared = ServeArgs::augment_args(clap::Command::new("serve"));
+        let names = declared
+            .get_arguments()
+            .filter_map(|a| {
+                let long = a.get_long()?;
+                let var = a.get_env()?.to_string_lossy().into_owned();
+                Some((a.get_id().to_string(), (format!("--{long}"), var)))
+            })
+            .collect();
+        // `Arg::env` captured the process's value when the command was built: drop it.
+        let command = declared
+            .mut_args(|a| a.env(None::<&str>))
+            .no_binary_name(true);
+        Self { command, names }
+    }
+
+    /// The flag of `key` (`--max-body-bytes`).
+    fn flag(&self, key: &str) -> String {
+        self.names
+            .get(key)
+            .map_or_else(|| format!("--{key}"), |(f, _)| f.clone())
+    }
+
+    /// The environment variable of `key` (`TURNGUARD_MAX_BODY_BYTES`).
+    fn var(&self, key: &str) -> String {
+        self.names.get(key).map_or_else(
+            || format!("TURNGUARD_{}", key.to_uppercase()),
+            |(_, v)| v.clone(),
+        )
+    }
+
+    /// The environment's settings, read through `env` and parsed by the same clap parsers as
+    /// the flags (the `--config` variable is read by [`Config::resolve`] itself).
+    fn env_layer(&self, env: &dyn Fn(&str) -> Option<String>) -> Result<ServeArgs, ConfigError> {
+        let mut argv = Vec::new();
+        for (key, (flag, var)) in &self.names {
+            let Some(v) = env(var).filter(|_| key != "config") else {
+                continue;
+            };
+            let arg = format!("{flag}={v}");
+            self.command
+                .clone()
+                .try_get_matches_from([arg.as_str()])
+                .map_err(|e| value_err(var, clap_reason(&e)))?;
+            argv.push(arg);
+        }
+        let matches = self
+            .command
+            .clone()
+            .try_get_matches_from(argv)
+            .map_err(|e| value_err("TURNGUARD_*", clap_reason(&e)))?;
+        ServeArgs::from_arg_matches(&matches).map_err(|e| value_err("TURNGUARD_*", clap_reason(&e)))
+    }
+
+    /// `e` as a [`ConfigError`] naming the layer, the key and what was wrong.
+    fn error(&self, e: figment::Error, file: Option<&Path>) -> ConfigError {
+        let path = e.path.join(".");
+        let reason = e.kind.to_string();
+        let layer = e.metadata.as_ref().map(|m| m.name.as_ref());
+        if let (Some(FILE), Some(file)) = (layer, file) {
+            return ConfigError::File {
+                file: file.to_owned(),
+                path,
+                reason,
+            };
+        }
+        // `upstream.NAME`, `mcp.NAME`, `mcp.NAME.ticket`: the setting, then the name.
+        let key = match e.path.as_slice() {
+            [mcp, _, ticket] if mcp == "mcp" && ticket == "ticket" => "mcp_ticket",
+            [first, ..] => first.as_str(),
+            [] => "",
+        };
+        let reason = match e.path.get(1) {
+            Some(name) => format!("`{name}`: {reason}"),
+            None => reason,
+        };
+        let source_name = match layer {
+            Some(ENV) => self.var(key),
+            Some(FLAGS) => self.flag(key),
+            _ => format!("{} `{path}`", layer.unwrap_or(DEFAULTS)),
+        };
+        value_err(&source_name, reason)
+    }
+}
+
+/// What clap said was wrong with a value, without its usage text.
+fn clap_reason(e: &clap::Error) -> String {
+    if let Some(inner) = std::error::Error::source(e) {
+        return inner.to_string();
+    }
+    let text = e.to_string();
+    let first = text.lines().next().unwrap_or_default();
+    first.trim_start_matches("error: ").to_owned()
+}
+
+impl ServeArgs {
+    /// This layer as figment keys: the settings it sets, with `upstream`, `mcp` and
+    /// `mcp_ticket` pairs turned into the file's tables (`upstream.NAME = URL`,
+    /// `mcp.NAME.url`, `mcp.NAME.ticket`). `name` names a setting in errors.
+    fn layer(&self, name: &dyn Fn(&str) -> String) -> Result<Dict, ConfigError> {
+        let mut dict = match Value::serialize(self) {
+            Ok(Value::Dict(_, d)) => d,
+            Ok(_) => Dict::new(),
+            Err(e) => return Err(value_err(&name(""), e.to_string())),
+        };
+        dict.retain(|_, v| match v {
+            Value::Empty(..) => false,
+            Value::Array(_, a) => !a.is_empty(),
+            _ => true,
+        });
+        let pairs = |list: &[String], key: &str, what: &str| {
+            let mut out = Vec::new();
+            for pair in list.iter().map(|p| p.trim()).filter(|p| !p.is_empty()) {
+                let (n, v) = pair.split_once('=').ok_or_else(|| {
+                    value_err(&name(key), format!("`{}` is not {what}", redact_url(pair)))
+                })?;
+                out.push((n.trim().to_owned(), Value::from(v.trim())));
+            }
+            Ok::<_, ConfigError>(out)
+        };
+        let upstream: Dict = pairs(&self.upstream, "upstream", "NAME=URL")?
+            .into_iter()
+            .collect();
+        if !upstream.is_empty() {
+            dict.insert("upstream".into(), upstream.into());
+        }
+        let mut mcp: BTreeMap<String, Dict> = BTreeMap::new();
+        for (key, field, list, what) in [
+            ("mcp", "url", &self.mcp, "NAME=URL"),
+            (
+                "mcp_ticket",
+                "ticket",
+                &self.mcp_ticket,
+                "NAME=required|optional",
+            ),
+        ] {
+            for (server, v) in pairs(list, key, what)? {
+                mcp_name(&server).map_err(|r| value_err(&name(key), r))?;
+                mcp.entry(server).or_default().insert(field.into(), v);
+            }
+        }
+        if !mcp.is_empty() {
+            let mcp: Dict = mcp.into_iter().map(|(k, d)| (k, d.into())).collect();
+            dict.insert("mcp".into(), mcp.into());
+        }
+        Ok(dict)
+    }
+}
+
+impl Config {
+    /// Builds the configuration: defaults < file < env < flags, key by key (the upstream
+    /// and MCP tables name by name).
+    ///
+    /// `env` looks up a variable by its full name (`TURNGUARD_LISTEN`); the file is
+    /// `flags.config`, else `TURNGUARD_CONFIG`.
+    /// Errors: [`ConfigError`] naming the file and key, or the variable or flag, and what
+    /// was wrong.
+    pub fn resolve(
+        flags: &ServeArgs,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let settings = Settings::new();
+        let file = flags
+            .config
+            .clone()
+            .or_else(|| env("TURNGUARD_CONFIG").map(PathBuf::from));
+        let upstream: Dict = DEFAULT_UPSTREAMS
+            .iter()
+            .map(|(n, u)| ((*n).to_owned(), Value::from(*u)))
+            .collect();
+        let defaults: Dict = [("upstream".to_owned(), upstream.into())].into();
+        let mut figment = Figment::from(Layer {
+            name: DEFAULTS,
+            file: None,
+            dict: defaults,
+        });
+        if let Some(path) = &file {
+            figment = figment.merge(Layer {
+                name: FILE,
+                file: Some(path.clone()),
+                dict: read_file(path, &settings)?,
+            });
+        }
+        let from_env = settings.env_layer(env)?;
+        figment = figment
+            .merge(Layer {
+                name: ENV,
+                file: None,
+                dict: from_env.layer(&|k| settings.var(k))?,
+            })
+            .merge(Layer {
+                name: FLAGS,
+                file: None,
+                dict: flags.layer(&|k| settings.flag(k))?,
+            });
+        let mut c: Config = figment
+            .extract()
+            .map_err(|e| settings.error(e, file.as_deref()))?;
+        c.policy_explicit = figment.contains("policy");
+        Ok(c)
+    }
 }
 
 /// Whether an MCP `tools/call` inside a run needs a ticket: an admitted, released, not yet
@@ -289,14 +659,6 @@ impl Ticket {
             Self::Optional => "optional",
         }
     }
-
-    fn parse(v: &str) -> Option<Self> {
-        match v.trim() {
-            "required" => Some(Self::Required),
-            "optional" => Some(Self::Optional),
-            _ => None,
-        }
-    }
 }
 
 /// An MCP server turnguard fronts at `/mcp/NAME` (Streamable HTTP), fixed at start like every
@@ -312,7 +674,7 @@ pub struct McpServer {
 /// Which upstream response bodies the journal keeps (`journal_bodies`). Tool-turn contract
 /// §D scopes chat turns (no `Turnguard-Run`) out of replay and recovery, so by default their
 /// rounds keep the decisions, calls and the body's digest and size, not the body.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum JournalBodies {
     /// Bodies of run rounds only (what recovery and replay serve).
@@ -322,7 +684,7 @@ pub enum JournalBodies {
 }
 
 /// Log output format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     Text,
@@ -421,40 +783,60 @@ impl serde::Serialize for Upstream {
     }
 }
 
-/// The resolved configuration of `turnguard serve`.
-#[derive(Debug, Clone, serde::Serialize)]
+/// The resolved configuration of `turnguard serve`: each field is the setting of the same
+/// name in [`ServeArgs`] (which documents it), typed, defaulted ([`Config::default`]) and
+/// validated here (`deserialize_with`), once for every source.
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct Config {
+    #[serde(deserialize_with = "check::address")]
     pub listen: SocketAddr,
+    #[serde(deserialize_with = "check::address")]
     pub admin_listen: SocketAddr,
     pub policy: PathBuf,
     /// `policy` was set by a flag, env var or the file: a missing directory is then an error,
     /// not the embedded default bundle.
+    #[serde(skip)]
     pub policy_explicit: bool,
     /// Shipped catalogs to include instead of the bundle's `catalogs` list
     /// ([`crate::policy::catalogs`]); `None`: the bundle's list.
     pub catalog: Option<Vec<String>>,
     /// Where the journal lives ([`crate::journal::JournalLocation`]).
+    #[serde(deserialize_with = "check::journal")]
     pub journal: crate::journal::JournalLocation,
+    #[serde(rename(deserialize = "upstream"))]
     pub upstreams: BTreeMap<String, Upstream>,
+    #[serde(deserialize_with = "check::positive")]
     pub max_body_bytes: usize,
+    #[serde(deserialize_with = "check::positive")]
     pub max_response_bytes: usize,
+    #[serde(deserialize_with = "check::positive")]
     pub max_event_bytes: usize,
+    #[serde(deserialize_with = "check::positive")]
     pub journal_max_record_bytes: usize,
+    #[serde(deserialize_with = "check::positive")]
     pub upstream_connect_timeout_ms: u64,
+    #[serde(deserialize_with = "check::positive")]
     pub upstream_response_timeout_ms: u64,
+    #[serde(deserialize_with = "check::positive")]
     pub upstream_idle_timeout_ms: u64,
     pub log_format: LogFormat,
     /// Which response bodies the journal keeps ([`JournalBodies`]).
     pub journal_bodies: JournalBodies,
     /// Concurrency limit of the data plane; requests over it are shed (503, `Retry-After`).
+    #[serde(deserialize_with = "check::positive")]
     pub max_concurrent_requests: usize,
     /// `Retry-After` of a shed request, seconds.
+    #[serde(deserialize_with = "check::positive")]
     pub shed_retry_after_s: u64,
     /// Readiness-false-to-close delay on SIGTERM, milliseconds.
     pub shutdown_delay_ms: u64,
     /// Deadline for in-flight requests and streams on SIGTERM, milliseconds.
+    #[serde(deserialize_with = "check::positive")]
     pub shutdown_grace_ms: u64,
+    #[serde(deserialize_with = "check::tenant")]
     pub tenant: String,
+    #[serde(deserialize_with = "check::retention_days")]
     pub journal_retention_days: u64,
     /// Expected `iss` of principal and approver tokens ([`crate::identity`]).
     pub identity_issuer: Option<String>,
@@ -472,20 +854,28 @@ pub struct Config {
     /// Development only: trust a plain `Turnguard-Principal` header.
     pub identity_dev_principal_header: bool,
     /// Approval wait bound (`timeoutMs` of the approval interrupt), milliseconds.
+    #[serde(deserialize_with = "check::positive")]
     pub approval_timeout_ms: u64,
     /// SSE comment keep-alive interval while a streamed call waits, milliseconds.
+    #[serde(deserialize_with = "check::positive")]
     pub approval_keepalive_ms: u64,
     /// Deadline for a client's request headers (and idle keep-alive), milliseconds.
+    #[serde(deserialize_with = "check::positive")]
     pub header_read_timeout_ms: u64,
     /// Deadline for a client's whole request body, milliseconds (408 past it).
+    #[serde(deserialize_with = "check::positive")]
     pub body_read_timeout_ms: u64,
     /// Data-plane connections open at once; more are closed at accept.
+    #[serde(deserialize_with = "check::positive")]
     pub max_connections: usize,
     /// Largest schema compiled, bytes of its JSON (413 for a request declaring a larger one).
+    #[serde(deserialize_with = "check::positive")]
     pub max_schema_bytes: usize,
     /// Estimated memory budget of the compiled-schema cache, bytes.
+    #[serde(deserialize_with = "check::positive")]
     pub max_schema_cache_bytes: usize,
     /// Journal writer's wait for a lock held elsewhere, milliseconds.
+    #[serde(deserialize_with = "check::positive")]
     pub journal_busy_timeout_ms: u64,
     /// Admin token file (the path is shown in `/config`, never the token).
     pub admin_token_file: Option<PathBuf>,
@@ -508,10 +898,7 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         let mut upstreams = BTreeMap::new();
-        for (name, url) in [
-            ("openai", "https://api.openai.com"),
-            ("anthropic", "https://api.anthropic.com"),
-        ] {
+        for (name, url) in DEFAULT_UPSTREAMS {
             if let Ok(u) = Upstream::parse(url) {
                 upstreams.insert(name.to_owned(), u);
             }
@@ -566,422 +953,6 @@ impl Default for Config {
     }
 }
 
-impl Config {
-    /// Builds the configuration: defaults < file < env < flags.
-    ///
-    /// `env` looks up a variable by its full name (`TURNGUARD_LISTEN`).
-    /// Errors: [`ConfigError`] naming the file and key, or the variable or flag.
-    pub fn resolve(
-        flags: &ServeArgs,
-        env: &dyn Fn(&str) -> Option<String>,
-    ) -> Result<Self, ConfigError> {
-        let config_file = flags
-            .config
-            .clone()
-            .or_else(|| env("TURNGUARD_CONFIG").map(PathBuf::from));
-        let file = match &config_file {
-            Some(path) => read_file(path)?,
-            None => FileConfig::default(),
-        };
-        let file_name = config_file
-            .as_deref()
-            .map(Path::display)
-            .map(|d| d.to_string())
-            .unwrap_or_default();
-        let mut c = Config::default();
-
-        // Each key: flag, else env, else file, else default.
-        macro_rules! layer {
-            ($field:ident, $env:literal, $parse:expr) => {
-                if let Some(v) = &flags.$field {
-                    c.$field = $parse(
-                        v.clone(),
-                        &format!("--{}", stringify!($field).replace('_', "-")),
-                    )?;
-                } else if let Some(v) = env($env) {
-                    c.$field = $parse(v, $env)?;
-                } else if let Some(v) = &file.$field {
-                    c.$field =
-                        $parse(v.clone(), &format!("{file_name}: `{}`", stringify!($field)))?;
-                }
-            };
-        }
-        let addr = |v: String, src: &str| -> Result<SocketAddr, ConfigError> {
-            v.parse()
-                .map_err(|_| value_err(src, format!("`{v}` is not an address like 127.0.0.1:8787")))
-        };
-        let same = |v: PathBuf, _: &str| -> Result<PathBuf, ConfigError> { Ok(v) };
-        let path_env =
-            |v: String, _: &str| -> Result<PathBuf, ConfigError> { Ok(PathBuf::from(v)) };
-        let size = |v: usize, src: &str| -> Result<usize, ConfigError> {
-            if v == 0 {
-                Err(value_err(src, "must be greater than 0".into()))
-            } else {
-                Ok(v)
-            }
-        };
-        let size_env = |v: String, src: &str| -> Result<usize, ConfigError> {
-            let n: usize = v
-                .parse()
-                .map_err(|_| value_err(src, format!("`{v}` is not a byte count")))?;
-            size(n, src)
-        };
-        let ms = |v: u64, src: &str| -> Result<u64, ConfigError> {
-            if v == 0 {
-                Err(value_err(src, "must be greater than 0".into()))
-            } else {
-                Ok(v)
-            }
-        };
-        let ms_env = |v: String, src: &str| -> Result<u64, ConfigError> {
-            let n: u64 = v
-                .parse()
-                .map_err(|_| value_err(src, format!("`{v}` is not a number of milliseconds")))?;
-            ms(n, src)
-        };
-        let secs_env = |v: String, src: &str| -> Result<u64, ConfigError> {
-            let n: u64 = v
-                .parse()
-                .map_err(|_| value_err(src, format!("`{v}` is not a number of seconds")))?;
-            ms(n, src)
-        };
-        let log = |v: String, src: &str| -> Result<LogFormat, ConfigError> {
-            match v.as_str() {
-                "text" => Ok(LogFormat::Text),
-                "json" => Ok(LogFormat::Json),
-                _ => Err(value_err(src, format!("`{v}` is not `text` or `json`"))),
-            }
-        };
-
-        // Addresses and the log format are strings everywhere.
-        layer!(listen, "TURNGUARD_LISTEN", |v: String, s: &str| addr(v, s));
-        layer!(
-            admin_listen,
-            "TURNGUARD_ADMIN_LISTEN",
-            |v: String, s: &str| addr(v, s)
-        );
-        layer!(
-            log_format,
-            "TURNGUARD_LOG_FORMAT",
-            |v: String, s: &str| log(v, s)
-        );
-        layer!(
-            journal_bodies,
-            "TURNGUARD_JOURNAL_BODIES",
-            |v: String, src: &str| match v.as_str() {
-                "runs" => Ok(JournalBodies::Runs),
-                "all" => Ok(JournalBodies::All),
-                _ => Err(value_err(src, format!("`{v}` is not `runs` or `all`"))),
-            }
-        );
-        let tenant = |v: String, src: &str| -> Result<String, ConfigError> {
-            let ok = !v.is_empty()
-                && v.len() <= 64
-                && v.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '~' | '-'));
-            if ok {
-                Ok(v)
-            } else {
-                Err(value_err(
-                    src,
-                    format!("`{v}` is not a tenant id (1-64 of A-Z a-z 0-9 . _ ~ -)"),
-                ))
-            }
-        };
-        layer!(tenant, "TURNGUARD_TENANT", |v: String, s: &str| tenant(
-            v, s
-        ));
-        c.policy_explicit =
-            flags.policy.is_some() || env("TURNGUARD_POLICY").is_some() || file.policy.is_some();
-        // Paths.
-        resolve_path(
-            &mut c.policy,
-            &flags.policy,
-            env("TURNGUARD_POLICY"),
-            &file.policy,
-            same,
-            path_env,
-        )?;
-        let mut journal = PathBuf::from(c.journal.to_string());
-        resolve_path(
-            &mut journal,
-            &flags.journal,
-            env("TURNGUARD_JOURNAL"),
-            &file.journal,
-            same,
-            path_env,
-        )?;
-        if flags.journal.is_some() || env("TURNGUARD_JOURNAL").is_some() || file.journal.is_some() {
-            c.journal = crate::journal::JournalLocation::from(journal);
-        }
-        // Shipped catalogs: a list in the file and flags, comma-separated in the environment.
-        c.catalog = flags
-            .catalog
-            .clone()
-            .or_else(|| {
-                env("TURNGUARD_CATALOG")
-                    .map(|v| v.split(',').map(|n| n.trim().to_owned()).collect())
-            })
-            .or_else(|| file.catalog.clone());
-        // Numbers: typed in the file and flags, strings in the environment.
-        macro_rules! number {
-            ($field:ident, $env:literal, $typed:expr, $from_env:expr) => {
-                if let Some(v) = flags.$field {
-                    c.$field = $typed(v, &format!("--{}", stringify!($field).replace('_', "-")))?;
-                } else if let Some(v) = env($env) {
-                    c.$field = $from_env(v, $env)?;
-                } else if let Some(v) = file.$field {
-                    c.$field = $typed(v, &format!("{file_name}: `{}`", stringify!($field)))?;
-                }
-            };
-        }
-        number!(max_body_bytes, "TURNGUARD_MAX_BODY_BYTES", size, size_env);
-        number!(
-            max_response_bytes,
-            "TURNGUARD_MAX_RESPONSE_BYTES",
-            size,
-            size_env
-        );
-        number!(max_event_bytes, "TURNGUARD_MAX_EVENT_BYTES", size, size_env);
-        number!(
-            journal_max_record_bytes,
-            "TURNGUARD_JOURNAL_MAX_RECORD_BYTES",
-            size,
-            size_env
-        );
-        number!(
-            upstream_connect_timeout_ms,
-            "TURNGUARD_UPSTREAM_CONNECT_TIMEOUT_MS",
-            ms,
-            ms_env
-        );
-        number!(
-            upstream_response_timeout_ms,
-            "TURNGUARD_UPSTREAM_RESPONSE_TIMEOUT_MS",
-            ms,
-            ms_env
-        );
-        number!(
-            upstream_idle_timeout_ms,
-            "TURNGUARD_UPSTREAM_IDLE_TIMEOUT_MS",
-            ms,
-            ms_env
-        );
-        let days = |v: u64, src: &str| -> Result<u64, ConfigError> {
-            if v < 14 {
-                Err(value_err(
-                    src,
-                    "records are kept at least 14 days (OpenWOP idempotency.md)".into(),
-                ))
-            } else {
-                Ok(v)
-            }
-        };
-        let days_env = |v: String, src: &str| -> Result<u64, ConfigError> {
-            let n: u64 = v
-                .parse()
-                .map_err(|_| value_err(src, format!("`{v}` is not a number of days")))?;
-            days(n, src)
-        };
-        number!(
-            journal_retention_days,
-            "TURNGUARD_JOURNAL_RETENTION_DAYS",
-            days,
-            days_env
-        );
-
-        number!(
-            approval_timeout_ms,
-            "TURNGUARD_APPROVAL_TIMEOUT_MS",
-            ms,
-            ms_env
-        );
-        number!(
-            approval_keepalive_ms,
-            "TURNGUARD_APPROVAL_KEEPALIVE_MS",
-            ms,
-            ms_env
-        );
-        // Identity (optional keys): flag, else env, else file, else unset.
-        macro_rules! optional {
-            ($field:ident, $env:literal, $from:expr) => {
-                if let Some(v) = &flags.$field {
-                    c.$field = Some(v.clone());
-                } else if let Some(v) = env($env) {
-                    c.$field = Some($from(v));
-                } else if let Some(v) = &file.$field {
-                    c.$field = Some(v.clone());
-                }
-            };
-        }
-        optional!(identity_issuer, "TURNGUARD_IDENTITY_ISSUER", |v: String| v);
-        optional!(
-            identity_audience,
-            "TURNGUARD_IDENTITY_AUDIENCE",
-            |v: String| v
-        );
-        optional!(
-            identity_approval_audience,
-            "TURNGUARD_IDENTITY_APPROVAL_AUDIENCE",
-            |v: String| v
-        );
-        optional!(identity_jwks, "TURNGUARD_IDENTITY_JWKS", PathBuf::from);
-        optional!(
-            identity_public_key,
-            "TURNGUARD_IDENTITY_PUBLIC_KEY",
-            PathBuf::from
-        );
-        optional!(
-            identity_hs256_secret_file,
-            "TURNGUARD_IDENTITY_HS256_SECRET_FILE",
-            PathBuf::from
-        );
-        let flag = |v: String, src: &str| -> Result<bool, ConfigError> {
-            match v.as_str() {
-                "true" | "1" => Ok(true),
-                "false" | "0" => Ok(false),
-                _ => Err(value_err(src, format!("`{v}` is not `true` or `false`"))),
-            }
-        };
-        if let Some(v) = flags.identity_dev_principal_header {
-            c.identity_dev_principal_header = v;
-        } else if let Some(v) = env("TURNGUARD_IDENTITY_DEV_PRINCIPAL_HEADER") {
-            c.identity_dev_principal_header = flag(v, "TURNGUARD_IDENTITY_DEV_PRINCIPAL_HEADER")?;
-        } else if let Some(v) = file.identity_dev_principal_header {
-            c.identity_dev_principal_header = v;
-        }
-        // The approval page and notifications (issue 16).
-        if let Some(v) = flags.approval_ui {
-            c.approval_ui = v;
-        } else if let Some(v) = env("TURNGUARD_APPROVAL_UI") {
-            c.approval_ui = flag(v, "TURNGUARD_APPROVAL_UI")?;
-        } else if let Some(v) = file.approval_ui {
-            c.approval_ui = v;
-        }
-        optional!(
-            approval_ui_client_id,
-            "TURNGUARD_APPROVAL_UI_CLIENT_ID",
-            |v: String| v
-        );
-        optional!(
-            approval_ui_client_secret_file,
-            "TURNGUARD_APPROVAL_UI_CLIENT_SECRET_FILE",
-            PathBuf::from
-        );
-        optional!(
-            approval_ui_redirect_uri,
-            "TURNGUARD_APPROVAL_UI_REDIRECT_URI",
-            |v: String| v
-        );
-        optional!(
-            approval_webhook,
-            "TURNGUARD_APPROVAL_WEBHOOK",
-            |v: String| v
-        );
-        optional!(
-            approval_webhook_secret_file,
-            "TURNGUARD_APPROVAL_WEBHOOK_SECRET_FILE",
-            PathBuf::from
-        );
-
-        // Protection and shutdown (issue 6).
-        let any_ms = |v: u64, _: &str| -> Result<u64, ConfigError> { Ok(v) };
-        let any_ms_env = |v: String, src: &str| -> Result<u64, ConfigError> {
-            v.parse()
-                .map_err(|_| value_err(src, format!("`{v}` is not a number of milliseconds")))
-        };
-        number!(
-            max_concurrent_requests,
-            "TURNGUARD_MAX_CONCURRENT_REQUESTS",
-            size,
-            size_env
-        );
-        number!(
-            shed_retry_after_s,
-            "TURNGUARD_SHED_RETRY_AFTER_S",
-            ms,
-            secs_env
-        );
-        number!(
-            shutdown_delay_ms,
-            "TURNGUARD_SHUTDOWN_DELAY_MS",
-            any_ms,
-            any_ms_env
-        );
-        number!(shutdown_grace_ms, "TURNGUARD_SHUTDOWN_GRACE_MS", ms, ms_env);
-
-        // Hostile clients and memory bounds (issue 11).
-        number!(
-            header_read_timeout_ms,
-            "TURNGUARD_HEADER_READ_TIMEOUT_MS",
-            ms,
-            ms_env
-        );
-        number!(
-            body_read_timeout_ms,
-            "TURNGUARD_BODY_READ_TIMEOUT_MS",
-            ms,
-            ms_env
-        );
-        number!(max_connections, "TURNGUARD_MAX_CONNECTIONS", size, size_env);
-        number!(
-            max_schema_bytes,
-            "TURNGUARD_MAX_SCHEMA_BYTES",
-            size,
-            size_env
-        );
-        number!(
-            max_schema_cache_bytes,
-            "TURNGUARD_MAX_SCHEMA_CACHE_BYTES",
-            size,
-            size_env
-        );
-        number!(
-            journal_busy_timeout_ms,
-            "TURNGUARD_JOURNAL_BUSY_TIMEOUT_MS",
-            ms,
-            ms_env
-        );
-        optional!(
-            admin_token_file,
-            "TURNGUARD_ADMIN_TOKEN_FILE",
-            PathBuf::from
-        );
-
-        // Upstreams: each layer overrides names it sets; defaults stay for the others.
-        if let Some(map) = &file.upstream {
-            for (name, url) in map {
-                let u = Upstream::parse(url)
-                    .map_err(|r| value_err(&format!("{file_name}: `upstream.{name}`"), r))?;
-                c.upstreams.insert(name.clone(), u);
-            }
-        }
-        let pairs: Vec<(String, &str)> = if !flags.upstream.is_empty() {
-            flags
-                .upstream
-                .iter()
-                .map(|p| (p.clone(), "--upstream"))
-                .collect()
-        } else if let Some(v) = env("TURNGUARD_UPSTREAM") {
-            v.split(',')
-                .filter(|s| !s.trim().is_empty())
-                .map(|s| (s.trim().to_owned(), "TURNGUARD_UPSTREAM"))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        for (pair, src) in pairs {
-            let (name, url) = pair.split_once('=').ok_or_else(|| {
-                value_err(src, format!("`{}` is not NAME=URL", redact_url(&pair)))
-            })?;
-            let u = Upstream::parse(url).map_err(|r| value_err(src, r))?;
-            c.upstreams.insert(name.to_owned(), u);
-        }
-        resolve_mcp(&mut c, flags, env, &file, &file_name)?;
-        Ok(c)
-    }
-}
-
 /// `url` with the userinfo of its authority (`user:pass@`) replaced by `***@`, for messages.
 pub fn redact_url(url: &str) -> String {
     let (scheme, rest) = match url.split_once("://") {
@@ -1000,87 +971,21 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
-/// `NAME` of an MCP server: 1-64 of `A-Z a-z 0-9 . _ -` (it is a path segment of `/mcp/NAME`).
-fn mcp_name_ok(name: &str) -> bool {
-    !name.is_empty()
+/// Checks `NAME` of an MCP server: 1-64 of `A-Z a-z 0-9 . _ -` (it is a path segment of
+/// `/mcp/NAME`).
+fn mcp_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
         && name.len() <= 64
         && name
             .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
-}
-
-/// MCP servers: the file's table, then `--mcp` / `TURNGUARD_MCP` (names they set override
-/// the file's), then the ticket settings (`--mcp-ticket` / `TURNGUARD_MCP_TICKET` override
-/// the file's `ticket`).
-fn resolve_mcp(
-    c: &mut Config,
-    flags: &ServeArgs,
-    env: &dyn Fn(&str) -> Option<String>,
-    file: &FileConfig,
-    file_name: &str,
-) -> Result<(), ConfigError> {
-    let server = |name: &str, url: &str, src: &str| -> Result<McpServer, ConfigError> {
-        if !mcp_name_ok(name) {
-            return Err(value_err(
-                src,
-                format!("`{name}` is not an MCP server name (1-64 of A-Z a-z 0-9 . _ -)"),
-            ));
-        }
-        let url = Upstream::parse(url).map_err(|r| value_err(src, r))?;
-        Ok(McpServer {
-            url,
-            ticket: Ticket::default(),
-        })
-    };
-    for (name, entry) in file.mcp.iter().flatten() {
-        let src = format!("{file_name}: `mcp.{name}`");
-        let (url, ticket) = match entry {
-            McpFileEntry::Url(u) => (u.as_str(), None),
-            McpFileEntry::Table(t) => (t.url.as_str(), t.ticket),
-        };
-        let mut s = server(name, url, &src)?;
-        s.ticket = ticket.unwrap_or_default();
-        c.mcp.insert(name.clone(), s);
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{name}` is not an MCP server name (1-64 of A-Z a-z 0-9 . _ -)"
+        ))
     }
-    let list = |flag: &[String], var: &'static str| -> Vec<(String, &'static str)> {
-        if !flag.is_empty() {
-            flag.iter().map(|p| (p.clone(), "flag")).collect()
-        } else {
-            env(var)
-                .map(|v| {
-                    v.split(',')
-                        .map(str::trim)
-                        .filter(|s| !s.is_empty())
-                        .map(|s| (s.to_owned(), var))
-                        .collect()
-                })
-                .unwrap_or_default()
-        }
-    };
-    for (pair, src) in list(&flags.mcp, "TURNGUARD_MCP") {
-        let src = if src == "flag" { "--mcp" } else { src };
-        let (name, url) = pair
-            .split_once('=')
-            .ok_or_else(|| value_err(src, format!("`{pair}` is not NAME=URL")))?;
-        let ticket = c.mcp.get(name).map(|s| s.ticket).unwrap_or_default();
-        let mut s = server(name, url, src)?;
-        s.ticket = ticket;
-        c.mcp.insert(name.to_owned(), s);
-    }
-    for (pair, src) in list(&flags.mcp_ticket, "TURNGUARD_MCP_TICKET") {
-        let src = if src == "flag" { "--mcp-ticket" } else { src };
-        let (name, value) = pair
-            .split_once('=')
-            .ok_or_else(|| value_err(src, format!("`{pair}` is not NAME=required|optional")))?;
-        let ticket = Ticket::parse(value)
-            .ok_or_else(|| value_err(src, format!("`{value}` is not `required` or `optional`")))?;
-        let s = c
-            .mcp
-            .get_mut(name)
-            .ok_or_else(|| value_err(src, format!("no MCP server named `{name}` is configured")))?;
-        s.ticket = ticket;
-    }
-    Ok(())
 }
 
 fn value_err(src: &str, reason: String) -> ConfigError {
@@ -1090,35 +995,40 @@ fn value_err(src: &str, reason: String) -> ConfigError {
     }
 }
 
-fn resolve_path(
-    target: &mut PathBuf,
-    flag: &Option<PathBuf>,
-    env: Option<String>,
-    file: &Option<PathBuf>,
-    same: impl Fn(PathBuf, &str) -> Result<PathBuf, ConfigError>,
-    from_env: impl Fn(String, &str) -> Result<PathBuf, ConfigError>,
-) -> Result<(), ConfigError> {
-    if let Some(v) = flag {
-        *target = same(v.clone(), "flag")?;
-    } else if let Some(v) = env {
-        *target = from_env(v, "env")?;
-    } else if let Some(v) = file {
-        *target = same(v.clone(), "file")?;
-    }
-    Ok(())
-}
-
-fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+/// The TOML file as figment keys: only the settings' keys (flag names with `_`, not
+/// `config`, and MCP tickets inside `[mcp.NAME]`), `mcp.NAME = "URL"` read as `{ url }`.
+fn read_file(path: &Path, settings: &Settings) -> Result<Dict, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
         file: path.to_owned(),
         reason: e.to_string(),
     })?;
-    let de = toml::Deserializer::new(&text);
-    serde_path_to_error::deserialize(de).map_err(|e| ConfigError::File {
+    let mut dict: Dict = toml::from_str(&text).map_err(|e| ConfigError::Syntax {
         file: path.to_owned(),
-        path: e.path().to_string(),
-        reason: e.inner().message().to_owned(),
-    })
+        reason: e.to_string(),
+    })?;
+    let at = |key: String, reason: String| ConfigError::File {
+        file: path.to_owned(),
+        path: key,
+        reason,
+    };
+    for key in dict.keys() {
+        if !settings.names.contains_key(key) || key == "config" || key == "mcp_ticket" {
+            return Err(at(
+                key.clone(),
+                "unknown key (the keys are `turnguard serve` flag names with `_`, for example `admin_listen`)".into(),
+            ));
+        }
+    }
+    if let Some(Value::Dict(_, servers)) = dict.get_mut("mcp") {
+        for (name, entry) in servers.iter_mut() {
+            mcp_name(name).map_err(|r| at(format!("mcp.{name}"), r))?;
+            if let Value::String(_, url) = entry {
+                let table: Dict = [("url".to_owned(), Value::from(url.as_str()))].into();
+                *entry = table.into();
+            }
+        }
+    }
+    Ok(dict)
 }
 
 #[cfg(test)]
@@ -1433,6 +1343,184 @@ mod tests {
             &env_of(&[("TURNGUARD_APPROVAL_UI", "yes")])
         )
         .is_err());
+    }
+
+    /// A value's error names the layer it came from: the flag, the variable, or the file and
+    /// key; the check is the same for every layer.
+    #[test]
+    fn errors_name_the_setting_and_its_layer() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        let with_file = |text: &str| {
+            std::fs::write(&file, text).unwrap();
+            ServeArgs {
+                config: Some(file.clone()),
+                ..Default::default()
+            }
+        };
+        let err = |flags: &ServeArgs, env: &[(&str, &str)]| {
+            Config::resolve(flags, &env_of(env))
+                .unwrap_err()
+                .to_string()
+        };
+        let zero = "must be greater than 0";
+        let f = with_file("max_event_bytes = 0\n");
+        assert_eq!(
+            err(&f, &[]),
+            format!("{}: at `max_event_bytes`: {zero}", file.display())
+        );
+        let flags = ServeArgs {
+            max_event_bytes: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(err(&flags, &[]), format!("--max-event-bytes: {zero}"));
+        assert_eq!(
+            err(&ServeArgs::default(), &[("TURNGUARD_MAX_EVENT_BYTES", "0")]),
+            format!("TURNGUARD_MAX_EVENT_BYTES: {zero}")
+        );
+        // The winning layer's value is the one checked: a good flag hides a bad env value.
+        let good = ServeArgs {
+            max_event_bytes: Some(5),
+            ..Default::default()
+        };
+        let c = Config::resolve(&good, &env_of(&[("TURNGUARD_MAX_EVENT_BYTES", "0")])).unwrap();
+        assert_eq!(c.max_event_bytes, 5);
+        // Syntax of a variable: its unit.
+        assert_eq!(
+            err(
+                &ServeArgs::default(),
+                &[("TURNGUARD_MAX_EVENT_BYTES", "4MiB")]
+            ),
+            "TURNGUARD_MAX_EVENT_BYTES: `4MiB` is not a byte count"
+        );
+        assert_eq!(
+            err(&ServeArgs::default(), &[("TURNGUARD_LISTEN", "localhost")]),
+            "TURNGUARD_LISTEN: `localhost` is not an address like 127.0.0.1:8787"
+        );
+        // Types and values in the file.
+        let f = with_file("max_event_bytes = \"big\"\n");
+        let e = err(&f, &[]);
+        assert!(e.contains("at `max_event_bytes`: invalid type"), "{e}");
+        let f = with_file("tenant = \"a b\"\n");
+        assert!(err(&f, &[]).contains("at `tenant`: `a b` is not a tenant id"));
+        let f = with_file("log_format = \"xml\"\n");
+        let e = err(&f, &[]);
+        assert!(
+            e.contains("at `log_format`: unknown variant: found `xml`"),
+            "{e}"
+        );
+        let f =
+            with_file("[mcp.files]\nurl = \"http://127.0.0.1:1/mcp\"\ntickets = \"optional\"\n");
+        let e = err(&f, &[]);
+        assert!(
+            e.contains("at `mcp.files.tickets`: unknown field: found `tickets`"),
+            "{e}"
+        );
+        let f = with_file("listen = [\n");
+        assert!(err(&f, &[]).starts_with(&format!("{}: ", file.display())));
+        // Map entries name the setting and the entry.
+        assert_eq!(
+            err(
+                &ServeArgs::default(),
+                &[("TURNGUARD_UPSTREAM", "openai=http://127.0.0.1:1,b=ftp://x")]
+            ),
+            "TURNGUARD_UPSTREAM: `b`: `ftp://x`: the scheme must be http or https"
+        );
+        let bad_ticket = ServeArgs {
+            mcp: vec!["a=http://127.0.0.1:1/mcp".into()],
+            mcp_ticket: vec!["a=sometimes".into()],
+            ..Default::default()
+        };
+        let e = err(&bad_ticket, &[]);
+        assert!(
+            e.starts_with("--mcp-ticket: `a`: unknown variant: found `sometimes`"),
+            "{e}"
+        );
+        let e = err(
+            &ServeArgs::default(),
+            &[("TURNGUARD_MCP_TICKET", "nobody=optional")],
+        );
+        assert!(
+            e.contains("`nobody`: no MCP server of this name is configured"),
+            "{e}"
+        );
+    }
+
+    /// Tables (upstreams, MCP servers) layer name by name: a layer overrides the names it
+    /// sets and keeps the others; an MCP ticket set in one layer applies to a server of
+    /// another.
+    #[test]
+    fn tables_layer_name_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(
+            &file,
+            "[upstream]\nopenai = \"http://127.0.0.1:1/file\"\nlocal = \"http://127.0.0.1:1/local\"\n[mcp]\nfiles = \"http://127.0.0.1:1/mcp\"\n",
+        )
+        .unwrap();
+        let flags = ServeArgs {
+            config: Some(file),
+            upstream: vec!["openai=http://127.0.0.1:1/flag".into()],
+            mcp_ticket: vec!["files=optional".into()],
+            ..Default::default()
+        };
+        let c = Config::resolve(
+            &flags,
+            &env_of(&[(
+                "TURNGUARD_UPSTREAM",
+                "openai=http://127.0.0.1:1/env, other=http://127.0.0.1:1/other,",
+            )]),
+        )
+        .unwrap();
+        let prefix = |n: &str| c.upstreams[n].prefix.clone();
+        assert_eq!(prefix("openai"), "/flag");
+        assert_eq!(prefix("other"), "/other");
+        assert_eq!(prefix("local"), "/local");
+        assert_eq!(c.upstreams["anthropic"].authority, "api.anthropic.com");
+        assert_eq!(c.upstreams.len(), 4);
+        assert_eq!(c.mcp["files"].ticket, Ticket::Optional);
+        assert_eq!(c.mcp["files"].url.prefix, "/mcp");
+        // A list variable is comma-separated; whitespace around a name is not part of it.
+        let c = Config::resolve(
+            &ServeArgs::default(),
+            &env_of(&[("TURNGUARD_CATALOG", "claude-code, codex")]),
+        )
+        .unwrap();
+        assert_eq!(c.catalog, Some(vec!["claude-code".into(), "codex".into()]));
+    }
+
+    /// `policy_explicit` is set by any layer that names the policy, never by the default.
+    #[test]
+    fn policy_is_explicit_when_any_layer_sets_it() {
+        let none = Config::resolve(&ServeArgs::default(), &env_of(&[])).unwrap();
+        assert!(!none.policy_explicit);
+        assert_eq!(none.policy, PathBuf::from("./policy"));
+        let env = Config::resolve(
+            &ServeArgs::default(),
+            &env_of(&[("TURNGUARD_POLICY", "/etc/tg")]),
+        )
+        .unwrap();
+        assert!(env.policy_explicit);
+        assert_eq!(env.policy, PathBuf::from("/etc/tg"));
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(
+            &file,
+            "policy = \"/srv/tg\"\njournal = \"postgres://u:p@db/tg\"\n",
+        )
+        .unwrap();
+        let c = Config::resolve(
+            &ServeArgs::default(),
+            &env_of(&[("TURNGUARD_CONFIG", file.to_str().unwrap())]),
+        )
+        .unwrap();
+        assert!(c.policy_explicit);
+        assert_eq!(c.policy, PathBuf::from("/srv/tg"));
+        assert!(
+            matches!(c.journal, crate::journal::JournalLocation::Postgres(_)),
+            "{:?}",
+            c.journal
+        );
     }
 
     #[test]

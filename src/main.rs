@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
 use turnguard::config::{Config, LogFormat, ServeArgs};
@@ -162,9 +162,34 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
+/// The command line. `serve`'s flags declare their `TURNGUARD_*` variables (clap `env`,
+/// listed in `--help` without their values, which may hold credentials), but the variables
+/// are read by `Config::resolve`, so that an error names the variable it came from: the
+/// command line is parsed alone, and only help is rendered from the declaring command.
+fn parse_cli() -> Cli {
+    let declared =
+        Cli::command().mut_subcommand("serve", |s| s.mut_args(|a| a.hide_env_values(true)));
+    let line_only = declared
+        .clone()
+        .mut_subcommand("serve", |s| s.mut_args(|a| a.env(None::<&str>)));
+    let parsed = line_only
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m));
+    match parsed {
+        Ok(cli) => cli,
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => {
+            match declared.try_get_matches() {
+                Err(help) => help.exit(),
+                Ok(_) => e.exit(),
+            }
+        }
+        Err(e) => e.exit(),
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = parse_cli();
     match cli.command {
         Command::Serve(args) => {
             let config = Config::resolve(&args, &|k| std::env::var(k).ok())?;
