@@ -493,7 +493,7 @@ impl Settings {
     /// `e` as a [`ConfigError`] naming the layer, the key and what was wrong.
     fn error(&self, e: figment::Error, file: Option<&Path>) -> ConfigError {
         let path = e.path.join(".");
-        let reason = e.kind.to_string();
+        let reason = reason_of(&e.kind);
         let layer = e.metadata.as_ref().map(|m| m.name.as_ref());
         if let (Some(FILE), Some(file)) = (layer, file) {
             return ConfigError::File {
@@ -518,6 +518,27 @@ impl Settings {
             _ => format!("{} `{path}`", layer.unwrap_or(DEFAULTS)),
         };
         value_err(&source_name, reason)
+    }
+}
+
+/// A figment error's reason, without the offending value when it is text: a URL there can
+/// carry credentials (`user:password@host`), and the error goes to stderr and logs.
+fn reason_of(kind: &figment::error::Kind) -> String {
+    use figment::error::{Actual, Kind};
+    let shown = |a: &Actual| match a {
+        Actual::Str(_) | Actual::Char(_) | Actual::Bytes(_) | Actual::Other(_) => {
+            "a string".to_owned()
+        }
+        a => a.to_string(),
+    };
+    match kind {
+        Kind::InvalidType(a, expected) => {
+            format!("invalid type: found {}, expected {expected}", shown(a))
+        }
+        Kind::InvalidValue(a, expected) => {
+            format!("invalid value: found {}, expected {expected}", shown(a))
+        }
+        k => k.to_string(),
     }
 }
 
@@ -1347,6 +1368,24 @@ mod tests {
 
     /// A value's error names the layer it came from: the flag, the variable, or the file and
     /// key; the check is the same for every layer.
+    #[test]
+    fn a_wrong_typed_value_is_not_echoed_in_the_error() {
+        // A URL where a table belongs (`upstream = "…"`) may carry credentials: the error
+        // names the key and the types, never the value.
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(&file, "upstream = \"https://user:s3cret@api.example\"\n").unwrap();
+        let flags = ServeArgs {
+            config: Some(file.clone()),
+            ..Default::default()
+        };
+        let e = Config::resolve(&flags, &env_of(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("s3cret"), "{e}");
+        assert!(e.contains("upstream") && e.contains("a string"), "{e}");
+    }
+
     #[test]
     fn errors_name_the_setting_and_its_layer() {
         let dir = tempfile::tempdir().unwrap();
