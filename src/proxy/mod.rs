@@ -18,7 +18,7 @@ pub mod upstream;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::response::Response;
@@ -45,7 +45,7 @@ use crate::provider;
 use crate::server::AppState;
 
 /// The agent identity in events and rules when no verified person acts.
-pub const AGENT_ID: &str = "agent";
+pub use crate::clock::AGENT_ID;
 
 /// Who and what one data-plane request is: its ids and its run identity headers.
 #[derive(Debug, Clone)]
@@ -103,12 +103,7 @@ impl RequestCtx {
 }
 
 /// Milliseconds since the Unix epoch.
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
+pub use crate::clock::now_ms;
 
 /// Everything one agent request carries through its model rounds (the first and any repair
 /// rounds): the parsed turn, the policy snapshot, the request as sent upstream.
@@ -680,17 +675,11 @@ async fn seed_run_counter(state: &Arc<AppState>, ctx: &RequestCtx) -> Result<(),
     if !state.limits.needs_seed(&run) {
         return Ok(());
     }
-    let reader = Arc::clone(&state.reader);
-    let key = run.clone();
-    let found = tokio::task::spawn_blocking(move || reader.released_calls(&key)).await;
-    match found {
-        Ok(Ok(n)) => {
+    match state.reader.released_calls(&run).await {
+        Ok(n) => {
             state.limits.seed(&run, n);
             Ok(())
         }
-        Ok(Err(e)) => Err(WireError::JournalUnavailable {
-            reason: format!("the run's released calls could not be read ({e})"),
-        }),
         Err(e) => Err(WireError::JournalUnavailable {
             reason: format!("the run's released calls could not be read ({e})"),
         }),
