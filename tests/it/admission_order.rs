@@ -236,7 +236,7 @@ fn anthropic_sse(
 }
 
 /// `(call_id, outcome, stage, reason)` rows of one round, in call order.
-fn call_rows(db: &rusqlite::Connection, round: &str) -> Vec<(String, String, String, String)> {
+fn call_rows(db: &support::Db, round: &str) -> Vec<(String, String, String, String)> {
     let mut st = db
         .prepare("SELECT call_id, outcome, stage, reason FROM tool_calls WHERE request_id = ?1 ORDER BY choice, ordinal")
         .unwrap();
@@ -249,7 +249,7 @@ fn call_rows(db: &rusqlite::Connection, round: &str) -> Vec<(String, String, Str
 }
 
 /// `(type, payload)` of one request's events, in sequence order.
-fn events_of(db: &rusqlite::Connection, request_id: &str) -> Vec<(String, Value)> {
+fn events_of(db: &support::Db, request_id: &str) -> Vec<(String, Value)> {
     let mut st = db
         .prepare("SELECT type, payload FROM events WHERE request_id = ?1 ORDER BY sequence")
         .unwrap();
@@ -264,7 +264,7 @@ fn events_of(db: &rusqlite::Connection, request_id: &str) -> Vec<(String, Value)
     .collect()
 }
 
-fn args_hash_of(db: &rusqlite::Connection, round: &str, call_id: &str) -> Option<String> {
+fn args_hash_of(db: &support::Db, round: &str, call_id: &str) -> Option<String> {
     db.query_row(
         "SELECT args_hash FROM tool_calls WHERE request_id = ?1 AND call_id = ?2",
         [support::round_key(db, round).as_str(), call_id],
@@ -273,7 +273,7 @@ fn args_hash_of(db: &rusqlite::Connection, round: &str, call_id: &str) -> Option
     .unwrap()
 }
 
-fn round_states(db: &rusqlite::Connection, prefix: &str) -> Vec<(String, String)> {
+fn round_states(db: &support::Db, prefix: &str) -> Vec<(String, String)> {
     let mut st = db
         .prepare(&format!(
             "SELECT {}, state FROM rounds WHERE client_request_id = ?1 ORDER BY id",

@@ -9,6 +9,16 @@
 //! blocking HTTP/1.1 client, so a kill is seen exactly as an agent sees it: a refused or cut
 //! connection).
 //!
+//! On the PostgreSQL backend (`TURNGUARD_TEST_BACKEND=postgres`) this is the multi-replica
+//! test of issue 15: three `turnguard serve` processes share one database and the agent's
+//! requests rotate across them, one replica per request, so every run moves between
+//! processes every round; a kill point kills the replica the round is sent to (the one that
+//! takes the round's claim and records its served answer), and the re-send lands on another
+//! replica, which must recover from the shared journal: replay the recorded answer, or say
+//! `tool_outcome_unknown` when the answer is in doubt — never a second execution. The two
+//! concurrent executors of one business key go to two different replicas and must still
+//! produce one claim. On SQLite (a file belongs to one process) there is one replica.
+//!
 //! The simulated model is a function of the transcript: with `r` assistant turns so far it
 //! asks for charge `r` (`chargeId` `t<trial>-c<r>`, call id `call_t<trial>_c<r>`, or with a
 //! fresh suffix, see [`Variant`]) for `r < 9` and answers finally at `r = 9`. Before each agent request the test posts that answer to the mock as a one-step
@@ -54,6 +64,7 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::support;
 use serde_json::{json, Value};
 
 /// Trials of the 10-round run.
@@ -166,25 +177,49 @@ impl Drop for Mock {
     }
 }
 
-/// `turnguard serve` on fixed ports and journal, restartable after a kill.
-struct Turnguard {
+/// Replicas of `turnguard serve` on one journal: 3 on PostgreSQL (the journal they share),
+/// 1 on SQLite (a file belongs to one process).
+fn replica_count() -> usize {
+    match support::db::backend() {
+        support::Backend::Postgres => 3,
+        support::Backend::Sqlite => 1,
+    }
+}
+
+/// One `turnguard serve` process on fixed ports, restartable after a kill.
+struct Replica {
     child: Arc<Mutex<Option<Child>>>,
     data: String,
     admin: String,
-    journal: PathBuf,
     log: PathBuf,
+}
+
+/// The replicas of `turnguard serve` on one journal, restartable after a kill. The agent's
+/// requests rotate across them ([`Turnguard::next`]): each request goes to the next replica,
+/// so a run moves between processes every round, and a re-send after a kill lands on another
+/// replica than the one killed.
+struct Turnguard {
+    replicas: Vec<Replica>,
+    cursor: std::sync::atomic::AtomicUsize,
+    journal: PathBuf,
     mock: String,
     starts: u64,
 }
 
 impl Turnguard {
     fn new(dir: &Path, mock: &Mock) -> Self {
+        let replicas = (0..replica_count())
+            .map(|i| Replica {
+                child: Arc::new(Mutex::new(None)),
+                data: format!("127.0.0.1:{}", free_port()),
+                admin: format!("127.0.0.1:{}", free_port()),
+                log: dir.join(format!("turnguard-{i}.log")),
+            })
+            .collect();
         let mut tg = Self {
-            child: Arc::new(Mutex::new(None)),
-            data: format!("127.0.0.1:{}", free_port()),
-            admin: format!("127.0.0.1:{}", free_port()),
+            replicas,
+            cursor: std::sync::atomic::AtomicUsize::new(0),
             journal: dir.join("journal.db"),
-            log: dir.join("turnguard.log"),
             mock: mock.addr.clone(),
             starts: 0,
         };
@@ -192,18 +227,30 @@ impl Turnguard {
         tg
     }
 
-    fn spawn(&mut self) -> Child {
+    /// The replica the next request goes to (and advances the rotation).
+    fn next(&self) -> &Replica {
+        let i = self.cursor.fetch_add(1, Ordering::SeqCst);
+        &self.replicas[i % self.replicas.len()]
+    }
+
+    /// The replica the next request will go to.
+    fn upcoming(&self) -> &Replica {
+        &self.replicas[self.cursor.load(Ordering::SeqCst) % self.replicas.len()]
+    }
+
+    fn spawn(&mut self, i: usize) -> Child {
         self.starts += 1;
+        let r = &self.replicas[i];
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(&self.log)
+            .open(&r.log)
             .unwrap();
         Command::new(bin())
             .arg("serve")
-            .args(["--listen", &self.data, "--admin-listen", &self.admin])
+            .args(["--listen", &r.data, "--admin-listen", &r.admin])
             .arg("--journal")
-            .arg(&self.journal)
+            .arg(support::journal_arg(&self.journal))
             .arg("--policy")
             .arg(bundle())
             .args(["--upstream", &format!("openai=http://{}", self.mock)])
@@ -214,31 +261,37 @@ impl Turnguard {
             .expect("turnguard starts")
     }
 
-    fn alive(&self) -> bool {
-        let mut g = self.child.lock().unwrap();
+    fn alive(&self, i: usize) -> bool {
+        let mut g = self.replicas[i].child.lock().unwrap();
         match g.as_mut() {
             Some(c) => c.try_wait().unwrap().is_none(),
             None => false,
         }
     }
 
-    /// Starts turnguard if it is not running and waits until it is ready.
+    /// Starts every replica that is not running and waits until each is ready.
     fn ensure_running(&mut self) {
+        for i in 0..self.replicas.len() {
+            self.ensure_replica(i);
+        }
+    }
+
+    fn ensure_replica(&mut self, i: usize) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             assert!(
                 Instant::now() < deadline,
-                "turnguard did not come back:\n{}",
+                "turnguard replica {i} did not come back:\n{}",
                 self.log_tail()
             );
-            if !self.alive() {
-                let child = self.spawn();
-                *self.child.lock().unwrap() = Some(child);
+            if !self.alive(i) {
+                let child = self.spawn(i);
+                *self.replicas[i].child.lock().unwrap() = Some(child);
             }
             let ready_by = Instant::now() + Duration::from_secs(5);
-            while self.alive() && Instant::now() < ready_by {
+            while self.alive(i) && Instant::now() < ready_by {
                 if matches!(
-                    http(&self.admin, "GET", "/readyz", &[], None),
+                    http(&self.replicas[i].admin, "GET", "/readyz", &[], None),
                     Ok((200, _, _))
                 ) {
                     return;
@@ -250,22 +303,31 @@ impl Turnguard {
         }
     }
 
+    /// The process of the replica the next request goes to: the one a kill point kills.
     fn kill_handle(&self) -> Arc<Mutex<Option<Child>>> {
-        Arc::clone(&self.child)
+        Arc::clone(&self.upcoming().child)
     }
 
     fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
+        let mut out = String::new();
+        for r in &self.replicas {
+            let text = std::fs::read_to_string(&r.log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            out.push_str(&format!("--- {}\n", r.log.display()));
+            out.push_str(&lines[lines.len().saturating_sub(30)..].join("\n"));
+            out.push('\n');
+        }
+        out
     }
 }
 
 impl Drop for Turnguard {
     fn drop(&mut self) {
-        if let Some(mut c) = self.child.lock().unwrap().take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        for r in &self.replicas {
+            if let Some(mut c) = r.child.lock().unwrap().take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
         }
     }
 }
@@ -454,7 +516,7 @@ struct Sent {
 fn send(tg: &Turnguard, run: &str, attempt: u32, messages: &[Value]) -> std::io::Result<Sent> {
     let body = json!({"model": "gpt-test", "messages": messages, "tools": tools()});
     let (status, headers, bytes) = http(
-        &tg.data,
+        &tg.next().data,
         "POST",
         "/v1/chat/completions",
         &[
@@ -572,16 +634,13 @@ fn arm_watch(
     let fired = Arc::new(AtomicBool::new(false));
     let (s, f) = (Arc::clone(&stop), Arc::clone(&fired));
     let thread = std::thread::spawn(move || {
-        let db = rusqlite::Connection::open_with_flags(
-            &journal,
-            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-        )
-        .unwrap();
-        let mut st = db.prepare(sql).unwrap();
+        let db = support::journal(&journal);
+        let params: Vec<support::db::DbValue> = params
+            .iter()
+            .map(|p| support::db::DbValue::Text(p.clone()))
+            .collect();
         while !s.load(Ordering::SeqCst) {
-            let n: i64 = st
-                .query_row(rusqlite::params_from_iter(params.iter()), |r| r.get(0))
-                .unwrap_or(0);
+            let n: i64 = db.query_row(sql, params.clone(), |r| r.get(0)).unwrap_or(0);
             if n > 0 {
                 if kill(&handle) {
                     f.store(true, Ordering::SeqCst);
@@ -832,14 +891,10 @@ fn kill_nine_at_random_points_releases_each_charge_exactly_once() {
         }
         // The journal agrees: one effect per charge, each completed.
         tg.ensure_running();
-        let db = rusqlite::Connection::open_with_flags(
-            &tg.journal,
-            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-        )
-        .unwrap();
+        let db = support::journal(&tg.journal);
         let (effects, completed): (i64, i64) = db
             .query_row(
-                "SELECT count(*), coalesce(sum(state = 'completed'), 0) FROM effects WHERE run_id = ?1",
+                "SELECT count(*), coalesce(sum(CASE WHEN state = 'completed' THEN 1 ELSE 0 END), 0) FROM effects WHERE run_id = ?1",
                 [format!("crash-t{t}")],
                 |r| Ok((r.get(0)?, r.get(1)?)),
             )
@@ -952,11 +1007,7 @@ fn concurrent_executors_of_one_effect_claim_it_once() {
                 .map(|(r, s)| (r, &s.text))
                 .collect::<Vec<_>>()
         );
-        let db = rusqlite::Connection::open_with_flags(
-            &tg.journal,
-            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-        )
-        .unwrap();
+        let db = support::journal(&tg.journal);
         let claims: i64 = db
             .query_row(
                 "SELECT count(*) FROM effects WHERE run_id LIKE ?1",

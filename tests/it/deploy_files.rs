@@ -66,7 +66,11 @@ fn metrics_in(expr: &str) -> BTreeSet<String> {
 }
 
 fn manifest() -> Vec<Yaml> {
-    let text = read("k8s/turnguard-sidecar.yaml");
+    manifest_of("k8s/turnguard-sidecar.yaml")
+}
+
+fn manifest_of(rel: &str) -> Vec<Yaml> {
+    let text = read(rel);
     serde_yaml::Deserializer::from_str(&text)
         .map(|doc| Yaml::deserialize(doc).expect("each YAML document parses"))
         .filter(|d| !d.is_null())
@@ -202,6 +206,120 @@ fn the_kubernetes_manifest_runs_turnguard_as_a_native_sidecar() {
     assert_eq!(base, format!("http://{listen}/v1"));
     let grace_ms: u64 = flag(&args, "shutdown-grace-ms").parse().unwrap();
     assert!(spec["terminationGracePeriodSeconds"].as_u64().unwrap() * 1000 > grace_ms);
+}
+
+/// The shared-service example (issue 15): 3 replicas on one PostgreSQL journal given by a
+/// Secret, a Service in front, the data plane open only to labelled clients, probes and
+/// scrape on the admin port; on the PostgreSQL backend, `turnguard serve` starts with the
+/// manifest's arguments and its `TURNGUARD_JOURNAL` pointed at the test cluster.
+#[test]
+fn the_replicas_manifest_runs_three_turnguards_on_one_postgresql_journal() {
+    let docs = manifest_of("k8s/turnguard-replicas.yaml");
+    let deployment = kind(&docs, "Deployment");
+    assert_eq!(deployment["spec"]["replicas"], 3);
+    let pod = &deployment["spec"]["template"];
+    let tg = pod["spec"]["containers"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "turnguard")
+        .expect("turnguard container");
+    let args = strs(&tg["args"]);
+    assert_eq!(args[0], "serve");
+    assert!(
+        !args.iter().any(|a| a.starts_with("--journal")),
+        "the journal URL (a secret) is not an argument: {args:?}"
+    );
+    // TURNGUARD_JOURNAL comes from the Secret, and it is a PostgreSQL URL.
+    let env = tg["env"].as_sequence().unwrap();
+    let journal = env
+        .iter()
+        .find(|e| e["name"] == "TURNGUARD_JOURNAL")
+        .expect("TURNGUARD_JOURNAL is set");
+    let key_ref = &journal["valueFrom"]["secretKeyRef"];
+    let secret = docs
+        .iter()
+        .find(|d| d["kind"] == "Secret" && d["metadata"]["name"] == key_ref["name"])
+        .expect("the Secret it names is in the manifest");
+    let url = secret["stringData"][key_ref["key"].as_str().unwrap()]
+        .as_str()
+        .unwrap();
+    assert!(url.starts_with("postgres://"), "{url}");
+    // Probes and scrape on the admin port; the Service targets the data port.
+    let admin_port = port_of(&flag(&args, "admin-listen"));
+    let data_port = port_of(&flag(&args, "listen"));
+    let port_named = |name: &str| -> u64 {
+        tg["ports"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .and_then(|p| p["containerPort"].as_u64())
+            .unwrap_or_else(|| panic!("port {name}"))
+    };
+    assert_eq!(port_named("admin"), u64::from(admin_port));
+    assert_eq!(port_named("data"), u64::from(data_port));
+    for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
+        assert_eq!(tg[probe]["httpGet"]["port"], "admin", "{probe}");
+    }
+    assert_eq!(
+        pod["metadata"]["annotations"]["prometheus.io/port"]
+            .as_str()
+            .unwrap(),
+        admin_port.to_string()
+    );
+    let service = docs
+        .iter()
+        .find(|d| d["kind"] == "Service" && d["metadata"]["name"] == "turnguard")
+        .expect("a Service named turnguard");
+    assert_eq!(service["spec"]["ports"][0]["targetPort"], "data");
+    // Only labelled clients reach the data plane; only turnguard reaches PostgreSQL.
+    let policies: Vec<&Yaml> = docs
+        .iter()
+        .filter(|d| d["kind"] == "NetworkPolicy")
+        .collect();
+    let data_rule = policies
+        .iter()
+        .find(|p| p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "turnguard")
+        .expect("a NetworkPolicy on turnguard's pods");
+    let rules = data_rule["spec"]["ingress"].as_sequence().unwrap();
+    assert!(rules
+        .iter()
+        .all(|r| r["from"].as_sequence().is_some_and(|f| !f.is_empty())));
+    assert!(rules
+        .iter()
+        .any(|r| r["ports"][0]["port"] == u64::from(data_port)
+            && r["from"][0]["podSelector"]["matchLabels"]["turnguard-client"] == "true"));
+    assert!(policies
+        .iter()
+        .any(
+            |p| p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+                == "turnguard-postgres"
+        ));
+    assert_eq!(
+        kind(&docs, "PodDisruptionBudget")["spec"]["minAvailable"],
+        2
+    );
+    let sc = &tg["securityContext"];
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+
+    if crate::support::db::backend() != crate::support::Backend::Postgres {
+        eprintln!(
+            "the_replicas_manifest_…: the serve check needs PostgreSQL \
+             (TURNGUARD_TEST_BACKEND=postgres); the manifest checks above ran"
+        );
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    materialize_policy(&docs, &root.path().join("etc/turnguard/policy"));
+    let url = crate::support::journal_arg(&root.path().join("journal.db"));
+    serve_and_probe(
+        &args,
+        &[("TURNGUARD_JOURNAL".to_owned(), url)],
+        root.path(),
+        &["/readyz", "/healthz", "/metrics"],
+    );
 }
 
 #[test]
@@ -360,8 +478,14 @@ fn materialize_policy(docs: &[Yaml], dir: &Path) {
 /// `probe_paths` with 200 on the admin plane and a 404 on the data plane, then SIGTERM → 0.
 fn serve_and_probe(args: &[String], env: &[(String, String)], root: &Path, probe_paths: &[&str]) {
     let args: Vec<String> = args.iter().map(|a| localize(a, root)).collect();
-    let journal = PathBuf::from(flag(&args, "journal"));
-    std::fs::create_dir_all(journal.parent().unwrap()).unwrap();
+    // The journal is a path argument (the sidecar) or a URL in the environment (replicas).
+    let journal = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--journal="))
+        .map(PathBuf::from);
+    if let Some(j) = &journal {
+        std::fs::create_dir_all(j.parent().unwrap()).unwrap();
+    }
     let admin = flag(&args, "admin-listen").replace("0.0.0.0", "127.0.0.1");
     let data = flag(&args, "listen");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_turnguard"));
@@ -397,10 +521,9 @@ fn serve_and_probe(args: &[String], env: &[(String, String)], root: &Path, probe
     let (status, body) = http_get(&data, "/not/a/provider/path").unwrap();
     assert_eq!(status, 404);
     assert!(body.contains("\"not_found\""));
-    assert!(
-        journal.exists(),
-        "the journal is where the arguments put it"
-    );
+    if let Some(j) = &journal {
+        assert!(j.exists(), "the journal is where the arguments put it");
+    }
     assert!(Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()

@@ -719,7 +719,7 @@ async fn logs_and_the_journal_cli_show_what_turnguard_did() {
             "--admin-listen",
             &format!("127.0.0.1:{admin}"),
             "--journal",
-            journal.to_str().unwrap(),
+            &support::journal_arg(&journal),
             "--policy",
             repo().join("policy").to_str().unwrap(),
             "--upstream",
@@ -783,7 +783,12 @@ async fn logs_and_the_journal_cli_show_what_turnguard_did() {
     // The journal CLI sees the chat turn while serve runs.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let out = loop {
-        let (code, out) = turnguard(&["journal", "runs", "--journal", journal.to_str().unwrap()]);
+        let (code, out) = turnguard(&[
+            "journal",
+            "runs",
+            "--journal",
+            &support::journal_arg(&journal),
+        ]);
         assert_eq!(code, 0, "{out}");
         if out.lines().any(|l| l.ends_with(&format!("\t{request_id}"))) {
             break out;
@@ -813,7 +818,7 @@ async fn logs_and_the_journal_cli_show_what_turnguard_did() {
         "show",
         &format!("chat:{request_id}"),
         "--journal",
-        journal.to_str().unwrap(),
+        &support::journal_arg(&journal),
     ]);
     assert_eq!(code, 0, "{out}");
     let shown: Value = serde_json::from_str(&out).unwrap();
@@ -921,7 +926,7 @@ async fn policy_learn_turns_a_shadow_run_into_a_catalog_that_checks() {
         "policy",
         "learn",
         "--journal",
-        journal.to_str().unwrap(),
+        &support::journal_arg(&journal),
         "--policy",
         bundle.path().to_str().unwrap(),
         "--out",

@@ -817,6 +817,9 @@ fn lock_journal(db: &Path) -> std::process::Child {
 /// the lock goes.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_locked_journal_fails_durable_requests_fast_and_readiness_follows() {
+    if support::sqlite_only("a_locked_journal_fails_durable_requests_fast_and_readiness_follows") {
+        return;
+    }
     let h = support::start_with(Script::default(), |c| c.policy = run_bundle()).await;
     h.script(&text_answer()).await;
     let url = chat_url(&h);
@@ -888,6 +891,9 @@ fn sh(cmd: &str, args: &[&str]) -> bool {
 /// return, and the journal passes `PRAGMA integrity_check`.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_disk_fails_durable_requests_and_readiness_recovers() {
+    if support::sqlite_only("a_full_disk_fails_durable_requests_and_readiness_recovers") {
+        return;
+    }
     if !is_root() {
         eprintln!("skipped: the disk-full test mounts a tmpfs and needs root");
         return;
@@ -942,10 +948,7 @@ async fn a_full_disk_fails_durable_requests_and_readiness_recovers() {
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     h.stop().await;
     let db = support::journal(&journal);
-    let ok: String = db
-        .query_row("PRAGMA integrity_check", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(ok, "ok");
+    assert_eq!(db.check_integrity(), "ok");
     let ids: Vec<String> = db
         .prepare("SELECT tool_call_id FROM tool_results ORDER BY id")
         .unwrap()
@@ -964,6 +967,9 @@ async fn a_full_disk_fails_durable_requests_and_readiness_recovers() {
 /// process that reports ready and journals nothing.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_unwritable_journal_is_a_start_error() {
+    if support::sqlite_only("an_unwritable_journal_is_a_start_error") {
+        return;
+    }
     let h = support::start(Script::default()).await;
     let dir = h.stop().await;
     let db = dir.path().join("journal.db");
@@ -1027,7 +1033,7 @@ fn spawn_turnguard(journal: &Path, mock: &str, port: u16, admin: u16) -> std::pr
         .arg("--admin-listen")
         .arg(format!("127.0.0.1:{admin}"))
         .arg("--journal")
-        .arg(journal)
+        .arg(crate::support::journal_arg(journal))
         .arg("--policy")
         .arg(run_bundle())
         .arg("--upstream")
@@ -1124,10 +1130,7 @@ async fn kill_9_under_load_then_restart_keeps_the_journal_whole() {
     mock.abort();
 
     let db = support::journal(&journal);
-    let ok: String = db
-        .query_row("PRAGMA integrity_check", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(ok, "ok");
+    assert_eq!(db.check_integrity(), "ok");
     let mut missing = Vec::new();
     for id in &served {
         let n: i64 = db

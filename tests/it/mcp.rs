@@ -120,7 +120,7 @@ impl McpHarness {
             })
             .unwrap_or_default()
     }
-    fn db(&self) -> rusqlite::Connection {
+    fn db(&self) -> support::Db {
         support::journal(&self.h.journal())
     }
 }
@@ -833,7 +833,7 @@ async fn serve_subprocess(
         .arg("serve")
         .args(["--listen", data, "--admin-listen", admin])
         .arg("--journal")
-        .arg(dir.join("journal.db"))
+        .arg(support::journal_arg(&dir.join("journal.db")))
         .arg("--policy")
         .arg(own_fixtures().join("policy-mcp"))
         .args(["--upstream", &format!("openai={model}")])

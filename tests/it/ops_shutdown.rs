@@ -97,7 +97,7 @@ async fn spawn_turnguard(mock: &str, extra: &[&str]) -> Turnguard {
         .arg(format!("--admin-listen={admin}"))
         .arg(format!(
             "--journal={}",
-            dir.path().join("journal.db").display()
+            support::journal_arg(&dir.path().join("journal.db"))
         ))
         .arg(format!(
             "--policy={}",

@@ -646,7 +646,7 @@ impl Served {
                 "json",
             ])
             .arg("--journal")
-            .arg(journal)
+            .arg(support::journal_arg(journal))
             .arg("--policy")
             .arg(policy)
             .arg("--upstream")
@@ -831,31 +831,11 @@ async fn secrets_in_arguments_never_reach_the_journal_events_or_logs() {
     }
     // Journal rows and events, per table and column (to say where), then the raw file bytes.
     let db = support::journal(&journal);
-    let tables: Vec<String> = {
-        let mut st = db
-            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
-            .unwrap();
-        st.query_map([], |r| r.get(0))
-            .unwrap()
-            .map(Result::unwrap)
-            .collect()
-    };
-    for t in &tables {
-        let mut st = db.prepare(&format!("SELECT * FROM \"{t}\"")).unwrap();
-        let names: Vec<String> = st.column_names().into_iter().map(str::to_owned).collect();
-        let mut rows = st.query([]).unwrap();
-        while let Some(row) = rows.next().unwrap() {
-            for (i, n) in names.iter().enumerate() {
-                let bytes: Vec<u8> = match row.get_ref(i).unwrap() {
-                    rusqlite::types::ValueRef::Text(b) | rusqlite::types::ValueRef::Blob(b) => {
-                        b.to_vec()
-                    }
-                    _ => continue,
-                };
-                for s in secrets {
-                    if bytes.windows(s.len()).any(|w| w == s.as_bytes()) {
-                        leaks.push(format!("journal {t}.{n}"));
-                    }
+    for t in db.tables() {
+        for (n, bytes) in db.cells(&t) {
+            for s in secrets {
+                if bytes.windows(s.len()).any(|w| w == s.as_bytes()) {
+                    leaks.push(format!("journal {t}.{n}"));
                 }
             }
         }

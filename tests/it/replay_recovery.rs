@@ -1160,6 +1160,9 @@ async fn a_round_with_a_secret_in_its_arguments_is_a_replay_miss() {
 /// turnguard's writer this is a database that refuses writes, deterministically.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_journal_that_cannot_record_fails_closed() {
+    if support::sqlite_only("a_journal_that_cannot_record_fails_closed") {
+        return;
+    }
     let h = support::start_with_policy(Script::default(), BUNDLE).await;
     model_says(
         &h,
@@ -1284,7 +1287,7 @@ async fn journal_cli_shows_the_run_redacted() {
         );
         stdout
     };
-    let journal = h.journal().display().to_string();
+    let journal = support::journal_arg(&h.journal());
     let runs = cli(&["journal", "runs", "--journal", &journal]);
     let line = runs
         .lines()

@@ -255,7 +255,7 @@ fn assert_consecutive(body: &[u8]) {
 }
 
 /// `(call_id, outcome, stage, reason)` of one round's calls, in call order.
-fn call_rows(db: &rusqlite::Connection, round: &str) -> Vec<(String, String, String, String)> {
+fn call_rows(db: &support::Db, round: &str) -> Vec<(String, String, String, String)> {
     let mut st = db
         .prepare("SELECT call_id, outcome, stage, reason FROM tool_calls WHERE request_id = ?1 ORDER BY choice, ordinal")
         .unwrap();
@@ -459,7 +459,7 @@ async fn response_chain_trust_comes_from_turnguards_own_journal() {
     // Each stored response is recorded with its contentTrust (untrusted: provider-executed
     // output, or the turn that produced it was untrusted).
     let mut st = db
-        .prepare("SELECT response_id, previous_response_id, provider_executed, content_trust FROM responses ORDER BY at_ms, rowid")
+        .prepare("SELECT p.response_id, p.previous_response_id, p.provider_executed, p.content_trust FROM responses p JOIN rounds r USING (request_id) ORDER BY p.at_ms, r.id")
         .unwrap();
     let rows: Vec<(String, Option<String>, bool, Option<String>)> = st
         .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
@@ -536,8 +536,7 @@ async fn chain_trust_reads_one_link_and_survives_a_pruned_start() {
         200
     );
     // The chain's start leaves the journal (as `journal_retention_days` prunes it).
-    let db = rusqlite::Connection::open(h.journal()).unwrap();
-    db.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+    let db = support::db::Db::open_rw(&h.journal());
     let gone = db
         .execute("DELETE FROM responses WHERE response_id = 'resp_p1'", [])
         .unwrap();

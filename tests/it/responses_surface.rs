@@ -302,7 +302,7 @@ async fn tool_results_and_the_response_chain_are_journaled() {
          call) in the input"
     );
     let mut stmt = db
-        .prepare("SELECT r.client_request_id, response_id, previous_response_id, p.run_id, status, provider_executed, provider_items FROM responses p JOIN rounds r USING (request_id) ORDER BY p.at_ms, p.rowid")
+        .prepare("SELECT r.client_request_id, response_id, previous_response_id, p.run_id, status, provider_executed, provider_items FROM responses p JOIN rounds r USING (request_id) ORDER BY p.at_ms, r.id")
         .unwrap();
     let rows: Vec<(
         String,

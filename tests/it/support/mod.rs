@@ -8,6 +8,7 @@
 )] // test code
 
 pub mod approvals;
+pub mod db;
 pub mod faulty;
 pub mod runs;
 
@@ -22,6 +23,8 @@ use serde_json::Value;
 use turnguard::config::{Config, ServeArgs};
 use turnguard::mock_provider::{self, MockHandle, Script};
 use turnguard::server::{self, Running};
+
+pub use db::{journal_arg, sqlite_only, Backend, Db, OptionalExtension};
 
 /// The admin token every harness is started with (`admin_token_file`): run data on the admin
 /// plane needs it (or a verified person's bearer token).
@@ -119,7 +122,7 @@ pub async fn start_in(
     let flags = ServeArgs {
         listen: Some("127.0.0.1:0".into()),
         admin_listen: Some("127.0.0.1:0".into()),
-        journal: Some(dir.path().join("journal.db")),
+        journal: Some(PathBuf::from(journal_arg(&dir.path().join("journal.db")))),
         policy: Some(own_fixtures().join("policy-open")),
         upstream: vec![
             format!("openai={mock_url}"),
@@ -299,17 +302,16 @@ pub async fn run_sdk_script(
         .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python.display(), path.display()))
 }
 
-/// Opens the journal read-only.
-pub fn journal(path: &Path) -> rusqlite::Connection {
-    rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-        .expect("journal opens")
+/// Opens the journal of a harness directory (`DIR/journal.db`) for reading, on whichever
+/// backend the suite runs ([`db`]).
+pub fn journal(path: &Path) -> Db {
+    Db::open(path)
 }
 
 /// turnguard's own journal id of the round an agent sent with `x-request-id: <client>` (its
 /// first round; `<client>#repair-N` names the repair rounds of the same request). The journal
 /// keys every record by its own ids and keeps the client's in `rounds.client_request_id`.
-pub fn round_key(db: &rusqlite::Connection, client: &str) -> String {
-    use rusqlite::OptionalExtension;
+pub fn round_key(db: &Db, client: &str) -> String {
     let (base, suffix) = match client.find("#repair-") {
         Some(i) => (&client[..i], &client[i..]),
         None => (client, ""),
