@@ -10,7 +10,9 @@
 //! What the single SQLite writer guaranteed by being alone holds here by statements that are
 //! atomic across replicas:
 //! - effect claims: `INSERT … ON CONFLICT DO NOTHING RETURNING epoch`; a take-over (the
-//!   owner's lease ran out, or its replica stopped heart-beating in `instances`) bumps
+//!   owner's lease ran out, or its replica is dead: the session-level advisory lock
+//!   `hashtextextended(instance, 0)` it holds on its `LISTEN` connection is gone, which the
+//!   server sees the moment that process's connection ends, `kill -9` included) bumps
 //!   `effects.epoch`, and a confirm or release must match the epoch its claim returned
 //!   (kept per process), so a stalled owner that lost its claim fails closed
 //!   ([`super::JournalError::Fenced`]);
@@ -56,9 +58,9 @@ const POOL_SIZE: usize = 16;
 /// timeout.
 const WAIT: Duration = Duration::from_secs(3);
 
-/// A replica whose heartbeat (`instances.heartbeat_ms`, written by every probe) is older than
-/// this is dead: its unconfirmed claims may be taken over at once.
-pub(super) const HEARTBEAT_STALE_MS: i64 = 15_000;
+/// How long [`open`] waits for the `LISTEN` connection (which holds the replica's liveness
+/// lock) before it goes on without it.
+const LIVENESS_WAIT: Duration = Duration::from_secs(5);
 
 /// Key of the advisory lock the migration runs under.
 const MIGRATION_LOCK: i64 = 0x7475_726e_6775_6172; // "turnguar"
@@ -262,6 +264,18 @@ pub(super) async fn open(
         notices,
         listening: AtomicBool::new(false),
     }));
+    let listener = tokio::spawn(listen(cfg, tls, shared.clone(), instance.clone()));
+    // Claims are taken only once this replica's liveness lock is held (else the others would
+    // see its claims as a dead replica's); past the wait it goes on, fenced all the same.
+    let up = tokio::time::timeout(LIVENESS_WAIT, async {
+        while !shared.0.listening.load(Ordering::Acquire) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    if up.is_err() {
+        tracing::warn!(journal = %location, "journal LISTEN connection not up yet; going on (cross-replica wake-ups poll)");
+    }
     let writer = tokio::spawn(writer::run(
         pool,
         rx,
@@ -269,7 +283,6 @@ pub(super) async fn open(
         Arc::clone(&health),
         instance,
     ));
-    let listener = tokio::spawn(listen(cfg, tls, shared.clone()));
     tracing::info!(journal = %location, "PostgreSQL journal open");
     Ok((
         Journal {
@@ -309,12 +322,15 @@ async fn migrate(pool: &Pool) -> Result<(), String> {
 }
 
 /// The `LISTEN` task: one connection of its own (not pooled), re-made a second after it
-/// drops; every notification on [`CHANNEL`] is broadcast to this replica's waiters.
-async fn listen(cfg: tokio_postgres::Config, tls: Tls, shared: Shared) {
+/// drops, which also holds this replica's liveness lock (a session advisory lock on
+/// `hashtextextended(instance, 0)`: while it is held, no other replica takes over this
+/// replica's claims); every notification on [`CHANNEL`] is broadcast to this replica's
+/// waiters.
+async fn listen(cfg: tokio_postgres::Config, tls: Tls, shared: Shared, instance: String) {
     loop {
         let session = match &tls {
-            Tls::Plain => listen_once(&cfg, tokio_postgres::NoTls, &shared).await,
-            Tls::Rustls(t) => listen_once(&cfg, t.clone(), &shared).await,
+            Tls::Plain => listen_once(&cfg, tokio_postgres::NoTls, &shared, &instance).await,
+            Tls::Rustls(t) => listen_once(&cfg, t.clone(), &shared, &instance).await,
         };
         shared.0.listening.store(false, Ordering::Release);
         if let Err(e) = session {
@@ -324,7 +340,12 @@ async fn listen(cfg: tokio_postgres::Config, tls: Tls, shared: Shared) {
     }
 }
 
-async fn listen_once<T>(cfg: &tokio_postgres::Config, tls: T, shared: &Shared) -> Result<(), String>
+async fn listen_once<T>(
+    cfg: &tokio_postgres::Config,
+    tls: T,
+    shared: &Shared,
+    instance: &str,
+) -> Result<(), String>
 where
     T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
     T::Stream: Send + 'static,
@@ -347,6 +368,13 @@ where
         }
         Ok(())
     });
+    client
+        .execute(
+            "SELECT pg_advisory_lock(hashtextextended($1, 0))",
+            &[&instance],
+        )
+        .await
+        .map_err(|e| describe(&e))?;
     client
         .batch_execute(&format!("LISTEN {CHANNEL}"))
         .await

@@ -20,7 +20,7 @@ use super::super::{
     MAX_BATCH, MAX_DECLARED_SCHEMA_BYTES,
 };
 use super::reader::u32_of;
-use super::{describe, store_failure, CHANNEL, HEARTBEAT_STALE_MS};
+use super::{describe, store_failure, CHANNEL};
 use crate::metrics::Metrics;
 
 /// Claims this replica holds, by (effect id, call id): the epoch each claim returned. A
@@ -96,8 +96,7 @@ fn flag(b: bool) -> i64 {
     i64::from(b)
 }
 
-/// The probe write: this replica's heartbeat (`instances`), committed durably. Also what says
-/// this replica is alive to the others' claim take-over.
+/// The probe write: this replica's heartbeat row (`instances`), committed durably.
 pub(super) async fn heartbeat(pool: &Pool, instance: &str) -> Result<(), String> {
     let client = pool
         .get()
@@ -115,7 +114,7 @@ pub(super) async fn heartbeat(pool: &Pool, instance: &str) -> Result<(), String>
 }
 
 /// The writer task: takes the queue in batches until every [`super::super::Journal`] handle
-/// is gone, then removes this replica's heartbeat (its claims may be taken over at once).
+/// is gone, then removes this replica's heartbeat row.
 pub(super) async fn run(
     pool: Pool,
     mut rx: mpsc::Receiver<Job>,
@@ -425,18 +424,21 @@ async fn claim(
         return Ok(Claim::Claimed);
     }
     // Take over a claim whose call never reached the agent (not confirmed released) when its
-    // lease ran out or its owner is dead (no fresh heartbeat): compare-and-set on the row,
-    // with a new epoch that fences the old owner.
-    let now = crate::clock::now_ms();
+    // lease ran out or its owner is dead (its replica's liveness lock is not held: the
+    // session that held it ended): compare-and-set on the row, with a new epoch that fences
+    // the old owner.
     let taken = query_opt(
         tx,
         "UPDATE effects SET call_id = $2, run_id = $3, node_id = $4, attempt = $5, at_ms = $6, instance = $7,
             reader = $9, epoch = epoch + 1
          WHERE effect_id = $1 AND released = 0 AND state = 'claimed'
            AND (at_ms < $8 OR (instance != $7 AND NOT EXISTS (
-                SELECT 1 FROM instances i WHERE i.instance = effects.instance AND i.heartbeat_ms >= $10)))
+                SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                  AND l.classid = ((hashtextextended(effects.instance, 0) >> 32) & 4294967295)::oid
+                  AND l.objid = (hashtextextended(effects.instance, 0) & 4294967295)::oid)))
          RETURNING epoch",
-        &[&c.effect_id, &c.call_id, &c.run.run_id, &c.run.node_id, &attempt, &c.at_ms, &instance, &(c.at_ms - CLAIM_LEASE_MS), &c.reader, &(now - HEARTBEAT_STALE_MS)],
+        &[&c.effect_id, &c.call_id, &c.run.run_id, &c.run.node_id, &attempt, &c.at_ms, &instance, &(c.at_ms - CLAIM_LEASE_MS), &c.reader],
     )
     .await?;
     if let Some(row) = taken {
