@@ -166,19 +166,20 @@ async fn a_claim_taken_over_fences_its_stale_owner() {
     let pg = client(&url).await;
     let now = turnguard::clock::now_ms();
 
-    // A claimed long ago (its lease ran out) and stalled; B takes the claim over.
-    let stale = charge_claim("fence-1", "call_a", now - 2 * CLAIM_LEASE_MS);
+    // A claimed long ago (its lease ran out) and stalled; the same call, re-sent to B (a
+    // recovery), takes the claim over.
+    let stale = charge_claim("fence-1", "call_1", now - 2 * CLAIM_LEASE_MS);
     assert_eq!(a.claim_effect(stale).await.unwrap(), Claim::Claimed);
-    let fresh = charge_claim("fence-1", "call_b", now);
+    let fresh = charge_claim("fence-1", "call_1", now);
     assert_eq!(b.claim_effect(fresh).await.unwrap(), Claim::Claimed);
     let confirmed = a
-        .confirm_claims(vec![("fence-1".into(), "call_a".into())])
+        .confirm_claims(vec![("fence-1".into(), "call_1".into())])
         .await;
     assert!(
         matches!(&confirmed, Err(JournalError::Fenced(id)) if id == "fence-1"),
         "the stale owner cannot confirm the claim it lost: {confirmed:?}"
     );
-    a.release_claim("fence-1", "call_a").await.unwrap();
+    a.release_claim("fence-1", "call_1").await.unwrap();
     let row = pg
         .query_one(
             "SELECT call_id, epoch, released FROM effects WHERE effect_id = 'fence-1'",
@@ -192,10 +193,10 @@ async fn a_claim_taken_over_fences_its_stale_owner() {
             row.get::<_, i64>(1),
             row.get::<_, i64>(2)
         ),
-        ("call_b".to_owned(), 1, 0),
+        ("call_1".to_owned(), 1, 0),
         "the claim is the new owner's, at the new epoch, not released"
     );
-    b.confirm_claims(vec![("fence-1".into(), "call_b".into())])
+    b.confirm_claims(vec![("fence-1".into(), "call_1".into())])
         .await
         .unwrap();
     let released: i64 = pg
