@@ -304,3 +304,81 @@ async fn an_approval_on_one_server_releases_the_call_waiting_on_another() {
     a.stop().await;
     b.stop().await;
 }
+
+/// The database goes away under a running server (connections refused, the open ones
+/// terminated): a run request fails fast with 503 `turnguard.journal_unavailable` (not after
+/// a TCP timeout), `/readyz` follows, and both recover when the database is back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_that_goes_away_fails_requests_fast_and_readiness_follows() {
+    let Some((_db, url)) =
+        database("a_database_that_goes_away_fails_requests_fast_and_readiness_follows")
+    else {
+        return;
+    };
+    let name = url::Url::parse(&url)
+        .unwrap()
+        .path()
+        .trim_start_matches('/')
+        .to_owned();
+    let bundle = own_fixtures().join("policy-run");
+    let journal = url.clone();
+    let h = support::start_with(Script::default(), move |c| {
+        c.policy = bundle;
+        c.journal = JournalLocation::parse(&journal);
+    })
+    .await;
+    let ready = |h: &Harness| {
+        let url = format!("{}/readyz", h.admin_url());
+        async move { support::get(&url).await.0 }
+    };
+    assert_eq!(ready(&h).await, 200);
+    let admin = client(&std::env::var("TURNGUARD_TEST_PG").unwrap()).await;
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {name} ALLOW_CONNECTIONS false;
+             SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}';"
+        ))
+        .await
+        .unwrap();
+
+    support::runs::model_says(&h, &[support::runs::answer_text("chatcmpl-gone", "unused")]).await;
+    let started = std::time::Instant::now();
+    let reply = Agent::new(&h, "run-gone", "Hello.").send().await;
+    assert_eq!(reply.status, 503, "{}", reply.text_body());
+    assert_eq!(
+        reply.json.pointer("/error/code").and_then(|v| v.as_str()),
+        Some("turnguard.journal_unavailable"),
+        "{}",
+        reply.text_body()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "failed fast: {:?}",
+        started.elapsed()
+    );
+    let until = |want: u16| {
+        let h = &h;
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                let got = ready(h).await;
+                if got == want {
+                    return;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "/readyz stayed {got}, want {want}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    until(503).await;
+
+    admin
+        .batch_execute(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true"))
+        .await
+        .unwrap();
+    until(200).await;
+    h.stop().await;
+}
