@@ -1,5 +1,8 @@
-//! The SQLite journal (DESIGN.md §8): one file in WAL mode, one writer thread fed by a
-//! bounded channel, group commit. A batch holding a record the contract needs durable is
+//! The journal (DESIGN.md §8) behind one store interface ([`Journal`], [`JournalReader`],
+//! [`McpReader`]) with two backends: a SQLite file (the embedded default; below) or a
+//! PostgreSQL database shared by every replica ([`postgres`], issue 15; ARCHITECTURE.md "The
+//! journal: two backends"). The SQLite journal: one file in WAL mode, one writer thread fed
+//! by a bounded channel, group commit. A batch holding a record the contract needs durable is
 //! committed with `synchronous=FULL` and its callers wait for the commit; other records (a chat
 //! turn's round, audit events) are queued and committed with `synchronous=NORMAL`.
 //!
@@ -462,7 +465,9 @@ pub struct EffectClaim {
     /// `business-identity` or `activity-recipe`.
     pub keying: &'static str,
     pub at_ms: i64,
-    /// The claiming turnguard process ([`instance_id`]).
+    /// The claiming turnguard process ([`instance_id`]). On PostgreSQL the writer records
+    /// its own replica id instead (one per opened journal, the id its liveness lock is held
+    /// under).
     pub instance: String,
     /// Who may read the effect's recorded result: `person:<sub>` or `agent`. With the run
     /// it scopes the result (OpenWOP idempotency.md; the claim itself is tenant-wide).

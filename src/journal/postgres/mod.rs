@@ -427,3 +427,47 @@ pub(super) fn read_err(e: tokio_postgres::Error) -> JournalError {
 pub(super) fn pool_err(e: deadpool_postgres::PoolError) -> JournalError {
     JournalError::Write(format!("no journal connection: {e}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tls_of(url: &str) -> Result<&'static str, String> {
+        let location = JournalLocation::parse(url);
+        config(url, &location)
+            .map(|(_, tls)| match tls {
+                Tls::Plain => "plain",
+                Tls::Rustls(_) => "tls",
+            })
+            .map_err(|e| e.to_string())
+    }
+
+    /// `sslmode` absent or `disable` is plain TCP; `require`, `verify-ca`, `verify-full` are
+    /// verified TLS; the modes that may fall back to plain text are refused, and the error
+    /// names the URL without its password.
+    #[test]
+    fn sslmode_selects_plain_or_verified_tls() {
+        assert_eq!(tls_of("postgres://tg:pw@db/tg"), Ok("plain"));
+        assert_eq!(
+            tls_of("postgres://tg:pw@db/tg?sslmode=disable"),
+            Ok("plain")
+        );
+        for mode in ["require", "verify-ca", "verify-full"] {
+            assert_eq!(
+                tls_of(&format!(
+                    "postgresql://tg:pw@db:5432/tg?sslmode={mode}&connect_timeout=3"
+                )),
+                Ok("tls"),
+                "{mode}"
+            );
+        }
+        let refused = tls_of("postgres://tg:s3cret@db/tg?sslmode=prefer").unwrap_err();
+        assert!(refused.contains("sslmode=prefer"), "{refused}");
+        assert!(!refused.contains("s3cret"), "{refused}");
+        let missing =
+            tls_of("postgres://tg:s3cret@db/tg?sslmode=require&sslrootcert=/nonexistent.pem")
+                .unwrap_err();
+        assert!(missing.contains("sslrootcert"), "{missing}");
+        assert!(!missing.contains("s3cret"), "{missing}");
+    }
+}

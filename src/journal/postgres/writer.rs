@@ -199,11 +199,15 @@ async fn commit(
         .await
         .map_err(|e| BatchErr::Store(format!("no journal connection: {e}")))?;
     let tx = client.transaction().await.map_err(batch_err)?;
-    if !durable {
-        tx.batch_execute("SET LOCAL synchronous_commit = off")
-            .await
-            .map_err(batch_err)?;
-    }
+    // Durable: the commit returns once the WAL is flushed (whatever the server's default);
+    // relaxed: batched, may be lost on a server crash, never half-applied.
+    tx.batch_execute(if durable {
+        "SET LOCAL synchronous_commit = on"
+    } else {
+        "SET LOCAL synchronous_commit = off"
+    })
+    .await
+    .map_err(batch_err)?;
     let mut results = Vec::with_capacity(batch.len());
     let mut replies: Replies = Vec::new();
     for job in batch.iter_mut() {
