@@ -26,12 +26,11 @@ pub(super) mod reader;
 mod writer;
 
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio_postgres::config::SslMode;
 
 use super::{
@@ -73,8 +72,8 @@ struct Inner {
     pool: Pool,
     /// Interrupt ids other replicas (or this one) resolved, from `LISTEN`.
     notices: broadcast::Sender<String>,
-    /// The `LISTEN` connection is up.
-    listening: AtomicBool,
+    /// The `LISTEN` connection is up (and holds the liveness lock).
+    listening: watch::Sender<bool>,
 }
 
 impl Shared {
@@ -85,6 +84,7 @@ impl Shared {
     /// See [`Journal::resolved_elsewhere`].
     pub(super) async fn resolved(&self, journal: &Journal, id: &str) -> InterruptState {
         let mut rx = self.0.notices.subscribe();
+        let mut up = self.0.listening.subscribe();
         // A resolution committed before the subscription is read once now.
         let mut check = true;
         loop {
@@ -95,17 +95,16 @@ impl Shared {
                     }
                 }
             }
-            check = if self.0.listening.load(Ordering::Acquire) {
+            let listening = *up.borrow_and_update();
+            check = if listening {
                 tokio::select! {
                     got = rx.recv() => match got {
                         Ok(notified) => notified == id,
-                        Err(broadcast::error::RecvError::Lagged(_)) => true,
-                        Err(broadcast::error::RecvError::Closed) => {
-                            tokio::time::sleep(POLL_WHILE_DEAF).await;
-                            true
-                        }
+                        // Missed notifications, or none will come: read the row.
+                        Err(_) => true,
                     },
-                    () = tokio::time::sleep(POLL_WHILE_DEAF) => !self.0.listening.load(Ordering::Acquire),
+                    // The listener went down (a notification may be lost): read the row.
+                    _ = up.changed() => true,
                 }
             } else {
                 tokio::time::sleep(POLL_WHILE_DEAF).await;
@@ -262,18 +261,14 @@ pub(super) async fn open(
     let shared = Shared(Arc::new(Inner {
         pool: pool.clone(),
         notices,
-        listening: AtomicBool::new(false),
+        listening: watch::channel(false).0,
     }));
     let listener = tokio::spawn(listen(cfg, tls, shared.clone(), instance.clone()));
     // Claims are taken only once this replica's liveness lock is held (else the others would
     // see its claims as a dead replica's); past the wait it goes on, fenced all the same.
-    let up = tokio::time::timeout(LIVENESS_WAIT, async {
-        while !shared.0.listening.load(Ordering::Acquire) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-    if up.is_err() {
+    let mut up = shared.0.listening.subscribe();
+    let up = tokio::time::timeout(LIVENESS_WAIT, up.wait_for(|up| *up)).await;
+    if !matches!(up, Ok(Ok(_))) {
         tracing::warn!(journal = %location, "journal LISTEN connection not up yet; going on (cross-replica wake-ups poll)");
     }
     let writer = tokio::spawn(writer::run(
@@ -332,7 +327,7 @@ async fn listen(cfg: tokio_postgres::Config, tls: Tls, shared: Shared, instance:
             Tls::Plain => listen_once(&cfg, tokio_postgres::NoTls, &shared, &instance).await,
             Tls::Rustls(t) => listen_once(&cfg, t.clone(), &shared, &instance).await,
         };
-        shared.0.listening.store(false, Ordering::Release);
+        shared.0.listening.send_replace(false);
         if let Err(e) = session {
             tracing::warn!(error = %e, "journal LISTEN connection down; waiters poll until it is back");
         }
@@ -379,7 +374,7 @@ where
         .batch_execute(&format!("LISTEN {CHANNEL}"))
         .await
         .map_err(|e| describe(&e))?;
-    shared.0.listening.store(true, Ordering::Release);
+    shared.0.listening.send_replace(true);
     while let Some(id) = rx.recv().await {
         let _ = shared.0.notices.send(id);
     }
