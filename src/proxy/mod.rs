@@ -250,7 +250,9 @@ impl Session {
     /// Records what the agent received for this round of a run node (the record recovery and
     /// replay serve again), confirming the round's effect claims in the same transaction.
     /// Chat turns are not recorded for replay (tool-turn contract §D). Call before the answer
-    /// leaves.
+    /// leaves. `Err` only when a claim was taken over by another owner since
+    /// (`JournalError::Fenced`, PostgreSQL): the answer must not leave (fail closed); any
+    /// other failure is logged.
     pub async fn record_served(
         &self,
         status: u16,
@@ -258,17 +260,21 @@ impl Session {
         body: Recorded,
         calls: Vec<ServedCall>,
         claims: Vec<(String, String)>,
-    ) {
+    ) -> Result<(), crate::journal::JournalError> {
         let (Some(run), Some(node), Some(attempt)) = (
             &self.ctx.run.run_id,
             &self.ctx.run.node_id,
             self.ctx.run.attempt,
         ) else {
             // A chat turn keeps no served record; its claims are still confirmed.
-            if let Err(e) = self.state.journal.confirm_claims(claims).await {
-                tracing::error!(error = %e, request_id = %self.ctx.request_id, "effect claims not confirmed");
-            }
-            return;
+            return match self.state.journal.confirm_claims(claims).await {
+                Err(e @ crate::journal::JournalError::Fenced(_)) => Err(e),
+                Err(e) => {
+                    tracing::error!(error = %e, request_id = %self.ctx.request_id, "effect claims not confirmed");
+                    Ok(())
+                }
+                Ok(()) => Ok(()),
+            };
         };
         let rec = ServedRecord {
             run_id: run.clone(),
@@ -284,8 +290,13 @@ impl Session {
             at_ms: now_ms(),
             claims,
         };
-        if let Err(e) = self.state.journal.record_served(rec).await {
-            tracing::error!(error = %e, request_id = %self.ctx.request_id, "served response not journaled");
+        match self.state.journal.record_served(rec).await {
+            Err(e @ crate::journal::JournalError::Fenced(_)) => Err(e),
+            Err(e) => {
+                tracing::error!(error = %e, request_id = %self.ctx.request_id, "served response not journaled");
+                Ok(())
+            }
+            Ok(()) => Ok(()),
         }
     }
 
@@ -852,7 +863,10 @@ async fn turn(
                 let kept = if secrets { kept.withheld() } else { kept };
                 session
                     .record_served(p.status.as_u16(), content_type, kept, calls, claims)
-                    .await;
+                    .await
+                    .map_err(|e| WireError::JournalUnavailable {
+                        reason: e.to_string(),
+                    })?;
                 let mut out = Response::new(Body::from(body));
                 *out.status_mut() = p.status;
                 *out.headers_mut() = upstream::response_headers(&p.headers, false);

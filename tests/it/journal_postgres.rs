@@ -382,3 +382,70 @@ async fn a_database_that_goes_away_fails_requests_fast_and_readiness_follows() {
     until(200).await;
     h.stop().await;
 }
+
+/// The data plane fails closed when its claim is taken over between the claim and the answer
+/// leaving: a trigger plays the other replica (every new claim's epoch is bumped right after
+/// it is inserted, as a take-over would), so the server's confirm matches no row. The call is
+/// not released (503), on both the JSON and the streaming path.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_taken_over_before_the_answer_leaves_withholds_the_call() {
+    let Some((_db, url)) =
+        database("a_claim_taken_over_before_the_answer_leaves_withholds_the_call")
+    else {
+        return;
+    };
+    let bundle = own_fixtures().join("policy-run");
+    let journal = url.clone();
+    let h = support::start_with(Script::default(), move |c| {
+        c.policy = bundle;
+        c.journal = JournalLocation::parse(&journal);
+    })
+    .await;
+    client(&url)
+        .await
+        .batch_execute(
+            "CREATE FUNCTION take_over() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN UPDATE effects SET epoch = epoch + 1 WHERE effect_id = NEW.effect_id; RETURN NULL; END $$;
+             CREATE TRIGGER take_over AFTER INSERT ON effects FOR EACH ROW EXECUTE FUNCTION take_over();",
+        )
+        .await
+        .unwrap();
+    let charge = json!({"chargeId": "taken-1", "amount": 5});
+    support::runs::model_says(
+        &h,
+        &[answer_calls(
+            "chatcmpl-taken",
+            vec![call("call_taken", "charge", charge.clone())],
+        )],
+    )
+    .await;
+    let reply = Agent::new(&h, "run-taken", "Charge 5.").send().await;
+    assert_eq!(reply.status, 503, "{}", reply.text_body());
+    assert!(
+        reply.call_names().is_empty(),
+        "no call released: {}",
+        reply.text_body()
+    );
+
+    // The stream: the call's block is withheld, the stream ends with the error.
+    let events = support::runs::chat_sse_call(
+        "call_taken_2",
+        "charge",
+        &json!({"chargeId": "taken-2", "amount": 5}),
+    );
+    h.script(&json!({"responses": [{"sse": events}]})).await;
+    let mut body = Agent::new(&h, "run-taken-2", "Charge 5.").body();
+    body["stream"] = json!(true);
+    let resp = support::post_stream(&format!("{}/v1/chat/completions", h.url()), &body).await;
+    let bytes = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let text = String::from_utf8_lossy(&bytes);
+    assert!(!text.contains("taken-2"), "the call never left: {text}");
+    assert!(
+        text.contains("turnguard.journal_unavailable"),
+        "the stream ends with the error: {text}"
+    );
+    h.stop().await;
+}
