@@ -324,11 +324,8 @@ async fn effects(
     if let Some(refused) = refuse_run_reader(&s, &headers) {
         return refused;
     }
-    let reader = Arc::clone(&s.reader);
-    let run = run_id.clone();
-    let rows = tokio::task::spawn_blocking(move || reader.effects(&run)).await;
-    match rows {
-        Ok(Ok(rows)) => {
+    match s.reader.effects(&run_id).await {
+        Ok(rows) => {
             let effects: Vec<Value> = rows
                 .into_iter()
                 .map(|e| {
@@ -362,10 +359,8 @@ async fn events(
     if let Some(refused) = refuse_run_reader(&s, &headers) {
         return refused;
     }
-    let reader = Arc::clone(&s.reader);
-    let run = run_id.clone();
-    match tokio::task::spawn_blocking(move || reader.events(&run)).await {
-        Ok(Ok(rows)) => {
+    match s.reader.events(&run_id).await {
+        Ok(rows) => {
             let events: Vec<Value> = rows
                 .into_iter()
                 .map(|crate::journal::EventRow { sequence, kind, payload, at_ms: at, node_id: node }| {

@@ -595,6 +595,10 @@ async fn wait(
 ) -> Option<InterruptState> {
     let gone = agent.gone();
     tokio::pin!(gone);
+    // A resolution on another replica sharing the journal (PostgreSQL: LISTEN/NOTIFY, else
+    // polling); never completes on SQLite, where this process is the only one.
+    let elsewhere = state.journal.resolved_elsewhere(&row.record.interrupt_id);
+    tokio::pin!(elsewhere);
     loop {
         if let Some(s) = *waiter.rx.borrow_and_update() {
             return Some(s);
@@ -608,6 +612,7 @@ async fn wait(
                 Ok(Ok(())) => continue,
                 Ok(Err(_)) | Err(_) => break,
             },
+            s = &mut elsewhere => return Some(s),
             () = &mut gone => return None,
         }
     }
@@ -767,12 +772,7 @@ async fn approver(state: &AppState, req: &http::request::Parts) -> Result<Person
         ))
     })?;
     if let Some(t) = &person.token {
-        let reader = Arc::clone(&state.reader);
-        let fingerprint = t.fingerprint.clone();
-        let seen = tokio::task::spawn_blocking(move || reader.token_seen(&fingerprint))
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| e.to_string()));
+        let seen = state.reader.token_seen(&t.fingerprint).await;
         match seen {
             Ok(false) => {}
             Ok(true) => return Err(held_by_agent()),

@@ -332,7 +332,7 @@ impl Identity {
             return Ok(());
         };
         if seen.len() >= MAX_SEEN {
-            let now = crate::proxy::now_ms();
+            let now = crate::clock::now_ms();
             seen.retain(|_, e| *e > now);
             if seen.len() >= MAX_SEEN {
                 // Only a cache: the journal still holds every fingerprint.
@@ -584,7 +584,7 @@ mod tests {
     }
 
     fn exp() -> i64 {
-        crate::proxy::now_ms() / 1000 + 600
+        crate::clock::now_ms() / 1000 + 600
     }
 
     #[test]
@@ -698,7 +698,7 @@ mod tests {
         assert_eq!(id.approver_of(&h).unwrap().sub, "alice");
         let seen = id.person_of(&h).unwrap().unwrap();
         assert_eq!(seen.sub, "alice");
-        let (journal, writer) = crate::journal::Journal::open(
+        let (journal, writer) = crate::journal::Journal::open_sqlite(
             &dir.path().join("journal.db"),
             std::sync::Arc::new(crate::metrics::Metrics::new()),
         )

@@ -16,7 +16,8 @@
 //! | [`model`] | the provider-neutral `Turn`, `ToolCall`, `Completion`, `Decision` |
 //! | [`admission`] | the admission order of tool-turn contract §B (completion, name, arguments, …) |
 //! | [`recipes`] | RFC 0150 recipes: semantic request digest v2, `logicalInvocationId` |
-//! | [`journal`] | the SQLite journal: one writer thread, group commit, insert-if-absent |
+//! | [`clock`] | wall-clock milliseconds and the agent's actor id (imports nothing) |
+//! | [`journal`] | the journal behind one store interface: SQLite (one writer thread, group commit) or PostgreSQL shared by replicas; insert-if-absent |
 //! | [`metrics`] | every Prometheus metric, in one registry handle |
 //! | [`identity`] | who acts: the verified person (JWT) on the data plane and the approver on the admin plane |
 //! | [`shutdown`] | graceful shutdown: readiness false, drain within a deadline, flush |
@@ -35,6 +36,7 @@ pub mod admission;
 pub mod approval_ui;
 pub mod approvals;
 pub mod body;
+pub mod clock;
 pub mod config;
 pub mod edge;
 pub mod error;

@@ -60,9 +60,9 @@ enum JournalCommand {
     /// List runs, then chat turns (requests without `Turnguard-Run`, as `chat:<request id>`),
     /// with their round and call counts, most recent first.
     Runs {
-        /// Journal file.
+        /// Journal: a SQLite file or a `postgres://` URL.
         #[arg(long, default_value = "./turnguard.db")]
-        journal: PathBuf,
+        journal: turnguard::journal::JournalLocation,
         /// Most chat turns listed.
         #[arg(long, default_value_t = 50)]
         chat_limit: usize,
@@ -72,9 +72,9 @@ enum JournalCommand {
     Show {
         /// Run id (`Turnguard-Run`), or `chat:<request id>` from `journal runs`.
         run: String,
-        /// Journal file.
+        /// Journal: a SQLite file or a `postgres://` URL.
         #[arg(long, default_value = "./turnguard.db")]
-        journal: PathBuf,
+        journal: turnguard::journal::JournalLocation,
     },
 }
 
@@ -118,9 +118,9 @@ enum PolicyCommand {
     /// declared or the model called that the bundle does not catalogue, with its declared
     /// schema, a guessed safetyTier and how often its results were followed by writes.
     Learn {
-        /// Journal file.
+        /// Journal: a SQLite file or a `postgres://` URL.
         #[arg(long, default_value = "./turnguard.db")]
-        journal: PathBuf,
+        journal: turnguard::journal::JournalLocation,
         /// The bundle the catalog is for (tools it already catalogues are left out)
         /// [default: ./policy, else the embedded bundle].
         #[arg(long, default_value = "./policy")]
@@ -228,7 +228,7 @@ async fn main() -> anyhow::Result<()> {
                     policy,
                     catalog,
                     out,
-                } => p::learn(&journal, &policy, catalog.as_deref(), out.as_deref()),
+                } => p::learn(&journal, &policy, catalog.as_deref(), out.as_deref()).await,
                 PolicyCommand::Schema { write } => p::schema(write.as_deref()),
             };
             use std::io::Write;
@@ -244,11 +244,11 @@ async fn main() -> anyhow::Result<()> {
                     journal,
                     chat_limit,
                 } => {
-                    let r = turnguard::journal::JournalReader::open(&journal)?;
+                    let r = turnguard::journal::JournalReader::open_at(&journal).await?;
                     let mut t =
                         String::from("run\trounds\tcalls\tfirst\tlast\tclient_request_id\n");
-                    let chats = r.chat_turns(chat_limit)?;
-                    for run in r.runs()?.into_iter().chain(chats) {
+                    let chats = r.chat_turns(chat_limit).await?;
+                    for run in r.runs().await?.into_iter().chain(chats) {
                         let at = |ms: i64| {
                             humantime::format_rfc3339_seconds(
                                 std::time::UNIX_EPOCH
@@ -269,18 +269,20 @@ async fn main() -> anyhow::Result<()> {
                     t
                 }
                 JournalCommand::Show { run, journal } => {
-                    let r = turnguard::journal::JournalReader::open(&journal)?;
+                    let r = turnguard::journal::JournalReader::open_at(&journal).await?;
                     let effects: Vec<serde_json::Value> = r
-                        .effects(&run)?
+                        .effects(&run)
+                        .await?
                         .into_iter()
                         .map(|e| serde_json::json!({"effectId": e.effect_id, "toolId": e.tool_id, "nodeId": e.node_id, "attempt": e.attempt, "keying": e.keying, "state": e.state, "atMs": e.at_ms}))
                         .collect();
                     let events: Vec<serde_json::Value> = r
-                        .events(&run)?
+                        .events(&run)
+                        .await?
                         .into_iter()
                         .map(|e| serde_json::json!({"sequence": e.sequence, "type": e.kind, "payload": serde_json::from_str::<serde_json::Value>(&e.payload).unwrap_or_default(), "atMs": e.at_ms}))
                         .collect();
-                    let doc = serde_json::json!({"runId": run, "rounds": r.show(&run)?, "effects": effects, "events": events});
+                    let doc = serde_json::json!({"runId": run, "rounds": r.show(&run).await?, "effects": effects, "events": events});
                     serde_json::to_string_pretty(&doc)? + "\n"
                 }
             };

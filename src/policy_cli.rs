@@ -325,7 +325,7 @@ pub fn schema(write: Option<&Path>) -> Report {
     Report { text, code: 0 }
 }
 
-/// `policy learn --journal DB [--policy DIR] [--catalog NAMES] [--out FILE]`: turns what a
+/// `policy learn --journal DB|URL [--policy DIR] [--catalog NAMES] [--out FILE]`: turns what a
 /// journal saw (best: a shadow-mode run in front of an existing agent) into a proposed
 /// catalog for the policy author to review and commit: one `[[tool]]` per tool the requests
 /// declared or the model called that the bundle does not catalogue yet, with the declared
@@ -335,8 +335,8 @@ pub fn schema(write: Option<&Path>) -> Report {
 /// followed by gated calls (write, exec or egress: the calls that would need approval if
 /// its output stays untrusted). The output is checked to compile as a `tools/*.toml` file
 /// before it is written. Exit 1 when the journal or bundle cannot be read.
-pub fn learn(
-    journal: &Path,
+pub async fn learn(
+    journal: &crate::journal::JournalLocation,
     policy_dir: &Path,
     catalogs: Option<&[String]>,
     out: Option<&Path>,
@@ -346,12 +346,16 @@ pub fn learn(
         Ok(p) => p,
         Err(e) => return fail(format!("{e}\n")),
     };
-    if !journal.exists() {
-        return fail(format!("{}: no such journal\n", journal.display()));
+    if journal.sqlite_path().is_some_and(|p| !p.exists()) {
+        return fail(format!("{journal}: no such journal\n"));
     }
-    let rows = match crate::journal::JournalReader::open(journal).and_then(|r| r.learn_rows()) {
+    let rows = match crate::journal::JournalReader::open_at(journal).await {
+        Ok(r) => r.learn_rows().await,
+        Err(e) => Err(e),
+    };
+    let rows = match rows {
         Ok(r) => r,
-        Err(e) => return fail(format!("{}: {e}\n", journal.display())),
+        Err(e) => return fail(format!("{journal}: {e}\n")),
     };
     let text = learned_catalog(&policy, &rows);
     // The proposal must be a valid tools file on its own (the author adds it to a bundle).

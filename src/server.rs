@@ -34,7 +34,7 @@ pub struct AppState {
     pub client: upstream::HttpClient,
     /// The journal writer handle.
     pub journal: Journal,
-    /// A read-only journal connection (recovery, replay, admin plane).
+    /// The journal's reads (recovery, replay, admin plane), on either backend.
     pub reader: Arc<JournalReader>,
     /// The metrics registry handle.
     pub metrics: Arc<Metrics>,
@@ -67,9 +67,6 @@ pub enum StartError {
     /// The journal could not be opened.
     #[error(transparent)]
     Journal(#[from] JournalError),
-    /// The journal location names a backend this build cannot open.
-    #[error("journal {0}: PostgreSQL journals are not supported by this build yet")]
-    JournalBackend(String),
     /// The identity configuration cannot be used.
     #[error(transparent)]
     Identity(#[from] IdentityConfigError),
@@ -149,15 +146,13 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             .with_embedded_fallback(!config.policy_explicit)
             .with_catalogs(config.catalog.clone()),
     );
-    let Some(journal_path) = config.journal.sqlite_path() else {
-        return Err(StartError::JournalBackend(config.journal.to_string()));
-    };
-    let (journal, writer) = Journal::open_with(
-        journal_path,
+    let (journal, writer) = Journal::open(
+        &config.journal,
         Arc::clone(&metrics),
         Duration::from_millis(config.journal_busy_timeout_ms),
-    )?;
-    let reader = Arc::new(JournalReader::open(journal_path)?);
+    )
+    .await?;
+    let reader = Arc::new(journal.reader()?);
     let bind = |addr: SocketAddr| async move {
         TcpListener::bind(addr).await.map_err(|e| StartError::Bind {
             addr,
@@ -240,7 +235,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     ];
     let health = journal_health_task(Arc::clone(&state));
     state.ready.store(true, Ordering::SeqCst);
-    tracing::info!(data = %addr, admin = %admin_addr, journal = %state.journal.path().display(), upstreams = %upstream_summary(&state.config), "turnguard listening");
+    tracing::info!(data = %addr, admin = %admin_addr, journal = %state.journal.location(), upstreams = %upstream_summary(&state.config), "turnguard listening");
     Ok(Running {
         addr,
         admin_addr,

@@ -318,10 +318,8 @@ pub async fn callback(
     };
     // A token the agent presented on the data plane never approves, not even as an ID token.
     if let Some(t) = &person.token {
-        let reader = Arc::clone(&s.reader);
-        let fp = t.fingerprint.clone();
-        let seen = tokio::task::spawn_blocking(move || reader.token_seen(&fp)).await;
-        if s.identity.held_by_agent(t) || !matches!(seen, Ok(Ok(false))) {
+        let seen = s.reader.token_seen(&t.fingerprint).await;
+        if s.identity.held_by_agent(t) || !matches!(seen, Ok(false)) {
             return refused("This token was presented by the agent; it cannot sign in to approve.");
         }
     }

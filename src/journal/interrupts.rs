@@ -150,7 +150,11 @@ pub(super) type Answer<T> = Result<T, JournalError>;
 /// Deferred answers, sent only after the batch committed.
 pub(super) type Replies = Vec<Box<dyn FnOnce() + Send>>;
 
-fn reply<T: Send + 'static>(replies: &mut Replies, tx: &mut Option<oneshot::Sender<T>>, v: T) {
+pub(super) fn reply<T: Send + 'static>(
+    replies: &mut Replies,
+    tx: &mut Option<oneshot::Sender<T>>,
+    v: T,
+) {
     if let Some(tx) = tx.take() {
         replies.push(Box::new(move || {
             let _ = tx.send(v);
@@ -251,7 +255,8 @@ impl Journal {
     }
 }
 
-const COLUMNS: &str = "interrupt_id, key, kind, run_id, node_id, attempt, request_id, principal,
+pub(super) const COLUMNS: &str =
+    "interrupt_id, key, kind, run_id, node_id, attempt, request_id, principal,
     policy_revision, payload, calls, requested_at_ms, expires_at_ms, state, resolved_by,
     resolved_at_ms, resume_value, consumed_by, edits";
 
@@ -299,7 +304,12 @@ fn by_id(tx: &rusqlite::Transaction<'_>, id: &str) -> rusqlite::Result<Option<In
     .optional()
 }
 
-fn event(row: &InterruptRow, kind: &'static str, payload: Value, at_ms: i64) -> EventRecord {
+pub(super) fn event(
+    row: &InterruptRow,
+    kind: &'static str,
+    payload: Value,
+    at_ms: i64,
+) -> EventRecord {
     EventRecord {
         request_id: row.record.request_id.clone(),
         run: row.record.run.clone(),
@@ -309,7 +319,7 @@ fn event(row: &InterruptRow, kind: &'static str, payload: Value, at_ms: i64) -> 
     }
 }
 
-fn node_of(row: &InterruptRow) -> String {
+pub(super) fn node_of(row: &InterruptRow) -> String {
     row.record
         .run
         .node_id
@@ -579,7 +589,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("journal.db");
         let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
-        let (journal, writer) = Journal::open(&path, metrics).unwrap();
+        let (journal, writer) = Journal::open_sqlite(&path, metrics).unwrap();
         let row = journal.raise_interrupt(record("k1")).await.unwrap();
         assert_eq!(row.state, InterruptState::Pending);
         let id = row.record.interrupt_id.clone();

@@ -16,6 +16,7 @@
 //! It keeps its own read-only connection so that its lookups never wait on the shared reader.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use rusqlite::{params, Connection, OptionalExtension};
 
@@ -38,14 +39,93 @@ pub struct TicketRow {
     pub content_trust: Option<crate::policy::bundle::ContentTrust>,
 }
 
-/// Read-only journal connections for the MCP front (a [`super::reader::ReadPool`]).
-pub struct McpReader {
-    pool: super::reader::ReadPool,
+/// The MCP front's journal reads, whichever backend holds the journal
+/// ([`super::Journal::mcp_reader`]); every read is `async`.
+#[derive(Clone)]
+pub struct McpReader(Backend);
+
+#[derive(Clone)]
+enum Backend {
+    Sqlite(Arc<SqliteMcpReader>),
+    Postgres(deadpool_postgres::Pool),
 }
 
 impl McpReader {
-    /// Opens `path` read-only (the writer must have created it).
+    /// Opens a SQLite journal at `path` read-only (the writer must have created it).
+    ///
+    /// Errors: [`JournalError::Open`] naming the path.
     pub fn open(path: &Path) -> Result<Self, JournalError> {
+        Ok(Self(Backend::Sqlite(Arc::new(SqliteMcpReader::open(
+            path,
+        )?))))
+    }
+
+    pub(super) fn postgres(pool: deadpool_postgres::Pool) -> Self {
+        Self(Backend::Postgres(pool))
+    }
+
+    /// Released model emissions of `run` named one of `names` with `args_hash`, oldest first.
+    pub async fn tickets(
+        &self,
+        run: &str,
+        args_hash: &str,
+        names: &[String],
+    ) -> Result<Vec<TicketRow>, JournalError> {
+        let (run, hash, names) = (run.to_owned(), args_hash.to_owned(), names.to_vec());
+        match &self.0 {
+            Backend::Sqlite(r) => {
+                let r = Arc::clone(r);
+                tokio::task::spawn_blocking(move || r.tickets(&run, &hash, &names))
+                    .await
+                    .map_err(|_| JournalError::Closed)?
+            }
+            Backend::Postgres(p) => super::postgres::reader::tickets(p, &run, &hash, &names).await,
+        }
+    }
+
+    /// The `state` of effect `effect_id` (`claimed`, `completed`), `None` when unclaimed.
+    pub async fn effect_state(&self, effect_id: &str) -> Result<Option<String>, JournalError> {
+        let id = effect_id.to_owned();
+        match &self.0 {
+            Backend::Sqlite(r) => {
+                let r = Arc::clone(r);
+                tokio::task::spawn_blocking(move || r.effect_state(&id))
+                    .await
+                    .map_err(|_| JournalError::Closed)?
+            }
+            Backend::Postgres(p) => super::postgres::reader::effect_state(p, &id).await,
+        }
+    }
+
+    /// The first recorded result of call `call_id` in `run` (`None`: a chat call), when it
+    /// is recorded whole (a digest-only record is a miss).
+    pub async fn recorded(
+        &self,
+        run: Option<&str>,
+        call_id: &str,
+    ) -> Result<Option<String>, JournalError> {
+        let (run, call) = (run.map(str::to_owned), call_id.to_owned());
+        match &self.0 {
+            Backend::Sqlite(r) => {
+                let r = Arc::clone(r);
+                tokio::task::spawn_blocking(move || r.recorded(run.as_deref(), &call))
+                    .await
+                    .map_err(|_| JournalError::Closed)?
+            }
+            Backend::Postgres(p) => {
+                super::postgres::reader::recorded(p, run.as_deref(), &call).await
+            }
+        }
+    }
+}
+
+/// Read-only SQLite connections for the MCP front (a [`super::reader::ReadPool`]).
+struct SqliteMcpReader {
+    pool: super::reader::ReadPool,
+}
+
+impl SqliteMcpReader {
+    fn open(path: &Path) -> Result<Self, JournalError> {
         Ok(Self {
             pool: super::reader::ReadPool::open(path, super::reader::READ_CONNECTIONS)?,
         })
@@ -59,7 +139,7 @@ impl McpReader {
     }
 
     /// Released model emissions of `run` named one of `names` with `args_hash`, oldest first.
-    pub fn tickets(
+    fn tickets(
         &self,
         run: &str,
         args_hash: &str,
@@ -93,7 +173,7 @@ impl McpReader {
     }
 
     /// The `state` of effect `effect_id` (`claimed`, `completed`), `None` when unclaimed.
-    pub fn effect_state(&self, effect_id: &str) -> Result<Option<String>, JournalError> {
+    fn effect_state(&self, effect_id: &str) -> Result<Option<String>, JournalError> {
         self.with(|c| {
             c.query_row(
                 "SELECT state FROM effects WHERE effect_id = ?1",
@@ -106,11 +186,7 @@ impl McpReader {
 
     /// The first recorded result of call `call_id` in `run` (`None`: a chat call), when it
     /// is recorded whole (a digest-only record is a miss).
-    pub fn recorded(
-        &self,
-        run: Option<&str>,
-        call_id: &str,
-    ) -> Result<Option<String>, JournalError> {
+    fn recorded(&self, run: Option<&str>, call_id: &str) -> Result<Option<String>, JournalError> {
         let scope = run.map_or_else(|| "chat".to_owned(), |r| format!("run:{r}"));
         self.with(|c| {
             c.query_row(

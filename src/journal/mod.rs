@@ -1,5 +1,8 @@
-//! The SQLite journal (DESIGN.md §8): one file in WAL mode, one writer thread fed by a
-//! bounded channel, group commit. A batch holding a record the contract needs durable is
+//! The journal (DESIGN.md §8) behind one store interface ([`Journal`], [`JournalReader`],
+//! [`McpReader`]) with two backends: a SQLite file (the embedded default; below) or a
+//! PostgreSQL database shared by every replica ([`postgres`], issue 15; ARCHITECTURE.md "The
+//! journal: two backends"). The SQLite journal: one file in WAL mode, one writer thread fed
+//! by a bounded channel, group commit. A batch holding a record the contract needs durable is
 //! committed with `synchronous=FULL` and its callers wait for the commit; other records (a chat
 //! turn's round, audit events) are queued and committed with `synchronous=NORMAL`.
 //!
@@ -51,6 +54,7 @@
 mod interrupts;
 mod location;
 mod mcp;
+mod postgres;
 mod reader;
 pub mod redact;
 mod schema;
@@ -59,7 +63,9 @@ mod states;
 pub use interrupts::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
 pub use location::JournalLocation;
 pub use mcp::{McpReader, TicketRow};
-pub use reader::{DeclaredToolRow, EffectRow, EventRow, JournalReader, LearnRows, RunSummary};
+pub use reader::{
+    DeclaredToolRow, EffectRow, EventRow, JournalReader, LearnRows, RunSummary, SqliteReader,
+};
 pub use states::{InterruptState, RoundState, UnknownValue};
 
 use std::path::{Path, PathBuf};
@@ -83,6 +89,11 @@ pub enum JournalError {
     /// The database could not be opened or migrated.
     #[error("cannot open journal {path}: {reason}")]
     Open { path: PathBuf, reason: String },
+    /// A claim this process took was taken over by another owner (its lease ran out or this
+    /// process was thought dead): the stale owner's confirm or release matches no row, and it
+    /// must not release the call (fail closed).
+    #[error("effect claim {0} is no longer this process's (taken over): the call is withheld")]
+    Fenced(String),
     /// A batch failed to commit.
     #[error("journal write failed: {0}")]
     Write(String),
@@ -132,18 +143,13 @@ impl JournalHealth {
             .unwrap_or(true)
     }
 
-    /// Takes a batch's commit result. Only a failure of the store itself (full disk, I/O
-    /// error, a lock held elsewhere, a read-only or unusable file) marks the journal failing;
-    /// an error of one record's own (a constraint) fails that batch's callers only.
+    /// Takes a SQLite batch's commit result. Only a failure of the store itself (full disk,
+    /// I/O error, a lock held elsewhere, a read-only or unusable file) marks the journal
+    /// failing; an error of one record's own (a constraint) fails that batch's callers only.
     fn record(&self, result: &rusqlite::Result<()>) {
         use rusqlite::ErrorCode as C;
-        let Ok(mut s) = self.state.lock() else { return };
         match result {
-            Ok(()) => {
-                if s.failing.take().is_some() {
-                    tracing::info!("journal writes succeed again");
-                }
-            }
+            Ok(()) => self.set(None),
             Err(e)
                 if !matches!(
                     e.sqlite_error_code(),
@@ -160,11 +166,24 @@ impl JournalHealth {
                             | C::PermissionDenied
                     )
                 ) => {}
-            Err(e) => {
-                if s.failing.is_none() {
-                    tracing::error!(error = %e, "journal writes fail: requests that need durability are refused until a write succeeds");
+            Err(e) => self.set(Some(e.to_string())),
+        }
+    }
+
+    /// `None`: a write reached the store; `Some(reason)`: the store itself failed.
+    fn set(&self, failure: Option<String>) {
+        let Ok(mut s) = self.state.lock() else { return };
+        match failure {
+            None => {
+                if s.failing.take().is_some() {
+                    tracing::info!("journal writes succeed again");
                 }
-                s.failing = Some(e.to_string());
+            }
+            Some(reason) => {
+                if s.failing.is_none() {
+                    tracing::error!(error = %reason, "journal writes fail: requests that need durability are refused until a write succeeds");
+                }
+                s.failing = Some(reason);
                 s.failed_at = Some(Instant::now());
             }
         }
@@ -446,7 +465,9 @@ pub struct EffectClaim {
     /// `business-identity` or `activity-recipe`.
     pub keying: &'static str,
     pub at_ms: i64,
-    /// The claiming turnguard process ([`instance_id`]).
+    /// The claiming turnguard process ([`instance_id`]). On PostgreSQL the writer records
+    /// its own replica id instead (one per opened journal, the id its liveness lock is held
+    /// under).
     pub instance: String,
     /// Who may read the effect's recorded result: `person:<sub>` or `agent`. With the run
     /// it scopes the result (OpenWOP idempotency.md; the claim itself is tenant-wide).
@@ -551,29 +572,62 @@ struct Job {
     queued: Option<crate::metrics::GaugeGuard>,
 }
 
-/// Handle to the journal writer. Cheap to clone.
+/// Handle to the journal writer: the store interface the request path talks to, whichever
+/// backend is behind it (a SQLite file or a PostgreSQL database, [`JournalLocation`]). Every
+/// write is an [`Op`] queued to one writer per process (a thread for SQLite, a task for
+/// PostgreSQL) that commits them in groups. Cheap to clone.
 #[derive(Clone)]
 pub struct Journal {
     tx: mpsc::Sender<Job>,
     metrics: Arc<Metrics>,
-    path: PathBuf,
+    location: JournalLocation,
     health: Arc<JournalHealth>,
+    store: Store,
+}
+
+/// What a [`Journal`] handle needs of its backend beyond the writer queue.
+#[derive(Clone)]
+enum Store {
+    Sqlite(PathBuf),
+    Postgres(postgres::Shared),
 }
 
 impl Journal {
-    /// Opens (creating and migrating) the database and starts the writer thread.
+    /// Opens the journal at `location` (creating and migrating it) and starts its writer: a
+    /// SQLite file with a writer thread whose writes wait `busy_timeout` for a lock another
+    /// process holds, or a PostgreSQL database (pool, migrations by `refinery`, a writer task
+    /// and the `LISTEN` task of [`Journal::resolved_elsewhere`]). A probe write is committed
+    /// before this returns.
     ///
-    /// Errors: [`JournalError::Open`] naming the path.
-    pub fn open(path: &Path, metrics: Arc<Metrics>) -> Result<(Self, WriterThread), JournalError> {
-        Self::open_with(path, metrics, DEFAULT_BUSY_TIMEOUT)
+    /// Errors: [`JournalError::Open`] naming the location (never a password).
+    pub async fn open(
+        location: &JournalLocation,
+        metrics: Arc<Metrics>,
+        busy_timeout: std::time::Duration,
+    ) -> Result<(Self, WriterThread), JournalError> {
+        match location {
+            JournalLocation::Sqlite(path) => Self::open_sqlite_with(path, metrics, busy_timeout),
+            JournalLocation::Postgres(url) => postgres::open(url, location, metrics).await,
+        }
     }
 
-    /// [`Journal::open`] with the writer's busy timeout (how long a write waits for a lock
-    /// another process holds). The file must be writable: a probe write is committed before
-    /// this returns.
+    /// Opens (creating and migrating) a SQLite journal and starts the writer thread, with
+    /// [`DEFAULT_BUSY_TIMEOUT`].
+    ///
+    /// Errors: [`JournalError::Open`] naming the path.
+    pub fn open_sqlite(
+        path: &Path,
+        metrics: Arc<Metrics>,
+    ) -> Result<(Self, WriterThread), JournalError> {
+        Self::open_sqlite_with(path, metrics, DEFAULT_BUSY_TIMEOUT)
+    }
+
+    /// [`Journal::open_sqlite`] with the writer's busy timeout (how long a write waits for a
+    /// lock another process holds). The file must be writable: a probe write is committed
+    /// before this returns.
     ///
     /// Errors: [`JournalError::Open`] naming the path, also when the journal is not writable.
-    pub fn open_with(
+    pub fn open_sqlite_with(
         path: &Path,
         metrics: Arc<Metrics>,
         busy_timeout: std::time::Duration,
@@ -604,16 +658,50 @@ impl Journal {
             Self {
                 tx,
                 metrics,
-                path: path.to_owned(),
+                location: JournalLocation::Sqlite(path.to_owned()),
                 health,
+                store: Store::Sqlite(path.to_owned()),
             },
-            WriterThread(handle),
+            WriterThread(WriterKind::Thread(handle)),
         ))
     }
 
-    /// The database file.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// Where the journal lives (its `Display` never shows a password).
+    pub fn location(&self) -> &JournalLocation {
+        &self.location
+    }
+
+    /// A reader of this journal ([`JournalReader`]): a pool of read-only SQLite connections,
+    /// or the PostgreSQL pool.
+    ///
+    /// Errors: [`JournalError::Open`] when the SQLite file cannot be opened read-only.
+    pub fn reader(&self) -> Result<JournalReader, JournalError> {
+        match &self.store {
+            Store::Sqlite(path) => Ok(JournalReader::sqlite(SqliteReader::open(path)?)),
+            Store::Postgres(shared) => Ok(JournalReader::postgres(shared.pool())),
+        }
+    }
+
+    /// The MCP front's reader of this journal ([`McpReader`]).
+    ///
+    /// Errors: [`JournalError::Open`] when the SQLite file cannot be opened read-only.
+    pub fn mcp_reader(&self) -> Result<McpReader, JournalError> {
+        match &self.store {
+            Store::Sqlite(path) => McpReader::open(path),
+            Store::Postgres(shared) => Ok(McpReader::postgres(shared.pool())),
+        }
+    }
+
+    /// Completes once interrupt `interrupt_id` is seen resolved by another replica sharing
+    /// this journal, with its state: on PostgreSQL, woken by `NOTIFY turnguard_interrupts`
+    /// (payload: the interrupt id) and, while the listener is down, by polling the row every
+    /// [`postgres::POLL_WHILE_DEAF`]. On SQLite (one process owns the file) it never
+    /// completes: the in-process waiters ([`crate::approvals`]) are woken directly.
+    pub async fn resolved_elsewhere(&self, interrupt_id: &str) -> InterruptState {
+        match &self.store {
+            Store::Sqlite(_) => std::future::pending().await,
+            Store::Postgres(shared) => shared.resolved(self, interrupt_id).await,
+        }
     }
 
     /// Queues `op` and waits for its durable commit (`synchronous=FULL`).
@@ -788,7 +876,7 @@ impl Journal {
         self.submit(Op::Token {
             fingerprint: fingerprint.to_owned(),
             expires_at_ms,
-            at_ms: crate::proxy::now_ms(),
+            at_ms: crate::clock::now_ms(),
         })
         .await
     }
@@ -802,13 +890,39 @@ impl Journal {
     }
 }
 
-/// The writer thread; join it after every [`Journal`] handle is dropped to flush the queue.
-pub struct WriterThread(std::thread::JoinHandle<()>);
+/// The journal's writer (a thread for SQLite, a task for PostgreSQL); join it after every
+/// [`Journal`] handle is dropped to flush the queue.
+pub struct WriterThread(WriterKind);
+
+enum WriterKind {
+    Thread(std::thread::JoinHandle<()>),
+    /// The PostgreSQL writer task, and the tasks that end with it (the `LISTEN` task).
+    Task {
+        writer: tokio::task::JoinHandle<()>,
+        companions: Vec<tokio::task::AbortHandle>,
+        runtime: tokio::runtime::Handle,
+    },
+}
 
 impl WriterThread {
-    /// Waits until the queue is drained and the database closed.
+    /// Waits until the queue is drained and the database closed. Blocking: call it off the
+    /// async worker threads (`spawn_blocking`).
     pub fn join(self) {
-        let _ = self.0.join();
+        match self.0 {
+            WriterKind::Thread(handle) => {
+                let _ = handle.join();
+            }
+            WriterKind::Task {
+                writer,
+                companions,
+                runtime,
+            } => {
+                let _ = runtime.block_on(writer);
+                for task in companions {
+                    task.abort();
+                }
+            }
+        }
     }
 }
 
@@ -1251,7 +1365,7 @@ fn insert_tool_result(
         // The first time a result is seen, the call it answers returns (OpenWOP
         // `agent.tool-returned`; the result body itself is never in the event).
         let mut payload = serde_json::json!({
-            "agentId": crate::proxy::AGENT_ID,
+            "agentId": crate::clock::AGENT_ID,
             "toolName": t.tool_name.as_deref().unwrap_or("unknown"),
             "callId": t.tool_call_id,
             "status": if t.is_error { "error" } else { "ok" },

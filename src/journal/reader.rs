@@ -4,10 +4,11 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, TryLockError};
+use std::sync::{Arc, Mutex, TryLockError};
 
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 
+use super::postgres::reader as pg;
 use super::{JournalError, Recorded, ServedCall, ServedRecord};
 use crate::model::{ChainLink, StoredItemRow};
 
@@ -130,8 +131,9 @@ impl ReadPool {
     }
 }
 
-/// A read-only view of the journal (a [`ReadPool`] of [`READ_CONNECTIONS`]).
-pub struct JournalReader {
+/// A read-only view of a SQLite journal (a [`ReadPool`] of [`READ_CONNECTIONS`]), read
+/// synchronously: the SQLite side of [`JournalReader`], and what offline tools use directly.
+pub struct SqliteReader {
     pool: ReadPool,
 }
 
@@ -142,7 +144,7 @@ fn err(e: rusqlite::Error) -> JournalError {
     }
 }
 
-impl JournalReader {
+impl SqliteReader {
     /// Opens `path` read-only (the writer must have created it).
     pub fn open(path: &Path) -> Result<Self, JournalError> {
         Ok(Self {
@@ -549,6 +551,196 @@ impl JournalReader {
     }
 }
 
+/// The journal's reads, whichever backend holds it ([`super::Journal::reader`]): every read
+/// is `async`. On SQLite a read runs on the blocking pool over a [`SqliteReader`]; on
+/// PostgreSQL it takes a connection from the shared pool. Cheap to clone.
+#[derive(Clone)]
+pub struct JournalReader(Backend);
+
+#[derive(Clone)]
+enum Backend {
+    Sqlite(Arc<SqliteReader>),
+    Postgres(deadpool_postgres::Pool),
+}
+
+/// Runs a read on the backend: `$sqlite` on the blocking pool with `$r` the
+/// [`SqliteReader`], or `$pg` (a future) with `$p` the PostgreSQL pool.
+macro_rules! dispatch {
+    ($self:ident, |$r:ident| $sqlite:expr, |$p:ident| $pg:expr) => {
+        match &$self.0 {
+            Backend::Sqlite(r) => {
+                let $r = Arc::clone(r);
+                tokio::task::spawn_blocking(move || $sqlite)
+                    .await
+                    .map_err(|_| JournalError::Closed)?
+            }
+            Backend::Postgres($p) => $pg.await,
+        }
+    };
+}
+
+impl JournalReader {
+    /// Opens a SQLite journal file read-only for synchronous reads (offline tools and tests;
+    /// the server reads through [`super::Journal::reader`]).
+    ///
+    /// Errors: [`JournalError::Open`] naming the path.
+    pub fn open(path: &Path) -> Result<SqliteReader, JournalError> {
+        SqliteReader::open(path)
+    }
+
+    /// Opens the journal at `location` for reading (the journal CLI, `policy learn`): a SQLite
+    /// file read-only, or a pool to the PostgreSQL database (nothing is migrated or written).
+    ///
+    /// Errors: [`JournalError::Open`] naming the location (never a password).
+    pub async fn open_at(location: &super::JournalLocation) -> Result<Self, JournalError> {
+        match location {
+            super::JournalLocation::Sqlite(path) => Ok(Self::sqlite(SqliteReader::open(path)?)),
+            super::JournalLocation::Postgres(url) => Ok(Self::postgres(
+                super::postgres::read_pool(url, location).await?,
+            )),
+        }
+    }
+
+    pub(super) fn sqlite(r: SqliteReader) -> Self {
+        Self(Backend::Sqlite(Arc::new(r)))
+    }
+
+    pub(super) fn postgres(pool: deadpool_postgres::Pool) -> Self {
+        Self(Backend::Postgres(pool))
+    }
+
+    /// The served record of (run, node, attempt, round), if any.
+    pub async fn served(
+        &self,
+        run: &str,
+        node: &str,
+        attempt: u32,
+        round: u32,
+    ) -> Result<Option<ServedRecord>, JournalError> {
+        let (run, node) = (run.to_owned(), node.to_owned());
+        dispatch!(self, |r| r.served(&run, &node, attempt, round), |p| {
+            pg::served(p, &run, &node, attempt, round)
+        })
+    }
+
+    /// Whether a principal token with this claims fingerprint was presented on the data
+    /// plane (table `principal_tokens`): such a token never resolves an interrupt.
+    pub async fn token_seen(&self, fingerprint: &str) -> Result<bool, JournalError> {
+        let fp = fingerprint.to_owned();
+        dispatch!(self, |r| r.token_seen(&fp), |p| pg::token_seen(p, &fp))
+    }
+
+    /// The latest attempt that has a served record at (run, node, round).
+    pub async fn latest_attempt(
+        &self,
+        run: &str,
+        node: &str,
+        round: u32,
+    ) -> Result<Option<u32>, JournalError> {
+        let (run, node) = (run.to_owned(), node.to_owned());
+        dispatch!(self, |r| r.latest_attempt(&run, &node, round), |p| {
+            pg::latest_attempt(p, &run, &node, round)
+        })
+    }
+
+    /// The recorded result of a call in a run: `Some(Some((text, is_error)))` when recorded
+    /// whole, `Some(None)` when recorded only as a digest (oversized: a miss), `None` when
+    /// absent.
+    pub async fn tool_result(
+        &self,
+        run: &str,
+        call_id: &str,
+    ) -> Result<Option<Option<(String, bool)>>, JournalError> {
+        let (run, call) = (run.to_owned(), call_id.to_owned());
+        dispatch!(self, |r| r.tool_result(&run, &call), |p| pg::tool_result(
+            p, &run, &call
+        ))
+    }
+
+    /// The journal's rows for the stored output items `ids` names (Responses
+    /// `item_reference`); ids the journal does not hold are absent.
+    pub async fn stored_items(&self, ids: &[String]) -> Result<Vec<StoredItemRow>, JournalError> {
+        let ids = ids.to_vec();
+        dispatch!(self, |r| r.stored_items(&ids), |p| pg::stored_items(
+            p, &ids
+        ))
+    }
+
+    /// The response chain from `previous` back (table `responses`), at most `max` links
+    /// ([`SqliteReader::response_chain`]).
+    pub async fn response_chain(
+        &self,
+        previous: &str,
+        max: usize,
+    ) -> Result<Vec<ChainLink>, JournalError> {
+        let previous = previous.to_owned();
+        dispatch!(self, |r| r.response_chain(&previous, max), |p| {
+            pg::response_chain(p, &previous, max)
+        })
+    }
+
+    /// The tool name of call `call_id` as the model emitted it in the round `request_id`.
+    pub async fn call_name(
+        &self,
+        request_id: &str,
+        call_id: &str,
+    ) -> Result<Option<String>, JournalError> {
+        let (request, call) = (request_id.to_owned(), call_id.to_owned());
+        dispatch!(self, |r| r.call_name(&request, &call), |p| pg::call_name(
+            p, &request, &call
+        ))
+    }
+
+    /// Tool calls released (`executed`) in `run` so far (seeds the run's counter).
+    pub async fn released_calls(&self, run: &str) -> Result<u32, JournalError> {
+        let run = run.to_owned();
+        dispatch!(self, |r| r.released_calls(&run), |p| pg::released_calls(
+            p, &run
+        ))
+    }
+
+    /// Recorded rounds a replay of (run, node) served without the agent so far.
+    pub async fn replay_cursor(&self, run: &str, node: &str) -> Result<u32, JournalError> {
+        let (run, node) = (run.to_owned(), node.to_owned());
+        dispatch!(self, |r| r.replay_cursor(&run, &node), |p| {
+            pg::replay_cursor(p, &run, &node)
+        })
+    }
+
+    /// Effect rows of a run, oldest first.
+    pub async fn effects(&self, run: &str) -> Result<Vec<EffectRow>, JournalError> {
+        let run = run.to_owned();
+        dispatch!(self, |r| r.effects(&run), |p| pg::effects(p, &run))
+    }
+
+    /// Events of a run, in sequence order.
+    pub async fn events(&self, run: &str) -> Result<Vec<EventRow>, JournalError> {
+        let run = run.to_owned();
+        dispatch!(self, |r| r.events(&run), |p| pg::events(p, &run))
+    }
+
+    /// Runs with their round and call counts, most recent first.
+    pub async fn runs(&self) -> Result<Vec<RunSummary>, JournalError> {
+        dispatch!(self, |r| r.runs(), |p| pg::runs(p))
+    }
+
+    /// Chat turns, most recent first, at most `limit` ([`SqliteReader::chat_turns`]).
+    pub async fn chat_turns(&self, limit: usize) -> Result<Vec<RunSummary>, JournalError> {
+        dispatch!(self, |r| r.chat_turns(limit), |p| pg::chat_turns(p, limit))
+    }
+
+    /// Rounds and calls of a run for `turnguard journal show` ([`SqliteReader::show`]).
+    pub async fn show(&self, run: &str) -> Result<Vec<serde_json::Value>, JournalError> {
+        let run = run.to_owned();
+        dispatch!(self, |r| r.show(&run), |p| pg::show(p, &run))
+    }
+
+    /// The rows `turnguard policy learn` turns into a proposed catalog ([`LearnRows`]).
+    pub async fn learn_rows(&self) -> Result<LearnRows, JournalError> {
+        dispatch!(self, |r| r.learn_rows(), |p| pg::learn_rows(p))
+    }
+}
+
 #[cfg(test)]
 mod pool_tests {
     use super::*;
@@ -560,8 +752,8 @@ mod pool_tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("journal.db");
         let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
-        let (journal, writer) = crate::journal::Journal::open(&path, metrics).unwrap();
-        let reader = std::sync::Arc::new(JournalReader::open(&path).unwrap());
+        let (journal, writer) = crate::journal::Journal::open_sqlite(&path, metrics).unwrap();
+        let reader = std::sync::Arc::new(SqliteReader::open(&path).unwrap());
         let (tx, rx) = std::sync::mpsc::channel();
         let r = std::sync::Arc::clone(&reader);
         std::thread::spawn(move || {

@@ -220,18 +220,18 @@ impl McpCall {
         };
         let run = run.to_owned();
         let names = self.names();
-        let front = Arc::clone(&self.front);
+        let front = &self.front;
         let tenant = self.front.state.config.tenant.clone();
         let rerunnable = self.tool.rerunnable();
-        let found = tokio::task::spawn_blocking(move || {
-            let rows = front.reader.tickets(&run, &hash, &names)?;
+        let found = async {
+            let rows = front.reader.tickets(&run, &hash, &names).await?;
             if rerunnable {
                 return Ok(rows.into_iter().next());
             }
             for row in &rows {
                 let exec = Exec::of_ticket(&tenant, &run, row, false);
                 let claimed = match &exec.effect {
-                    Some((effect_id, _)) => front.reader.effect_state(effect_id)?.is_some(),
+                    Some((effect_id, _)) => front.reader.effect_state(effect_id).await?.is_some(),
                     None => false,
                 };
                 if !claimed {
@@ -239,11 +239,8 @@ impl McpCall {
                 }
             }
             Ok::<_, crate::journal::JournalError>(rows.into_iter().next())
-        })
-        .await
-        .map_err(|e| WireError::Internal {
-            reason: e.to_string(),
-        })?;
+        }
+        .await;
         found.map_err(|e| WireError::JournalUnavailable {
             reason: e.to_string(),
         })
@@ -965,16 +962,12 @@ async fn replay(call: &McpCall) -> Response {
     // The executions this call can be: one per released emission (ticket), and the call's
     // own identity (a call without a ticket).
     let fallback = call.exec(None);
-    let (front, names, hash) = (
-        Arc::clone(&call.front),
-        call.names(),
-        call.args_hash.clone(),
-    );
+    let (front, names, hash) = (&call.front, call.names(), call.args_hash.clone());
     let tenant = call.front.state.config.tenant.clone();
-    let found = tokio::task::spawn_blocking(move || {
+    let found = async {
         let mut candidates: Vec<Exec> = Vec::new();
         if let Some(hash) = &hash {
-            let rows = front.reader.tickets(&run, hash, &names)?;
+            let rows = front.reader.tickets(&run, hash, &names).await?;
             candidates.extend(
                 rows.iter()
                     .map(|t| Exec::of_ticket(&tenant, &run, t, false)),
@@ -982,15 +975,15 @@ async fn replay(call: &McpCall) -> Response {
         }
         candidates.push(fallback);
         for exec in candidates {
-            if let Some(r) = front.reader.recorded(Some(&run), &exec.call_id)? {
+            if let Some(r) = front.reader.recorded(Some(&run), &exec.call_id).await? {
                 return Ok(Some(r));
             }
         }
         Ok::<_, crate::journal::JournalError>(None)
-    })
+    }
     .await;
     match found {
-        Ok(Ok(Some(r))) => {
+        Ok(Some(r)) => {
             count(ReplayResult::Hit);
             let mut resp = json_response(StatusCode::OK, &call.recorded_message(&r));
             resp.headers_mut().insert(
@@ -999,14 +992,9 @@ async fn replay(call: &McpCall) -> Response {
             );
             return resp;
         }
-        Ok(Ok(None)) => {}
-        Ok(Err(e)) => {
-            return call.fail(&WireError::JournalUnavailable {
-                reason: e.to_string(),
-            })
-        }
+        Ok(None) => {}
         Err(e) => {
-            return call.fail(&WireError::Internal {
+            return call.fail(&WireError::JournalUnavailable {
                 reason: e.to_string(),
             })
         }

@@ -198,6 +198,7 @@ async fn complete(
                 .front
                 .reader
                 .recorded(call.inbound.run_id(), &exec.call_id)
+                .await
                 .ok()
                 .flatten();
             return match recorded {
@@ -245,26 +246,17 @@ pub async fn handle(call: McpCall, mut d: Decision, ticket: Option<TicketRow>) -
     let exec = call.exec_with(ticket.as_ref(), true);
     let mut claimed = false;
     if let Some((effect_id, _)) = &exec.effect {
-        let state = {
-            let (front, effect_id) = (std::sync::Arc::clone(&call.front), effect_id.clone());
-            tokio::task::spawn_blocking(move || front.reader.effect_state(&effect_id)).await
-        };
+        let state = call.front.reader.effect_state(effect_id).await;
         match state {
-            Ok(Ok(None)) => {}
-            Ok(Ok(Some(_))) => match call.claim(&mut d, &exec).await {
+            Ok(None) => {}
+            Ok(Some(_)) => match call.claim(&mut d, &exec).await {
                 Ok(Some(repeat)) => return repeat,
                 // Taken over (its claimer died before anything was asked): ask, holding it.
                 Ok(None) => claimed = true,
                 Err(e) => return json_response(StatusCode::OK, &super::wire_error(&id, &e)),
             },
-            Ok(Err(e)) => {
-                let e = crate::error::WireError::JournalUnavailable {
-                    reason: e.to_string(),
-                };
-                return json_response(StatusCode::OK, &super::wire_error(&id, &e));
-            }
             Err(e) => {
-                let e = crate::error::WireError::Internal {
+                let e = crate::error::WireError::JournalUnavailable {
                     reason: e.to_string(),
                 };
                 return json_response(StatusCode::OK, &super::wire_error(&id, &e));

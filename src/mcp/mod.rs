@@ -82,7 +82,7 @@ impl McpFront {
     ///
     /// Errors: the journal cannot be opened for reading.
     pub fn new(state: Arc<AppState>) -> Result<Arc<Self>, crate::journal::JournalError> {
-        let reader = McpReader::open(state.journal.path())?;
+        let reader = state.journal.mcp_reader()?;
         Ok(Arc::new(Self {
             state,
             sessions: session::Sessions::default(),

@@ -18,7 +18,7 @@ pub mod upstream;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::response::Response;
@@ -45,7 +45,7 @@ use crate::provider;
 use crate::server::AppState;
 
 /// The agent identity in events and rules when no verified person acts.
-pub const AGENT_ID: &str = "agent";
+pub use crate::clock::AGENT_ID;
 
 /// Who and what one data-plane request is: its ids and its run identity headers.
 #[derive(Debug, Clone)]
@@ -103,12 +103,7 @@ impl RequestCtx {
 }
 
 /// Milliseconds since the Unix epoch.
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
+pub use crate::clock::now_ms;
 
 /// Everything one agent request carries through its model rounds (the first and any repair
 /// rounds): the parsed turn, the policy snapshot, the request as sent upstream.
@@ -255,7 +250,9 @@ impl Session {
     /// Records what the agent received for this round of a run node (the record recovery and
     /// replay serve again), confirming the round's effect claims in the same transaction.
     /// Chat turns are not recorded for replay (tool-turn contract §D). Call before the answer
-    /// leaves.
+    /// leaves. `Err` only when a claim was taken over by another owner since
+    /// (`JournalError::Fenced`, PostgreSQL): the answer must not leave (fail closed); any
+    /// other failure is logged.
     pub async fn record_served(
         &self,
         status: u16,
@@ -263,17 +260,21 @@ impl Session {
         body: Recorded,
         calls: Vec<ServedCall>,
         claims: Vec<(String, String)>,
-    ) {
+    ) -> Result<(), crate::journal::JournalError> {
         let (Some(run), Some(node), Some(attempt)) = (
             &self.ctx.run.run_id,
             &self.ctx.run.node_id,
             self.ctx.run.attempt,
         ) else {
             // A chat turn keeps no served record; its claims are still confirmed.
-            if let Err(e) = self.state.journal.confirm_claims(claims).await {
-                tracing::error!(error = %e, request_id = %self.ctx.request_id, "effect claims not confirmed");
-            }
-            return;
+            return match self.state.journal.confirm_claims(claims).await {
+                Err(e @ crate::journal::JournalError::Fenced(_)) => Err(e),
+                Err(e) => {
+                    tracing::error!(error = %e, request_id = %self.ctx.request_id, "effect claims not confirmed");
+                    Ok(())
+                }
+                Ok(()) => Ok(()),
+            };
         };
         let rec = ServedRecord {
             run_id: run.clone(),
@@ -289,8 +290,13 @@ impl Session {
             at_ms: now_ms(),
             claims,
         };
-        if let Err(e) = self.state.journal.record_served(rec).await {
-            tracing::error!(error = %e, request_id = %self.ctx.request_id, "served response not journaled");
+        match self.state.journal.record_served(rec).await {
+            Err(e @ crate::journal::JournalError::Fenced(_)) => Err(e),
+            Err(e) => {
+                tracing::error!(error = %e, request_id = %self.ctx.request_id, "served response not journaled");
+                Ok(())
+            }
+            Ok(()) => Ok(()),
         }
     }
 
@@ -680,17 +686,11 @@ async fn seed_run_counter(state: &Arc<AppState>, ctx: &RequestCtx) -> Result<(),
     if !state.limits.needs_seed(&run) {
         return Ok(());
     }
-    let reader = Arc::clone(&state.reader);
-    let key = run.clone();
-    let found = tokio::task::spawn_blocking(move || reader.released_calls(&key)).await;
-    match found {
-        Ok(Ok(n)) => {
+    match state.reader.released_calls(&run).await {
+        Ok(n) => {
             state.limits.seed(&run, n);
             Ok(())
         }
-        Ok(Err(e)) => Err(WireError::JournalUnavailable {
-            reason: format!("the run's released calls could not be read ({e})"),
-        }),
         Err(e) => Err(WireError::JournalUnavailable {
             reason: format!("the run's released calls could not be read ({e})"),
         }),
@@ -863,7 +863,10 @@ async fn turn(
                 let kept = if secrets { kept.withheld() } else { kept };
                 session
                     .record_served(p.status.as_u16(), content_type, kept, calls, claims)
-                    .await;
+                    .await
+                    .map_err(|e| WireError::JournalUnavailable {
+                        reason: e.to_string(),
+                    })?;
                 let mut out = Response::new(Body::from(body));
                 *out.status_mut() = p.status;
                 *out.headers_mut() = upstream::response_headers(&p.headers, false);

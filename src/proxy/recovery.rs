@@ -55,12 +55,6 @@ fn unavailable(e: JournalError) -> WireError {
     }
 }
 
-fn internal(e: tokio::task::JoinError) -> WireError {
-    WireError::Internal {
-        reason: e.to_string(),
-    }
-}
-
 /// What recovery found for a re-sent round.
 enum Recovery {
     /// Serve this record without these calls (their results are recorded).
@@ -99,17 +93,19 @@ pub async fn serve_recorded(
     };
     match mode {
         RunMode::Live => {
-            let found = tokio::task::spawn_blocking(move || {
+            let found = async {
                 let Some(rec) = reader
-                    .served(&run_id, &node, attempt, round)?
+                    .served(&run_id, &node, attempt, round)
+                    .await?
                     .filter(|r| r.request_digest == digest)
                 else {
                     return Ok(None);
                 };
-                recover(&reader, &run_id, &node, attempt, rec).map(Some)
-            })
+                recover(&reader, &run_id, &node, attempt, rec)
+                    .await
+                    .map(Some)
+            }
             .await
-            .map_err(internal)?
             .map_err(unavailable)?;
             match found {
                 None => Ok(None),
@@ -135,10 +131,7 @@ pub async fn serve_recorded(
         }
         RunMode::Replay => {
             let (run2, node2) = (run_id.clone(), node.clone());
-            let result =
-                tokio::task::spawn_blocking(move || replay_chain(&reader, &run2, &node2, round))
-                    .await
-                    .map_err(internal)?;
+            let result = replay_chain(&reader, &run2, &node2, round).await;
             match result {
                 Ok((rec, recorded, skipped_before, skipped_now)) => {
                     let Some(resp) = serve(session, &rec, &recorded) else {
@@ -179,13 +172,17 @@ struct Split {
     unrecorded: Vec<(String, bool)>,
 }
 
-fn partition(reader: &JournalReader, run: &str, rec: &ServedRecord) -> Result<Split, JournalError> {
+async fn partition(
+    reader: &JournalReader,
+    run: &str,
+    rec: &ServedRecord,
+) -> Result<Split, JournalError> {
     let mut split = Split {
         recorded: HashSet::new(),
         unrecorded: Vec::new(),
     };
     for c in &rec.calls {
-        if matches!(reader.tool_result(run, &c.call_id)?, Some(Some(_))) {
+        if matches!(reader.tool_result(run, &c.call_id).await?, Some(Some(_))) {
             split.recorded.insert(c.call_id.clone());
         } else {
             split.unrecorded.push((c.tool_name.clone(), c.rerunnable));
@@ -195,7 +192,7 @@ fn partition(reader: &JournalReader, run: &str, rec: &ServedRecord) -> Result<Sp
 }
 
 /// Same-attempt recovery from the record `first` of the re-sent round (see the module docs).
-fn recover(
+async fn recover(
     reader: &JournalReader,
     run: &str,
     node: &str,
@@ -207,10 +204,13 @@ fn recover(
         let Split {
             recorded,
             unrecorded,
-        } = partition(reader, run, &rec)?;
+        } = partition(reader, run, &rec).await?;
         if !rec.calls.is_empty() && unrecorded.is_empty() {
             // Every call of this answer ran: the answer that followed them is the one to serve.
-            match reader.served(run, node, attempt, rec.round_index + 1)? {
+            match reader
+                .served(run, node, attempt, rec.round_index + 1)
+                .await?
+            {
                 Some(next) => {
                     rec = next;
                     continue;
@@ -250,19 +250,20 @@ fn non_rerunnable(in_doubt: &[(String, bool)]) -> Option<String> {
 /// Follows recorded rounds from the agent's position to the first answer that needs the
 /// agent. Returns the answer, its calls whose results are recorded, the rounds skipped
 /// before, and the rounds skipped now.
-fn replay_chain(
+async fn replay_chain(
     reader: &JournalReader,
     run: &str,
     node: &str,
     agent_round: u32,
 ) -> Result<(ServedRecord, HashSet<String>, u32, u32), WireError> {
     let missing = |reason: String| WireError::ReplaySourceMissing { reason };
-    let skipped_before = reader.replay_cursor(run, node).map_err(unavailable)?;
+    let skipped_before = reader.replay_cursor(run, node).await.map_err(unavailable)?;
     let mut k = agent_round + skipped_before;
     let mut skipped_now = 0;
     loop {
         let attempt = reader
             .latest_attempt(run, node, k)
+            .await
             .map_err(unavailable)?
             .ok_or_else(|| {
                 missing(format!(
@@ -271,6 +272,7 @@ fn replay_chain(
             })?;
         let rec = reader
             .served(run, node, attempt, k)
+            .await
             .map_err(unavailable)?
             .ok_or_else(|| {
                 missing(format!(
@@ -288,7 +290,7 @@ fn replay_chain(
         let Split {
             recorded,
             unrecorded,
-        } = partition(reader, run, &rec).map_err(unavailable)?;
+        } = partition(reader, run, &rec).await.map_err(unavailable)?;
         if unrecorded.is_empty() {
             // Every call of this answer has a recorded result: not released again.
             k += 1;

@@ -596,7 +596,8 @@ async fn run(
             // still recorded, so a re-sent round finds them in doubt.
             let body = agent.recorded(&session.policy.redactor);
             let body = if secrets { body.withheld() } else { body };
-            session
+            // Its claims were confirmed when the calls left (above): none to fence here.
+            let _ = session
                 .record_served(200, "text/event-stream", body, calls, Vec::new())
                 .await;
         }
@@ -893,14 +894,30 @@ async fn decide(
         let splice = pipeline.abandon(round, verdicts);
         return Next::Repair(body, splice);
     }
-    // The calls are about to leave: their effect claims are confirmed first.
-    if let Err(e) = session
+    // The calls are about to leave: their effect claims are confirmed first. A claim taken
+    // over by another owner since (PostgreSQL, `JournalError::Fenced`) is no longer ours:
+    // nothing of the round leaves (fail closed).
+    match session
         .state
         .journal
         .confirm_claims(super::claims_of(&verdicts))
         .await
     {
-        tracing::error!(error = %e, request_id = %session.ctx.request_id, "effect claims not confirmed");
+        Ok(()) => {}
+        Err(e @ crate::journal::JournalError::Fenced(_)) => {
+            tracing::error!(error = %e, request_id = %session.ctx.request_id, "effect claim taken over; the round is withheld");
+            pipeline.fail(
+                round,
+                verdicts,
+                "turnguard.journal_unavailable",
+                &e.to_string(),
+                out,
+            );
+            return Next::Stop;
+        }
+        Err(e) => {
+            tracing::error!(error = %e, request_id = %session.ctx.request_id, "effect claims not confirmed");
+        }
     }
     pipeline.release(round, verdicts, out);
     Next::Continue

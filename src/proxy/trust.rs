@@ -36,30 +36,26 @@ pub async fn response_chain(state: &AppState, ctx: &RequestCtx, turn: &mut Turn)
         .filter(|r| r.tool_name.is_none())
         .map(|r| r.tool_call_id.clone())
         .collect();
-    let reader = state.reader.clone();
-    let found = tokio::task::spawn_blocking(move || {
-        let links = reader.response_chain(&previous, MAX_CHAIN)?;
+    let reader = &state.reader;
+    let found = async {
+        let links = reader.response_chain(&previous, MAX_CHAIN).await?;
         // The outputs a continuing request carries answer the calls of the response it
         // continues (the provider refuses a request that leaves one unanswered).
         let mut names = Vec::new();
         if let Some(link) = links.first().filter(|l| l.response_id == previous) {
             for call_id in unnamed {
-                if let Some(name) = reader.call_name(&link.request_id, &call_id)? {
+                if let Some(name) = reader.call_name(&link.request_id, &call_id).await? {
                     names.push((call_id, name));
                 }
             }
         }
         Ok::<_, crate::journal::JournalError>((links, names))
-    })
+    }
     .await;
     let (links, names) = match found {
-        Ok(Ok(found)) => found,
-        Ok(Err(e)) => {
-            tracing::error!(error = %e, request_id = %ctx.request_id, "response chain not readable; the turn is untrusted (fail closed)");
-            return Vec::new();
-        }
+        Ok(found) => found,
         Err(e) => {
-            tracing::error!(error = %e, request_id = %ctx.request_id, "response chain lookup failed; the turn is untrusted (fail closed)");
+            tracing::error!(error = %e, request_id = %ctx.request_id, "response chain not readable; the turn is untrusted (fail closed)");
             return Vec::new();
         }
     };
@@ -95,15 +91,10 @@ pub async fn item_references(state: &AppState, ctx: &RequestCtx, turn: &mut Turn
         return;
     }
     let ids: Vec<String> = turn.item_references.iter().map(|r| r.id.clone()).collect();
-    let reader = state.reader.clone();
-    let rows = match tokio::task::spawn_blocking(move || reader.stored_items(&ids)).await {
-        Ok(Ok(rows)) => rows,
-        Ok(Err(e)) => {
-            tracing::error!(error = %e, request_id = %ctx.request_id, "stored items not readable; item references stay untrusted (fail closed)");
-            return;
-        }
+    let rows = match state.reader.stored_items(&ids).await {
+        Ok(rows) => rows,
         Err(e) => {
-            tracing::error!(error = %e, request_id = %ctx.request_id, "stored item lookup failed; item references stay untrusted (fail closed)");
+            tracing::error!(error = %e, request_id = %ctx.request_id, "stored items not readable; item references stay untrusted (fail closed)");
             return;
         }
     };

@@ -16,6 +16,7 @@ mod faults;
 mod field_inputs;
 mod fuzz;
 mod journal_bodies;
+mod journal_postgres;
 mod mcp;
 mod ops_edge;
 mod ops_shutdown;
