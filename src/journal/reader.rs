@@ -580,14 +580,6 @@ macro_rules! dispatch {
 }
 
 impl JournalReader {
-    /// Opens a SQLite journal file read-only for synchronous reads (offline tools and tests;
-    /// the server reads through [`super::Journal::reader`]).
-    ///
-    /// Errors: [`JournalError::Open`] naming the path.
-    pub fn open(path: &Path) -> Result<SqliteReader, JournalError> {
-        SqliteReader::open(path)
-    }
-
     /// Opens the journal at `location` for reading (the journal CLI, `policy learn`): a SQLite
     /// file read-only, or a pool to the PostgreSQL database (nothing is migrated or written).
     ///

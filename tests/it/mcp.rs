@@ -403,9 +403,13 @@ async fn an_admitted_emission_executes_once_and_the_same_call_again_gets_the_rec
     );
     assert!(metrics.contains("surface=\"llm\""), "{metrics}");
     // `turnguard journal show` lists the MCP decision rounds with their calls.
-    let shown = turnguard::journal::JournalReader::open(&t.h.journal())
+    let location =
+        turnguard::journal::JournalLocation::parse(&support::journal_arg(&t.h.journal()));
+    let shown = turnguard::journal::JournalReader::open_at(&location)
+        .await
         .unwrap()
         .show("run-once")
+        .await
         .unwrap();
     assert!(
         shown

@@ -591,24 +591,39 @@ fn sqlite_rows(
 /// A query on PostgreSQL: placeholders inlined as literals, each row read back as
 /// `row_to_json` (column order kept; any column type, `numeric` sums included).
 fn pg_rows(url: &str, sql: &str, params: &[DbValue]) -> Result<Vec<Row>, DbError> {
-    let wrapped = format!(
-        "SELECT row_to_json(t)::text FROM ({}) t",
-        inline(sql, params)
-    );
+    let inner = inline(sql, params);
     let url = url.to_owned();
-    let texts: Vec<String> = on_thread(move || {
+    let (names, texts): (Vec<String>, Vec<String>) = on_thread(move || {
         let mut c = postgres::Client::connect(&url, postgres::NoTls)
             .map_err(|e| DbError::Sql(e.to_string()))?;
-        c.query(wrapped.as_str(), &[])
-            .map_err(|e| DbError::Sql(format!("{e:?}: {wrapped}")))
-            .map(|rows| rows.iter().map(|r| r.get::<_, String>(0)).collect())
+        // The statement's own column names, then the rows under positional aliases (two
+        // columns may share a name, which a JSON object could not keep apart).
+        let names: Vec<String> = c
+            .prepare(inner.as_str())
+            .map_err(|e| DbError::Sql(format!("{e:?}: {inner}")))?
+            .columns()
+            .iter()
+            .map(|col| col.name().to_owned())
+            .collect();
+        let aliases: Vec<String> = (0..names.len()).map(|i| format!("c{i}")).collect();
+        let wrapped = format!(
+            "SELECT row_to_json(t)::text FROM ({inner}) t({})",
+            aliases.join(", ")
+        );
+        let texts = c
+            .query(wrapped.as_str(), &[])
+            .map_err(|e| DbError::Sql(format!("{e:?}: {wrapped}")))?
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect();
+        Ok::<_, DbError>((names, texts))
     })?;
     texts
         .iter()
         .map(|t| {
             let obj: serde_json::Map<String, serde_json::Value> =
                 serde_json::from_str(t).map_err(|e| DbError::Sql(e.to_string()))?;
-            let names = obj.keys().cloned().collect();
+            let names = names.clone();
             let values = obj
                 .into_iter()
                 .map(|(_, v)| match v {
