@@ -564,301 +564,175 @@ impl Drop for GaugeGuard {
 impl Metrics {
     /// A fresh registry with every metric registered.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("turnguard");
-        let mut names = Vec::new();
-        let requests = Family::<RequestLabels, Counter>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let mut r = Registrar {
+            registry: Registry::with_prefix("turnguard"),
+            names: Vec::new(),
+        };
+        let requests = r.add(
             "requests",
             "Requests answered on the data plane",
-            requests.clone(),
+            Family::<RequestLabels, Counter>::default(),
         );
-        let upstream_latency = Family::<ApiLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.005, 2.0, 14))
-        });
-        reg(
-            &mut registry,
-            &mut names,
+        let upstream_latency = r.add(
             "upstream_latency_seconds",
             "Time from sending upstream to the response headers",
-            upstream_latency.clone(),
+            Family::<ApiLabels, Histogram>::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.005, 2.0, 14))
+            }),
         );
-        let hold_latency = Family::<ApiLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
-        });
-        reg(
-            &mut registry,
-            &mut names,
+        let hold_latency = r.add(
             "stream_hold_seconds",
             "Time from the completion state being known to the held tool calls being released or replaced",
-            hold_latency.clone(),
+            Family::<ApiLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
+        }),
         );
-        let tool_calls = Family::<CallLabels, Counter>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let tool_calls = r.add(
             "tool_calls",
             "Tool calls decided by admission",
-            tool_calls.clone(),
+            Family::<CallLabels, Counter>::default(),
         );
-        let upstream_errors = Family::<ReasonLabels, Counter>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let upstream_errors = r.add(
             "upstream_errors",
             "Upstream failures",
-            upstream_errors.clone(),
+            Family::<ReasonLabels, Counter>::default(),
         );
-        let journal_write_failures = Counter::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let journal_write_failures = r.add(
             "journal_write_failures",
             "Journal records that failed to commit",
-            journal_write_failures.clone(),
+            Counter::default(),
         );
-        let journal_commit_latency = Histogram::new(exponential_buckets(0.000_1, 2.0, 16));
-        reg(
-            &mut registry,
-            &mut names,
+        let journal_commit_latency = r.add(
             "journal_commit_latency_seconds",
             "Journal commit latency per batch",
-            journal_commit_latency.clone(),
+            Histogram::new(exponential_buckets(0.000_1, 2.0, 16)),
         );
-        let journal_batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 10));
-        reg(
-            &mut registry,
-            &mut names,
+        let journal_batch_size = r.add(
             "journal_batch_size_records",
             "Records per committed journal batch",
-            journal_batch_size.clone(),
+            Histogram::new(exponential_buckets(1.0, 2.0, 10)),
         );
-        let journal_queue_depth = Gauge::<i64, AtomicI64>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let journal_queue_depth = r.add(
             "journal_queue_depth_records",
             "Records waiting for the journal writer",
-            journal_queue_depth.clone(),
+            Gauge::<i64, AtomicI64>::default(),
         );
-        let inflight_requests = Gauge::<i64, AtomicI64>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let inflight_requests = r.add(
             "inflight_requests",
             "Data-plane requests in flight",
-            inflight_requests.clone(),
+            Gauge::<i64, AtomicI64>::default(),
         );
-        let policy_reloads = Family::<ResultLabels, Counter>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let policy_reloads = r.add(
             "policy_reloads",
             "Policy bundle reloads by result",
-            policy_reloads.clone(),
+            Family::<ResultLabels, Counter>::default(),
         );
-        let policy_revision_info = Family::<RevisionLabels, Gauge<i64, AtomicI64>>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let policy_revision_info = r.add(
             "policy_revision_info",
             "1 for the revision of the active policy bundle",
-            policy_revision_info.clone(),
+            Family::<RevisionLabels, Gauge<i64, AtomicI64>>::default(),
         );
-        let turns = Family::<TrustLabels, Counter>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let turns = r.add(
             "turns",
             "Model turns admitted, by contentTrust",
-            turns.clone(),
+            Family::<TrustLabels, Counter>::default(),
         );
-        let repairs = Family::<RepairLabels, Counter>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let repairs = r.add(
             "repairs",
             "Repair rounds sent upstream",
-            repairs.clone(),
+            Family::<RepairLabels, Counter>::default(),
         );
-        let emissions = Family::<EmissionLabels, Counter>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let emissions = r.add(
             "emissions",
             "Text answers checked in the structured and prompted channels, by result",
-            emissions.clone(),
+            Family::<EmissionLabels, Counter>::default(),
         );
-        let replay = Family::<ReplayLabels, Counter>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let replay = r.add(
             "replay",
             "Recovery and replay lookups by result",
-            replay.clone(),
+            Family::<ReplayLabels, Counter>::default(),
         );
-        let approvals = Family::<ApprovalLabels, Counter>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let approvals = r.add(
             "approvals",
             "Approval interrupts raised (held) and resolved (approved, rejected, expired)",
-            approvals.clone(),
+            Family::<ApprovalLabels, Counter>::default(),
         );
-        let approval_wait = Family::<ApprovalLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.05, 2.0, 16))
-        });
-        reg(
-            &mut registry,
-            &mut names,
+        let approval_wait = r.add(
             "approval_wait_seconds",
             "Time from an approval interrupt being raised to its resolution",
-            approval_wait.clone(),
+            Family::<ApprovalLabels, Histogram>::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.05, 2.0, 16))
+            }),
         );
-        let approval_notifications = Family::<NotificationLabels, Counter>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let approval_notifications = r.add(
             "approval_notifications",
             "Approval notifications: webhook deliveries and SSE events, by result",
-            approval_notifications.clone(),
+            Family::<NotificationLabels, Counter>::default(),
         );
         // Edge and protection metrics (issue 6).
-        let request_duration = Family::<EdgeLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.000_5, 2.0, 18))
-        });
-        reg(
-            &mut registry,
-            &mut names,
+        let request_duration = r.add(
             "request_duration_seconds",
             "Whole time of a data-plane request, arrival to the last body byte sent",
-            request_duration.clone(),
+            Family::<EdgeLabels, Histogram>::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.000_5, 2.0, 18))
+            }),
         );
-        let proxy_added = Family::<EdgeLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.000_01, 2.0, 18))
-        });
-        reg(
-            &mut registry,
-            &mut names,
+        let proxy_added = r.add(
             "proxy_added_seconds",
             "Time spent in turnguard for one request, excluding waits on the upstream",
-            proxy_added.clone(),
+            Family::<EdgeLabels, Histogram>::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.000_01, 2.0, 18))
+            }),
         );
-        let upstream_ttfb = Family::<ApiLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.005, 2.0, 14))
-        });
-        reg(
-            &mut registry,
-            &mut names,
+        let upstream_ttfb = r.add(
             "upstream_ttfb_seconds",
             "Time from sending a streamed request upstream to its first body bytes",
-            upstream_ttfb.clone(),
+            Family::<ApiLabels, Histogram>::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.005, 2.0, 14))
+            }),
         );
-        let inflight_streams = Gauge::<i64, AtomicI64>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let inflight_streams = r.add(
             "inflight_streams",
             "SSE relays in flight",
-            inflight_streams.clone(),
+            Gauge::<i64, AtomicI64>::default(),
         );
-        let shed_requests = Family::<ShedLabels, Counter>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let shed_requests = r.add(
             "shed_requests",
             "Requests shed with 503 and Retry-After before any work",
-            shed_requests.clone(),
+            Family::<ShedLabels, Counter>::default(),
         );
-        let build_info = Family::<BuildLabels, Gauge<i64, AtomicI64>>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let build_info = r.add(
             "build_info",
             "Build information (constant 1)",
-            build_info.clone(),
+            Family::<BuildLabels, Gauge<i64, AtomicI64>>::default(),
         );
-        let open_connections = Gauge::<i64, AtomicI64>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let open_connections = r.add(
             "open_connections",
             "Data-plane connections open",
-            open_connections.clone(),
+            Gauge::<i64, AtomicI64>::default(),
         );
-        let connections_rejected = Counter::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let connections_rejected = r.add(
             "connections_rejected",
             "Data-plane connections closed at accept because max_connections were open",
-            connections_rejected.clone(),
+            Counter::default(),
         );
-        let schema_cache_bytes = Gauge::<i64, AtomicI64>::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let schema_cache_bytes = r.add(
             "schema_cache_bytes",
             "Estimated memory held by compiled schemas",
-            schema_cache_bytes.clone(),
+            Gauge::<i64, AtomicI64>::default(),
         );
-        let schema_cache_evictions = Counter::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let schema_cache_evictions = r.add(
             "schema_cache_evictions",
             "Compiled schemas evicted to stay within max_schema_cache_bytes",
-            schema_cache_evictions.clone(),
+            Counter::default(),
         );
-        let run_counter_evictions = Counter::default();
-        reg(
-            &mut registry,
-            &mut names,
+        let run_counter_evictions = r.add(
             "run_counter_evictions",
             "Per-run released-call counters evicted, least recently used run first, to stay within their bound",
-            run_counter_evictions.clone(),
+            Counter::default(),
         );
-        build_info
-            .get_or_create(&BuildLabels {
-                version: env!("CARGO_PKG_VERSION"),
-            })
-            .set(1);
-        // Label sets from closed enums start at 0, so `rate()` and alerts see them before the
-        // first event.
-        for reason in [ShedReason::Overloaded, ShedReason::ShuttingDown] {
-            shed_requests
-                .get_or_create(&ShedLabels { reason })
-                .inc_by(0);
-        }
-        for reason in UpstreamError::ALL {
-            upstream_errors
-                .get_or_create(&ReasonLabels { reason })
-                .inc_by(0);
-        }
-        for result in [
-            ApprovalResult::Held,
-            ApprovalResult::Approved,
-            ApprovalResult::Rejected,
-            ApprovalResult::Expired,
-        ] {
-            let labels = ApprovalLabels { result };
-            approvals.get_or_create(&labels).inc_by(0);
-            if result != ApprovalResult::Held {
-                drop(approval_wait.get_or_create(&labels));
-            }
-        }
-        for result in NotificationResult::ALL {
-            approval_notifications
-                .get_or_create(&NotificationLabels::of(result))
-                .inc_by(0);
-        }
-        for result in [ReloadResult::Ok, ReloadResult::Error] {
-            policy_reloads
-                .get_or_create(&ResultLabels { result })
-                .inc_by(0);
-        }
-        Self {
+        let Registrar { registry, names } = r;
+        let m = Self {
             run_counter_evictions,
             tool_labels: RwLock::new(HashSet::new()),
             open_connections,
@@ -892,6 +766,52 @@ impl Metrics {
             journal_batch_size,
             journal_queue_depth,
             inflight_requests,
+        };
+        m.start_at_zero();
+        m
+    }
+
+    /// Sets `build_info` and creates every label set of a closed enum at 0, so `rate()` and
+    /// alerts see them before the first event.
+    fn start_at_zero(&self) {
+        self.build_info
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        // Label sets from closed enums start at 0, so `rate()` and alerts see them before the
+        // first event.
+        for reason in [ShedReason::Overloaded, ShedReason::ShuttingDown] {
+            self.shed_requests
+                .get_or_create(&ShedLabels { reason })
+                .inc_by(0);
+        }
+        for reason in UpstreamError::ALL {
+            self.upstream_errors
+                .get_or_create(&ReasonLabels { reason })
+                .inc_by(0);
+        }
+        for result in [
+            ApprovalResult::Held,
+            ApprovalResult::Approved,
+            ApprovalResult::Rejected,
+            ApprovalResult::Expired,
+        ] {
+            let labels = ApprovalLabels { result };
+            self.approvals.get_or_create(&labels).inc_by(0);
+            if result != ApprovalResult::Held {
+                drop(self.approval_wait.get_or_create(&labels));
+            }
+        }
+        for result in NotificationResult::ALL {
+            self.approval_notifications
+                .get_or_create(&NotificationLabels::of(result))
+                .inc_by(0);
+        }
+        for result in [ReloadResult::Ok, ReloadResult::Error] {
+            self.policy_reloads
+                .get_or_create(&ResultLabels { result })
+                .inc_by(0);
         }
     }
 
@@ -967,19 +887,23 @@ impl Metrics {
 }
 
 /// Registers `metric` as `turnguard_<name>` and remembers its exposed name.
-fn reg(
-    registry: &mut Registry,
-    names: &mut Vec<String>,
-    name: &str,
-    help: &str,
-    metric: impl Metric,
-) {
-    let suffix = match metric.metric_type() {
-        MetricType::Counter => "_total",
-        _ => "",
-    };
-    names.push(format!("turnguard_{name}{suffix}"));
-    registry.register(name, help, metric);
+/// Registers metrics under the `turnguard` prefix and remembers their exported names.
+struct Registrar {
+    registry: Registry,
+    names: Vec<String>,
+}
+
+impl Registrar {
+    /// Registers `metric` as `turnguard_<name>` (counters get `_total`), returns it.
+    fn add<M: Metric + Clone>(&mut self, name: &str, help: &str, metric: M) -> M {
+        let suffix = match metric.metric_type() {
+            MetricType::Counter => "_total",
+            _ => "",
+        };
+        self.names.push(format!("turnguard_{name}{suffix}"));
+        self.registry.register(name, help, metric.clone());
+        metric
+    }
 }
 
 impl Default for Metrics {

@@ -147,6 +147,8 @@ pub fn decide_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) 
     decisions
 }
 
+/// One call through stages 1–8 (tool-turn contract §B): the decision, with the trace of every
+/// stage it passed, the redacted arguments and their `argsHash`.
 fn decide(
     ctx: &AdmitCtx<'_>,
     turn: &Turn,
@@ -156,26 +158,6 @@ fn decide(
     released_before: u32,
 ) -> Decision {
     let tool = ctx.policy.tool(&call.name);
-    let mut trace: Vec<(Stage, String)> = Vec::new();
-    let secrets = std::cell::Cell::new(0usize);
-    let finish = |mut d: Decision,
-                  trace: Vec<(Stage, String)>,
-                  hash: Option<String>,
-                  redacted: Option<Value>| {
-        d.secrets = secrets.get();
-        d.tool_id = tool.descriptor.tool_id.clone();
-        d.tool_name = sanitize_label(&call.name);
-        d.args_hash = hash;
-        d.redacted_args = redacted;
-        d.trace = trace;
-        let note = if d.message.is_empty() {
-            format!("{}: {}", d.outcome.as_str(), d.reason)
-        } else {
-            format!("{}: {} — {}", d.outcome.as_str(), d.reason, d.message)
-        };
-        d.trace.push((d.stage, note));
-        d
-    };
     let args = arguments::parse_call(call);
     // Redaction runs for every parsed call so that every record carries the redacted form;
     // it never decides an outcome (stage 7).
@@ -183,211 +165,286 @@ fn decide(
         .as_ref()
         .ok()
         .map(|a| ctx.policy.redactor.redact(&tool.descriptor.tool_id, a));
-    let hash = redacted.as_ref().map(|(r, _)| arguments::args_hash(r));
-    secrets.set(redacted.as_ref().map_or(0, |(_, n)| *n));
-    let redacted_args = redacted.as_ref().map(|(r, _)| r.clone());
+    let mut call_ctx = CallCtx {
+        ctx,
+        turn,
+        choice,
+        call,
+        tool,
+        hash: redacted.as_ref().map(|(r, _)| arguments::args_hash(r)),
+        secrets: redacted.as_ref().map_or(0, |(_, n)| *n),
+        redacted_args: redacted.map(|(r, _)| r),
+        trace: Vec::new(),
+    };
+    let d = match call_ctx.stages(args, reached_limits, released_before) {
+        Ok(d) => d,
+        Err(ended) => *ended,
+    };
+    call_ctx.finish(d)
+}
 
-    // 1. completion
-    if let Some(d) = completion::check(&choice.completion) {
-        return finish(d, trace, hash, redacted_args);
-    }
-    trace.push((
-        Stage::Completion,
-        format!("pass: {}", choice.completion.reason),
-    ));
-    // 2. name
-    if let Some(d) = name::check(turn, call, ctx.policy) {
-        return finish(d, trace, hash, redacted_args);
-    }
-    trace.push((
-        Stage::Name,
-        format!(
+/// A stage ended the call with this decision (boxed: the early-return path of [`CallCtx`]'s
+/// stages).
+type Ended = Box<Decision>;
+
+/// What the stages of one call share: the call, its catalog entry, its redacted arguments and
+/// their hash, and the trace so far.
+struct CallCtx<'a> {
+    ctx: &'a AdmitCtx<'a>,
+    turn: &'a Turn,
+    choice: &'a ChoiceEmissions,
+    call: &'a crate::model::ToolCall,
+    tool: &'a crate::policy::catalog::CatalogTool,
+    hash: Option<String>,
+    secrets: usize,
+    redacted_args: Option<Value>,
+    trace: Vec<(Stage, String)>,
+}
+
+impl CallCtx<'_> {
+    /// Stages 1–8 in order: `Err` is the stage that ended the call, `Ok` the dispatch decision.
+    fn stages(
+        &mut self,
+        args: Result<Value, arguments::ArgsError>,
+        reached_limits: &mut u32,
+        released_before: u32,
+    ) -> Result<Decision, Ended> {
+        let (ctx, turn, call, tool) = (self.ctx, self.turn, self.call, self.tool);
+        // 1. completion
+        if let Some(d) = completion::check(&self.choice.completion) {
+            return Err(Box::new(d));
+        }
+        let pass = format!("pass: {}", self.choice.completion.reason);
+        self.trace.push((Stage::Completion, pass));
+        // 2. name
+        if let Some(d) = name::check(turn, call, ctx.policy) {
+            return Err(Box::new(d));
+        }
+        let pass = format!(
             "pass: {} → {}",
             sanitize_label(&call.name),
             tool.descriptor.tool_id
-        ),
-    ));
-    // 3. arguments
-    let catalog_schema = tool
-        .input_schema()
-        .map(|s| Value::Object(s.clone().into_iter().collect()));
-    if let Some(d) = arguments::check(turn, call, &args, catalog_schema.as_ref(), ctx.schemas) {
-        return finish(d, trace, hash, redacted_args);
-    }
-    trace.push((
-        Stage::Arguments,
-        "pass: valid against the declared and catalog schemas".into(),
-    ));
-    let Ok(args) = args else {
-        // Unreachable in practice: stage 3 refuses unparsable arguments.
-        let d = Decision::new(
-            Outcome::Invalid,
+        );
+        self.trace.push((Stage::Name, pass));
+        // 3. arguments
+        let catalog_schema = tool
+            .input_schema()
+            .map(|s| Value::Object(s.clone().into_iter().collect()));
+        if let Some(d) = arguments::check(turn, call, &args, catalog_schema.as_ref(), ctx.schemas) {
+            return Err(Box::new(d));
+        }
+        self.trace.push((
             Stage::Arguments,
-            crate::reason::Reason::ArgumentsNotJson,
-            "the arguments are not valid JSON".into(),
+            "pass: valid against the declared and catalog schemas".into(),
+        ));
+        let Ok(args) = args else {
+            // Unreachable in practice: stage 3 refuses unparsable arguments.
+            return Err(Box::new(Decision::new(
+                Outcome::Invalid,
+                Stage::Arguments,
+                crate::reason::Reason::ArgumentsNotJson,
+                "the arguments are not valid JSON".into(),
+            )));
+        };
+        // 4. trust, 5. authorization
+        self.trust_and_authorization(&args)?;
+        // 6. limits
+        self.limits(reached_limits, released_before)?;
+        // 7. redaction
+        let strip = self.redaction()?;
+        // 8. dispatch
+        let mut d = Decision::new(
+            Outcome::Executed,
+            Stage::Dispatch,
+            crate::reason::Reason::Released,
+            String::new(),
         );
-        return finish(d, trace, hash, redacted_args);
-    };
-    let approved = hash.as_deref().is_some_and(|h| (ctx.approved)(h));
-    // Provider-executed output in this very response is untrusted input to its calls.
-    let turn_trust = if choice.provider_output {
-        ContentTrust::Untrusted
-    } else {
-        ctx.trust
-    };
-    let authorize = |approved: bool| {
-        ctx.policy.rules.authorize(&AuthzRequest {
-            person: ctx.person,
-            agent: ctx.agent,
-            tool,
-            trust: turn_trust.as_str(),
-            provider: ctx.provider,
-            model: turn.model.as_deref().unwrap_or(""),
-            run: ctx.run.unwrap_or(""),
-            approved,
-            args: &args,
-        })
-    };
-    // 4. trust
-    if let Some(d) = trust::check(turn_trust, tool, approved) {
-        // Never ask a person to approve what authorization refuses anyway.
-        if let Some(refused) = refused_even_if_approved(authorize(true)) {
-            trace.push((Stage::Trust, format!("held: {}", d.reason)));
-            return finish(refused, trace, hash, redacted_args);
+        if strip {
+            d.release_args = self.redacted_args.as_ref().map(Value::to_string);
         }
-        return finish(d, trace, hash, redacted_args);
+        Ok(d)
     }
-    trace.push((
-        Stage::Trust,
-        format!("pass: turn is {}", ctx.trust.as_str()),
-    ));
-    // 5. authorization
-    let authz = authorize(approved);
-    match authz {
-        Authz::Permit(rules) => trace.push((
-            Stage::Authorization,
-            format!("permit: {}", rules.join(", ")),
-        )),
-        Authz::Hold(rules) => {
-            if !approved {
-                // A hold that an approval would not lift (another rule forbids the approved
-                // call) is refused now.
-                if let Some(d) = refused_even_if_approved(authorize(true)) {
-                    return finish(d, trace, hash, redacted_args);
-                }
-            }
-            let mut d = Decision::new(
-                Outcome::Held,
-                Stage::Authorization,
-                crate::reason::Reason::HeldByRule,
-                format!(
-                    "held for the acting person's approval by {}",
-                    rules.join(", ")
-                ),
-            );
-            d.rules = rules;
-            return finish(d, trace, hash, redacted_args);
-        }
-        Authz::Refuse {
-            rules,
-            reason,
-            detail,
-        } => {
-            let mut d = Decision::new(Outcome::Refused, Stage::Authorization, reason, detail);
-            d.rules = rules;
-            return finish(d, trace, hash, redacted_args);
-        }
-    }
-    // 6. limits
-    *reached_limits += 1;
-    let limits = &ctx.policy.settings.limits;
-    if *reached_limits > limits.tool_calls_per_turn {
-        let d = Decision::new(
-            Outcome::Refused,
-            Stage::Limits,
-            crate::reason::Reason::RateLimited,
-            format!(
-                "more than {} tool calls in one turn",
-                limits.tool_calls_per_turn
-            ),
-        );
-        return finish(d, trace, hash, redacted_args);
-    }
-    if tool.clarification {
-        let asks = turn
-            .prior_calls
-            .iter()
-            .filter(|n| {
-                ctx.policy
-                    .catalog
-                    .by_name(n)
-                    .is_some_and(|t| t.clarification)
+
+    /// Stages 4 (trust) and 5 (authorization): a call the turn's trust holds is refused at
+    /// once when an approval could not release it either.
+    fn trust_and_authorization(&mut self, args: &Value) -> Result<(), Ended> {
+        let (ctx, turn, tool) = (self.ctx, self.turn, self.tool);
+        let approved = self.hash.as_deref().is_some_and(|h| (ctx.approved)(h));
+        // Provider-executed output in this very response is untrusted input to its calls.
+        let turn_trust = if self.choice.provider_output {
+            ContentTrust::Untrusted
+        } else {
+            ctx.trust
+        };
+        let authorize = |approved: bool| {
+            ctx.policy.rules.authorize(&AuthzRequest {
+                person: ctx.person,
+                agent: ctx.agent,
+                tool,
+                trust: turn_trust.as_str(),
+                provider: ctx.provider,
+                model: turn.model.as_deref().unwrap_or(""),
+                run: ctx.run.unwrap_or(""),
+                approved,
+                args,
             })
-            .count() as u32;
-        if asks >= limits.clarification_rounds {
-            let d = Decision::new(
-                Outcome::Refused,
-                Stage::Limits,
-                crate::reason::Reason::ClarificationRoundsExceeded,
-                format!(
-                    "this run already asked the person {asks} time(s); the limit is {}",
-                    limits.clarification_rounds
-                ),
-            );
-            return finish(d, trace, hash, redacted_args);
+        };
+        if let Some(d) = trust::check(turn_trust, tool, approved) {
+            // Never ask a person to approve what authorization refuses anyway.
+            if let Some(refused) = refused_even_if_approved(authorize(true)) {
+                self.trace
+                    .push((Stage::Trust, format!("held: {}", d.reason)));
+                return Err(Box::new(refused));
+            }
+            return Err(Box::new(d));
+        }
+        let pass = format!("pass: turn is {}", ctx.trust.as_str());
+        self.trace.push((Stage::Trust, pass));
+        match authorize(approved) {
+            Authz::Permit(rules) => {
+                let permit = format!("permit: {}", rules.join(", "));
+                self.trace.push((Stage::Authorization, permit));
+                Ok(())
+            }
+            Authz::Hold(rules) => {
+                if !approved {
+                    // A hold that an approval would not lift (another rule forbids the
+                    // approved call) is refused now.
+                    if let Some(d) = refused_even_if_approved(authorize(true)) {
+                        return Err(Box::new(d));
+                    }
+                }
+                let mut d = Decision::new(
+                    Outcome::Held,
+                    Stage::Authorization,
+                    crate::reason::Reason::HeldByRule,
+                    format!(
+                        "held for the acting person's approval by {}",
+                        rules.join(", ")
+                    ),
+                );
+                d.rules = rules;
+                Err(Box::new(d))
+            }
+            Authz::Refuse {
+                rules,
+                reason,
+                detail,
+            } => {
+                let mut d = Decision::new(Outcome::Refused, Stage::Authorization, reason, detail);
+                d.rules = rules;
+                Err(Box::new(d))
+            }
         }
     }
-    if let Some(run) = ctx.run {
-        if ctx.limits.run_count(run).saturating_add(released_before) >= limits.tool_calls_per_run {
-            let d = Decision::new(
+
+    /// Stage 6: calls per turn, clarification rounds, calls per run. The (principal, tool)
+    /// token bucket is charged at dispatch, once, for the calls that are released
+    /// ([`charge_rate`]): deciding takes nothing.
+    fn limits(&mut self, reached_limits: &mut u32, released_before: u32) -> Result<(), Ended> {
+        let (ctx, turn, tool) = (self.ctx, self.turn, self.tool);
+        let refuse = |reason, message| {
+            Err(Box::new(Decision::new(
                 Outcome::Refused,
                 Stage::Limits,
+                reason,
+                message,
+            )))
+        };
+        *reached_limits += 1;
+        let limits = &ctx.policy.settings.limits;
+        if *reached_limits > limits.tool_calls_per_turn {
+            return refuse(
                 crate::reason::Reason::RateLimited,
                 format!(
-                    "the run reached its limit of {} tool calls",
-                    limits.tool_calls_per_run
+                    "more than {} tool calls in one turn",
+                    limits.tool_calls_per_turn
                 ),
             );
-            return finish(d, trace, hash, redacted_args);
         }
+        if tool.clarification {
+            let asks = turn
+                .prior_calls
+                .iter()
+                .filter(|n| {
+                    ctx.policy
+                        .catalog
+                        .by_name(n)
+                        .is_some_and(|t| t.clarification)
+                })
+                .count() as u32;
+            if asks >= limits.clarification_rounds {
+                return refuse(
+                    crate::reason::Reason::ClarificationRoundsExceeded,
+                    format!(
+                        "this run already asked the person {asks} time(s); the limit is {}",
+                        limits.clarification_rounds
+                    ),
+                );
+            }
+        }
+        if let Some(run) = ctx.run {
+            if ctx.limits.run_count(run).saturating_add(released_before)
+                >= limits.tool_calls_per_run
+            {
+                return refuse(
+                    crate::reason::Reason::RateLimited,
+                    format!(
+                        "the run reached its limit of {} tool calls",
+                        limits.tool_calls_per_run
+                    ),
+                );
+            }
+        }
+        self.trace.push((Stage::Limits, "pass".into()));
+        Ok(())
     }
-    // The (principal, tool) token bucket is charged at dispatch, once, for the calls that are
-    // released ([`charge_rate`]): deciding takes nothing.
-    trace.push((Stage::Limits, "pass".into()));
-    // 7. redaction
-    let found = redacted.as_ref().map_or(0, |(_, n)| *n);
-    trace.push((
-        Stage::Redaction,
-        format!("{found} secret(s) redacted from every record"),
-    ));
-    let strip = found > 0
-        && ctx.policy.redactor.strip_from_egress
-        && tool.descriptor.egress != Some(crate::policy::bundle::Egress::None);
-    if strip
-        && ((turn.api == crate::model::Api::OpenAiResponses && turn.stream)
-            || call.input == crate::model::CallInput::Text)
-    {
-        // Rewriting streamed Responses arguments, or a free-form call's raw input, is not
-        // supported: fail closed rather than release a secret to an egress tool.
-        let d = Decision::new(
-            Outcome::Refused,
+
+    /// Stage 7: whether the released arguments must have their secrets stripped (an egress
+    /// tool under `strip_from_egress`); refused when this surface cannot rewrite them.
+    fn redaction(&mut self) -> Result<bool, Ended> {
+        let (ctx, turn, call, tool) = (self.ctx, self.turn, self.call, self.tool);
+        let found = self.secrets;
+        self.trace.push((
             Stage::Redaction,
-            crate::reason::Reason::StripUnsupported,
-            "the arguments carry a secret that must be stripped before an egress tool, which this stream cannot rewrite".into(),
-        );
-        return finish(d, trace, hash, redacted_args);
+            format!("{found} secret(s) redacted from every record"),
+        ));
+        let strip = found > 0
+            && ctx.policy.redactor.strip_from_egress
+            && tool.descriptor.egress != Some(crate::policy::bundle::Egress::None);
+        if strip
+            && ((turn.api == crate::model::Api::OpenAiResponses && turn.stream)
+                || call.input == crate::model::CallInput::Text)
+        {
+            // Rewriting streamed Responses arguments, or a free-form call's raw input, is not
+            // supported: fail closed rather than release a secret to an egress tool.
+            return Err(Box::new(Decision::new(
+                Outcome::Refused,
+                Stage::Redaction,
+                crate::reason::Reason::StripUnsupported,
+                "the arguments carry a secret that must be stripped before an egress tool, which this stream cannot rewrite".into(),
+            )));
+        }
+        Ok(strip)
     }
-    // 8. dispatch
-    let mut d = Decision::new(
-        Outcome::Executed,
-        Stage::Dispatch,
-        crate::reason::Reason::Released,
-        String::new(),
-    );
-    if strip {
-        d.release_args = redacted_args.as_ref().map(Value::to_string);
+
+    /// The decision with what every decision carries: the tool, the hash and redacted
+    /// arguments, the secrets count and the trace ending in the deciding stage's note.
+    fn finish(self, mut d: Decision) -> Decision {
+        d.secrets = self.secrets;
+        d.tool_id = self.tool.descriptor.tool_id.clone();
+        d.tool_name = sanitize_label(&self.call.name);
+        d.args_hash = self.hash;
+        d.redacted_args = self.redacted_args;
+        d.trace = self.trace;
+        let note = if d.message.is_empty() {
+            format!("{}: {}", d.outcome.as_str(), d.reason)
+        } else {
+            format!("{}: {} — {}", d.outcome.as_str(), d.reason, d.message)
+        };
+        d.trace.push((d.stage, note));
+        d
     }
-    finish(d, trace, hash, redacted_args)
 }
 
 /// A held call would be refused even if the acting person approved it: authorization with
