@@ -28,10 +28,10 @@ use serde_json::{json, Value};
 use crate::policy::CatalogTool;
 
 use crate::error::envelope;
-use crate::server::AppState;
+use crate::state::AppState;
 
 /// The admin router.
-pub fn router(state: Arc<AppState>) -> Router {
+pub fn router(state: Arc<AppState>, ui: Arc<crate::approval_ui::ApprovalUi>) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
@@ -41,7 +41,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tools/{tool_id}", get(tool))
         .route("/capabilities", get(capabilities))
         .merge(crate::approvals::routes())
-        .merge(crate::approval_ui::routes(state.ui.enabled()))
+        .merge(crate::approval_ui::routes(ui))
         .route("/runs/{run_id}/effects", get(effects))
         .route("/runs/{run_id}/events", get(events))
         .route("/host/effect-seams", get(effect_seams))
@@ -83,51 +83,6 @@ async fn readyz(State(s): State<Arc<AppState>>) -> Response {
         );
     }
     Json(json!({ "status": "ready" })).into_response()
-}
-
-/// The admin token (`admin_token_file`): a bearer that may read run data. Kept as its
-/// SHA-256 only; compared digest to digest.
-#[derive(Clone)]
-pub struct AdminToken([u8; 32]);
-
-impl std::fmt::Debug for AdminToken {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("AdminToken(***)")
-    }
-}
-
-/// The shortest admin token accepted, characters.
-const MIN_ADMIN_TOKEN: usize = 16;
-
-impl AdminToken {
-    /// Reads the token file (surrounding whitespace trimmed). `None` when no file is set.
-    ///
-    /// Errors: [`crate::server::StartError::AdminToken`] when the file cannot be read or the
-    /// token is shorter than 16 characters.
-    pub fn load(file: Option<&std::path::Path>) -> Result<Option<Self>, crate::server::StartError> {
-        let Some(file) = file else { return Ok(None) };
-        let err = |reason: String| crate::server::StartError::AdminToken {
-            file: file.display().to_string(),
-            reason,
-        };
-        let text = std::fs::read_to_string(file).map_err(|e| err(e.to_string()))?;
-        let token = text.trim();
-        if token.len() < MIN_ADMIN_TOKEN {
-            return Err(err(format!(
-                "the token must be at least {MIN_ADMIN_TOKEN} characters"
-            )));
-        }
-        Ok(Some(Self(Self::digest(token))))
-    }
-
-    fn digest(token: &str) -> [u8; 32] {
-        use sha2::{Digest, Sha256};
-        Sha256::digest(token.as_bytes()).into()
-    }
-
-    fn matches(&self, token: &str) -> bool {
-        Self::digest(token) == self.0
-    }
 }
 
 /// Run data needs the admin token or a verified, non-delegated bearer (module docs): the
@@ -266,7 +221,7 @@ async fn tools(State(s): State<Arc<AppState>>, Query(q): Query<ViewQuery>) -> Re
     let list: Vec<Value> = policy
         .catalog
         .tools()
-        .filter(|t| policy.rules.may_invoke(None, crate::proxy::AGENT_ID, t))
+        .filter(|t| policy.rules.may_invoke(None, crate::clock::AGENT_ID, t))
         .map(|t| served(t, compact))
         .collect();
     Json(json!({ "tools": list })).into_response()
@@ -282,7 +237,7 @@ async fn tool(
 ) -> Response {
     let policy = s.policy.snapshot();
     match policy.catalog.by_id(&tool_id) {
-        Some(t) if policy.rules.may_invoke(None, crate::proxy::AGENT_ID, t) => {
+        Some(t) if policy.rules.may_invoke(None, crate::clock::AGENT_ID, t) => {
             Json(served(t, q.view.as_deref() == Some("compact"))).into_response()
         }
         _ => envelope(StatusCode::NOT_FOUND, "not_found", "no such tool"),

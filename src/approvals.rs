@@ -45,8 +45,8 @@
 //! approve: the interrupt is journaled and resolved rejected at once (`no_approver`) rather
 //! than holding the agent for the whole timeout.
 
-use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -58,18 +58,20 @@ use http::{header, HeaderValue, Request, StatusCode};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use tokio::sync::watch;
 
 use crate::admission::sanitize_label;
 use crate::body::read_capped;
+use crate::clock::now_ms;
 use crate::identity::{Person, TokenError};
 use crate::journal::{
     InterruptRecord, InterruptRow, InterruptState, Resolution, Resolved, Selector,
 };
 use crate::metrics::{ApprovalLabels, ApprovalResult};
 use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Outcome};
-use crate::proxy::{now_ms, Approval, Session};
-use crate::server::AppState;
+pub use crate::notify::served;
+use crate::request::Session;
+use crate::state::AppState;
+pub use crate::state::Approvals;
 
 /// The agent's end of a held round: whether the agent is still there to receive the calls an
 /// approval releases. An approval is used (single-use) only while it is.
@@ -104,63 +106,23 @@ impl<T: Send> AgentEnd for tokio::sync::mpsc::Sender<T> {
     }
 }
 
+/// How held calls stand when a round is decided (tool-turn contract §C).
+#[derive(Debug, Clone, Copy)]
+pub enum Approval<'a> {
+    /// No approval in hand: held calls are held.
+    Pending,
+    /// The acting person approved exactly these `argsHash`es (once); the calls they edited
+    /// (`edit-accept`) carry the edited arguments in the round being decided and are released
+    /// with them, or refused when the edit is not admitted.
+    Accepted(&'a BTreeSet<String>, &'a [Edited]),
+    /// No approval was given: held calls are refused with this reason and explanation.
+    Refused(crate::reason::Reason, &'a str),
+}
+
 /// Largest resolution body accepted, bytes.
 const MAX_RESOLVE_BODY: usize = 64 << 10;
 /// Longest `feedback` kept, characters.
 const MAX_FEEDBACK_CHARS: usize = 4000;
-
-/// In-process waiters: the agent requests waiting on each interrupt. The journal decides;
-/// this only wakes the waiters early.
-#[derive(Default)]
-pub struct Approvals {
-    waiters: Mutex<HashMap<String, watch::Sender<Option<InterruptState>>>>,
-}
-
-/// One waiting request's subscription; removes the entry when the last waiter leaves.
-struct Waiter<'a> {
-    approvals: &'a Approvals,
-    id: String,
-    rx: watch::Receiver<Option<InterruptState>>,
-}
-
-impl Drop for Waiter<'_> {
-    fn drop(&mut self) {
-        if let Ok(mut map) = self.approvals.waiters.lock() {
-            if map.get(&self.id).is_some_and(|tx| tx.receiver_count() <= 1) {
-                map.remove(&self.id);
-            }
-        }
-    }
-}
-
-impl Approvals {
-    fn subscribe(&self, id: &str) -> Option<Waiter<'_>> {
-        let mut map = self.waiters.lock().ok()?;
-        let rx = map
-            .entry(id.to_owned())
-            .or_insert_with(|| watch::channel(None).0)
-            .subscribe();
-        Some(Waiter {
-            approvals: self,
-            id: id.to_owned(),
-            rx,
-        })
-    }
-
-    /// Wakes the requests waiting on `id` with its final state.
-    fn notify(&self, id: &str, state: InterruptState) {
-        if let Ok(map) = self.waiters.lock() {
-            if let Some(tx) = map.get(id) {
-                tx.send_replace(Some(state));
-            }
-        }
-    }
-
-    /// Interrupts with a request waiting in this process.
-    pub fn waiting(&self) -> usize {
-        self.waiters.lock().map(|m| m.len()).unwrap_or(0)
-    }
-}
 
 /// The deterministic interrupt key: `<run>:<node>:<attempt>:<round>:<digest>` (chat turns:
 /// `chat:<journal-id>:<round>:<digest>`, turnguard's own id of the request), where the digest
@@ -345,7 +307,7 @@ pub fn edited_outcomes(
 }
 
 /// How a held round's approval interrupt ended. The request path admits the round again with
-/// it ([`crate::proxy::Session::admit`]); this module never decides a round itself.
+/// it (`Session::admit`, in the request path); this module never decides a round itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Settled {
     /// Accepted and used by this request: exactly these `argsHash`es are approved (once),
@@ -473,7 +435,7 @@ pub async fn settle(
         }
     };
     if row.inserted {
-        state.ui.notifier.requested(&row);
+        state.notifier.requested(&row);
         count(state, ApprovalResult::Held);
         tracing::info!(interrupt = %id, request_id = %session.ctx.request_id, run = ?session.ctx.run.run_id, tools = %names.join(","), person = person.is_some(), "tool calls held for approval");
     }
@@ -589,7 +551,7 @@ fn bound_hashes(row: &InterruptRow) -> BTreeSet<String> {
 /// interrupt is left as it stands).
 async fn wait(
     state: &AppState,
-    mut waiter: Waiter<'_>,
+    mut waiter: crate::state::Waiter<'_>,
     row: &InterruptRow,
     agent: &impl AgentEnd,
 ) -> Option<InterruptState> {
@@ -657,7 +619,7 @@ async fn resolve_as_host(
                 },
             );
             state.approvals.notify(id, row.state);
-            state.ui.notifier.resolved(&row);
+            state.notifier.resolved(&row);
             tracing::info!(interrupt = %id, state = %row.state, reason, "approval interrupt resolved by the host");
             row.state
         }
@@ -796,34 +758,6 @@ async fn approver(state: &AppState, req: &http::request::Parts) -> Result<Person
         )));
     }
     Ok(person)
-}
-
-/// An interrupt as the admin plane, the approval page, the SSE stream and the webhook show
-/// it: ids, run and node, times, policy revision, state, the held calls with their redacted
-/// arguments and why each was held, the interrupt payload's `data`, and — after an
-/// `edit-accept` — the person's edited calls (redacted).
-pub fn served(row: &InterruptRow) -> Value {
-    let mut v = json!({
-        "interruptId": row.record.interrupt_id,
-        "key": row.record.key,
-        "kind": row.record.kind,
-        "runId": row.record.run.run_id,
-        "nodeId": row.record.run.node_id,
-        "attempt": row.record.run.attempt,
-        "requestedAt": row.record.requested_at_ms,
-        "expiresAt": row.record.expires_at_ms,
-        "timeoutMs": row.record.payload.get("timeoutMs"),
-        "policyRevision": row.record.policy_revision,
-        "state": row.state,
-        "calls": row.record.calls,
-        "data": row.record.payload.get("data"),
-    });
-    if let Some(e) = &row.edits {
-        if let Some(o) = v.as_object_mut() {
-            o.insert("edits".into(), e.clone());
-        }
-    }
-    v
 }
 
 /// `GET /approvals`: the pending, unexpired interrupts bound to the caller, with the held
@@ -1140,7 +1074,7 @@ pub async fn resolve_as(
         Ok(Resolved::Expired(row)) => {
             observe(s, &row, ApprovalResult::Expired);
             s.approvals.notify(&row.record.interrupt_id, row.state);
-            s.ui.notifier.resolved(&row);
+            s.notifier.resolved(&row);
             let mut r = Refusal::new(
                 StatusCode::CONFLICT,
                 "interrupt_already_resolved",
@@ -1160,7 +1094,7 @@ pub async fn resolve_as(
                 },
             );
             s.approvals.notify(&row.record.interrupt_id, row.state);
-            s.ui.notifier.resolved(&row);
+            s.notifier.resolved(&row);
             tracing::info!(interrupt = %row.record.interrupt_id, state = %row.state, sub = %person.sub, edited = row.edits.is_some(), "approval interrupt resolved");
             Ok(row)
         }

@@ -46,7 +46,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::{Surface, WireError};
 use crate::metrics::{ApiLabel, EdgeLabels, ShedLabels, ShedReason};
-use crate::server::AppState;
+use crate::state::AppState;
 
 /// The edge's own state: the shared app state and the concurrency permits.
 pub struct Edge {

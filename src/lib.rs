@@ -6,7 +6,11 @@
 //! | module | stage |
 //! |---|---|
 //! | [`config`] | layered configuration: defaults, TOML file, `TURNGUARD_*` env, flags |
-//! | [`server`] | binds the data plane and admin plane, wires the shared state |
+//! | [`server`] | binds the data plane and admin plane, builds the shared state |
+//! | [`state`] | `AppState`: the state both planes share, below the request path |
+//! | [`request`] | one data-plane request: `RequestCtx`, `RunMode`, the `Session` struct |
+//! | [`client`] | the pooled outbound HTTPS client |
+//! | [`notify`] | the approval notifier (webhook, SSE fan-out) |
 //! | [`edge`] | the data-plane edge layer: load shedding, request id, access log, timing |
 //! | [`body`] | the capped body reader: the only place a request or response body is collected |
 //! | [`proxy`] | the request path: parse → adapter → record tool results → upstream → admit → surface |
@@ -36,6 +40,7 @@ pub mod admission;
 pub mod approval_ui;
 pub mod approvals;
 pub mod body;
+pub mod client;
 pub mod clock;
 pub mod config;
 pub mod edge;
@@ -47,6 +52,7 @@ pub mod metrics;
 pub mod mock_mcp;
 pub mod mock_provider;
 pub mod model;
+pub mod notify;
 pub mod policy;
 pub mod policy_cli;
 pub mod provider;
@@ -54,7 +60,9 @@ pub mod proxy;
 pub mod reason;
 pub mod recipes;
 pub mod reload;
+pub mod request;
 pub mod server;
 pub mod shutdown;
 mod source_lints;
 pub mod sse;
+pub mod state;

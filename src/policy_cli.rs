@@ -80,7 +80,7 @@ pub fn admit_pair(
         schemas: &schemas,
         limits: &limits,
         person,
-        agent: crate::proxy::AGENT_ID,
+        agent: crate::clock::AGENT_ID,
         trust,
         run: None,
         provider: api.as_str(),

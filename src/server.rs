@@ -16,47 +16,16 @@ use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::admission::{LimitState, SchemaCache};
-use crate::approvals::Approvals;
 use crate::config::Config;
 use crate::error::{Surface, WireError};
 use crate::identity::{Identity, IdentityConfigError};
-use crate::journal::{Journal, JournalError, JournalReader, WriterThread};
+use crate::journal::{Journal, JournalError, WriterThread};
 use crate::metrics::{GaugeGuard, Metrics};
 use crate::model::Api;
+use crate::notify::{Notifier, Webhook};
 use crate::proxy::{self, upstream};
 use crate::reload::{self, LoadError, PolicyHandle};
-
-/// State shared by every request of both planes.
-pub struct AppState {
-    /// The resolved configuration.
-    pub config: Config,
-    /// The pooled upstream client.
-    pub client: upstream::HttpClient,
-    /// The journal writer handle.
-    pub journal: Journal,
-    /// The journal's reads (recovery, replay, admin plane), on either backend.
-    pub reader: Arc<JournalReader>,
-    /// The metrics registry handle.
-    pub metrics: Arc<Metrics>,
-    /// Compiled argument schemas, by schema hash.
-    pub schemas: Arc<SchemaCache>,
-    /// The active policy bundle; each request takes one snapshot.
-    pub policy: Arc<PolicyHandle>,
-    /// Limits-stage state (token buckets, per-run counters).
-    pub limits: LimitState,
-    /// Shutdown state: draining (shed new requests) and the stream cut signal.
-    pub lifecycle: crate::shutdown::Lifecycle,
-    /// Readiness: true once both planes listen, false again when shutdown starts.
-    pub ready: AtomicBool,
-    /// Verifies the acting person and approvers (tool-turn contract §C).
-    pub identity: Identity,
-    /// Requests waiting for approvals in this process.
-    pub approvals: Approvals,
-    /// The admin token (`admin_token_file`) that may read run data, if configured.
-    pub admin_token: Option<crate::admin::AdminToken>,
-    /// The approval page and approval notifications (webhook, SSE).
-    pub ui: crate::approval_ui::ApprovalUi,
-}
+use crate::state::{AdminToken, AppState, Approvals, Lifecycle};
 
 /// Why `serve` could not start.
 #[derive(Debug, thiserror::Error)]
@@ -75,7 +44,7 @@ pub enum StartError {
     AdminToken { file: String, reason: String },
     /// The approval page or webhook settings cannot be used.
     #[error("approval page or webhook settings")]
-    ApprovalUi(#[from] crate::approval_ui::UiConfigError),
+    ApprovalUi(#[from] crate::notify::UiConfigError),
     /// The policy bundle does not load.
     #[error("policy bundle {dir} does not load")]
     Policy { dir: String, source: LoadError },
@@ -159,7 +128,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             reason: e.to_string(),
         })
     };
-    let ui = crate::approval_ui::ApprovalUi::load(&config, &identity, Arc::clone(&metrics))?;
+    let ui = Arc::new(crate::approval_ui::ApprovalUi::load(&config, &identity)?);
+    let notifier = Notifier::new(Webhook::load(&config)?, Arc::clone(&metrics));
     if ui.enabled() {
         tracing::info!("approval page on at /ui/approvals (OpenID Connect sign-in)");
     }
@@ -181,7 +151,12 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         metrics.schema_cache_bytes.clone(),
         metrics.schema_cache_evictions.clone(),
     ));
-    let admin_token = crate::admin::AdminToken::load(config.admin_token_file.as_deref())?;
+    let admin_token = AdminToken::load(config.admin_token_file.as_deref()).map_err(|e| {
+        StartError::AdminToken {
+            file: e.file,
+            reason: e.reason,
+        }
+    })?;
     let metrics_evictions = metrics.run_counter_evictions.clone();
     let state = Arc::new(AppState {
         admin_token,
@@ -196,8 +171,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         ready: AtomicBool::new(false),
         identity,
         approvals: Approvals::default(),
-        ui,
-        lifecycle: crate::shutdown::Lifecycle::default(),
+        notifier,
+        lifecycle: Lifecycle::default(),
     });
     let watcher = reload::watch(
         policy,
@@ -228,7 +203,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         )),
         tokio::spawn(serve(
             admin_listener,
-            crate::admin::router(Arc::clone(&state)),
+            crate::admin::router(Arc::clone(&state), ui),
             stopped,
             admin,
         )),
@@ -407,7 +382,7 @@ fn prune_task(state: Arc<AppState>) -> JoinHandle<()> {
                     .saturating_mul(86_400_000),
             )
             .unwrap_or(i64::MAX);
-            let before = crate::proxy::now_ms().saturating_sub(keep_ms);
+            let before = crate::clock::now_ms().saturating_sub(keep_ms);
             if let Err(e) = state.journal.prune(before).await {
                 tracing::error!(error = %e, "journal pruning failed");
             }

@@ -11,7 +11,7 @@
 //!
 //! The outcome is a [`ShutdownReport`]; `main` exits 0 when the journal was flushed.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,40 +19,13 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::journal::WriterThread;
-use crate::server::AppState;
+use crate::state::AppState;
+pub use crate::state::Lifecycle;
 
 /// How long the listeners get to close after streams were cut at the deadline.
 const AFTER_CUT: Duration = Duration::from_secs(5);
 /// How long the journal gets to flush its queue once every request has ended.
 const FLUSH: Duration = Duration::from_secs(10);
-
-/// Shutdown state every request can see: "draining" for the edge, "cut" for the relays.
-#[derive(Debug)]
-pub struct Lifecycle {
-    draining: AtomicBool,
-    cut: watch::Sender<bool>,
-}
-
-impl Default for Lifecycle {
-    fn default() -> Self {
-        Self {
-            draining: AtomicBool::new(false),
-            cut: watch::channel(false).0,
-        }
-    }
-}
-
-impl Lifecycle {
-    /// True once shutdown has started: new requests are shed.
-    pub fn draining(&self) -> bool {
-        self.draining.load(Ordering::SeqCst)
-    }
-
-    /// A receiver that turns true when the drain deadline passed and open streams must end.
-    pub fn cut_signal(&self) -> watch::Receiver<bool> {
-        self.cut.subscribe()
-    }
-}
 
 /// What happened during shutdown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

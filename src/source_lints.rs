@@ -9,6 +9,12 @@
 //! non-test part of every file under `src/` for an index by a string literal (`x["…"]`)
 //! or by a reference (`x[&…]`), and fails when a file has more than its baseline. Use
 //! `.get()`, `.get_mut()`, `.pointer()`, or insert into `as_object_mut()`.
+//!
+//! The layering of modules (issue 13 item 1, `ARCHITECTURE.md` "Layers"): each module
+//! imports only its own layer and the layers below it. [`tests::LAYERS`] lists them bottom
+//! up; the test reads every `crate::<module>` path in the non-test, non-comment code of each
+//! file under `src/` and fails when a module names one of a higher layer, or when a module is
+//! missing from the list.
 
 #[cfg(test)]
 mod tests {
@@ -127,5 +133,160 @@ mod tests {
         for f in fine {
             assert!(indexings(&code_of(f)).is_empty(), "false positive: {f}");
         }
+    }
+
+    /// The crate's modules, bottom layer first. A module may import modules of its own layer
+    /// and of the layers below, never above. Within a layer, imports may go both ways (only
+    /// `model` ↔ `admission` do: the decision vocabulary is one layer).
+    pub(super) const LAYERS: &[&[&str]] = &[
+        // Leaves: import nothing of the crate.
+        &["clock", "body", "sse", "reason"],
+        // The pure policy engine.
+        &["policy"],
+        // The provider-neutral vocabulary and the pure admission order.
+        &["model", "admission"],
+        // Adapters and pure helpers over the vocabulary.
+        &["provider", "recipes", "error", "metrics"],
+        // Stores: the journal, the policy bundle's IO.
+        &["journal", "reload"],
+        // Configuration.
+        &["config"],
+        // Who acts, the outbound client, the approval notifier.
+        &["identity", "client", "notify"],
+        // The shared state and the edge layer over it.
+        &["state", "edge"],
+        // One request's identity and session.
+        &["request"],
+        // Held calls wait for the person (never the request path).
+        &["approvals"],
+        // The request path.
+        &["proxy"],
+        // The MCP front (reuses the request path's stages) and the approval page.
+        &["mcp", "approval_ui"],
+        // The admin plane, shutdown.
+        &["admin", "shutdown"],
+        // What starts everything, and the tools beside it.
+        &[
+            "server",
+            "policy_cli",
+            "mock_provider",
+            "mock_mcp",
+            "source_lints",
+            "lib",
+            "main",
+        ],
+    ];
+
+    /// The layer of a module, if listed.
+    fn layer_of(module: &str) -> Option<usize> {
+        LAYERS.iter().position(|l| l.contains(&module))
+    }
+
+    /// The top-level module a file under `src/` belongs to (`src/proxy/stream.rs` → `proxy`).
+    fn module_of(rel: &str) -> String {
+        let rest = rel.trim_start_matches("src/");
+        let first = rest.split('/').next().unwrap_or_default();
+        first.trim_end_matches(".rs").to_owned()
+    }
+
+    /// The modules a file's code names as `crate::<module>`, and any grouped `crate::{…}`.
+    fn crate_paths(code: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        for (i, _) in code.match_indices("crate::") {
+            let before = code[..i].chars().next_back();
+            if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+                continue;
+            }
+            let tail = &code[i + "crate::".len()..];
+            let name: String = tail
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '{')
+                .collect();
+            out.push(name);
+        }
+        out
+    }
+
+    /// Every upward import: `file: module (layer) imports target (layer)`.
+    fn upward_imports(files: &[(String, String)]) -> Vec<String> {
+        let mut failures = Vec::new();
+        for (rel, text) in files {
+            let module = module_of(rel);
+            let Some(own) = layer_of(&module) else {
+                failures.push(format!("{rel}: module `{module}` is not in LAYERS"));
+                continue;
+            };
+            for target in crate_paths(&code_of(text)) {
+                if target.starts_with('{') {
+                    failures.push(format!(
+                        "{rel}: a grouped `crate::{{…}}` import; name one module per path"
+                    ));
+                    continue;
+                }
+                match layer_of(&target) {
+                    Some(l) if l <= own => {}
+                    Some(l) => failures.push(format!(
+                        "{rel}: `{module}` (layer {own}) imports `crate::{target}` (layer {l}, above)"
+                    )),
+                    None => failures.push(format!("{rel}: `crate::{target}` is not in LAYERS")),
+                }
+            }
+        }
+        failures
+    }
+
+    #[test]
+    fn each_module_imports_only_its_layer_and_below() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut paths = Vec::new();
+        rs_files(&root.join("src"), &mut paths);
+        assert!(paths.len() > 20, "the scan found the source tree");
+        let files: Vec<(String, String)> = paths
+            .iter()
+            .map(|p| {
+                let rel = p
+                    .strip_prefix(root)
+                    .map(|p| p.to_string_lossy().replace('\\', "/"))
+                    .unwrap_or_default();
+                (rel, std::fs::read_to_string(p).unwrap_or_default())
+            })
+            .collect();
+        let failures = upward_imports(&files);
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    #[test]
+    fn the_layer_scan_sees_upward_imports_and_nothing_else() {
+        let file = |rel: &str, text: &str| vec![(rel.to_owned(), text.to_owned())];
+        let up = upward_imports(&file("src/approvals.rs", "use crate::proxy::Session;\n"));
+        assert_eq!(up.len(), 1, "{up:?}");
+        assert!(up[0].contains("imports `crate::proxy`"), "{up:?}");
+        let up = upward_imports(&file(
+            "src/journal/mod.rs",
+            "let x = crate::server::start;\n",
+        ));
+        assert_eq!(up.len(), 1, "{up:?}");
+        let grouped = upward_imports(&file("src/state.rs", "use crate::{clock, proxy};\n"));
+        assert_eq!(grouped.len(), 1, "{grouped:?}");
+        let fine = [
+            (
+                "src/proxy/mod.rs",
+                "use crate::approvals::settle;\nuse crate::state::AppState;\n",
+            ),
+            (
+                "src/approvals.rs",
+                "//! see [`crate::proxy::Session`]\nuse crate::request::Session;\n",
+            ),
+            ("src/model.rs", "use crate::admission::Reason;\n"),
+            ("src/clock.rs", "use other_crate::proxy;\n"),
+        ];
+        for (rel, text) in fine {
+            let got = upward_imports(&file(rel, text));
+            assert!(got.is_empty(), "false positive in {rel}: {got:?}");
+        }
+        assert!(
+            !upward_imports(&file("src/newmod.rs", "")).is_empty(),
+            "an unlisted module fails"
+        );
     }
 }

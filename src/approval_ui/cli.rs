@@ -200,7 +200,7 @@ fn refused(status: u16, body: &Value) -> Report {
 /// `interruptId  expires  tools  run/node  why`, one line per interrupt.
 fn table(body: &Value) -> String {
     let mut out = String::from("interrupt\texpires_in_s\ttools\trun/node\twhy\n");
-    let now = crate::proxy::now_ms();
+    let now = crate::clock::now_ms();
     for a in body
         .get("approvals")
         .and_then(Value::as_array)
@@ -245,7 +245,7 @@ async fn call(
     body: Option<&Value>,
 ) -> Result<(u16, Value), String> {
     let url = format!("{base}{path}");
-    let client = crate::proxy::upstream::client(&crate::config::Config::default());
+    let client = crate::client::client(&crate::config::Config::default());
     let req = Request::builder()
         .method(method)
         .uri(&url)

@@ -27,27 +27,13 @@ mod session;
 use std::sync::Arc;
 
 use axum::routing::{get, post};
-use axum::Router;
+use axum::{Extension, Router};
 
-pub use notify::Notifier;
+use crate::notify::{is_loopback, read_secret};
+pub use crate::notify::{Notifier, UiConfigError};
 
 use crate::config::Config;
-use crate::metrics::Metrics;
-use crate::server::AppState;
-
-/// Why the approval page or the webhook cannot be configured as given (start-up).
-#[derive(Debug, thiserror::Error)]
-pub enum UiConfigError {
-    /// A setting is missing or wrong; the message names the key.
-    #[error("{0}")]
-    Setting(String),
-    /// A secret file could not be read.
-    #[error("{file}: {reason}")]
-    File {
-        file: std::path::PathBuf,
-        reason: String,
-    },
-}
+use crate::state::AppState;
 
 /// The approval page's settings, checked at start.
 pub(crate) struct UiSettings {
@@ -67,47 +53,39 @@ pub(crate) struct UiSettings {
     origin: String,
 }
 
-/// The approval page and notifications, in [`AppState`].
+/// The approval page's settings, sessions and identity-provider cache: admin-plane state,
+/// handed to the page's routes as an axum `Extension` (the notifier is in [`AppState`]).
 pub struct ApprovalUi {
-    /// Webhook and SSE notifications of approval interrupts.
-    pub notifier: Notifier,
     settings: Option<UiSettings>,
     sessions: session::Sessions,
     provider: oidc::ProviderCache,
 }
 
 impl ApprovalUi {
-    /// Nothing enabled: no page, no webhook (SSE still works with a bearer token).
-    pub fn disabled(metrics: Arc<Metrics>) -> Self {
+    /// Nothing enabled: no page (SSE still works with a bearer token).
+    pub fn disabled() -> Self {
         Self {
-            notifier: Notifier::new(None, metrics),
             settings: None,
             sessions: session::Sessions::default(),
             provider: oidc::ProviderCache::default(),
         }
     }
 
-    /// Builds the page's settings and the notifier from the configuration, reading the
-    /// secret files; starts the webhook's delivery task (call inside the runtime).
+    /// Builds the page's settings from the configuration, reading the secret files.
     ///
     /// Errors: [`UiConfigError`] naming the key or file: the page needs an identity
     /// provider with keys, `approval_ui_client_id` and an `approval_ui_redirect_uri` ending
-    /// in `/ui/callback` (https, or http on a loopback host); a webhook needs an http(s) URL
-    /// (http only on a loopback host) and a secret file of at least 32 bytes.
+    /// in `/ui/callback` (https, or http on a loopback host).
     pub fn load(
         config: &Config,
         identity: &crate::identity::Identity,
-        metrics: Arc<Metrics>,
     ) -> Result<Self, UiConfigError> {
-        let webhook = notify::Webhook::load(config)?;
-        let notifier = Notifier::new(webhook, Arc::clone(&metrics));
         let settings = if config.approval_ui {
             Some(settings(config, identity)?)
         } else {
             None
         };
         Ok(Self {
-            notifier,
             settings,
             sessions: session::Sessions::default(),
             provider: oidc::ProviderCache::default(),
@@ -188,45 +166,23 @@ pub fn page_csp() -> &'static str {
     page::CSP
 }
 
-/// `localhost`, `127.0.0.0/8`, `[::1]`.
-pub(crate) fn is_loopback(host: &str) -> bool {
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    host.eq_ignore_ascii_case("localhost")
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
-}
-
-/// Reads a secret file (trimmed), at least `min` bytes.
-pub(crate) fn read_secret(file: &std::path::Path, min: usize) -> Result<String, UiConfigError> {
-    let text = std::fs::read_to_string(file).map_err(|e| UiConfigError::File {
-        file: file.to_owned(),
-        reason: e.to_string(),
-    })?;
-    let text = text.trim().to_owned();
-    if text.len() < min {
-        return Err(UiConfigError::File {
-            file: file.to_owned(),
-            reason: format!("the secret must be at least {min} bytes"),
-        });
-    }
-    Ok(text)
-}
-
-/// The admin-plane routes of this module: `GET /approvals/events` always (bearer token; the
+/// The admin-plane routes of this module, with `ui` as their `Extension`: `GET /approvals/events` always (bearer token; the
 /// page's session too when it is on), and the approval page when it is on:
 /// `GET /ui/approvals`, `POST /ui/approvals/{interruptId}`, `GET /ui/login`,
 /// `GET /ui/callback`, `POST /ui/logout`, `GET /ui/assets/{app.js,app.css}`.
-pub fn routes(enabled: bool) -> Router<Arc<AppState>> {
+pub fn routes(ui: Arc<ApprovalUi>) -> Router<Arc<AppState>> {
+    let enabled = ui.enabled();
     let r = Router::new().route("/approvals/events", get(notify::events));
-    if !enabled {
-        return r;
-    }
-    r.route("/ui/approvals", get(page::list))
-        .route("/ui/approvals/{interrupt_id}", post(page::resolve))
-        .route("/ui/login", get(oidc::login))
-        .route("/ui/callback", get(oidc::callback))
-        .route("/ui/logout", post(page::logout))
-        .route("/ui/assets/app.js", get(page::script))
-        .route("/ui/assets/app.css", get(page::style))
+    let r = if enabled {
+        r.route("/ui/approvals", get(page::list))
+            .route("/ui/approvals/{interrupt_id}", post(page::resolve))
+            .route("/ui/login", get(oidc::login))
+            .route("/ui/callback", get(oidc::callback))
+            .route("/ui/logout", post(page::logout))
+            .route("/ui/assets/app.js", get(page::script))
+            .route("/ui/assets/app.css", get(page::style))
+    } else {
+        r
+    };
+    r.layer(Extension(ui))
 }

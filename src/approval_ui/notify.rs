@@ -20,234 +20,30 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Extension, State};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use hmac::{Hmac, Mac};
 use http::{header, HeaderValue, Request, StatusCode};
-use http_body_util::Full;
-use serde_json::{json, Value};
-use sha2::Sha256;
+use serde_json::Value;
 use tokio::sync::{broadcast, mpsc};
 
-use super::UiConfigError;
-use crate::config::Config;
-use crate::journal::InterruptRow;
-use crate::metrics::{Metrics, NotificationLabels, NotificationResult};
-use crate::proxy::now_ms;
-use crate::server::AppState;
-
-/// Notifications waiting for the webhook task.
-const WEBHOOK_QUEUE: usize = 1024;
-/// Attempts per webhook delivery.
-const WEBHOOK_ATTEMPTS: u32 = 5;
-/// First retry delay; doubled per attempt.
-const WEBHOOK_BACKOFF: Duration = Duration::from_millis(250);
-/// Longest single attempt.
-const WEBHOOK_TIMEOUT: Duration = Duration::from_secs(10);
-/// Events kept for a slow SSE subscriber before it lags.
-const SSE_BUFFER: usize = 256;
-/// The signature header.
-pub const SIGNATURE_HEADER: &str = "turnguard-signature";
-/// The delivery id header.
-pub const DELIVERY_HEADER: &str = "turnguard-delivery";
-
-/// One notification: whose interrupt, which event, the payload.
-#[derive(Debug, Clone)]
-pub struct Notice {
-    /// The bound person (`sub`); `None`: nobody can approve (not sent to anyone's stream).
-    pub principal: Option<String>,
-    /// `interrupt.requested` or `interrupt.resolved`.
-    pub event: &'static str,
-    /// The event's payload (the interrupt, redacted).
-    pub interrupt: Arc<Value>,
-}
-
-/// The webhook's fixed target and key (config).
-pub struct Webhook {
-    url: http::Uri,
-    key: Vec<u8>,
-}
-
-impl Webhook {
-    /// `approval_webhook` and its secret file, checked; `None` when no webhook is set.
-    ///
-    /// Errors: a URL that is not http(s), plain http to a host that is not loopback, a
-    /// missing secret file, or a key under 32 bytes.
-    pub fn load(config: &Config) -> Result<Option<Self>, UiConfigError> {
-        let Some(url) = &config.approval_webhook else {
-            return Ok(None);
-        };
-        let uri: http::Uri = url
-            .parse()
-            .map_err(|e| UiConfigError::Setting(format!("approval_webhook `{url}`: {e}")))?;
-        let loopback = super::is_loopback(uri.host().unwrap_or_default());
-        match uri.scheme_str() {
-            Some("https") => {}
-            Some("http") if loopback => {}
-            _ => {
-                return Err(UiConfigError::Setting(format!(
-                    "approval_webhook `{url}` must be https (plain http only on a loopback host)"
-                )))
-            }
-        }
-        let file = config.approval_webhook_secret_file.as_ref().ok_or_else(|| {
-            UiConfigError::Setting(
-                "approval_webhook needs approval_webhook_secret_file (the HMAC-SHA256 key its receiver verifies)".into(),
-            )
-        })?;
-        let key = super::read_secret(file, 32)?.into_bytes();
-        Ok(Some(Self { url: uri, key }))
-    }
-}
-
-/// `sha256=<hex>` of HMAC-SHA256 over `body` with `key`.
-pub fn signature(key: &[u8], body: &[u8]) -> String {
-    // HMAC takes a key of any length (RFC 2104), so `new_from_slice` cannot fail.
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!());
-    mac.update(body);
-    format!("sha256={}", hex::encode(mac.finalize().into_bytes()))
-}
-
-/// Fans interrupts out to the SSE subscribers and the webhook queue; never waits.
-pub struct Notifier {
-    events: broadcast::Sender<Notice>,
-    webhook: Option<mpsc::Sender<Value>>,
-    metrics: Arc<Metrics>,
-}
-
-impl Notifier {
-    /// A notifier; with a webhook, starts its delivery task (inside the runtime).
-    pub fn new(webhook: Option<Webhook>, metrics: Arc<Metrics>) -> Self {
-        let (events, _) = broadcast::channel(SSE_BUFFER);
-        let webhook = webhook.map(|w| {
-            let (tx, rx) = mpsc::channel(WEBHOOK_QUEUE);
-            tokio::spawn(deliver(w, rx, Arc::clone(&metrics)));
-            tx
-        });
-        Self {
-            events,
-            webhook,
-            metrics,
-        }
-    }
-
-    fn count(&self, result: NotificationResult) {
-        count(&self.metrics, result);
-    }
-
-    /// An interrupt was raised.
-    pub fn requested(&self, row: &InterruptRow) {
-        self.send(row, "interrupt.requested", crate::approvals::served(row));
-    }
-
-    /// An interrupt was resolved (by the person or the host).
-    pub fn resolved(&self, row: &InterruptRow) {
-        let v = json!({
-            "interruptId": row.record.interrupt_id,
-            "runId": row.record.run.run_id,
-            "nodeId": row.record.run.node_id,
-            "state": row.state,
-            "resolvedBy": row.resolved_by,
-            "resolvedAt": row.resolved_at_ms,
-            "edited": row.edits.is_some(),
-        });
-        self.send(row, "interrupt.resolved", v);
-    }
-
-    fn send(&self, row: &InterruptRow, event: &'static str, interrupt: Value) {
-        if let Some(tx) = &self.webhook {
-            let body = json!({
-                "deliveryId": uuid::Uuid::new_v4().to_string(),
-                "sentAt": now_ms(),
-                "type": event,
-                "interrupt": interrupt,
-            });
-            if tx.try_send(body).is_err() {
-                self.count(NotificationResult::Dropped);
-                tracing::warn!(interrupt = %row.record.interrupt_id, "approval webhook queue full; notification dropped");
-            }
-        }
-        let _ = self.events.send(Notice {
-            principal: row.record.principal.clone(),
-            event,
-            interrupt: Arc::new(interrupt),
-        });
-    }
-
-    /// A subscription to every notice (filter by principal).
-    pub fn subscribe(&self) -> broadcast::Receiver<Notice> {
-        self.events.subscribe()
-    }
-}
-
-fn count(metrics: &Metrics, result: NotificationResult) {
-    metrics
-        .approval_notifications
-        .get_or_create(&NotificationLabels::of(result))
-        .inc();
-}
-
-/// The webhook task: one delivery at a time, in order, each retried with backoff.
-async fn deliver(w: Webhook, mut rx: mpsc::Receiver<Value>, metrics: Arc<Metrics>) {
-    let client = crate::proxy::upstream::client(&Config::default());
-    while let Some(body) = rx.recv().await {
-        let bytes = Bytes::from(body.to_string());
-        let sig = signature(&w.key, &bytes);
-        let delivery = body
-            .get("deliveryId")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned();
-        let mut delivered = false;
-        for attempt in 0..WEBHOOK_ATTEMPTS {
-            if attempt > 0 {
-                count(&metrics, NotificationResult::Retried);
-                tokio::time::sleep(WEBHOOK_BACKOFF * 2u32.pow(attempt - 1)).await;
-            }
-            let req = http::Request::post(w.url.clone())
-                .header(header::CONTENT_TYPE, "application/json")
-                .header(
-                    header::USER_AGENT,
-                    concat!("turnguard/", env!("CARGO_PKG_VERSION")),
-                )
-                .header(SIGNATURE_HEADER, &sig)
-                .header(DELIVERY_HEADER, &delivery)
-                .body(Full::new(bytes.clone()));
-            let Ok(req) = req else { break };
-            match tokio::time::timeout(WEBHOOK_TIMEOUT, client.request(req)).await {
-                Ok(Ok(resp)) if resp.status().is_success() => {
-                    delivered = true;
-                    break;
-                }
-                Ok(Ok(resp)) => {
-                    tracing::warn!(status = resp.status().as_u16(), attempt = attempt + 1, delivery = %delivery, "approval webhook answered with an error");
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, attempt = attempt + 1, delivery = %delivery, "approval webhook unreachable");
-                }
-                Err(_) => {
-                    tracing::warn!(attempt = attempt + 1, delivery = %delivery, "approval webhook timed out");
-                }
-            }
-        }
-        count(
-            &metrics,
-            if delivered {
-                NotificationResult::Delivered
-            } else {
-                NotificationResult::Failed
-            },
-        );
-    }
-}
+use super::ApprovalUi;
+use crate::clock::now_ms;
+use crate::metrics::NotificationResult;
+use crate::notify::{count, served};
+pub use crate::notify::{signature, Notice, Notifier, Webhook, DELIVERY_HEADER, SIGNATURE_HEADER};
+use crate::state::AppState;
 
 /// Who listens to `GET /approvals/events`, and until when: the approval page's session
 /// (cookie), else a verified approver as for `GET /approvals` (bearer token; no query
 /// string).
-async fn listener(s: &AppState, req: &http::request::Parts) -> Result<(String, i64), Response> {
+async fn listener(
+    s: &AppState,
+    ui: &ApprovalUi,
+    req: &http::request::Parts,
+) -> Result<(String, i64), Response> {
     if !req.headers.contains_key(header::AUTHORIZATION) && req.uri.query().is_none() {
-        if let Some((_, session)) = super::page::session_of(s, &req.headers) {
+        if let Some((_, session)) = super::page::session_of(ui, &req.headers) {
             return Ok((session.person.sub, session.expires_at_ms));
         }
     }
@@ -261,14 +57,18 @@ fn sse_event(event: &str, data: &Value) -> Bytes {
 }
 
 /// `GET /approvals/events` (`text/event-stream`).
-pub async fn events(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
+pub async fn events(
+    State(s): State<Arc<AppState>>,
+    Extension(ui): Extension<Arc<ApprovalUi>>,
+    req: Request<Body>,
+) -> Response {
     let (parts, _) = req.into_parts();
-    let (sub, until) = match listener(&s, &parts).await {
+    let (sub, until) = match listener(&s, &ui, &parts).await {
         Ok(l) => l,
         Err(resp) => return resp,
     };
     // Subscribe before reading what is pending, so nothing raised in between is missed.
-    let mut rx = s.ui.notifier.subscribe();
+    let mut rx = s.notifier.subscribe();
     let pending = match s.journal.pending_interrupts(&sub, now_ms()).await {
         Ok(rows) => rows,
         Err(e) => {
@@ -287,7 +87,7 @@ pub async fn events(State(s): State<Arc<AppState>>, req: Request<Body>) -> Respo
         first.extend(
             pending
                 .iter()
-                .map(|row| sse_event("interrupt.requested", &crate::approvals::served(row))),
+                .map(|row| sse_event("interrupt.requested", &served(row))),
         );
         for b in first {
             if tx.send(Ok(b)).await.is_err() {
@@ -333,19 +133,4 @@ pub async fn events(State(s): State<Arc<AppState>>, req: Request<Body>) -> Respo
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
     resp.into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_signature_is_hmac_sha256_over_the_body() {
-        // RFC 4231 test case 2.
-        let sig = signature(b"Jefe", b"what do ya want for nothing?");
-        assert_eq!(
-            sig,
-            "sha256=5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
-        );
-    }
 }

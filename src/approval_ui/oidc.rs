@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use axum::extract::{Query, State};
+use axum::extract::{Extension, Query, State};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{header, HeaderValue, StatusCode};
@@ -37,7 +37,7 @@ use serde::{Deserialize, Serialize};
 use super::session::{self, LoginError};
 use super::{page, UiSettings};
 use crate::body::read_capped;
-use crate::server::AppState;
+use crate::state::AppState;
 
 /// Largest discovery document or token response read, bytes.
 const MAX_IDP_BODY: usize = 256 << 10;
@@ -187,11 +187,14 @@ fn unavailable(why: &str) -> Response {
 /// `GET /ui/login`: starts a sign-in and redirects (303) to the provider's authorization
 /// endpoint with `response_type=code`, `scope=openid`, `state`, `nonce` and the PKCE S256
 /// challenge; sets the login-binding cookie.
-pub async fn login(State(s): State<Arc<AppState>>) -> Response {
-    let Some(settings) = &s.ui.settings else {
+pub async fn login(
+    State(s): State<Arc<AppState>>,
+    Extension(ui): Extension<Arc<super::ApprovalUi>>,
+) -> Response {
+    let Some(settings) = &ui.settings else {
         return page::not_found();
     };
-    let d = match s.ui.provider.get(&s, settings).await {
+    let d = match ui.provider.get(&s, settings).await {
         Ok(d) => d,
         Err(e) => return unavailable(&e),
     };
@@ -207,8 +210,7 @@ pub async fn login(State(s): State<Arc<AppState>>) -> Response {
         .add_extra_param("nonce", nonce.clone())
         .set_pkce_challenge(challenge)
         .url();
-    let binding = match s
-        .ui
+    let binding = match ui
         .sessions
         .begin_login(verifier.secret().clone(), nonce, csrf.secret())
     {
@@ -248,10 +250,11 @@ pub struct CallbackQuery {
 /// `SameSite=Strict` session cookie goes with it).
 pub async fn callback(
     State(s): State<Arc<AppState>>,
+    Extension(ui): Extension<Arc<super::ApprovalUi>>,
     Query(q): Query<CallbackQuery>,
     req: http::Request<Body>,
 ) -> Response {
-    let Some(settings) = &s.ui.settings else {
+    let Some(settings) = &ui.settings else {
         return page::not_found();
     };
     let refused = |why: &str| {
@@ -272,7 +275,7 @@ pub async fn callback(
         return refused("The identity provider's answer has no code or state.");
     };
     let binding = session::cookie_value(req.headers(), session::login_cookie(settings.secure));
-    let login = match s.ui.sessions.finish_login(state_param, binding.as_deref()) {
+    let login = match ui.sessions.finish_login(state_param, binding.as_deref()) {
         Ok(l) => l,
         Err(LoginError::OtherBrowser) => {
             return refused("This sign-in was started in another browser.")
@@ -282,7 +285,7 @@ pub async fn callback(
             return refused("This sign-in is unknown or was used already.")
         }
     };
-    let d = match s.ui.provider.get(&s, settings).await {
+    let d = match ui.provider.get(&s, settings).await {
         Ok(d) => d,
         Err(e) => return unavailable(&e),
     };
@@ -326,17 +329,17 @@ pub async fn callback(
     let expires = person
         .token
         .as_ref()
-        .map_or(crate::proxy::now_ms() + session::MAX_SESSION_MS, |t| {
+        .map_or(crate::clock::now_ms() + session::MAX_SESSION_MS, |t| {
             t.expires_at_ms
         });
     let sub = person.sub.clone();
-    let cookie = match s.ui.sessions.open(person, expires) {
+    let cookie = match ui.sessions.open(person, expires) {
         Ok(c) => c,
         Err(_) => return unavailable("too many sessions at once"),
     };
     tracing::info!(sub = %sub, "approval page: signed in");
     let max_age =
-        ((expires - crate::proxy::now_ms()) / 1000).clamp(0, session::MAX_SESSION_MS / 1000);
+        ((expires - crate::clock::now_ms()) / 1000).clamp(0, session::MAX_SESSION_MS / 1000);
     let mut resp = page::signed_in(&sub);
     let h = resp.headers_mut();
     for c in [

@@ -16,18 +16,19 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::response::{IntoResponse, Response};
 use http::{header, HeaderMap, HeaderValue, Request, StatusCode};
 use maud::{html, Markup, DOCTYPE};
 use serde_json::Value;
 
 use super::session::{self, UiSession};
+use super::ApprovalUi;
 use crate::approvals::{self, Action, Answer, EditedCall};
 use crate::body::read_capped;
+use crate::clock::now_ms;
 use crate::journal::{InterruptRow, InterruptState, Selector};
-use crate::proxy::now_ms;
-use crate::server::AppState;
+use crate::state::AppState;
 
 const SCRIPT: &str = include_str!("assets/app.js");
 const STYLE: &str = include_str!("assets/app.css");
@@ -131,18 +132,18 @@ pub fn signed_in(sub: &str) -> Response {
 }
 
 /// The session of a request (cookie), if any.
-pub(super) fn session_of(s: &AppState, headers: &HeaderMap) -> Option<(String, UiSession)> {
-    let settings = s.ui.settings.as_ref()?;
+pub(super) fn session_of(ui: &ApprovalUi, headers: &HeaderMap) -> Option<(String, UiSession)> {
+    let settings = ui.settings.as_ref()?;
     let cookie = session::cookie_value(headers, session::session_cookie(settings.secure))?;
-    let got = s.ui.sessions.get(&cookie)?;
+    let got = ui.sessions.get(&cookie)?;
     Some((cookie, got))
 }
 
 /// The session of a request with its flash message taken (the list page shows it once).
-fn session_with_flash(s: &AppState, headers: &HeaderMap) -> Option<UiSession> {
-    let settings = s.ui.settings.as_ref()?;
+fn session_with_flash(ui: &ApprovalUi, headers: &HeaderMap) -> Option<UiSession> {
+    let settings = ui.settings.as_ref()?;
     let cookie = session::cookie_value(headers, session::session_cookie(settings.secure))?;
-    s.ui.sessions.take(&cookie)
+    ui.sessions.take(&cookie)
 }
 
 /// `GET /ui/assets/app.js`.
@@ -168,7 +169,11 @@ fn asset(body: &'static str, kind: &'static str) -> Response {
 }
 
 /// `GET /ui/approvals`.
-pub async fn list(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
+pub async fn list(
+    State(s): State<Arc<AppState>>,
+    Extension(ui): Extension<Arc<ApprovalUi>>,
+    req: Request<Body>,
+) -> Response {
     if req.uri().query().is_some() {
         return message(
             StatusCode::BAD_REQUEST,
@@ -176,7 +181,7 @@ pub async fn list(State(s): State<Arc<AppState>>, req: Request<Body>) -> Respons
             "The approval page takes no query string: nothing is ever resolved by a link.",
         );
     }
-    let Some(session) = session_with_flash(&s, req.headers()) else {
+    let Some(session) = session_with_flash(&ui, req.headers()) else {
         return html_response(
             StatusCode::OK,
             layout(
@@ -372,14 +377,14 @@ fn call_view(c: &Value) -> Markup {
 }
 
 /// `POST /ui/logout`.
-pub async fn logout(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
+pub async fn logout(Extension(ui): Extension<Arc<ApprovalUi>>, req: Request<Body>) -> Response {
     let (parts, body) = req.into_parts();
-    let form = match checked_form(&s, &parts, body).await {
+    let form = match checked_form(&ui, &parts, body).await {
         Ok(f) => f,
         Err(r) => return *r,
     };
-    s.ui.sessions.close(&form.cookie);
-    let secure = s.ui.settings.as_ref().is_some_and(|x| x.secure);
+    ui.sessions.close(&form.cookie);
+    let secure = ui.settings.as_ref().is_some_and(|x| x.secure);
     let mut resp = see_other("/ui/approvals");
     let c = session::set_cookie(
         session::session_cookie(secure),
@@ -422,7 +427,7 @@ impl CheckedForm {
 /// session, same `Origin` (when the browser sends one) and no cross-site fetch, a form
 /// body within the cap, and the session's CSRF token in the `csrf` field.
 async fn checked_form(
-    s: &AppState,
+    ui: &ApprovalUi,
     parts: &http::request::Parts,
     body: Body,
 ) -> Result<CheckedForm, Box<Response>> {
@@ -434,10 +439,10 @@ async fn checked_form(
             "Nothing is resolved by a link or a query string.",
         ));
     }
-    let Some(settings) = s.ui.settings.as_ref() else {
+    let Some(settings) = ui.settings.as_ref() else {
         return Err(Box::new(not_found()));
     };
-    let Some((cookie, session)) = session_of(s, &parts.headers) else {
+    let Some((cookie, session)) = session_of(ui, &parts.headers) else {
         return Err(deny(
             StatusCode::UNAUTHORIZED,
             "Signed out",
@@ -493,11 +498,12 @@ async fn checked_form(
 /// editable call. Success: 303 to the list with a message; a refusal: its status and why.
 pub async fn resolve(
     State(s): State<Arc<AppState>>,
+    Extension(ui): Extension<Arc<ApprovalUi>>,
     Path(id): Path<String>,
     req: Request<Body>,
 ) -> Response {
     let (parts, body) = req.into_parts();
-    let form = match checked_form(&s, &parts, body).await {
+    let form = match checked_form(&ui, &parts, body).await {
         Ok(f) => f,
         Err(r) => return *r,
     };
@@ -554,7 +560,7 @@ pub async fn resolve(
                 (InterruptState::Accepted, false) => "Accepted",
                 _ => "Rejected",
             };
-            s.ui.sessions
+            ui.sessions
                 .flash(&form.cookie, format!("{what}: {}.", tools.join(", ")));
             see_other("/ui/approvals")
         }

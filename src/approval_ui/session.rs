@@ -12,8 +12,8 @@ use std::sync::Mutex;
 use http::HeaderMap;
 use sha2::{Digest, Sha256};
 
+use crate::clock::now_ms;
 use crate::identity::Person;
-use crate::proxy::now_ms;
 
 /// Most sessions kept at once (expired ones are dropped first).
 const MAX_SESSIONS: usize = 10_000;

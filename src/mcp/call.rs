@@ -49,6 +49,7 @@ use super::list::{self, ServerTool};
 use super::relay::{self, Answer};
 use super::{json_response, openwop_error, unknown_tool, wire_error, Inbound, McpFront};
 use crate::admission::{self, AdmitCtx};
+use crate::clock::{now_ms, AGENT_ID};
 use crate::config::Ticket;
 use crate::error::WireError;
 use crate::journal::{
@@ -62,7 +63,7 @@ use crate::model::{
 };
 use crate::policy::bundle::ContentTrust;
 use crate::policy::{CatalogTool, CompiledPolicy};
-use crate::proxy::{now_ms, RunMode, AGENT_ID};
+use crate::request::RunMode;
 
 /// One `tools/call` as the front sees it.
 pub struct McpCall {

@@ -23,9 +23,9 @@ use serde_json::{json, Value};
 
 use super::relay::{self, Answer};
 use super::{Inbound, McpFront};
+use crate::clock::AGENT_ID;
 use crate::policy::bundle::{Egress, ReplayPolicy, SafetyTier, UnknownTools};
 use crate::policy::{CatalogTool, CompiledPolicy};
-use crate::proxy::AGENT_ID;
 
 /// Pages of `tools/list` turnguard follows when it lists a server itself.
 const MAX_PAGES: usize = 20;

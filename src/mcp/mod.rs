@@ -47,8 +47,8 @@ use serde_json::{json, Value};
 use crate::config::McpServer;
 use crate::error::WireError;
 use crate::journal::McpReader;
-use crate::proxy::{RequestCtx, RunMode};
-use crate::server::AppState;
+use crate::request::{RequestCtx, RunMode};
+use crate::state::AppState;
 use session::{Era, Session};
 
 /// `_meta` key of the request's protocol revision (2026-07-28).
@@ -267,7 +267,7 @@ async fn post_inner(front: &Arc<McpFront>, name: &str, req: Request<Body>) -> Re
             return json_response(StatusCode::UNAUTHORIZED, &wire_error(&id, &e));
         }
     };
-    let mode = match crate::proxy::run_mode(&parts.headers) {
+    let mode = match crate::request::run_mode(&parts.headers) {
         Ok(m) => m,
         Err(e) => return json_response(StatusCode::BAD_REQUEST, &wire_error(&id, &e)),
     };

@@ -11,7 +11,7 @@
 
 use crate::model::{ChainLink, Turn};
 use crate::policy::bundle::ContentTrust;
-use crate::server::AppState;
+use crate::state::AppState;
 
 use super::RequestCtx;
 

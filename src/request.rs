@@ -1,0 +1,126 @@
+//! One data-plane request as the request path and the approval wait share it: who and what
+//! it is ([`RequestCtx`], [`RunMode`]) and what it carries through its model rounds
+//! ([`Session`]; its stages are `impl Session` blocks in [`crate::proxy`]). Below the request
+//! path and `approvals`, above [`crate::state`] (issue 13 item 1: `approvals` reads a
+//! session without importing `proxy`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::header::HeaderMap;
+use serde_json::Value;
+
+use crate::admission;
+use crate::admission::channel::ChannelSpec;
+use crate::clock::now_ms;
+use crate::error::WireError;
+use crate::journal::RunKey;
+use crate::model::Turn;
+use crate::policy::bundle::ContentTrust;
+use crate::policy::CompiledPolicy;
+use crate::state::AppState;
+
+/// Who and what one data-plane request is: its ids and its run identity headers.
+#[derive(Debug, Clone)]
+pub struct RequestCtx {
+    /// `x-request-id` of the agent when it is sane, else a fresh UUID: for logs, the
+    /// response header and the journal's `client_request_id` column — never a journal key
+    /// (a client may send one id twice).
+    pub request_id: String,
+    /// turnguard's own id of this request (a fresh UUID): every journal key the request
+    /// writes (round ids, interrupt keys of chat turns, who used an approval) derives from it.
+    pub journal_id: String,
+    /// Run identity from `Turnguard-Run` / `-Node` / `-Attempt` (DESIGN.md §2).
+    pub run: RunKey,
+    /// When the request arrived.
+    pub started: Instant,
+    /// Wall-clock arrival, milliseconds since the Unix epoch.
+    pub at_ms: i64,
+}
+
+impl RequestCtx {
+    /// The request id and run identity of a request's headers.
+    pub(crate) fn new(headers: &HeaderMap) -> Self {
+        let header = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim)
+                .filter(|v| !v.is_empty() && v.len() <= 200)
+                .map(str::to_owned)
+        };
+        let request_id = header("x-request-id")
+            .filter(|v| v.chars().all(|c| c.is_ascii_graphic()))
+            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let run_id = header("turnguard-run");
+        let run = RunKey {
+            node_id: run_id
+                .as_ref()
+                .map(|_| header("turnguard-node").unwrap_or_else(|| "default".into())),
+            attempt: run_id.as_ref().map(|_| {
+                header("turnguard-attempt")
+                    .and_then(|a| a.parse().ok())
+                    .filter(|a| *a >= 1)
+                    .unwrap_or(1)
+            }),
+            run_id,
+        };
+        Self {
+            request_id,
+            journal_id: uuid::Uuid::new_v4().to_string(),
+            run,
+            started: Instant::now(),
+            at_ms: now_ms(),
+        }
+    }
+}
+
+/// Everything one agent request carries through its model rounds (the first and any repair
+/// rounds): the parsed turn, the policy snapshot, the request as sent upstream.
+pub struct Session {
+    pub state: Arc<AppState>,
+    pub ctx: RequestCtx,
+    pub turn: Turn,
+    pub policy: Arc<CompiledPolicy>,
+    pub trust: ContentTrust,
+    /// Path and query sent upstream.
+    pub path: String,
+    /// Headers sent upstream.
+    pub headers: HeaderMap,
+    /// The request body as sent upstream (the agent's, plus repair turns).
+    pub body: Value,
+    /// Repair rounds left.
+    pub repairs_left: u32,
+    /// Model rounds sent so far for this agent request.
+    pub rounds: u32,
+    /// The schema the text answer must meet (structured / prompted channel, §A).
+    pub channel: Option<ChannelSpec>,
+    /// Semantic request digest v2 of the agent's own request (the recovery key).
+    pub agent_digest: String,
+    /// The verified acting person (`sub`); `None`: the agent acts (tool-turn contract §C).
+    pub person: Option<String>,
+    /// The inputs that made the turn untrusted, named for the approval interrupt (empty for
+    /// a trusted turn).
+    pub untrusted_inputs: Vec<admission::trust::UntrustedInput>,
+}
+
+/// `Turnguard-Mode` (DESIGN.md §2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunMode {
+    Live,
+    Replay,
+}
+
+pub(crate) fn run_mode(headers: &HeaderMap) -> Result<RunMode, WireError> {
+    match headers
+        .get("turnguard-mode")
+        .map(|v| v.to_str().map(str::trim))
+    {
+        None => Ok(RunMode::Live),
+        Some(Ok("live")) => Ok(RunMode::Live),
+        Some(Ok("replay")) => Ok(RunMode::Replay),
+        Some(_) => Err(WireError::InvalidRequest {
+            reason: "Turnguard-Mode must be `live` or `replay`".into(),
+        }),
+    }
+}
