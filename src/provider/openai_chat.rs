@@ -50,6 +50,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         untrusted_inputs: Vec::new(),
         usage_for_turnguard: false,
         previous_response_id: None,
+        arguments_fixed: false,
         provider_delegations: Vec::new(),
     };
     for i in unknown_tools {

@@ -177,11 +177,12 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         Some(Value::String(s)) => Some(s.clone()),
         Some(_) => return Err("`previous_response_id` must be a string".into()),
     };
+    let stream = obj.get("stream").and_then(Value::as_bool) == Some(true);
     let mut turn = Turn {
         item_references: Vec::new(),
         api: Api::OpenAiResponses,
         model: str_of(body, "model").map(str::to_owned),
-        stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
+        stream,
         tools: Vec::new(),
         tool_results: Vec::new(),
         max_output_tokens: obj.get("max_output_tokens").and_then(Value::as_u64),
@@ -192,6 +193,9 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         usage_for_turnguard: false,
         previous_response_id,
         provider_delegations: Vec::new(),
+        // Streamed argument deltas are forwarded as they arrive: this adapter cannot
+        // rewrite them.
+        arguments_fixed: stream,
     };
     if let Some(list) = obj.get("tools").filter(|v| !v.is_null()) {
         let list = list.as_array().ok_or("`tools` must be an array")?;

@@ -6,7 +6,6 @@
 use serde_json::{json, Value};
 
 use super::hex_sha256;
-use super::surface::n_choices;
 use crate::admission::{self, AdmitCtx};
 use crate::approvals::Approval;
 use crate::clock::{now_ms, AGENT_ID};
@@ -84,7 +83,7 @@ impl Session {
             run: self.ctx.run.run_id.as_deref(),
             provider: self.turn.api.as_str(),
             approved: &approved,
-            repairs_left: if n_choices(&self.body) > 1 {
+            repairs_left: if crate::provider::choices_requested(self.turn.api, &self.body) > 1 {
                 0
             } else {
                 self.repairs_left

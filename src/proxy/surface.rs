@@ -23,10 +23,6 @@ use crate::provider;
 use crate::request::Session;
 use crate::state::AppState;
 
-pub(super) fn n_choices(body: &Value) -> u64 {
-    body.get("n").and_then(Value::as_u64).unwrap_or(1)
-}
-
 /// An error surfaced for a withheld call, in `surface`'s error shape with the OpenWOP code
 /// and details inside ([`crate::error::Surface`]); `Retry-After` for 429.
 pub fn surfaced_error(e: &SurfacedError, surface: Surface) -> Response {
@@ -223,7 +219,10 @@ impl Session {
         };
         // Context exhaustion is not repaired: a longer transcript cannot fit either.
         let repairable = admission::completion::repairable(reason);
-        if repairable && self.repairs_left > 0 && n_choices(&self.body) == 1 {
+        if repairable
+            && self.repairs_left > 0
+            && provider::choices_requested(self.turn.api, &self.body) == 1
+        {
             rec.state = RoundState::Repaired;
             let mut next = self.body.clone();
             let feedback = format!(
