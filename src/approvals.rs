@@ -373,59 +373,7 @@ pub async fn settle(
         .iter()
         .filter_map(|c| c.get("toolName").and_then(Value::as_str).map(str::to_owned))
         .collect();
-    let mut title = format!("Approve {}", names.join(", "));
-    title.truncate(200);
-    let mut actions = vec!["accept", "reject"];
-    if calls
-        .iter()
-        .any(|c| c.get("editable") == Some(&Value::Bool(true)))
-    {
-        actions.push("edit-accept");
-    }
-    let mut untrusted = session.untrusted_inputs.clone();
-    if calls.iter().any(|c| c.get("providerOutput").is_some())
-        && !untrusted.contains(&crate::admission::trust::UntrustedInput::ProviderOutput)
-    {
-        untrusted.push(crate::admission::trust::UntrustedInput::ProviderOutput);
-    }
-    let mut data = json!({
-        "artifactId": id,
-        "artifactType": "turnguard.tool-calls",
-        "title": title,
-        "description": "The model called tools in a turn that read untrusted content, or that policy holds for approval. They run only if you accept.",
-        "actions": actions,
-        "onTimeout": "reject",
-        "artifactData": {
-            "calls": calls.iter().map(|c| json!({"toolName": c.get("toolName"), "toolId": c.get("toolId"), "argsHash": c.get("argsHash")})).collect::<Vec<_>>(),
-            "policyRevision": session.policy.revision,
-            "runId": session.ctx.run.run_id,
-            "nodeId": session.ctx.run.node_id,
-            "untrustedInputs": untrusted,
-        },
-    });
-    if let Some(p) = person {
-        if let Some(o) = data.as_object_mut() {
-            o.insert("approversList".into(), json!([p]));
-        }
-    }
-    let rec = InterruptRecord {
-        interrupt_id: id.clone(),
-        key: key.clone(),
-        kind: "approval",
-        run: session.ctx.run.clone(),
-        request_id: session.ctx.journal_id.clone(),
-        principal: person.map(str::to_owned),
-        policy_revision: session.policy.revision.clone(),
-        payload: redactor
-            .redact(
-                "",
-                &json!({"kind": "approval", "key": key, "data": data, "timeoutMs": timeout_ms}),
-            )
-            .0,
-        calls: Value::Array(calls),
-        requested_at_ms: now,
-        expires_at_ms: now.saturating_add(timeout_ms as i64),
-    };
+    let rec = interrupt_record(session, calls, &names, &key, &id, now, timeout_ms);
     let waiter = state.approvals.subscribe(&id);
     let row = match state.journal.raise_interrupt(rec).await {
         Ok(row) => row,
@@ -487,6 +435,76 @@ pub async fn settle(
             );
             Settled::Refused(crate::reason::Reason::ApprovalExpired, why)
         }
+    }
+}
+
+/// The approval interrupt of a held round, as journaled: the OpenWOP `approval` payload
+/// (title, actions — `edit-accept` when a call is editable — the calls by name, id and
+/// `argsHash`, the policy revision, run and node, why the turn was untrusted, and the bound
+/// person as `approversList`), redacted, with its expiry.
+fn interrupt_record(
+    session: &Session,
+    calls: Vec<Value>,
+    names: &[String],
+    key: &str,
+    id: &str,
+    now: i64,
+    timeout_ms: u64,
+) -> InterruptRecord {
+    let redactor = &session.policy.redactor;
+    let person = session.person.as_deref();
+    let mut title = format!("Approve {}", names.join(", "));
+    title.truncate(200);
+    let mut actions = vec!["accept", "reject"];
+    if calls
+        .iter()
+        .any(|c| c.get("editable") == Some(&Value::Bool(true)))
+    {
+        actions.push("edit-accept");
+    }
+    let mut untrusted = session.untrusted_inputs.clone();
+    if calls.iter().any(|c| c.get("providerOutput").is_some())
+        && !untrusted.contains(&crate::admission::trust::UntrustedInput::ProviderOutput)
+    {
+        untrusted.push(crate::admission::trust::UntrustedInput::ProviderOutput);
+    }
+    let mut data = json!({
+        "artifactId": id,
+        "artifactType": "turnguard.tool-calls",
+        "title": title,
+        "description": "The model called tools in a turn that read untrusted content, or that policy holds for approval. They run only if you accept.",
+        "actions": actions,
+        "onTimeout": "reject",
+        "artifactData": {
+            "calls": calls.iter().map(|c| json!({"toolName": c.get("toolName"), "toolId": c.get("toolId"), "argsHash": c.get("argsHash")})).collect::<Vec<_>>(),
+            "policyRevision": session.policy.revision,
+            "runId": session.ctx.run.run_id,
+            "nodeId": session.ctx.run.node_id,
+            "untrustedInputs": untrusted,
+        },
+    });
+    if let Some(p) = person {
+        if let Some(o) = data.as_object_mut() {
+            o.insert("approversList".into(), json!([p]));
+        }
+    }
+    InterruptRecord {
+        interrupt_id: id.to_owned(),
+        key: key.to_owned(),
+        kind: "approval",
+        run: session.ctx.run.clone(),
+        request_id: session.ctx.journal_id.clone(),
+        principal: person.map(str::to_owned),
+        policy_revision: session.policy.revision.clone(),
+        payload: redactor
+            .redact(
+                "",
+                &json!({"kind": "approval", "key": key, "data": data, "timeoutMs": timeout_ms}),
+            )
+            .0,
+        calls: Value::Array(calls),
+        requested_at_ms: now,
+        expires_at_ms: now.saturating_add(timeout_ms as i64),
     }
 }
 

@@ -237,59 +237,7 @@ async fn main() -> anyhow::Result<()> {
             let _ = out.flush();
             std::process::exit(report.code);
         }
-        Command::Journal(cmd) => {
-            use std::io::Write;
-            let text = match cmd {
-                JournalCommand::Runs {
-                    journal,
-                    chat_limit,
-                } => {
-                    let r = turnguard::journal::JournalReader::open_at(&journal).await?;
-                    let mut t =
-                        String::from("run\trounds\tcalls\tfirst\tlast\tclient_request_id\n");
-                    let chats = r.chat_turns(chat_limit).await?;
-                    for run in r.runs().await?.into_iter().chain(chats) {
-                        let at = |ms: i64| {
-                            humantime::format_rfc3339_seconds(
-                                std::time::UNIX_EPOCH
-                                    + std::time::Duration::from_millis(ms.max(0) as u64),
-                            )
-                            .to_string()
-                        };
-                        t.push_str(&format!(
-                            "{}\t{}\t{}\t{}\t{}\t{}\n",
-                            run.run_id,
-                            run.rounds,
-                            run.calls,
-                            at(run.first_ms),
-                            at(run.last_ms),
-                            run.client_request_id.as_deref().unwrap_or("-")
-                        ));
-                    }
-                    t
-                }
-                JournalCommand::Show { run, journal } => {
-                    let r = turnguard::journal::JournalReader::open_at(&journal).await?;
-                    let effects: Vec<serde_json::Value> = r
-                        .effects(&run)
-                        .await?
-                        .into_iter()
-                        .map(|e| serde_json::json!({"effectId": e.effect_id, "toolId": e.tool_id, "nodeId": e.node_id, "attempt": e.attempt, "keying": e.keying, "state": e.state, "atMs": e.at_ms}))
-                        .collect();
-                    let events: Vec<serde_json::Value> = r
-                        .events(&run)
-                        .await?
-                        .into_iter()
-                        .map(|e| serde_json::json!({"sequence": e.sequence, "type": e.kind, "payload": serde_json::from_str::<serde_json::Value>(&e.payload).unwrap_or_default(), "atMs": e.at_ms}))
-                        .collect();
-                    let doc = serde_json::json!({"runId": run, "rounds": r.show(&run).await?, "effects": effects, "events": events});
-                    serde_json::to_string_pretty(&doc)? + "\n"
-                }
-            };
-            let mut out = std::io::stdout().lock();
-            out.write_all(text.as_bytes())?;
-            Ok(())
-        }
+        Command::Journal(cmd) => journal_command(cmd).await,
         Command::Approvals(args) => {
             use std::io::Write;
             let report = turnguard::approval_ui::cli::run(&args, &|k| std::env::var(k).ok()).await;
@@ -328,6 +276,60 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `turnguard journal runs|show`: the journal's runs (then chat turns) as a table, or one
+/// run's rounds, effects and events as JSON, on stdout.
+async fn journal_command(cmd: JournalCommand) -> anyhow::Result<()> {
+    use std::io::Write;
+    let text = match cmd {
+        JournalCommand::Runs {
+            journal,
+            chat_limit,
+        } => {
+            let r = turnguard::journal::JournalReader::open_at(&journal).await?;
+            let mut t = String::from("run\trounds\tcalls\tfirst\tlast\tclient_request_id\n");
+            let chats = r.chat_turns(chat_limit).await?;
+            for run in r.runs().await?.into_iter().chain(chats) {
+                let at = |ms: i64| {
+                    humantime::format_rfc3339_seconds(
+                        std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.max(0) as u64),
+                    )
+                    .to_string()
+                };
+                t.push_str(&format!(
+                    "{}\t{}\t{}\t{}\t{}\t{}\n",
+                    run.run_id,
+                    run.rounds,
+                    run.calls,
+                    at(run.first_ms),
+                    at(run.last_ms),
+                    run.client_request_id.as_deref().unwrap_or("-")
+                ));
+            }
+            t
+        }
+        JournalCommand::Show { run, journal } => {
+            let r = turnguard::journal::JournalReader::open_at(&journal).await?;
+            let effects: Vec<serde_json::Value> = r
+                .effects(&run)
+                .await?
+                .into_iter()
+                .map(|e| serde_json::json!({"effectId": e.effect_id, "toolId": e.tool_id, "nodeId": e.node_id, "attempt": e.attempt, "keying": e.keying, "state": e.state, "atMs": e.at_ms}))
+                .collect();
+            let events: Vec<serde_json::Value> = r
+                .events(&run)
+                .await?
+                .into_iter()
+                .map(|e| serde_json::json!({"sequence": e.sequence, "type": e.kind, "payload": serde_json::from_str::<serde_json::Value>(&e.payload).unwrap_or_default(), "atMs": e.at_ms}))
+                .collect();
+            let doc = serde_json::json!({"runId": run, "rounds": r.show(&run).await?, "effects": effects, "events": events});
+            serde_json::to_string_pretty(&doc)? + "\n"
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())?;
+    Ok(())
 }
 
 async fn shutdown_signal() {

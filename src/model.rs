@@ -161,6 +161,11 @@ pub struct Turn {
     /// `tools[1] (mcp, server_label deepwiki)`. Inside a run such a request is refused
     /// (tool-turn contract §F).
     pub provider_delegations: Vec<String>,
+    /// The provider adapter cannot rewrite a call's arguments in this turn's answer (a
+    /// streamed Responses answer: set by [`crate::provider`]'s Responses adapter). A secret
+    /// that must be stripped before an egress tool is then refused at the redaction stage
+    /// (fail closed) rather than released.
+    pub arguments_fixed: bool,
     /// Responses only: `item_reference` input items, the stored items the provider fills in.
     /// Each is also an [`UntrustedKind::StoredItem`] input (the proxy cannot read it) until
     /// [`Turn::resolve_references`] lifts that for the ones turnguard's own journal holds as
@@ -211,6 +216,7 @@ impl Turn {
             usage_for_turnguard: false,
             previous_response_id: None,
             provider_delegations: Vec::new(),
+            arguments_fixed: false,
             item_references: Vec::new(),
         }
     }

@@ -84,37 +84,8 @@ impl Running {
 pub async fn start(config: Config) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
     let identity = Identity::load(&config)?;
-    if identity.dev_header() {
-        tracing::warn!("DEVELOPMENT MODE: a plain `Turnguard-Principal` header is trusted as the verified acting person on both planes (identity_dev_principal_header = true). Anyone who can reach turnguard can act and approve as anyone. Never use this in production.");
-    }
-    if identity.configured() {
-        let algs = identity.algorithms();
-        if algs.iter().any(|a| a == "HS256") {
-            tracing::warn!("identity: an HS256 shared secret is configured; use asymmetric keys (JWKS or PEM) outside development");
-        }
-        tracing::info!(algorithms = %algs.join(","), "identity provider configured: principal and approver tokens are verified");
-    } else {
-        tracing::info!("no identity provider configured: requests act as the agent and held calls cannot be approved");
-    }
-    let policy = reload::load_from(
-        &config.policy,
-        !config.policy_explicit,
-        config.catalog.as_deref(),
-    )
-    .map_err(|source| StartError::Policy {
-        dir: config.policy.display().to_string(),
-        source,
-    })?;
-    tracing::info!(revision = %policy.revision, origin = %policy.origin, tools = policy.catalog.len(), rules = policy.rules.len(), catalog = %policy.catalog_summary(), "policy bundle loaded");
-    metrics.policy_revision("", &policy.revision);
-    if policy.rules.permits() == 0 {
-        tracing::warn!("the policy bundle has no permit rule: every tool call will be refused (Cedar default deny)");
-    }
-    let policy = Arc::new(
-        PolicyHandle::new(policy, config.policy.clone())
-            .with_embedded_fallback(!config.policy_explicit)
-            .with_catalogs(config.catalog.clone()),
-    );
+    log_identity(&identity);
+    let policy = load_policy(&config, &metrics)?;
     let (journal, writer) = Journal::open(
         &config.journal,
         Arc::clone(&metrics),
@@ -222,6 +193,46 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         health,
         writer,
     })
+}
+
+/// Logs how the acting person is verified (and warns of the development header and HS256).
+fn log_identity(identity: &Identity) {
+    if identity.dev_header() {
+        tracing::warn!("DEVELOPMENT MODE: a plain `Turnguard-Principal` header is trusted as the verified acting person on both planes (identity_dev_principal_header = true). Anyone who can reach turnguard can act and approve as anyone. Never use this in production.");
+    }
+    if identity.configured() {
+        let algs = identity.algorithms();
+        if algs.iter().any(|a| a == "HS256") {
+            tracing::warn!("identity: an HS256 shared secret is configured; use asymmetric keys (JWKS or PEM) outside development");
+        }
+        tracing::info!(algorithms = %algs.join(","), "identity provider configured: principal and approver tokens are verified");
+    } else {
+        tracing::info!("no identity provider configured: requests act as the agent and held calls cannot be approved");
+    }
+}
+
+/// Loads the policy bundle (a bundle that does not load is a start error) and wraps it in
+/// the reloadable handle every request takes its snapshot from.
+fn load_policy(config: &Config, metrics: &Metrics) -> Result<Arc<PolicyHandle>, StartError> {
+    let policy = reload::load_from(
+        &config.policy,
+        !config.policy_explicit,
+        config.catalog.as_deref(),
+    )
+    .map_err(|source| StartError::Policy {
+        dir: config.policy.display().to_string(),
+        source,
+    })?;
+    tracing::info!(revision = %policy.revision, origin = %policy.origin, tools = policy.catalog.len(), rules = policy.rules.len(), catalog = %policy.catalog_summary(), "policy bundle loaded");
+    metrics.policy_revision("", &policy.revision);
+    if policy.rules.permits() == 0 {
+        tracing::warn!("the policy bundle has no permit rule: every tool call will be refused (Cedar default deny)");
+    }
+    Ok(Arc::new(
+        PolicyHandle::new(policy, config.policy.clone())
+            .with_embedded_fallback(!config.policy_explicit)
+            .with_catalogs(config.catalog.clone()),
+    ))
 }
 
 /// `name=scheme://host[:port][/prefix]` for each upstream, comma-separated, with any

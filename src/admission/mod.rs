@@ -412,12 +412,9 @@ impl CallCtx<'_> {
         let strip = found > 0
             && ctx.policy.redactor.strip_from_egress
             && tool.descriptor.egress != Some(crate::policy::bundle::Egress::None);
-        if strip
-            && ((turn.api == crate::model::Api::OpenAiResponses && turn.stream)
-                || call.input == crate::model::CallInput::Text)
-        {
-            // Rewriting streamed Responses arguments, or a free-form call's raw input, is not
-            // supported: fail closed rather than release a secret to an egress tool.
+        if strip && (turn.arguments_fixed || call.input == crate::model::CallInput::Text) {
+            // Arguments the adapter cannot rewrite (`Turn::arguments_fixed`), or a free-form
+            // call's raw input: fail closed rather than release a secret to an egress tool.
             return Err(Box::new(Decision::new(
                 Outcome::Refused,
                 Stage::Redaction,

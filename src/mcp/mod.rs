@@ -225,34 +225,10 @@ async fn post_inner(front: &Arc<McpFront>, name: &str, req: Request<Body>) -> Re
         return not_configured(name);
     };
     let (parts, body) = req.into_parts();
-    // The same capped, deadlined read as the model APIs, then the concurrency permit.
-    let raw = match crate::proxy::read_request(&front.state, &parts, body).await {
-        Ok(b) => b,
-        Err(e) => {
-            let (status, _, _) = e.parts();
-            return json_response(status, &wire_error(&Value::Null, &e));
-        }
+    let (raw, message) = match read_message(front, &parts, body).await {
+        Ok(m) => m,
+        Err(resp) => return resp,
     };
-    let message: Value = match serde_json::from_slice(&raw) {
-        Ok(v) => v,
-        Err(_) => {
-            return json_response(
-                StatusCode::BAD_REQUEST,
-                &rpc_error(&Value::Null, code::PARSE_ERROR, "Parse error", None),
-            )
-        }
-    };
-    if message.is_array() {
-        return json_response(
-            StatusCode::BAD_REQUEST,
-            &rpc_error(
-                &Value::Null,
-                code::INVALID_REQUEST,
-                "turnguard: JSON-RPC batches are not accepted (removed in MCP 2025-06-18); send one message per POST",
-                None,
-            ),
-        );
-    }
     let id = message.get("id").cloned().unwrap_or(Value::Null);
     let method = message
         .get("method")
@@ -272,88 +248,19 @@ async fn post_inner(front: &Arc<McpFront>, name: &str, req: Request<Body>) -> Re
         Err(e) => return json_response(StatusCode::BAD_REQUEST, &wire_error(&id, &e)),
     };
     let mut ctx = RequestCtx::new(&parts.headers);
-    // The era and the session.
-    let sid = parts
-        .headers
-        .get("mcp-session-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
-    let modern_version = message
-        .pointer("/params/_meta")
-        .and_then(|m| m.get(VERSION_META))
-        .and_then(Value::as_str)
-        .map(str::to_owned);
-    let (era, session, capabilities) = if method.as_deref() == Some("initialize") {
-        (Era::Handshake, None, Value::Null)
-    } else if let Some(version) = &modern_version {
-        if let Err(resp) = session::check_modern(&id, version, &parts.headers, &message) {
-            return resp;
-        }
-        let caps = message
-            .pointer("/params/_meta")
-            .and_then(|m| m.get(CAPABILITIES_META))
-            .cloned()
-            .unwrap_or(Value::Null);
-        (Era::Modern, None, caps)
-    } else if let Some(sid) = sid {
-        match front.sessions.get(&sid, name) {
-            Some(s) => {
-                let caps = s.capabilities.clone();
-                (Era::Handshake, Some(s), caps)
-            }
-            None => {
-                return json_response(
-                    StatusCode::NOT_FOUND,
-                    &rpc_error(
-                        &id,
-                        code::INVALID_REQUEST,
-                        "turnguard: no such MCP session (it ended, or turnguard restarted); initialize a new one",
-                        None,
-                    ),
-                )
-            }
-        }
-    } else {
-        return json_response(
-            StatusCode::BAD_REQUEST,
-            &rpc_error(
-                &id,
-                code::INVALID_REQUEST,
-                "turnguard: a request needs an `Mcp-Session-Id` from `initialize`, or `_meta` `io.modelcontextprotocol/protocolVersion` (2026-07-28)",
-                None,
-            ),
-        );
+    let (era, session, capabilities) = match era_of(
+        front,
+        name,
+        &id,
+        method.as_deref(),
+        &parts.headers,
+        &message,
+    ) {
+        Ok(e) => e,
+        Err(resp) => return *resp,
     };
-    // The run: the request's headers, or the session's binding (never two different runs).
-    if let Some(s) = &session {
-        if s.person != person {
-            let e = WireError::Unauthenticated {
-                reason: "this MCP session belongs to another acting person".into(),
-            };
-            return json_response(StatusCode::FORBIDDEN, &wire_error(&id, &e));
-        }
-        match (&ctx.run.run_id, &s.run.run_id) {
-            (Some(a), Some(b)) if a != b => {
-                let e = WireError::InvalidRequest {
-                    reason: format!(
-                        "this MCP session is bound to another run than `Turnguard-Run: {}`",
-                        crate::admission::sanitize_label(a)
-                    ),
-                };
-                return json_response(StatusCode::BAD_REQUEST, &wire_error(&id, &e));
-            }
-            (None, Some(_)) => ctx.run = s.run.clone(),
-            _ => {}
-        }
-    }
-    if let Err(e) = crate::proxy::check_run_ids(&ctx.run) {
-        return json_response(StatusCode::BAD_REQUEST, &wire_error(&id, &e));
-    }
-    if mode == RunMode::Replay && ctx.run.run_id.is_none() {
-        let e = WireError::InvalidRequest {
-            reason: "`Turnguard-Mode: replay` needs `Turnguard-Run`".into(),
-        };
-        return json_response(StatusCode::BAD_REQUEST, &wire_error(&id, &e));
+    if let Err(resp) = bind_run(session.as_ref(), person.as_ref(), &mut ctx, &id, mode) {
+        return *resp;
     }
     let inbound = Inbound {
         server_name: name.to_owned(),
@@ -384,6 +291,157 @@ async fn post_inner(front: &Arc<McpFront>, name: &str, req: Request<Body>) -> Re
         Some("tools/call") if !inbound.id().is_null() => call::handle(front, inbound).await,
         _ => relay::pass(front, inbound).await,
     }
+}
+
+/// The message of a POST: the same capped, deadlined read as the model APIs, then JSON
+/// (a parse error is JSON-RPC `-32700`); a batch is refused (removed in MCP 2025-06-18).
+async fn read_message(
+    front: &McpFront,
+    parts: &http::request::Parts,
+    body: Body,
+) -> Result<(Bytes, Value), Response> {
+    // The same capped, deadlined read as the model APIs, then the concurrency permit.
+    let raw = match crate::proxy::read_request(&front.state, parts, body).await {
+        Ok(b) => b,
+        Err(e) => {
+            let (status, _, _) = e.parts();
+            return Err(json_response(status, &wire_error(&Value::Null, &e)));
+        }
+    };
+    let message: Value = match serde_json::from_slice(&raw) {
+        Ok(v) => v,
+        Err(_) => {
+            return Err(json_response(
+                StatusCode::BAD_REQUEST,
+                &rpc_error(&Value::Null, code::PARSE_ERROR, "Parse error", None),
+            ))
+        }
+    };
+    if message.is_array() {
+        return Err(json_response(
+            StatusCode::BAD_REQUEST,
+            &rpc_error(
+                &Value::Null,
+                code::INVALID_REQUEST,
+                "turnguard: JSON-RPC batches are not accepted (removed in MCP 2025-06-18); send one message per POST",
+                None,
+            ),
+        ));
+    }
+    Ok((raw, message))
+}
+
+/// The revision era of a request and its session: `initialize` starts a handshake; a
+/// 2026-07-28 request names its version in `_meta` (checked, with its capabilities); else
+/// the `Mcp-Session-Id` names a live session of this server (404 when it ended).
+fn era_of(
+    front: &McpFront,
+    name: &str,
+    id: &Value,
+    method: Option<&str>,
+    headers: &HeaderMap,
+    message: &Value,
+) -> Result<(Era, Option<Session>, Value), Box<Response>> {
+    let sid = headers
+        .get("mcp-session-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let modern_version = message
+        .pointer("/params/_meta")
+        .and_then(|m| m.get(VERSION_META))
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    if method == Some("initialize") {
+        Ok((Era::Handshake, None, Value::Null))
+    } else if let Some(version) = &modern_version {
+        session::check_modern(id, version, headers, message).map_err(Box::new)?;
+        let caps = message
+            .pointer("/params/_meta")
+            .and_then(|m| m.get(CAPABILITIES_META))
+            .cloned()
+            .unwrap_or(Value::Null);
+        Ok((Era::Modern, None, caps))
+    } else if let Some(sid) = sid {
+        match front.sessions.get(&sid, name) {
+            Some(s) => {
+                let caps = s.capabilities.clone();
+                Ok((Era::Handshake, Some(s), caps))
+            }
+            None => Err(Box::new(json_response(
+                    StatusCode::NOT_FOUND,
+                    &rpc_error(
+                        id,
+                        code::INVALID_REQUEST,
+                        "turnguard: no such MCP session (it ended, or turnguard restarted); initialize a new one",
+                        None,
+                    ),
+                ))),
+        }
+    } else {
+        Err(Box::new(json_response(
+            StatusCode::BAD_REQUEST,
+            &rpc_error(
+                id,
+                code::INVALID_REQUEST,
+                "turnguard: a request needs an `Mcp-Session-Id` from `initialize`, or `_meta` `io.modelcontextprotocol/protocolVersion` (2026-07-28)",
+                None,
+            ),
+        )))
+    }
+}
+
+/// The run of a request: its own headers, or its session's binding (never two different
+/// runs, never another person's session); run ids checked; a replay needs a run.
+fn bind_run(
+    session: Option<&Session>,
+    person: Option<&String>,
+    ctx: &mut RequestCtx,
+    id: &Value,
+    mode: RunMode,
+) -> Result<(), Box<Response>> {
+    if let Some(s) = session {
+        if s.person.as_ref() != person {
+            let e = WireError::Unauthenticated {
+                reason: "this MCP session belongs to another acting person".into(),
+            };
+            return Err(Box::new(json_response(
+                StatusCode::FORBIDDEN,
+                &wire_error(id, &e),
+            )));
+        }
+        match (&ctx.run.run_id, &s.run.run_id) {
+            (Some(a), Some(b)) if a != b => {
+                let e = WireError::InvalidRequest {
+                    reason: format!(
+                        "this MCP session is bound to another run than `Turnguard-Run: {}`",
+                        crate::admission::sanitize_label(a)
+                    ),
+                };
+                return Err(Box::new(json_response(
+                    StatusCode::BAD_REQUEST,
+                    &wire_error(id, &e),
+                )));
+            }
+            (None, Some(_)) => ctx.run = s.run.clone(),
+            _ => {}
+        }
+    }
+    if let Err(e) = crate::proxy::check_run_ids(&ctx.run) {
+        return Err(Box::new(json_response(
+            StatusCode::BAD_REQUEST,
+            &wire_error(id, &e),
+        )));
+    }
+    if mode == RunMode::Replay && ctx.run.run_id.is_none() {
+        let e = WireError::InvalidRequest {
+            reason: "`Turnguard-Mode: replay` needs `Turnguard-Run`".into(),
+        };
+        return Err(Box::new(json_response(
+            StatusCode::BAD_REQUEST,
+            &wire_error(id, &e),
+        )));
+    }
+    Ok(())
 }
 
 async fn handle_get(

@@ -47,6 +47,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         untrusted_inputs: Vec::new(),
         usage_for_turnguard: false,
         previous_response_id: None,
+        arguments_fixed: false,
         provider_delegations: Vec::new(),
     };
     if let Some(list) = obj.get("tools") {
@@ -647,54 +648,8 @@ impl MessagesStream {
                 return;
             }
             "content_block_start" => {
-                let Some(ix) = index else {
-                    return self.violate("a `content_block_start` without an `index`".into());
-                };
-                if ix != self.next_index {
-                    return self.violate(format!(
-                        "a `content_block_start` with index {ix} where {} was expected",
-                        self.next_index
-                    ));
-                }
-                if self.delta_seen {
-                    return self.violate("a content block after the `message_delta`".into());
-                }
-                let Some(cb) = parsed.get("content_block").filter(|b| b.is_object()) else {
-                    return self
-                        .violate("a `content_block_start` without a `content_block`".into());
-                };
-                let ty = cb.get("type").and_then(Value::as_str).unwrap_or_default();
-                if is_provider_block(ty) {
-                    // Provider-run tool output the model reads in this very message: its calls
-                    // are decided as untrusted, as `parse_response` decides them.
-                    self.provider_output = true;
-                }
-                let call = (ty == "tool_use").then(|| ToolCall {
-                    input: crate::model::CallInput::Json,
-                    id: cb
-                        .get("id")
-                        .and_then(Value::as_str)
-                        .unwrap_or_default()
-                        .to_owned(),
-                    name: cb
-                        .get("name")
-                        .and_then(Value::as_str)
-                        .unwrap_or_default()
-                        .to_owned(),
-                    arguments: String::new(),
-                });
-                let is_call = call.is_some();
-                self.next_index = ix.saturating_add(1);
-                self.blocks.insert(
-                    ix,
-                    Block {
-                        call,
-                        content: cb.clone(),
-                        stopped: false,
-                    },
-                );
-                if is_call && self.first_held.is_none() {
-                    self.first_held = Some(ix);
+                if let Err(why) = self.block_start(index, &parsed) {
+                    return self.violate(why);
                 }
             }
             "content_block_delta" | "content_block_stop" => {
@@ -718,28 +673,8 @@ impl MessagesStream {
                 }
             }
             "message_delta" => {
-                if parsed.get("delta").is_some_and(|d| !d.is_object()) {
-                    return self.violate("a `message_delta` whose `delta` is not an object".into());
-                }
-                if let Some(r) = parsed.pointer("/delta/stop_reason").and_then(Value::as_str) {
-                    self.stop_reason = Some(r.to_owned());
-                }
-                if let Some(t) = parsed
-                    .pointer("/usage/output_tokens")
-                    .and_then(Value::as_u64)
-                {
-                    self.output_tokens = Some(t);
-                }
-                self.delta_seen = true;
-                if self
-                    .decided_completion
-                    .as_ref()
-                    .is_some_and(|c| *c != self.completion())
-                {
-                    return self.violate(
-                        "a `message_delta` after the decision point that changes the completion"
-                            .into(),
-                    );
+                if let Err(why) = self.message_delta(&parsed) {
+                    return self.violate(why);
                 }
             }
             "message_start" if !self.blocks.is_empty() || self.delta_seen => {
@@ -749,6 +684,93 @@ impl MessagesStream {
             _ => {}
         }
         self.forward(block.raw, block.event, Some(parsed), index, out);
+    }
+
+    /// `content_block_start`: the next block in order (index, before the `message_delta`),
+    /// a provider-run block marks the message's calls as decided on untrusted output, a
+    /// `tool_use` block starts a call (and holding).
+    ///
+    /// Errors: the violation, named.
+    fn block_start(&mut self, index: Option<u64>, parsed: &Value) -> Result<(), String> {
+        let Some(ix) = index else {
+            return Err("a `content_block_start` without an `index`".into());
+        };
+        if ix != self.next_index {
+            return Err(format!(
+                "a `content_block_start` with index {ix} where {} was expected",
+                self.next_index
+            ));
+        }
+        if self.delta_seen {
+            return Err("a content block after the `message_delta`".into());
+        }
+        let Some(cb) = parsed.get("content_block").filter(|b| b.is_object()) else {
+            return Err("a `content_block_start` without a `content_block`".into());
+        };
+        let ty = cb.get("type").and_then(Value::as_str).unwrap_or_default();
+        if is_provider_block(ty) {
+            // Provider-run tool output the model reads in this very message: its calls
+            // are decided as untrusted, as `parse_response` decides them.
+            self.provider_output = true;
+        }
+        let call = (ty == "tool_use").then(|| ToolCall {
+            input: crate::model::CallInput::Json,
+            id: cb
+                .get("id")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
+            name: cb
+                .get("name")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
+            arguments: String::new(),
+        });
+        let is_call = call.is_some();
+        self.next_index = ix.saturating_add(1);
+        self.blocks.insert(
+            ix,
+            Block {
+                call,
+                content: cb.clone(),
+                stopped: false,
+            },
+        );
+        if is_call && self.first_held.is_none() {
+            self.first_held = Some(ix);
+        }
+        Ok(())
+    }
+
+    /// `message_delta`: stop reason and output tokens; after the decision point it must not
+    /// change the completion.
+    ///
+    /// Errors: the violation, named.
+    fn message_delta(&mut self, parsed: &Value) -> Result<(), String> {
+        if parsed.get("delta").is_some_and(|d| !d.is_object()) {
+            return Err("a `message_delta` whose `delta` is not an object".into());
+        }
+        if let Some(r) = parsed.pointer("/delta/stop_reason").and_then(Value::as_str) {
+            self.stop_reason = Some(r.to_owned());
+        }
+        if let Some(t) = parsed
+            .pointer("/usage/output_tokens")
+            .and_then(Value::as_u64)
+        {
+            self.output_tokens = Some(t);
+        }
+        self.delta_seen = true;
+        if self
+            .decided_completion
+            .as_ref()
+            .is_some_and(|c| *c != self.completion())
+        {
+            return Err(
+                "a `message_delta` after the decision point that changes the completion".into(),
+            );
+        }
+        Ok(())
     }
 
     /// Holds an event while calls are held, else forwards it.

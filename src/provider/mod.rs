@@ -70,6 +70,15 @@ pub fn parse_response(api: Api, body: &Value, turn: &Turn) -> Result<Vec<ChoiceE
     }
 }
 
+/// How many choices the request body asks for: Chat's `n` (default 1); one for the other
+/// APIs. A repair round is asked only of a one-choice request.
+pub fn choices_requested(api: Api, body: &Value) -> u64 {
+    match api {
+        Api::OpenAiChat => body.get("n").and_then(Value::as_u64).unwrap_or(1),
+        Api::AnthropicMessages | Api::OpenAiResponses => 1,
+    }
+}
+
 /// Prepares the request body sent upstream for what the completion stage must know: a Chat
 /// stream with a token limit asks for its usage chunk (see
 /// [`openai_chat::prepare_upstream`]). The agent's own request (its digest, its record) is

@@ -29,46 +29,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         .get("messages")
         .and_then(Value::as_array)
         .ok_or("`messages` must be an array")?;
-    let mut tools = Vec::new();
-    let mut unknown_tools = Vec::new();
-    if let Some(list) = obj.get("tools") {
-        let list = list.as_array().ok_or("`tools` must be an array")?;
-        for (i, t) in list.iter().enumerate() {
-            match t.get("type").and_then(Value::as_str) {
-                Some("function") => {}
-                // Client-executed free-form tools: calls to them are undeclared for admission
-                // (withheld at the name stage).
-                Some("custom") => continue,
-                _ => {
-                    unknown_tools.push(i);
-                    continue;
-                }
-            }
-            let f = t
-                .get("function")
-                .ok_or_else(|| format!("`tools[{i}].function` is missing"))?;
-            let name = f
-                .get("name")
-                .and_then(Value::as_str)
-                .ok_or_else(|| format!("`tools[{i}].function.name` must be a string"))?;
-            tools.push(DeclaredTool {
-                freeform: None,
-                name: name.to_owned(),
-                schema: f.get("parameters").cloned(),
-            });
-        }
-    }
-    if let Some(list) = obj.get("functions").and_then(Value::as_array) {
-        for f in list {
-            if let Some(name) = f.get("name").and_then(Value::as_str) {
-                tools.push(DeclaredTool {
-                    freeform: None,
-                    name: name.to_owned(),
-                    schema: f.get("parameters").cloned(),
-                });
-            }
-        }
-    }
+    let (tools, unknown_tools) = declared_tools(obj)?;
     let mut turn = Turn {
         item_references: Vec::new(),
         api: Api::OpenAiChat,
@@ -89,6 +50,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         untrusted_inputs: Vec::new(),
         usage_for_turnguard: false,
         previous_response_id: None,
+        arguments_fixed: false,
         provider_delegations: Vec::new(),
     };
     for i in unknown_tools {
@@ -167,6 +129,58 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         );
     }
     Ok(turn)
+}
+
+/// The declared tools of a request (`tools` of type `function`, then the legacy
+/// `functions`), and the positions of `tools` entries of a type turnguard does not know.
+/// Client-executed free-form (`custom`) tools are not declared: calls to them are
+/// undeclared for admission (withheld at the name stage).
+///
+/// Errors: `tools` not an array, or a function tool without `function` or `function.name`.
+fn declared_tools(
+    obj: &serde_json::Map<String, Value>,
+) -> Result<(Vec<DeclaredTool>, Vec<usize>), String> {
+    let mut tools = Vec::new();
+    let mut unknown_tools = Vec::new();
+    if let Some(list) = obj.get("tools") {
+        let list = list.as_array().ok_or("`tools` must be an array")?;
+        for (i, t) in list.iter().enumerate() {
+            match t.get("type").and_then(Value::as_str) {
+                Some("function") => {}
+                // Client-executed free-form tools: calls to them are undeclared for admission
+                // (withheld at the name stage).
+                Some("custom") => continue,
+                _ => {
+                    unknown_tools.push(i);
+                    continue;
+                }
+            }
+            let f = t
+                .get("function")
+                .ok_or_else(|| format!("`tools[{i}].function` is missing"))?;
+            let name = f
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| format!("`tools[{i}].function.name` must be a string"))?;
+            tools.push(DeclaredTool {
+                freeform: None,
+                name: name.to_owned(),
+                schema: f.get("parameters").cloned(),
+            });
+        }
+    }
+    if let Some(list) = obj.get("functions").and_then(Value::as_array) {
+        for f in list {
+            if let Some(name) = f.get("name").and_then(Value::as_str) {
+                tools.push(DeclaredTool {
+                    freeform: None,
+                    name: name.to_owned(),
+                    schema: f.get("parameters").cloned(),
+                });
+            }
+        }
+    }
+    Ok((tools, unknown_tools))
 }
 
 /// Judges a message's `content` (string, null, or an array of parts): text, inline images
@@ -655,100 +669,7 @@ impl ChatStream {
         for (cpos, c) in choices.iter().enumerate() {
             let index = choice_index(c).unwrap_or_default();
             let acc = self.choices.entry(index).or_default();
-            if c.pointer("/delta/role").is_some_and(|r| !r.is_null()) {
-                acc.role_seen = true;
-            }
-            if let Some(Value::String(r)) = c.pointer("/delta/refusal") {
-                if !r.is_empty() {
-                    acc.refused = true;
-                }
-            }
-            for (epos, e) in c
-                .pointer("/delta/tool_calls")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .enumerate()
-            {
-                let wire_index = e.get("index").and_then(Value::as_u64).unwrap_or_default();
-                let id = e
-                    .get("id")
-                    .and_then(Value::as_str)
-                    .filter(|s| !s.is_empty());
-                let current = acc.calls.iter().rposition(|a| a.wire_index == wire_index);
-                // A new id on an index already in use is a new call (some compatible servers
-                // send parallel calls all on index 0): keep them apart, never glue them.
-                let slot = match (current, id) {
-                    (Some(p), Some(id))
-                        if acc
-                            .calls
-                            .get(p)
-                            .is_some_and(|a| !a.call.id.is_empty() && a.call.id != id) =>
-                    {
-                        None
-                    }
-                    (p, _) => p,
-                };
-                let slot = match slot {
-                    Some(p) => p,
-                    None => {
-                        acc.calls.push(CallAcc {
-                            wire_index,
-                            call: ToolCall {
-                                input: crate::model::CallInput::Json,
-                                id: String::new(),
-                                name: String::new(),
-                                arguments: String::new(),
-                            },
-                        });
-                        acc.calls.len() - 1
-                    }
-                };
-                let Some(CallAcc { call, .. }) = acc.calls.get_mut(slot) else {
-                    continue;
-                };
-                if let Some(id) = id {
-                    if call.id.is_empty() {
-                        call.id = id.to_owned();
-                    }
-                }
-                if let Some(n) = e.pointer("/function/name").and_then(Value::as_str) {
-                    call.name.push_str(n);
-                }
-                if let Some(a) = e.pointer("/function/arguments").and_then(Value::as_str) {
-                    call.arguments.push_str(a);
-                }
-                entries.push((cpos, epos, slot));
-            }
-            if let Some(fc) = c.pointer("/delta/function_call").filter(|v| v.is_object()) {
-                // Legacy `function_call` streaming: one call per choice.
-                if acc.calls.is_empty() {
-                    acc.calls.push(CallAcc {
-                        wire_index: u64::MAX,
-                        call: ToolCall {
-                            input: crate::model::CallInput::Json,
-                            id: "function_call".into(),
-                            name: String::new(),
-                            arguments: String::new(),
-                        },
-                    });
-                }
-                if let Some(CallAcc { call, .. }) = acc.calls.first_mut() {
-                    if let Some(n) = fc.get("name").and_then(Value::as_str) {
-                        call.name.push_str(n);
-                    }
-                    if let Some(a) = fc.get("arguments").and_then(Value::as_str) {
-                        call.arguments.push_str(a);
-                    }
-                }
-            }
-            if let Some(r) = c.get("finish_reason").and_then(Value::as_str) {
-                acc.finish_reason = Some(r.to_owned());
-                if !acc.calls.is_empty() {
-                    acc.finish_held = true;
-                    finishes_held_choice = true;
-                }
-            }
+            finishes_held_choice |= accumulate_choice(acc, cpos, c, &mut entries);
         }
         if has_calls || finishes_held_choice {
             // Split off text that rides along with call deltas so text is never delayed.
@@ -977,34 +898,14 @@ impl ChatStream {
                         .pointer_mut("/delta/tool_calls")
                         .and_then(Value::as_array_mut)
                     {
-                        let mut keep = Vec::new();
-                        for (epos, mut e) in std::mem::take(list).into_iter().enumerate() {
-                            let slot = held
-                                .entries
-                                .iter()
-                                .find(|(cp, ep, _)| *cp == cpos && *ep == epos)
-                                .map(|(_, _, s)| *s);
-                            match slot
-                                .and_then(|s| emitted.get(s).copied().flatten().map(|ix| (s, ix)))
-                            {
-                                Some((s, ix)) => {
-                                    if let Some(args) = replace.get(&(index, s)) {
-                                        changed = true;
-                                        if !replaced_once.insert((index, s)) {
-                                            continue; // later fragments of a replaced call
-                                        }
-                                        set_arguments(&mut e, args);
-                                    }
-                                    if acc.calls.get(s).is_some_and(|a| a.wire_index != ix) {
-                                        set(&mut e, "index", json!(ix));
-                                        changed = true;
-                                    }
-                                    keep.push(e);
-                                }
-                                None => changed = true,
-                            }
-                        }
-                        *list = keep;
+                        let slots = Slots {
+                            cpos,
+                            entries: &held.entries,
+                            emitted,
+                            acc,
+                            index,
+                        };
+                        changed |= slots.rewrite(list, &replace, &mut replaced_once);
                     }
                     if c.pointer("/delta/function_call").is_some()
                         && emitted.first().copied().flatten().is_none()
@@ -1102,6 +1003,165 @@ fn choice_index(c: &Value) -> Option<u32> {
     c.get("index")
         .and_then(Value::as_u64)
         .and_then(|i| u32::try_from(i).ok())
+}
+
+/// Accumulates one choice of a chunk into its accumulator: role, refusal, each `tool_calls`
+/// entry (into its call slot, `entries` gets `(choice position, entry position, slot)`), a
+/// legacy `function_call`, the finish reason. True when it finishes a choice with calls.
+fn accumulate_choice(
+    acc: &mut ChoiceAcc,
+    cpos: usize,
+    c: &Value,
+    entries: &mut Vec<(usize, usize, usize)>,
+) -> bool {
+    let mut finishes_held_choice = false;
+    if c.pointer("/delta/role").is_some_and(|r| !r.is_null()) {
+        acc.role_seen = true;
+    }
+    if let Some(Value::String(r)) = c.pointer("/delta/refusal") {
+        if !r.is_empty() {
+            acc.refused = true;
+        }
+    }
+    for (epos, e) in c
+        .pointer("/delta/tool_calls")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let wire_index = e.get("index").and_then(Value::as_u64).unwrap_or_default();
+        let id = e
+            .get("id")
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty());
+        let current = acc.calls.iter().rposition(|a| a.wire_index == wire_index);
+        // A new id on an index already in use is a new call (some compatible servers
+        // send parallel calls all on index 0): keep them apart, never glue them.
+        let slot = match (current, id) {
+            (Some(p), Some(id))
+                if acc
+                    .calls
+                    .get(p)
+                    .is_some_and(|a| !a.call.id.is_empty() && a.call.id != id) =>
+            {
+                None
+            }
+            (p, _) => p,
+        };
+        let slot = match slot {
+            Some(p) => p,
+            None => {
+                acc.calls.push(CallAcc {
+                    wire_index,
+                    call: ToolCall {
+                        input: crate::model::CallInput::Json,
+                        id: String::new(),
+                        name: String::new(),
+                        arguments: String::new(),
+                    },
+                });
+                acc.calls.len() - 1
+            }
+        };
+        let Some(CallAcc { call, .. }) = acc.calls.get_mut(slot) else {
+            continue;
+        };
+        if let Some(id) = id {
+            if call.id.is_empty() {
+                call.id = id.to_owned();
+            }
+        }
+        if let Some(n) = e.pointer("/function/name").and_then(Value::as_str) {
+            call.name.push_str(n);
+        }
+        if let Some(a) = e.pointer("/function/arguments").and_then(Value::as_str) {
+            call.arguments.push_str(a);
+        }
+        entries.push((cpos, epos, slot));
+    }
+    if let Some(fc) = c.pointer("/delta/function_call").filter(|v| v.is_object()) {
+        // Legacy `function_call` streaming: one call per choice.
+        if acc.calls.is_empty() {
+            acc.calls.push(CallAcc {
+                wire_index: u64::MAX,
+                call: ToolCall {
+                    input: crate::model::CallInput::Json,
+                    id: "function_call".into(),
+                    name: String::new(),
+                    arguments: String::new(),
+                },
+            });
+        }
+        if let Some(CallAcc { call, .. }) = acc.calls.first_mut() {
+            if let Some(n) = fc.get("name").and_then(Value::as_str) {
+                call.name.push_str(n);
+            }
+            if let Some(a) = fc.get("arguments").and_then(Value::as_str) {
+                call.arguments.push_str(a);
+            }
+        }
+    }
+    if let Some(r) = c.get("finish_reason").and_then(Value::as_str) {
+        acc.finish_reason = Some(r.to_owned());
+        if !acc.calls.is_empty() {
+            acc.finish_held = true;
+            finishes_held_choice = true;
+        }
+    }
+    finishes_held_choice
+}
+
+/// Where one held choice's calls go when released: the chunk's choice position, the held
+/// chunk's `(choice position, entry position, slot)` entries, each slot's emitted index
+/// (`None`: withheld), the choice's accumulator and index.
+struct Slots<'a> {
+    cpos: usize,
+    entries: &'a [(usize, usize, usize)],
+    emitted: &'a [Option<u64>],
+    acc: &'a ChoiceAcc,
+    index: u32,
+}
+
+impl Slots<'_> {
+    /// Rewrites one held choice's `tool_calls` entries: withheld calls dropped, released
+    /// calls renumbered to their emitted index, a replaced call's arguments carried by its
+    /// first fragment only. True when anything changed.
+    fn rewrite(
+        &self,
+        list: &mut Vec<Value>,
+        replace: &BTreeMap<(u32, usize), &str>,
+        replaced_once: &mut std::collections::BTreeSet<(u32, usize)>,
+    ) -> bool {
+        let mut changed = false;
+        let mut keep = Vec::new();
+        for (epos, mut e) in std::mem::take(list).into_iter().enumerate() {
+            let slot = self
+                .entries
+                .iter()
+                .find(|(cp, ep, _)| *cp == self.cpos && *ep == epos)
+                .map(|(_, _, s)| *s);
+            match slot.and_then(|s| self.emitted.get(s).copied().flatten().map(|ix| (s, ix))) {
+                Some((s, ix)) => {
+                    if let Some(args) = replace.get(&(self.index, s)) {
+                        changed = true;
+                        if !replaced_once.insert((self.index, s)) {
+                            continue; // later fragments of a replaced call
+                        }
+                        set_arguments(&mut e, args);
+                    }
+                    if self.acc.calls.get(s).is_some_and(|a| a.wire_index != ix) {
+                        set(&mut e, "index", json!(ix));
+                        changed = true;
+                    }
+                    keep.push(e);
+                }
+                None => changed = true,
+            }
+        }
+        *list = keep;
+        changed
+    }
 }
 
 fn carries_text(chunk: &Value) -> bool {

@@ -177,11 +177,12 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         Some(Value::String(s)) => Some(s.clone()),
         Some(_) => return Err("`previous_response_id` must be a string".into()),
     };
+    let stream = obj.get("stream").and_then(Value::as_bool) == Some(true);
     let mut turn = Turn {
         item_references: Vec::new(),
         api: Api::OpenAiResponses,
         model: str_of(body, "model").map(str::to_owned),
-        stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
+        stream,
         tools: Vec::new(),
         tool_results: Vec::new(),
         max_output_tokens: obj.get("max_output_tokens").and_then(Value::as_u64),
@@ -192,6 +193,9 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
         usage_for_turnguard: false,
         previous_response_id,
         provider_delegations: Vec::new(),
+        // Streamed argument deltas are forwarded as they arrive: this adapter cannot
+        // rewrite them.
+        arguments_fixed: stream,
     };
     if let Some(list) = obj.get("tools").filter(|v| !v.is_null()) {
         let list = list.as_array().ok_or("`tools` must be an array")?;
@@ -226,118 +230,129 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
             turn.round_index = turn.round_index.saturating_add(1);
         }
         in_model_turn = from_model;
-        let at = || format!("input[{i}]");
-        match ty {
-            "message" => {
-                match str_of(item, "role") {
-                    Some("user" | "system" | "developer" | "assistant") => {}
-                    other => turn.untrusted(
-                        UntrustedKind::Unrecognised,
-                        format!(
-                            "input[{i}].role `{}`",
-                            crate::admission::sanitize_label(other.unwrap_or_default())
-                        ),
+        read_item(&mut turn, &mut calls, i, item, ty)?;
+    }
+    Ok(turn)
+}
+
+/// Reads one input item of type `ty` at `input[i]` into the turn: a message's role and
+/// parts, declared tools (`additional_tools`, a client tool search's output), a call, a
+/// client tool's result, an `item_reference` (untrusted until the journal says otherwise),
+/// provider-executed items (untrusted), anything else (untrusted, never skipped).
+///
+/// Errors: a malformed `tools` list, or a tool result without a string `call_id`.
+fn read_item(
+    turn: &mut Turn,
+    calls: &mut CallNames,
+    i: usize,
+    item: &Value,
+    ty: &str,
+) -> Result<(), String> {
+    let at = || format!("input[{i}]");
+    match ty {
+        "message" => {
+            match str_of(item, "role") {
+                Some("user" | "system" | "developer" | "assistant") => {}
+                other => turn.untrusted(
+                    UntrustedKind::Unrecognised,
+                    format!(
+                        "input[{i}].role `{}`",
+                        crate::admission::sanitize_label(other.unwrap_or_default())
                     ),
-                }
-                judge_parts(
-                    &mut turn,
-                    item.get("content"),
-                    &format!("input[{i}].content"),
-                );
+                ),
             }
-            "reasoning" => {}
-            // Tools the host supplies in the conversation (Codex's lite shape): host input,
-            // declared like `tools`, never model output.
-            "additional_tools" => {
-                let list = item
-                    .get("tools")
-                    .and_then(Value::as_array)
-                    .ok_or_else(|| format!("`input[{i}].tools` must be an array"))?;
-                declare_tools(&mut turn, list, None, &format!("input[{i}].tools"))?;
-            }
-            // The result of a tool search the agent ran: the tools it loaded, which the
-            // agent (host) supplies; declared like `tools`.
-            "tool_search_output" if str_of(item, "execution") == Some("client") => {
-                if let Some(call_id) = str_of(item, "call_id") {
-                    turn.tool_results.push(ToolResultSeen {
-                        tool_call_id: call_id.to_owned(),
-                        tool_name: calls.name_of(call_id),
-                        content: item
-                            .get("tools")
-                            .cloned()
-                            .unwrap_or(Value::Null)
-                            .to_string(),
-                        is_error: false,
-                    });
-                }
-                let list = item
-                    .get("tools")
-                    .and_then(Value::as_array)
-                    .ok_or_else(|| format!("`input[{i}].tools` must be an array"))?;
-                declare_tools(&mut turn, list, None, &format!("input[{i}].tools"))?;
-            }
-            _ if item_kind(item) == Kind::Call => {
-                let name = call_name(item);
-                turn.prior_calls.push(name.clone());
-                if let Some(call_id) = str_of(item, "call_id") {
-                    calls.add(&mut turn, call_id, Some(&name), || {
-                        format!("input[{i}].call_id")
-                    });
-                }
-            }
-            t if t
-                .strip_suffix("_output")
-                .is_some_and(|call| CLIENT_CALLS.contains(&call)) =>
-            {
-                let call_id = str_of(item, "call_id")
-                    .ok_or_else(|| format!("`input[{i}]` ({t}) needs a string `call_id`"))?;
+            judge_parts(turn, item.get("content"), &format!("input[{i}].content"));
+        }
+        "reasoning" => {}
+        // Tools the host supplies in the conversation (Codex's lite shape): host input,
+        // declared like `tools`, never model output.
+        "additional_tools" => {
+            let list = item
+                .get("tools")
+                .and_then(Value::as_array)
+                .ok_or_else(|| format!("`input[{i}].tools` must be an array"))?;
+            declare_tools(turn, list, None, &format!("input[{i}].tools"))?;
+        }
+        // The result of a tool search the agent ran: the tools it loaded, which the
+        // agent (host) supplies; declared like `tools`.
+        "tool_search_output" if str_of(item, "execution") == Some("client") => {
+            if let Some(call_id) = str_of(item, "call_id") {
                 turn.tool_results.push(ToolResultSeen {
                     tool_call_id: call_id.to_owned(),
                     tool_name: calls.name_of(call_id),
                     content: item
-                        .get("output")
+                        .get("tools")
                         .cloned()
                         .unwrap_or(Value::Null)
                         .to_string(),
                     is_error: false,
                 });
-                if let Some(Value::Array(_)) = item.get("output") {
-                    judge_parts(&mut turn, item.get("output"), &format!("input[{i}].output"));
-                }
             }
-            // A reference to a stored item the provider fills in, which the proxy cannot read:
-            // untrusted until the trust stage finds it in turnguard's journal as trusted
-            // output (`Turn::resolve_references`).
-            "item_reference" => {
-                match str_of(item, "id").filter(|id| id.chars().count() <= MAX_ITEM_ID) {
-                    Some(id) => {
-                        turn.item_references.push(crate::model::ItemReference {
-                            id: id.to_owned(),
-                            at: at(),
-                        });
-                        turn.untrusted(UntrustedKind::StoredItem, at());
-                    }
-                    None => turn.untrusted(UntrustedKind::ProviderOutput, at()),
-                }
-            }
-            // Provider-executed items echoed back (`web_search_call`, `mcp_call` …) and an
-            // approval that lets the provider run an MCP call: untrusted (contract §F).
-            t if PROVIDER_ITEMS.contains(&t)
-                || matches!(
-                    t,
-                    "mcp_approval_response" | "tool_search_call" | "tool_search_output"
-                ) =>
-            {
-                turn.untrusted(UntrustedKind::ProviderOutput, at());
-            }
-            // Anything else is an item turnguard does not know: untrusted, never skipped.
-            t => turn.untrusted(
-                UntrustedKind::Unrecognised,
-                format!("input[{i}].type `{}`", crate::admission::sanitize_label(t)),
-            ),
+            let list = item
+                .get("tools")
+                .and_then(Value::as_array)
+                .ok_or_else(|| format!("`input[{i}].tools` must be an array"))?;
+            declare_tools(turn, list, None, &format!("input[{i}].tools"))?;
         }
+        _ if item_kind(item) == Kind::Call => {
+            let name = call_name(item);
+            turn.prior_calls.push(name.clone());
+            if let Some(call_id) = str_of(item, "call_id") {
+                calls.add(turn, call_id, Some(&name), || format!("input[{i}].call_id"));
+            }
+        }
+        t if t
+            .strip_suffix("_output")
+            .is_some_and(|call| CLIENT_CALLS.contains(&call)) =>
+        {
+            let call_id = str_of(item, "call_id")
+                .ok_or_else(|| format!("`input[{i}]` ({t}) needs a string `call_id`"))?;
+            turn.tool_results.push(ToolResultSeen {
+                tool_call_id: call_id.to_owned(),
+                tool_name: calls.name_of(call_id),
+                content: item
+                    .get("output")
+                    .cloned()
+                    .unwrap_or(Value::Null)
+                    .to_string(),
+                is_error: false,
+            });
+            if let Some(Value::Array(_)) = item.get("output") {
+                judge_parts(turn, item.get("output"), &format!("input[{i}].output"));
+            }
+        }
+        // A reference to a stored item the provider fills in, which the proxy cannot read:
+        // untrusted until the trust stage finds it in turnguard's journal as trusted
+        // output (`Turn::resolve_references`).
+        "item_reference" => {
+            match str_of(item, "id").filter(|id| id.chars().count() <= MAX_ITEM_ID) {
+                Some(id) => {
+                    turn.item_references.push(crate::model::ItemReference {
+                        id: id.to_owned(),
+                        at: at(),
+                    });
+                    turn.untrusted(UntrustedKind::StoredItem, at());
+                }
+                None => turn.untrusted(UntrustedKind::ProviderOutput, at()),
+            }
+        }
+        // Provider-executed items echoed back (`web_search_call`, `mcp_call` …) and an
+        // approval that lets the provider run an MCP call: untrusted (contract §F).
+        t if PROVIDER_ITEMS.contains(&t)
+            || matches!(
+                t,
+                "mcp_approval_response" | "tool_search_call" | "tool_search_output"
+            ) =>
+        {
+            turn.untrusted(UntrustedKind::ProviderOutput, at());
+        }
+        // Anything else is an item turnguard does not know: untrusted, never skipped.
+        t => turn.untrusted(
+            UntrustedKind::Unrecognised,
+            format!("input[{i}].type `{}`", crate::admission::sanitize_label(t)),
+        ),
     }
-    Ok(turn)
+    Ok(())
 }
 
 /// Declares the tools of a tool list (`tools`, an `additional_tools` input item's `tools`, a
@@ -1316,47 +1331,8 @@ impl ResponsesStream {
                     .and_then(Value::as_str)
                     .map(str::to_owned);
             }
-            "response.output_item.added" => {
-                let Some(ix) = j.get("output_index").and_then(Value::as_u64) else {
-                    self.violate(
-                        "a `response.output_item.added` without an integer `output_index`".into(),
-                    );
-                    return false;
-                };
-                if self.items.contains_key(&ix) {
-                    self.violate(format!("a second item added at output_index {ix}"));
-                    return false;
-                }
-                let item = j.get("item").unwrap_or(&Value::Null);
-                if let Some(other) = str_of(item, "id").and_then(|id| self.by_id.get(id).copied()) {
-                    if other != ix {
-                        self.violate(format!("one item id at output_index {other} and {ix}"));
-                        return false;
-                    }
-                }
-                let kind = item_kind(item);
-                if kind == Kind::Provider {
-                    note_provider_item(&mut self.provider_items, item);
-                }
-                let dropped = kind == Kind::Call && self.decided;
-                if let Some(id) = str_of(item, "id") {
-                    self.by_id.insert(id.to_owned(), ix);
-                }
-                self.items.insert(
-                    ix,
-                    Item {
-                        call: (kind == Kind::Call).then(|| CallAcc::from_item(item)),
-                        dropped,
-                    },
-                );
-                if dropped {
-                    // Fail closed: a call after the decision point is never released.
-                    return false;
-                }
-                if kind == Kind::Call {
-                    self.holding = true;
-                }
-            }
+            // Kept when added (a call added after the decision point is dropped there).
+            "response.output_item.added" => return self.item_added(j),
             "response.function_call_arguments.delta" | "response.custom_tool_call_input.delta" => {
                 let delta = str_of(j, "delta").unwrap_or_default().to_owned();
                 if let Some(call) = self.call_for(j, None) {
@@ -1399,38 +1375,7 @@ impl ResponsesStream {
             {
                 self.refused = true;
             }
-            k if TERMINAL.contains(&k) && !self.decided => {
-                let response = j.get("response").cloned().unwrap_or(Value::Null);
-                if self.response_id.is_none() {
-                    self.response_id = str_of(&response, "id").map(str::to_owned);
-                }
-                for item in output_items(&response) {
-                    note_provider_item(&mut self.provider_items, item);
-                    if item_kind(item) != Kind::Call {
-                        continue;
-                    }
-                    let call_id = str_of(item, "call_id");
-                    let known = self
-                        .items
-                        .values_mut()
-                        .filter_map(|i| i.call.as_mut())
-                        .find(|c| {
-                            (c.item_id.is_some() && c.item_id.as_deref() == str_of(item, "id"))
-                                || (call_id.is_some() && Some(c.call_id.as_str()) == call_id)
-                        });
-                    match known {
-                        Some(call) => call.absorb(item),
-                        None => {
-                            // A call the stream never showed: admit it too (fail closed).
-                            let mut call = CallAcc::from_item(item);
-                            call.absorb(item);
-                            self.unstreamed.push(call);
-                            self.holding = true;
-                        }
-                    }
-                }
-                self.terminal = Some(Terminal { response });
-            }
+            k if TERMINAL.contains(&k) && !self.decided => self.terminal_seen(j),
             _ => {}
         }
         // Events of a call that arrived after the decision point.
@@ -1438,6 +1383,86 @@ impl ResponsesStream {
             .item_of(j)
             .and_then(|ix| self.items.get(&ix))
             .is_some_and(|i| i.dropped)
+    }
+
+    /// `response.output_item.added`: the item at its `output_index` (unique index and id, or
+    /// a violation), provider items noted, calls start holding; `false` when the event must
+    /// be dropped (a violation, or a call after the decision point: fail closed).
+    fn item_added(&mut self, j: &Value) -> bool {
+        let Some(ix) = j.get("output_index").and_then(Value::as_u64) else {
+            self.violate("a `response.output_item.added` without an integer `output_index`".into());
+            return false;
+        };
+        if self.items.contains_key(&ix) {
+            self.violate(format!("a second item added at output_index {ix}"));
+            return false;
+        }
+        let item = j.get("item").unwrap_or(&Value::Null);
+        if let Some(other) = str_of(item, "id").and_then(|id| self.by_id.get(id).copied()) {
+            if other != ix {
+                self.violate(format!("one item id at output_index {other} and {ix}"));
+                return false;
+            }
+        }
+        let kind = item_kind(item);
+        if kind == Kind::Provider {
+            note_provider_item(&mut self.provider_items, item);
+        }
+        let dropped = kind == Kind::Call && self.decided;
+        if let Some(id) = str_of(item, "id") {
+            self.by_id.insert(id.to_owned(), ix);
+        }
+        self.items.insert(
+            ix,
+            Item {
+                call: (kind == Kind::Call).then(|| CallAcc::from_item(item)),
+                dropped,
+            },
+        );
+        if dropped {
+            // Fail closed: a call after the decision point is never released.
+            return false;
+        }
+        if kind == Kind::Call {
+            self.holding = true;
+        }
+        true
+    }
+
+    /// A terminal event before the decision: the response id, provider items, and every
+    /// call of the final response absorbed into the one the stream showed (a call the
+    /// stream never showed is admitted too: fail closed).
+    fn terminal_seen(&mut self, j: &Value) {
+        let response = j.get("response").cloned().unwrap_or(Value::Null);
+        if self.response_id.is_none() {
+            self.response_id = str_of(&response, "id").map(str::to_owned);
+        }
+        for item in output_items(&response) {
+            note_provider_item(&mut self.provider_items, item);
+            if item_kind(item) != Kind::Call {
+                continue;
+            }
+            let call_id = str_of(item, "call_id");
+            let known = self
+                .items
+                .values_mut()
+                .filter_map(|i| i.call.as_mut())
+                .find(|c| {
+                    (c.item_id.is_some() && c.item_id.as_deref() == str_of(item, "id"))
+                        || (call_id.is_some() && Some(c.call_id.as_str()) == call_id)
+                });
+            match known {
+                Some(call) => call.absorb(item),
+                None => {
+                    // A call the stream never showed: admit it too (fail closed).
+                    let mut call = CallAcc::from_item(item);
+                    call.absorb(item);
+                    self.unstreamed.push(call);
+                    self.holding = true;
+                }
+            }
+        }
+        self.terminal = Some(Terminal { response });
     }
 
     /// Sends one event, renumbering its `sequence_number` once any event was dropped or

@@ -576,91 +576,111 @@ async fn run(
             &mut relay,
         )
         .await;
-        let (state, error) = match &end {
-            RoundEnd::Repair(..) => (RoundState::Repaired, None),
-            RoundEnd::Done(s, e) => (*s, e.clone()),
-            RoundEnd::ClientGone => (
-                RoundState::ClientGone,
-                Some("the agent closed the stream".to_owned()),
-            ),
-        };
-        let secrets = pipeline.decided.iter().any(|(_, v)| super::has_secrets(v));
-        record(&session, &base, &pipeline, capture, state, error, secrets).await;
-        if state == RoundState::Ok {
-            let calls: Vec<_> = pipeline
-                .decided
-                .iter()
-                .flat_map(|(r, v)| session.served_calls(r, v))
-                .collect();
-            // Over the record cap the body is kept as a digest only, but the released calls are
-            // still recorded, so a re-sent round finds them in doubt.
-            let body = agent.recorded(&session.policy.redactor);
-            let body = if secrets { body.withheld() } else { body };
-            // Its claims were confirmed when the calls left (above): none to fence here.
-            let _ = session
-                .record_served(200, "text/event-stream", body, calls, Vec::new())
-                .await;
-        }
+        finish_round(&session, &base, &pipeline, capture, &end, &agent).await;
         let RoundEnd::Repair(next, how) = end else {
             return;
         };
         session.body = next;
         session.count_repair();
-        let mut out = Vec::new();
-        let sent = session.send().await;
-        let next_coding = sent
-            .as_ref()
-            .ok()
-            .map(|r| upstream::content_coding(r.headers()));
-        match sent {
-            Ok(resp)
-                if resp.status().is_success()
-                    && super::is_event_stream(resp.headers())
-                    && matches!(next_coding, Some(Ok(_))) =>
-            {
-                base = session.base(resp.status().as_u16());
-                body = resp.into_body();
-                splice = Some(how);
-                coding = match next_coding {
-                    Some(Ok(c)) => c,
-                    _ => upstream::ContentCoding::Identity,
-                };
-            }
-            Ok(resp) => {
-                let status = resp.status().as_u16();
-                let content_type = resp
-                    .headers()
-                    .get(http::header::CONTENT_TYPE)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("none")
-                    .chars()
-                    .take(80)
-                    .collect::<String>();
-                count(&session, UpstreamError::RepairRoundFailed);
-                let why = if let Some(Err(e)) = &next_coding {
-                    e.clone()
-                } else if resp.status().is_success() {
-                    format!("the repair round's answer is not an event stream (HTTP {status}, content-type {content_type})")
-                } else {
-                    format!("the repair round failed upstream with HTTP {status}")
-                };
-                let mut p =
-                    Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
-                p.adapter.fail("turnguard.repair_failed", &why, &mut out);
-                agent.send_all(&mut out).await;
-                return;
-            }
-            Err(e) => {
-                count(&session, UpstreamError::RepairRoundFailed);
-                let mut p =
-                    Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
-                p.adapter
-                    .fail("turnguard.repair_failed", &e.to_string(), &mut out);
-                agent.send_all(&mut out).await;
-                return;
+        let Some((next_base, next_body, next_coding)) =
+            repair_round(&mut session, &mut agent).await
+        else {
+            return;
+        };
+        base = next_base;
+        body = next_body;
+        coding = next_coding;
+        splice = Some(how);
+    }
+}
+
+/// Journals a round that ended: the round itself, and for a clean end the served record of
+/// what the agent received (over the record cap the body is kept as a digest only, but the
+/// released calls are still recorded, so a re-sent round finds them in doubt).
+async fn finish_round(
+    session: &Session,
+    base: &RoundBase,
+    pipeline: &Pipeline,
+    capture: Capture,
+    end: &RoundEnd,
+    agent: &ToAgent,
+) {
+    let (state, error) = match end {
+        RoundEnd::Repair(..) => (RoundState::Repaired, None),
+        RoundEnd::Done(s, e) => (*s, e.clone()),
+        RoundEnd::ClientGone => (
+            RoundState::ClientGone,
+            Some("the agent closed the stream".to_owned()),
+        ),
+    };
+    let secrets = pipeline.decided.iter().any(|(_, v)| super::has_secrets(v));
+    record(session, base, pipeline, capture, state, error, secrets).await;
+    if state == RoundState::Ok {
+        let calls: Vec<_> = pipeline
+            .decided
+            .iter()
+            .flat_map(|(r, v)| session.served_calls(r, v))
+            .collect();
+        let body = agent.recorded(&session.policy.redactor);
+        let body = if secrets { body.withheld() } else { body };
+        // Its claims were confirmed when the calls left: none to fence here.
+        let _ = session
+            .record_served(200, "text/event-stream", body, calls, Vec::new())
+            .await;
+    }
+}
+
+/// Sends the repair round upstream: its base, body and coding when it answers with an event
+/// stream turnguard can decode; otherwise the agent's stream ends with the provider-shaped
+/// `turnguard.repair_failed` error and `None`.
+async fn repair_round(
+    session: &mut Session,
+    agent: &mut ToAgent,
+) -> Option<(RoundBase, Incoming, upstream::ContentCoding)> {
+    let sent = session.send().await;
+    let next_coding = sent
+        .as_ref()
+        .ok()
+        .map(|r| upstream::content_coding(r.headers()));
+    let why = match sent {
+        Ok(resp)
+            if resp.status().is_success()
+                && super::is_event_stream(resp.headers())
+                && matches!(next_coding, Some(Ok(_))) =>
+        {
+            let base = session.base(resp.status().as_u16());
+            let coding = match next_coding {
+                Some(Ok(c)) => c,
+                _ => upstream::ContentCoding::Identity,
+            };
+            return Some((base, resp.into_body(), coding));
+        }
+        Ok(resp) => {
+            let status = resp.status().as_u16();
+            let content_type = resp
+                .headers()
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("none")
+                .chars()
+                .take(80)
+                .collect::<String>();
+            if let Some(Err(e)) = &next_coding {
+                e.clone()
+            } else if resp.status().is_success() {
+                format!("the repair round's answer is not an event stream (HTTP {status}, content-type {content_type})")
+            } else {
+                format!("the repair round failed upstream with HTTP {status}")
             }
         }
-    }
+        Err(e) => e.to_string(),
+    };
+    count(session, UpstreamError::RepairRoundFailed);
+    let mut out = Vec::new();
+    let mut p = Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
+    p.adapter.fail("turnguard.repair_failed", &why, &mut out);
+    agent.send_all(&mut out).await;
+    None
 }
 
 /// The agent's side of the relay: the channel and a copy of what was sent (for the served

@@ -138,3 +138,87 @@ async fn secrets_are_stripped_from_calls_to_egress_tools_only() {
         "the call is released: {text}"
     );
 }
+
+/// A streamed Responses answer's argument deltas cannot be rewritten (the adapter says so:
+/// `Turn::arguments_fixed`), so a call that must have a secret stripped before an egress tool
+/// is refused (`strip_unsupported`, fail closed): no fragment of the key reaches the agent.
+/// The same call in a JSON Responses answer is released with the secret stripped.
+#[tokio::test]
+async fn a_streamed_responses_call_that_needs_stripping_is_refused() {
+    let h = support::start_with_policy(Script::default(), "policy-strip").await;
+    let args = json!({"url": "https://hooks.example/x", "token": KEY}).to_string();
+    let (a, b) = args.split_at(args.find("sk-proj").unwrap() + 10);
+    let item = json!({"type": "function_call", "id": "fc_1", "call_id": "call_r1", "name": "post_webhook", "arguments": "", "status": "in_progress"});
+    let done_item = json!({"type": "function_call", "id": "fc_1", "call_id": "call_r1", "name": "post_webhook", "arguments": args, "status": "completed"});
+    let response = |status: &str, output: Value| json!({"id": "resp_s", "object": "response", "created_at": 1, "status": status, "model": "m", "output": output});
+    let ev = |seq: u64, mut v: Value| {
+        v.as_object_mut()
+            .unwrap()
+            .insert("sequence_number".into(), json!(seq));
+        let ty = v["type"].as_str().unwrap().to_owned();
+        format!("event: {ty}\ndata: {v}")
+    };
+    let stream = vec![
+        ev(
+            0,
+            json!({"type": "response.created", "response": response("in_progress", json!([]))}),
+        ),
+        ev(
+            1,
+            json!({"type": "response.output_item.added", "output_index": 0, "item": item}),
+        ),
+        ev(
+            2,
+            json!({"type": "response.function_call_arguments.delta", "item_id": "fc_1", "output_index": 0, "delta": a}),
+        ),
+        ev(
+            3,
+            json!({"type": "response.function_call_arguments.delta", "item_id": "fc_1", "output_index": 0, "delta": b}),
+        ),
+        ev(
+            4,
+            json!({"type": "response.function_call_arguments.done", "item_id": "fc_1", "output_index": 0, "arguments": args}),
+        ),
+        ev(
+            5,
+            json!({"type": "response.output_item.done", "output_index": 0, "item": done_item}),
+        ),
+        ev(
+            6,
+            json!({"type": "response.completed", "response": response("completed", json!([done_item]))}),
+        ),
+    ];
+    h.script(&json!({"responses": [
+        {"sse": stream},
+        {"json": response("completed", json!([done_item]))}
+    ]}))
+    .await;
+    let url = format!("{}/v1/responses", h.url());
+    let request = |stream: bool| {
+        json!({"model": "m", "stream": stream, "input": "go",
+            "tools": [{"type": "function", "name": "post_webhook", "parameters": {"type": "object"}}]})
+    };
+
+    let (_, _, body) = post_raw(&url, request(true).to_string().into(), &[]).await;
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        !text.contains("0123456789abcdef"),
+        "no fragment of the key is released: {text}"
+    );
+    assert!(
+        !text.contains("\"call_r1\""),
+        "the call is not released: {text}"
+    );
+    assert!(
+        text.contains("refused at the redaction stage (strip_unsupported)"),
+        "the agent is told why: {text}"
+    );
+
+    let (_, _, body) = post_raw(&url, request(false).to_string().into(), &[]).await;
+    let text = String::from_utf8_lossy(&body);
+    assert!(!text.contains(KEY), "{text}");
+    assert!(
+        text.contains("call_r1"),
+        "the JSON answer's call is released, stripped: {text}"
+    );
+}
