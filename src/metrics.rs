@@ -842,6 +842,26 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts one decided call in `turnguard_tool_calls_total`. `known`: the catalog lists
+    /// `d.tool_id` (else the label is `turnguard:unknown`, keeping the set bounded).
+    pub fn count_call(&self, d: &crate::model::Decision, known: bool, surface: CallSurface) {
+        let tool = if known {
+            d.tool_id.as_str()
+        } else {
+            crate::policy::rules::UNKNOWN_TOOL_ID
+        };
+        self.tool_calls
+            .get_or_create(&CallLabels {
+                outcome: d.outcome,
+                stage: d.stage,
+                channel: "tool",
+                mode: CallMode::of(d.enforced),
+                tool: self.tool_label(tool),
+                surface,
+            })
+            .inc();
+    }
+
     /// The interned `tool` label for a catalog `toolId`: the first use of an id allocates,
     /// every later one clones an `Arc`. Only catalog ids (and `turnguard:unknown`) are
     /// passed, so the set is bounded by the catalogs loaded.

@@ -56,7 +56,7 @@ use crate::journal::{
     CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RoundState, TicketRow,
     ToolResultRecord,
 };
-use crate::metrics::{CallLabels, ReplayLabels, ReplayMode, ReplayResult};
+use crate::metrics::{ReplayLabels, ReplayMode, ReplayResult};
 use crate::model::{
     Api, ChoiceEmissions, Completion, CompletionState, Decision, DeclaredTool, Outcome, Stage,
     ToolCall, Turn,
@@ -480,24 +480,11 @@ impl McpCall {
     /// of one that runs appends its own when it is recorded).
     pub async fn account(&self, d: &Decision, exec: &Exec, withheld: bool) {
         let state = &self.front.state;
-        state
-            .metrics
-            .tool_calls
-            .get_or_create(&CallLabels {
-                outcome: d.outcome,
-                stage: d.stage,
-                channel: "tool",
-                mode: crate::metrics::CallMode::of(d.enforced),
-                tool: state.metrics.tool_label(
-                    if self.policy.catalog.by_id(&d.tool_id).is_some() {
-                        &d.tool_id
-                    } else {
-                        crate::policy::rules::UNKNOWN_TOOL_ID
-                    },
-                ),
-                surface: crate::metrics::CallSurface::Mcp,
-            })
-            .inc();
+        state.metrics.count_call(
+            d,
+            self.policy.catalog.by_id(&d.tool_id).is_some(),
+            crate::metrics::CallSurface::Mcp,
+        );
         let tool_name = admission::sanitize_label(&self.name);
         if d.outcome != Outcome::Executed || !d.enforced {
             tracing::info!(

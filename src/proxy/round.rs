@@ -10,7 +10,7 @@ use crate::admission::{self, AdmitCtx};
 use crate::approvals::Approval;
 use crate::clock::{now_ms, AGENT_ID};
 use crate::journal::{CallRecord, Claim, EffectClaim, EventRecord};
-use crate::metrics::{CallLabels, RepairLabels};
+use crate::metrics::RepairLabels;
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Outcome, Stage, Surfacing};
 use crate::provider;
 use crate::request::Session;
@@ -252,24 +252,11 @@ impl Session {
         let principal = self.person.as_deref().unwrap_or(AGENT_ID);
         for (choice, verdict) in round.iter().zip(verdicts) {
             for (call, d) in choice.calls.iter().zip(&verdict.decisions) {
-                self.state
-                    .metrics
-                    .tool_calls
-                    .get_or_create(&CallLabels {
-                        outcome: d.outcome,
-                        stage: d.stage,
-                        channel: "tool",
-                        mode: crate::metrics::CallMode::of(d.enforced),
-                        tool: self.state.metrics.tool_label(
-                            if self.policy.catalog.by_id(&d.tool_id).is_some() {
-                                &d.tool_id
-                            } else {
-                                crate::policy::rules::UNKNOWN_TOOL_ID
-                            },
-                        ),
-                        surface: crate::metrics::CallSurface::Llm,
-                    })
-                    .inc();
+                self.state.metrics.count_call(
+                    d,
+                    self.policy.catalog.by_id(&d.tool_id).is_some(),
+                    crate::metrics::CallSurface::Llm,
+                );
                 let tool_name = admission::sanitize_label(&call.name);
                 if d.outcome != Outcome::Executed || !d.enforced {
                     // One line per decision that is not a plain release (never arguments,
