@@ -7,7 +7,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::admission::{self, AdmitCtx, LimitState, SchemaCache};
-use crate::model::{Api, ChoiceVerdict, Turn};
+use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Surfacing, Turn};
 use crate::policy::{bundle, CompiledPolicy};
 use crate::provider;
 use crate::reload::{self, LoadError};
@@ -68,7 +68,7 @@ pub fn admit_pair(
     request: &Value,
     response: &Value,
     person: Option<&str>,
-) -> Result<(Turn, Vec<(crate::model::ChoiceEmissions, ChoiceVerdict)>), String> {
+) -> Result<(Turn, Vec<(ChoiceEmissions, ChoiceVerdict)>), String> {
     let turn = provider::parse_request(api, request).map_err(|e| format!("request: {e}"))?;
     // Offline there is no journal: a turn continuing a stored response is untrusted.
     let trust = admission::trust::of_turn(&turn, policy, &[]);
@@ -168,8 +168,10 @@ fn run_case(policy: &CompiledPolicy, case: &bundle::TestCase) -> Result<(), Stri
     Ok(())
 }
 
-/// `policy explain --request R --response S [--policy DIR] [--api A]`: every stage's
-/// decision for every call, and which Cedar rules decided.
+/// `policy explain --request R --response S [--policy DIR] [--api A] [--principal SUB]`:
+/// every stage's decision for every call, and which Cedar rules decided. The API is `api`
+/// when given, else read from the response's shape; `person` is the acting person (`sub`).
+/// Exit 1, with the problem as the text, when the bundle, a file or the pair cannot be read.
 pub fn explain(
     policy_dir: &Path,
     api: Option<&str>,
@@ -177,57 +179,30 @@ pub fn explain(
     response: &Path,
     person: Option<&str>,
 ) -> Report {
-    let policy = match reload::load(policy_dir) {
-        Ok(p) => p,
-        Err(LoadError::Invalid(errors)) => {
-            return Report {
-                text: errors.iter().map(|e| format!("{e}\n")).collect(),
-                code: 1,
-            };
-        }
-        Err(e) => {
-            return Report {
-                text: format!("{e}\n"),
-                code: 1,
-            }
-        }
-    };
-    let read = |p: &Path| -> Result<Value, String> {
-        let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
-        serde_json::from_str(&text).map_err(|e| format!("{}: not JSON: {e}", p.display()))
-    };
-    let (req, resp) = match (read(request), read(response)) {
-        (Ok(a), Ok(b)) => (a, b),
-        (Err(e), _) | (_, Err(e)) => {
-            return Report {
-                text: format!("{e}\n"),
-                code: 1,
-            }
-        }
-    };
-    let api = match api {
-        Some(a) => match Api::from_label(a) {
-            Some(a) => a,
-            None => {
-                return Report {
-                    text: format!("unknown api `{a}` (openai_chat, anthropic_messages)\n"),
-                    code: 1,
-                }
-            }
-        },
-        // A Messages request has `max_tokens` and content blocks; Chat has `choices` in the response.
-        None if resp.get("choices").is_some() => Api::OpenAiChat,
-        None => Api::AnthropicMessages,
-    };
-    let (turn, choices) = match admit_pair(&policy, api, &req, &resp, person) {
-        Ok(x) => x,
-        Err(e) => {
-            return Report {
-                text: format!("{e}\n"),
-                code: 1,
-            }
-        }
-    };
+    match explain_text(policy_dir, api, request, response, person) {
+        Ok(text) => Report { text, code: 0 },
+        Err(text) => Report { text, code: 1 },
+    }
+}
+
+/// The `explain` report, or the first problem's text.
+fn explain_text(
+    policy_dir: &Path,
+    api: Option<&str>,
+    request: &Path,
+    response: &Path,
+    person: Option<&str>,
+) -> Result<String, String> {
+    let policy = reload::load(policy_dir).map_err(|e| match e {
+        LoadError::Invalid(errors) => errors.iter().map(|e| format!("{e}\n")).collect(),
+        e => format!("{e}\n"),
+    })?;
+    // Both files are read before either's problem is reported (the request's first).
+    let (req, resp) = (read_json(request), read_json(response));
+    let (req, resp) = (req?, resp?);
+    let api = explain_api(api, &resp)?;
+    let (turn, choices) =
+        admit_pair(&policy, api, &req, &resp, person).map_err(|e| format!("{e}\n"))?;
     let mut text = String::new();
     let _ = writeln!(
         text,
@@ -241,64 +216,101 @@ pub fn explain(
         let _ = writeln!(text, "the response has no tool call");
     }
     for (c, v) in &choices {
+        explain_choice(&mut text, &policy, c, v, person);
+    }
+    Ok(text)
+}
+
+/// A JSON file's value, or the problem (naming the file) as a report line.
+fn read_json(path: &Path) -> Result<Value, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}\n", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{}: not JSON: {e}\n", path.display()))
+}
+
+/// The API of the pair: the `--api` label, else `openai_chat` when the response has
+/// `choices` and `anthropic_messages` otherwise.
+fn explain_api(label: Option<&str>, response: &Value) -> Result<Api, String> {
+    match label {
+        Some(a) => Api::from_label(a)
+            .ok_or_else(|| format!("unknown api `{a}` (openai_chat, anthropic_messages)\n")),
+        // A Messages request has `max_tokens` and content blocks; Chat has `choices` in the response.
+        None if response.get("choices").is_some() => Ok(Api::OpenAiChat),
+        None => Ok(Api::AnthropicMessages),
+    }
+}
+
+/// Appends one choice: its completion, each call with its stages, rules and `argsHash`,
+/// and how it surfaces.
+fn explain_choice(
+    text: &mut String,
+    policy: &CompiledPolicy,
+    c: &ChoiceEmissions,
+    v: &ChoiceVerdict,
+    person: Option<&str>,
+) {
+    let _ = writeln!(
+        text,
+        "choice {} (completion {}: {})",
+        c.choice,
+        c.completion.state.as_str(),
+        c.completion.reason
+    );
+    for (i, (call, d)) in c.calls.iter().zip(&v.decisions).enumerate() {
         let _ = writeln!(
             text,
-            "choice {} (completion {}: {})",
-            c.choice,
-            c.completion.state.as_str(),
-            c.completion.reason
+            "  call {i} `{}` id {} → {} at {} ({}){}",
+            admission::sanitize_label(&call.name),
+            admission::sanitize_label(&call.id),
+            d.outcome.as_str(),
+            d.stage.as_str(),
+            d.reason,
+            if d.enforced {
+                ""
+            } else {
+                " [shadow: released anyway]"
+            }
         );
-        for (i, (call, d)) in c.calls.iter().zip(&v.decisions).enumerate() {
-            let _ = writeln!(
-                text,
-                "  call {i} `{}` id {} → {} at {} ({}){}",
-                admission::sanitize_label(&call.name),
-                admission::sanitize_label(&call.id),
-                d.outcome.as_str(),
-                d.stage.as_str(),
-                d.reason,
-                if d.enforced {
-                    ""
-                } else {
-                    " [shadow: released anyway]"
-                }
-            );
-            for (stage, note) in &d.trace {
-                let _ = writeln!(text, "    {:<13} {note}", stage.as_str());
-            }
-            if !d.rules.is_empty() {
-                for r in &d.rules {
-                    let at = policy
-                        .rules
-                        .meta(r)
-                        .map(|m| format!(" ({}:{})", m.file, m.line))
-                        .unwrap_or_default();
-                    let _ = writeln!(text, "    rule          {r}{at}");
-                }
-            }
-            if let Some(h) = &d.args_hash {
-                let _ = writeln!(text, "    argsHash      {h}");
-            }
+        for (stage, note) in &d.trace {
+            let _ = writeln!(text, "    {:<13} {note}", stage.as_str());
         }
-        let surfacing = match &v.surfacing {
-            crate::model::Surfacing::Release => "release".to_owned(),
-            crate::model::Surfacing::Drop => "drop the withheld calls, release the rest".to_owned(),
-            crate::model::Surfacing::EndTurn(_) => "end-turn".to_owned(),
-            crate::model::Surfacing::Repair(items) => {
-                format!("repair round with {} host-authored result(s)", items.len())
-            }
-            crate::model::Surfacing::Error(e) => format!("error {} {}", e.status, e.code),
-            crate::model::Surfacing::Wait if person.is_none() => {
-                "refuse at once: no acting person (`--principal`) could approve it (`no_approver`)"
-                    .to_owned()
-            }
-            crate::model::Surfacing::Wait => {
-                "wait for the acting person's approval (then release, or refuse)".to_owned()
-            }
-        };
-        let _ = writeln!(text, "  surfaced as: {surfacing}");
+        for r in &d.rules {
+            let at = policy
+                .rules
+                .meta(r)
+                .map(|m| format!(" ({}:{})", m.file, m.line))
+                .unwrap_or_default();
+            let _ = writeln!(text, "    rule          {r}{at}");
+        }
+        if let Some(h) = &d.args_hash {
+            let _ = writeln!(text, "    argsHash      {h}");
+        }
     }
-    Report { text, code: 0 }
+    let _ = writeln!(
+        text,
+        "  surfaced as: {}",
+        surfacing_text(&v.surfacing, person)
+    );
+}
+
+/// How a choice's withheld calls reach the agent, in words (`Wait` with no acting person
+/// is refused at once: nobody could approve).
+fn surfacing_text(surfacing: &Surfacing, person: Option<&str>) -> String {
+    match surfacing {
+        Surfacing::Release => "release".to_owned(),
+        Surfacing::Drop => "drop the withheld calls, release the rest".to_owned(),
+        Surfacing::EndTurn(_) => "end-turn".to_owned(),
+        Surfacing::Repair(items) => {
+            format!("repair round with {} host-authored result(s)", items.len())
+        }
+        Surfacing::Error(e) => format!("error {} {}", e.status, e.code),
+        Surfacing::Wait if person.is_none() => {
+            "refuse at once: no acting person (`--principal`) could approve it (`no_approver`)"
+                .to_owned()
+        }
+        Surfacing::Wait => {
+            "wait for the acting person's approval (then release, or refuse)".to_owned()
+        }
+    }
 }
 
 /// `policy schema [--write DIR]`: the generated JSON Schemas of the bundle formats.

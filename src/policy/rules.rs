@@ -109,143 +109,40 @@ pub enum Authz {
 }
 
 impl Rules {
-    /// Parses and validates every `rules/*.cedar` file against the catalog.
+    /// Parses and validates every `rules/*.cedar` file against the catalog (`files`:
+    /// bundle-relative path → text): each statement is parsed with its `@id` and
+    /// `@outcome`, then validated in Cedar strict mode against the schema of the one tool it
+    /// is scoped to, or the generic schema (the module docs give the rules).
     ///
-    /// Errors: one [`PolicyError`] per problem, each naming file, line and rule.
+    /// Errors: one [`PolicyError`] per problem, each naming file, line and rule; every rule
+    /// is checked, so one run reports them all.
     pub fn compile(
         files: &[(String, String)],
         catalog: &Catalog,
     ) -> Result<Self, Vec<PolicyError>> {
         let mut errors = Vec::new();
-        let generic = match Schema::from_json_value(cedar_schema(catalog, None)) {
-            Ok(s) => s,
-            Err(e) => {
-                return Err(vec![PolicyError::bundle(format!(
-                    "the catalog does not make a Cedar schema: {e}"
-                ))]);
-            }
-        };
-        let mut per_tool: HashMap<String, Schema> = HashMap::new();
-        for tool in catalog.tools() {
-            match Schema::from_json_value(cedar_schema(catalog, Some(tool))) {
-                Ok(s) => {
-                    per_tool.insert(tool.descriptor.tool_id.clone(), s);
-                }
-                Err(e) => errors.push(PolicyError::at(
-                    &tool.file,
-                    None,
-                    format!(
-                        "tool `{}`: its inputSchema does not map to Cedar types: {e}",
-                        tool.descriptor.tool_id
-                    ),
-                )),
-            }
-        }
+        let schemas = Schemas::of(catalog, &mut errors).map_err(|e| vec![e])?;
         let mut policies = PolicySet::new();
         let mut meta = HashMap::new();
         for (file, text) in files {
             for chunk in split_statements(text) {
-                let line = line_of(text, chunk.start);
-                let src = &text[chunk.start..chunk.end];
-                let parsed = match Policy::parse(None, src) {
-                    Ok(p) => p,
+                let statement = Statement { file, text, chunk };
+                let rule = match statement.compile(&schemas) {
+                    Ok(rule) => rule,
                     Err(e) => {
-                        let at = first_label(&e)
-                            .map(|o| line_of(text, chunk.start + o))
-                            .unwrap_or(line);
-                        errors.push(PolicyError::at(
-                            file,
-                            Some(at),
-                            format!("Cedar syntax: {e}"),
-                        ));
+                        errors.extend(e);
                         continue;
                     }
                 };
-                let label = parsed
-                    .annotation("id")
-                    .map(str::to_owned)
-                    .unwrap_or_else(|| format!("{file}:{line}"));
-                let hold = match parsed.annotation("outcome") {
-                    None | Some("refuse") => false,
-                    Some("hold") => true,
-                    Some(other) => {
-                        errors.push(PolicyError::rule(
-                            file,
-                            line,
-                            &label,
-                            format!("@outcome(\"{other}\") is not `hold` or `refuse`"),
-                        ));
-                        continue;
-                    }
-                };
-                if hold && parsed.effect() != cedar_policy::Effect::Forbid {
-                    errors.push(PolicyError::rule(
-                        file,
-                        line,
-                        &label,
-                        "@outcome(\"hold\") only means something on a forbid rule".into(),
+                if policies.add(rule.policy).is_err() {
+                    errors.push(statement.error(
+                        statement.line(),
+                        &rule.label,
+                        format!("rule id `{}` is used twice", rule.label),
                     ));
                     continue;
                 }
-                let policy = parsed.new_id(PolicyId::new(&label));
-                // Validate against the schema of the one tool it is scoped to, or the generic one.
-                let schema = match policy.resource_constraint() {
-                    ResourceConstraint::Eq(uid) => {
-                        let id = uid.id().unescaped().to_owned();
-                        match per_tool.get(&id) {
-                            Some(s) => s,
-                            None if id == UNKNOWN_TOOL_ID => &generic,
-                            None => {
-                                errors.push(PolicyError::rule(
-                                    file,
-                                    line,
-                                    &label,
-                                    format!("names Tool::\"{id}\", which is not in the catalog"),
-                                ));
-                                continue;
-                            }
-                        }
-                    }
-                    _ => &generic,
-                };
-                let mut one = PolicySet::new();
-                if one.add(policy.clone()).is_err() {
-                    errors.push(PolicyError::rule(
-                        file,
-                        line,
-                        &label,
-                        "duplicate rule id".into(),
-                    ));
-                    continue;
-                }
-                let result = Validator::new(schema.clone()).validate(&one, ValidationMode::Strict);
-                for e in result.validation_errors() {
-                    let at = first_label(e)
-                        .or_else(|| mentioned_offset(src, &e.to_string()))
-                        .map(|o| line_of(text, chunk.start + o))
-                        .unwrap_or(line);
-                    errors.push(PolicyError::rule(file, at, &label, explain_validation(e)));
-                }
-                if !result.validation_passed() {
-                    continue;
-                }
-                if policies.add(policy).is_err() {
-                    errors.push(PolicyError::rule(
-                        file,
-                        line,
-                        &label,
-                        format!("rule id `{label}` is used twice"),
-                    ));
-                    continue;
-                }
-                meta.insert(
-                    PolicyId::new(&label),
-                    RuleMeta {
-                        file: file.clone(),
-                        line,
-                        hold,
-                    },
-                );
+                meta.insert(PolicyId::new(&rule.label), rule.meta);
             }
         }
         let entities = match tool_entities(catalog) {
@@ -506,6 +403,174 @@ fn split_statements(text: &str) -> Vec<Chunk> {
         });
     }
     out
+}
+
+/// The Cedar schemas rules are validated against: the generic one (`context.args` an empty
+/// record) and one per catalog tool (`context.args` typed from its `inputSchema`).
+struct Schemas {
+    generic: Schema,
+    per_tool: HashMap<String, Schema>,
+}
+
+impl Schemas {
+    /// Builds the schemas of `catalog`. A tool whose `inputSchema` does not map to Cedar
+    /// types is an error pushed to `errors` (and has no schema of its own); `Err` when the
+    /// catalog does not make even the generic schema.
+    fn of(catalog: &Catalog, errors: &mut Vec<PolicyError>) -> Result<Self, PolicyError> {
+        let generic = Schema::from_json_value(cedar_schema(catalog, None)).map_err(|e| {
+            PolicyError::bundle(format!("the catalog does not make a Cedar schema: {e}"))
+        })?;
+        let mut per_tool = HashMap::new();
+        for tool in catalog.tools() {
+            match Schema::from_json_value(cedar_schema(catalog, Some(tool))) {
+                Ok(s) => {
+                    per_tool.insert(tool.descriptor.tool_id.clone(), s);
+                }
+                Err(e) => errors.push(PolicyError::at(
+                    &tool.file,
+                    None,
+                    format!(
+                        "tool `{}`: its inputSchema does not map to Cedar types: {e}",
+                        tool.descriptor.tool_id
+                    ),
+                )),
+            }
+        }
+        Ok(Self { generic, per_tool })
+    }
+
+    /// The schema `policy` is validated against: its tool's when its scope is
+    /// `resource == Tool::"<id>"` (the unknown-tool stand-in gets the generic one), else the
+    /// generic one. `Err` with the message when the scope names a tool without a schema.
+    fn for_rule(&self, policy: &Policy) -> Result<&Schema, String> {
+        let ResourceConstraint::Eq(uid) = policy.resource_constraint() else {
+            return Ok(&self.generic);
+        };
+        let id = uid.id().unescaped().to_owned();
+        match self.per_tool.get(&id) {
+            Some(s) => Ok(s),
+            None if id == UNKNOWN_TOOL_ID => Ok(&self.generic),
+            None => Err(format!("names Tool::\"{id}\", which is not in the catalog")),
+        }
+    }
+}
+
+/// One statement of a rules file: the file, its whole text and the statement's range.
+struct Statement<'a> {
+    file: &'a str,
+    text: &'a str,
+    chunk: Chunk,
+}
+
+/// A rule that passed every check, ready for the policy set.
+struct CompiledRule {
+    /// The policy, under the rule's id.
+    policy: Policy,
+    /// The rule's id: its `@id`, else `file:line`.
+    label: String,
+    meta: RuleMeta,
+}
+
+impl Statement<'_> {
+    /// The statement's source text.
+    fn src(&self) -> &str {
+        &self.text[self.chunk.start..self.chunk.end]
+    }
+
+    /// The 1-based line of the statement's first token.
+    fn line(&self) -> usize {
+        line_of(self.text, self.chunk.start)
+    }
+
+    /// The 1-based line of a byte offset into the statement.
+    fn line_at(&self, offset: usize) -> usize {
+        line_of(self.text, self.chunk.start + offset)
+    }
+
+    /// An error in this statement's rule `label`, at `line`.
+    fn error(&self, line: usize, label: &str, message: String) -> PolicyError {
+        PolicyError::rule(self.file, line, label, message)
+    }
+
+    /// Parses, scopes and validates the statement (every check but the set-wide unique id).
+    fn compile(&self, schemas: &Schemas) -> Result<CompiledRule, Vec<PolicyError>> {
+        let (policy, label, hold) = self.parse().map_err(|e| vec![e])?;
+        let line = self.line();
+        let schema = schemas
+            .for_rule(&policy)
+            .map_err(|why| vec![self.error(line, &label, why)])?;
+        self.validate(&policy, &label, schema)?;
+        Ok(CompiledRule {
+            policy,
+            meta: RuleMeta {
+                file: self.file.to_owned(),
+                line,
+                hold,
+            },
+            label,
+        })
+    }
+
+    /// Parses the statement as one Cedar policy and reads its annotations: the policy under
+    /// its id (`@id`, else `file:line`), the id, and whether it holds (`@outcome("hold")`,
+    /// only on a forbid; `@outcome("refuse")` or none refuses).
+    fn parse(&self) -> Result<(Policy, String, bool), PolicyError> {
+        let line = self.line();
+        let parsed = Policy::parse(None, self.src()).map_err(|e| {
+            let at = first_label(&e).map(|o| self.line_at(o)).unwrap_or(line);
+            PolicyError::at(self.file, Some(at), format!("Cedar syntax: {e}"))
+        })?;
+        let label = parsed
+            .annotation("id")
+            .map(str::to_owned)
+            .unwrap_or_else(|| format!("{}:{line}", self.file));
+        let hold = match parsed.annotation("outcome") {
+            None | Some("refuse") => false,
+            Some("hold") => true,
+            Some(other) => {
+                let why = format!("@outcome(\"{other}\") is not `hold` or `refuse`");
+                return Err(self.error(line, &label, why));
+            }
+        };
+        if hold && parsed.effect() != cedar_policy::Effect::Forbid {
+            let why = "@outcome(\"hold\") only means something on a forbid rule".into();
+            return Err(self.error(line, &label, why));
+        }
+        let policy = parsed.new_id(PolicyId::new(&label));
+        Ok((policy, label, hold))
+    }
+
+    /// Validates the rule alone against `schema` (Cedar strict mode): one error per problem,
+    /// at the line of what it names where that is known, with the guard to add for a read
+    /// of an argument that can be absent ([`explain_validation`]).
+    fn validate(
+        &self,
+        policy: &Policy,
+        label: &str,
+        schema: &Schema,
+    ) -> Result<(), Vec<PolicyError>> {
+        let line = self.line();
+        let mut one = PolicySet::new();
+        if one.add(policy.clone()).is_err() {
+            return Err(vec![self.error(line, label, "duplicate rule id".into())]);
+        }
+        let result = Validator::new(schema.clone()).validate(&one, ValidationMode::Strict);
+        let errors: Vec<PolicyError> = result
+            .validation_errors()
+            .map(|e| {
+                let at = first_label(e)
+                    .or_else(|| mentioned_offset(self.src(), &e.to_string()))
+                    .map(|o| self.line_at(o))
+                    .unwrap_or(line);
+                self.error(at, label, explain_validation(e))
+            })
+            .collect();
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
 }
 
 /// A validation error as the policy author reads it. A read of an optional attribute without

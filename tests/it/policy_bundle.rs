@@ -1074,3 +1074,525 @@ async fn an_idle_bundle_is_not_reloaded() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// `policy explain`, and every rule problem `policy check` names (the CLI's exact bytes)
+
+/// `turnguard ARGS…` as a transcript block: the command, its exit code and its output, with
+/// each `(from, to)` of `subst` replaced (temp and repo paths) and the revision of every
+/// `policy <revision> (…)` header line shown as `REV` (it is a hash of the bundle's bytes).
+fn transcript(args: &[&str], subst: &[(&str, &str)]) -> String {
+    let (code, out) = turnguard(args);
+    let mut text = format!("$ {}\nexit {code}\n", args.join(" "));
+    for line in out.split_inclusive('\n') {
+        match line.strip_prefix("policy ").and_then(|r| r.split_once(' ')) {
+            Some((_, rest)) => text.push_str(&format!("policy REV {rest}")),
+            None => text.push_str(line),
+        }
+    }
+    for (from, to) in subst {
+        text = text.replace(from, to);
+    }
+    rules_sorted(&text)
+}
+
+/// `text` with the deciding rules of each call sorted: Cedar reports the determining
+/// policies of a decision as a set, in no fixed order from one process to the next, so
+/// `forbidden by A, B` and the `rule` lines under a call come in either order.
+fn rules_sorted(text: &str) -> String {
+    let mut out = String::new();
+    let mut rules: Vec<&str> = Vec::new();
+    for line in text.split_inclusive('\n') {
+        if line.starts_with("    rule ") {
+            rules.push(line);
+            continue;
+        }
+        rules.sort_unstable();
+        out.extend(rules.drain(..));
+        let decided_by = line
+            .trim_start()
+            .starts_with("authorization ")
+            .then(|| line.rsplit_once(" by "))
+            .flatten();
+        match decided_by {
+            Some((head, tail)) => {
+                let mut names: Vec<&str> = tail.trim_end_matches('\n').split(", ").collect();
+                names.sort_unstable();
+                out.push_str(&format!("{head} by {}\n", names.join(", ")));
+            }
+            None => out.push_str(line),
+        }
+    }
+    rules.sort_unstable();
+    out.extend(rules.drain(..));
+    out
+}
+
+/// A copy of the acme example bundle with `turnguard.toml`'s `from` replaced by `to`.
+fn acme_with(dir: &Path, from: &str, to: &str) {
+    copy_dir(&repo().join("policy/examples/acme"), dir);
+    let path = dir.join("turnguard.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains(from), "`{from}` is in the acme settings");
+    std::fs::write(&path, text.replacen(from, to, 1)).unwrap();
+}
+
+/// `policy explain` on the acme example's pairs and a few more: the header (revision,
+/// origin, api, the turn's contentTrust), each choice's completion, each call's outcome,
+/// stage, reason, trace, deciding rules with `file:line` and `argsHash`, and how the choice
+/// surfaces (release, end-turn, repair, error, wait, and a wait with no `--principal`);
+/// the API read from the response's shape; shadow mode marks calls released anyway;
+/// call names and ids are printed sanitized. Pinned byte for byte.
+#[test]
+fn policy_explain_reports_every_stage_rule_and_surfacing_byte_for_byte() {
+    let acme = repo().join("policy/examples/acme");
+    let acme_s = acme.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let tmp_s = t.to_str().unwrap();
+    let case = |name: &str| acme.join("tests").join(name).to_str().unwrap().to_owned();
+    let user = case("user-request.json");
+    let write = |name: &str, v: Value| {
+        let path = t.join(name);
+        std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let chat_call = |id: &str, name: &str, args: Value| {
+        json!({"id": id, "type": "function",
+               "function": {"name": name, "arguments": args.to_string()}})
+    };
+    let chat = |message: Value, finish: &str| {
+        json!({"id": "chatcmpl-explain", "object": "chat.completion", "created": 1,
+               "model": "gpt-4o-mini",
+               "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+               "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+    };
+    let two_calls = write(
+        "two-calls.json",
+        chat(
+            json!({"role": "assistant", "content": null, "tool_calls": [
+                chat_call("call_a", "get_weather", json!({"location": "Paris"})),
+                chat_call("call_\u{1b}[2Jb", "transfer_funds",
+                          json!({"transferId": "t-9", "amount": 20000, "currency": "EUR", "to": "DE89"})),
+            ]}),
+            "tool_calls",
+        ),
+    );
+    let no_call = write(
+        "no-call.json",
+        chat(json!({"role": "assistant", "content": "Sunny."}), "stop"),
+    );
+    let anthropic_req = write(
+        "anthropic-request.json",
+        json!({"model": "claude-haiku-4-5", "max_tokens": 256,
+               "messages": [{"role": "user", "content": "Weather in Paris?"}],
+               "tools": [{"name": "get_weather", "input_schema": {"type": "object",
+                   "properties": {"location": {"type": "string"}}, "required": ["location"]}}]}),
+    );
+    let anthropic_resp = write(
+        "anthropic-response.json",
+        json!({"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-haiku-4-5",
+               "content": [{"type": "text", "text": "Checking."},
+                           {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                            "input": {"location": "Paris"}}],
+               "stop_reason": "tool_use", "stop_sequence": null,
+               "usage": {"input_tokens": 10, "output_tokens": 5}}),
+    );
+    let shadow = t.join("shadow");
+    acme_with(&shadow, "mode = \"enforce\"", "mode = \"shadow\"");
+    let error = t.join("error");
+    acme_with(&error, "refused = \"end-turn\"", "refused = \"error\"");
+    let paths: Vec<String> = [
+        "transfer-large-response.json",
+        "transfer-medium-response.json",
+        "weather-response.json",
+        "shell-response.json",
+        "undeclared-response.json",
+        "after-email-request.json",
+        "send-email-response.json",
+    ]
+    .iter()
+    .map(|n| case(n))
+    .collect();
+    let [large, medium, weather, shell, undeclared, after_email, send_email]: [&str; 7] =
+        std::array::from_fn(|i| paths[i].as_str());
+    let (user, two_calls, no_call) = (user.as_str(), two_calls.as_str(), no_call.as_str());
+    let (anthropic_req, anthropic_resp) = (anthropic_req.as_str(), anthropic_resp.as_str());
+    let alice: &[&str] = &["--principal", "alice"];
+    let chat_api: &[&str] = &["--api", "openai_chat"];
+    // (request, response, more arguments)
+    let runs: [(&str, &str, &[&str]); 10] = [
+        (user, weather, &[]),
+        (user, large, chat_api),
+        (user, medium, &[]),
+        (user, medium, alice),
+        (user, shell, alice),
+        (user, undeclared, &[]),
+        (after_email, send_email, alice),
+        (user, two_calls, &[]),
+        (user, no_call, &[]),
+        (anthropic_req, anthropic_resp, &[]),
+    ];
+    let mut got = String::new();
+    for (request, response, more) in runs {
+        let mut args = vec![
+            "policy",
+            "explain",
+            "--policy",
+            acme_s,
+            "--request",
+            request,
+            "--response",
+            response,
+        ];
+        args.extend(more);
+        got.push_str(&transcript(&args, &[(tmp_s, "TMP"), (acme_s, "ACME")]));
+    }
+    for bundle in [&shadow, &error] {
+        let args = [
+            "policy",
+            "explain",
+            "--policy",
+            bundle.to_str().unwrap(),
+            "--request",
+            user,
+            "--response",
+            large,
+        ];
+        got.push_str(&transcript(&args, &[(tmp_s, "TMP"), (acme_s, "ACME")]));
+    }
+    assert_eq!(
+        got, EXPLAIN_TRANSCRIPT,
+        "the explain reports changed:\n{got}"
+    );
+}
+
+const EXPLAIN_TRANSCRIPT: &str = r#"$ policy explain --policy ACME --request ACME/tests/user-request.json --response ACME/tests/weather-response.json
+exit 0
+policy REV (ACME), api openai_chat, turn contentTrust trusted
+choice 0 (completion clean: tool_calls)
+  call 0 `get_weather` id call_0 → executed at dispatch (released)
+    completion    pass: tool_calls
+    name          pass: get_weather → acme.assistant:get_weather
+    arguments     pass: valid against the declared and catalog schemas
+    trust         pass: turn is trusted
+    authorization permit: permit-calls
+    limits        pass
+    redaction     0 secret(s) redacted from every record
+    dispatch      executed: released
+    argsHash      a3f10aef7acee7cdd19c1cd6e200e4461d28167567106726e462493d98ba90cd
+  surfaced as: release
+$ policy explain --policy ACME --request ACME/tests/user-request.json --response ACME/tests/transfer-large-response.json --api openai_chat
+exit 0
+policy REV (ACME), api openai_chat, turn contentTrust trusted
+choice 0 (completion clean: tool_calls)
+  call 0 `transfer_funds` id call_0 → refused at authorization (forbidden)
+    completion    pass: tool_calls
+    name          pass: transfer_funds → acme.assistant:transfer_funds
+    arguments     pass: valid against the declared and catalog schemas
+    trust         pass: turn is trusted
+    authorization refused: forbidden — forbidden by large-transfers-refused, transfers-held-for-approval
+    rule          large-transfers-refused (rules/default.cedar:14)
+    rule          transfers-held-for-approval (rules/default.cedar:22)
+    argsHash      4fb0cf9d4c94ce24ae197af3a49d8ae5a16f2f93904fb44fe78111c5e0614c0c
+  surfaced as: end-turn
+$ policy explain --policy ACME --request ACME/tests/user-request.json --response ACME/tests/transfer-medium-response.json
+exit 0
+policy REV (ACME), api openai_chat, turn contentTrust trusted
+choice 0 (completion clean: tool_calls)
+  call 0 `transfer_funds` id call_0 → held at authorization (held_by_rule)
+    completion    pass: tool_calls
+    name          pass: transfer_funds → acme.assistant:transfer_funds
+    arguments     pass: valid against the declared and catalog schemas
+    trust         pass: turn is trusted
+    authorization held: held_by_rule — held for the acting person's approval by transfers-held-for-approval
+    rule          transfers-held-for-approval (rules/default.cedar:22)
+    argsHash      177718d51177bee3d09930c783c00f2db0500b3ae4823efa2becfcf5c6c49e59
+  surfaced as: refuse at once: no acting person (`--principal`) could approve it (`no_approver`)
+$ policy explain --policy ACME --request ACME/tests/user-request.json --response ACME/tests/transfer-medium-response.json --principal alice
+exit 0
+policy REV (ACME), api openai_chat, turn contentTrust trusted
+choice 0 (completion clean: tool_calls)
+  call 0 `transfer_funds` id call_0 → held at authorization (held_by_rule)
+    completion    pass: tool_calls
+    name          pass: transfer_funds → acme.assistant:transfer_funds
+    arguments     pass: valid against the declared and catalog schemas
+    trust         pass: turn is trusted
+    authorization held: held_by_rule — held for the acting person's approval by transfers-held-for-approval
+    rule          transfers-held-for-approval (rules/default.cedar:22)
+    argsHash      177718d51177bee3d09930c783c00f2db0500b3ae4823efa2becfcf5c6c49e59
+  surfaced as: wait for the acting person's approval (then release, or refuse)
+$ policy explain --policy ACME --request ACME/tests/user-request.json --response ACME/tests/shell-response.json --principal alice
+exit 0
+policy REV (ACME), api openai_chat, turn contentTrust trusted
+choice 0 (completion clean: tool_calls)
+  call 0 `run_shell` id call_0 → held at authorization (held_by_rule)
+    completion    pass: tool_calls
+    name          pass: run_shell → acme.assistant:run_shell
+    arguments     pass: valid against the declared and catalog schemas
+    trust         pass: turn is trusted
+    authorization held: held_by_rule — held for the acting person's approval by exec-needs-a-person
+    rule          exec-needs-a-person (rules/default.cedar:8)
+    argsHash      5112e679ae51d6954ce4260da4302c76b6267cb9c7e41fa02d04219a256fd555
+  surfaced as: wait for the acting person's approval (then release, or refuse)
+$ policy explain --policy ACME --request ACME/tests/user-request.json --response ACME/tests/undeclared-response.json
+exit 0
+policy REV (ACME), api openai_chat, turn contentTrust trusted
+choice 0 (completion clean: tool_calls)
+  call 0 `delete_everything` id call_0 → invalid at name (undeclared_tool)
+    completion    pass: tool_calls
+    name          invalid: undeclared_tool — the tool `delete_everything` is not declared in this request's tools
+    argsHash      44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a
+  surfaced as: repair round with 1 host-authored result(s)
+$ policy explain --policy ACME --request ACME/tests/after-email-request.json --response ACME/tests/send-email-response.json --principal alice
+exit 0
+policy REV (ACME), api openai_chat, turn contentTrust untrusted
+choice 0 (completion clean: tool_calls)
+  call 0 `send_email` id call_0 → held at trust (untrusted_turn)
+    completion    pass: tool_calls
+    name          pass: send_email → acme.assistant:send_email
+    arguments     pass: valid against the declared and catalog schemas
+    trust         held: untrusted_turn — this turn read untrusted content, and `acme.assistant:send_email` (safetyTier write, egress host-mediated) needs the acting person's approval
+    argsHash      a87f462aa8f2d56db66cbaff63a654b5dee31a2d2cf2cce46ec3d4c032256114
+  surfaced as: wait for the acting person's approval (then release, or refuse)
+$ policy explain --policy ACME --request ACME/tests/user-request.json --response TMP/two-calls.json
+exit 0
+policy REV (ACME), api openai_chat, turn contentTrust trusted
+choice 0 (completion clean: tool_calls)
+  call 0 `get_weather` id call_a → ended-turn at dispatch (turn_ended)
+    completion    pass: tool_calls
+    name          pass: get_weather → acme.assistant:get_weather
+    arguments     pass: valid against the declared and catalog schemas
+    trust         pass: turn is trusted
+    authorization permit: permit-calls
+    limits        pass
+    redaction     0 secret(s) redacted from every record
+    dispatch      executed: released
+    argsHash      a3f10aef7acee7cdd19c1cd6e200e4461d28167567106726e462493d98ba90cd
+  call 1 `transfer_funds` id call_2Jb → refused at authorization (forbidden)
+    completion    pass: tool_calls
+    name          pass: transfer_funds → acme.assistant:transfer_funds
+    arguments     pass: valid against the declared and catalog schemas
+    trust         pass: turn is trusted
+    authorization refused: forbidden — forbidden by large-transfers-refused, transfers-held-for-approval
+    rule          large-transfers-refused (rules/default.cedar:14)
+    rule          transfers-held-for-approval (rules/default.cedar:22)
+    argsHash      829abc2cbcfa95e8cb52c29913423b7d81f50c4efc7ff5b9f0f29a81d8a8ae77
+  surfaced as: end-turn
+$ policy explain --policy ACME --request ACME/tests/user-request.json --response TMP/no-call.json
+exit 0
+policy REV (ACME), api openai_chat, turn contentTrust trusted
+the response has no tool call
+$ policy explain --policy ACME --request TMP/anthropic-request.json --response TMP/anthropic-response.json
+exit 0
+policy REV (ACME), api anthropic_messages, turn contentTrust trusted
+choice 0 (completion clean: tool_use)
+  call 0 `get_weather` id toolu_1 → executed at dispatch (released)
+    completion    pass: tool_use
+    name          pass: get_weather → acme.assistant:get_weather
+    arguments     pass: valid against the declared and catalog schemas
+    trust         pass: turn is trusted
+    authorization permit: permit-calls
+    limits        pass
+    redaction     0 secret(s) redacted from every record
+    dispatch      executed: released
+    argsHash      a3f10aef7acee7cdd19c1cd6e200e4461d28167567106726e462493d98ba90cd
+  surfaced as: release
+$ policy explain --policy TMP/shadow --request ACME/tests/user-request.json --response ACME/tests/transfer-large-response.json
+exit 0
+policy REV (TMP/shadow), api openai_chat, turn contentTrust trusted
+choice 0 (completion clean: tool_calls)
+  call 0 `transfer_funds` id call_0 → refused at authorization (forbidden) [shadow: released anyway]
+    completion    pass: tool_calls
+    name          pass: transfer_funds → acme.assistant:transfer_funds
+    arguments     pass: valid against the declared and catalog schemas
+    trust         pass: turn is trusted
+    authorization refused: forbidden — forbidden by large-transfers-refused, transfers-held-for-approval
+    rule          large-transfers-refused (rules/default.cedar:14)
+    rule          transfers-held-for-approval (rules/default.cedar:22)
+    argsHash      4fb0cf9d4c94ce24ae197af3a49d8ae5a16f2f93904fb44fe78111c5e0614c0c
+  surfaced as: release
+$ policy explain --policy TMP/error --request ACME/tests/user-request.json --response ACME/tests/transfer-large-response.json
+exit 0
+policy REV (TMP/error), api openai_chat, turn contentTrust trusted
+choice 0 (completion clean: tool_calls)
+  call 0 `transfer_funds` id call_0 → refused at authorization (forbidden)
+    completion    pass: tool_calls
+    name          pass: transfer_funds → acme.assistant:transfer_funds
+    arguments     pass: valid against the declared and catalog schemas
+    trust         pass: turn is trusted
+    authorization refused: forbidden — forbidden by large-transfers-refused, transfers-held-for-approval
+    rule          large-transfers-refused (rules/default.cedar:14)
+    rule          transfers-held-for-approval (rules/default.cedar:22)
+    argsHash      4fb0cf9d4c94ce24ae197af3a49d8ae5a16f2f93904fb44fe78111c5e0614c0c
+  surfaced as: error 403 forbidden
+"#;
+
+/// `policy explain` fails with exit 1 and one line naming the problem: a bundle that does not
+/// compile (its errors), a `--policy` that is not a directory, a request or response that
+/// cannot be read (the request's problem first when both fail) or is not JSON, an unknown
+/// `--api`, a request the adapter cannot parse. A missing `--policy` directory means the
+/// embedded default bundle.
+#[test]
+fn policy_explain_names_what_it_could_not_read_byte_for_byte() {
+    let acme = repo().join("policy/examples/acme");
+    let acme_s = acme.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let tmp_s = t.to_str().unwrap();
+    let user = acme.join("tests/user-request.json");
+    let user = user.to_str().unwrap();
+    let weather = acme.join("tests/weather-response.json");
+    let weather = weather.to_str().unwrap();
+    let broken = t.join("broken");
+    copy_dir(&acme, &broken);
+    let rules = broken.join("rules/default.cedar");
+    let mut text = std::fs::read_to_string(&rules).unwrap();
+    text.push_str("\n@id(\"odd\")\n@outcome(\"maybe\")\nforbid (principal, action, resource);\n\npermit (principal, action, resource == Tool::\"acme.assistant:nope\");\n");
+    std::fs::write(&rules, text).unwrap();
+    let not_json = t.join("not-json.json");
+    std::fs::write(&not_json, "{\"choices\": [").unwrap();
+    let empty = t.join("empty-request.json");
+    std::fs::write(&empty, "{}").unwrap();
+    let file_policy = t.join("a-file");
+    std::fs::write(&file_policy, "").unwrap();
+    let missing = t.join("missing.json");
+    let s = |p: &Path| p.to_str().unwrap().to_owned();
+    let (broken, file_policy) = (s(&broken), s(&file_policy));
+    let (missing, not_json, empty) = (s(&missing), s(&not_json), s(&empty));
+    let (broken, file_policy) = (broken.as_str(), file_policy.as_str());
+    let (missing, not_json, empty) = (missing.as_str(), not_json.as_str(), empty.as_str());
+    // (policy, request, response, more arguments)
+    let runs: [(&str, &str, &str, &[&str]); 7] = [
+        (broken, user, weather, &[]),
+        (file_policy, user, weather, &[]),
+        (acme_s, missing, not_json, &[]),
+        (acme_s, user, missing, &[]),
+        (acme_s, user, not_json, &[]),
+        (acme_s, user, weather, &["--api", "openai_responses_x"]),
+        (acme_s, empty, weather, &["--api", "openai_chat"]),
+    ];
+    let mut got = String::new();
+    for (policy, request, response, more) in runs {
+        let mut args = vec![
+            "policy",
+            "explain",
+            "--policy",
+            policy,
+            "--request",
+            request,
+            "--response",
+            response,
+        ];
+        args.extend(more);
+        got.push_str(&transcript(&args, &[(tmp_s, "TMP"), (acme_s, "ACME")]));
+    }
+    assert_eq!(
+        got, EXPLAIN_ERRORS_TRANSCRIPT,
+        "the explain errors changed:\n{got}"
+    );
+    // Its report is the default bundle's, which other work changes: only the header here.
+    let missing_dir = t.join("no-such-bundle");
+    let (code, out) = turnguard(&[
+        "policy",
+        "explain",
+        "--policy",
+        missing_dir.to_str().unwrap(),
+        "--request",
+        user,
+        "--response",
+        weather,
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let header = out.lines().next().unwrap_or_default();
+    assert!(
+        header.starts_with("policy ") && header.contains(" (embedded), api openai_chat, "),
+        "{out}"
+    );
+}
+
+const EXPLAIN_ERRORS_TRANSCRIPT: &str = r#"$ policy explain --policy TMP/broken --request ACME/tests/user-request.json --response ACME/tests/weather-response.json
+exit 1
+rules/default.cedar:32: rule `odd`: @outcome("maybe") is not `hold` or `refuse`
+rules/default.cedar:36: rule `rules/default.cedar:36`: names Tool::"acme.assistant:nope", which is not in the catalog
+$ policy explain --policy TMP/a-file --request ACME/tests/user-request.json --response ACME/tests/weather-response.json
+exit 1
+TMP/a-file: Not a directory (os error 20)
+$ policy explain --policy ACME --request TMP/missing.json --response TMP/not-json.json
+exit 1
+TMP/missing.json: No such file or directory (os error 2)
+$ policy explain --policy ACME --request ACME/tests/user-request.json --response TMP/missing.json
+exit 1
+TMP/missing.json: No such file or directory (os error 2)
+$ policy explain --policy ACME --request ACME/tests/user-request.json --response TMP/not-json.json
+exit 1
+TMP/not-json.json: not JSON: EOF while parsing a list at line 1 column 13
+$ policy explain --policy ACME --request ACME/tests/user-request.json --response ACME/tests/weather-response.json --api openai_responses_x
+exit 1
+unknown api `openai_responses_x` (openai_chat, anthropic_messages)
+$ policy explain --policy ACME --request TMP/empty-request.json --response ACME/tests/weather-response.json --api openai_chat
+exit 1
+request: `messages` must be an array
+"#;
+
+/// `policy check` reports every rule problem of a bundle in one run, in file order, each with
+/// `file:line`, the rule (`@id`, else `file:line`) and the message: a Cedar syntax error at
+/// the line of the bad token, an unknown `@outcome`, `@outcome("hold")` on a permit, a scope
+/// naming a tool the catalog does not have, an `@id` used twice, a read of an argument the
+/// scoped tool does not have (at its line), and an argument read in a rule not scoped to one
+/// tool; a rule scoped to the unknown-tool stand-in is validated like an unscoped one.
+#[test]
+fn policy_check_reports_every_rule_problem_byte_for_byte() {
+    let tmp = tempfile::tempdir().unwrap();
+    base_bundle(tmp.path());
+    let bad = r#"@id("odd-outcome")
+@outcome("maybe")
+forbid (principal, action, resource);
+
+@id("held-permit")
+@outcome("hold")
+permit (principal, action, resource);
+
+@id("ghost")
+forbid (principal, action, resource == Tool::"test.check:ghost");
+
+@id("agent-may-call")
+forbid (principal, action, resource == Tool::"test.check:lookup");
+
+forbid (principal, action, resource == Tool::"test.check:pay")
+when {
+  context.args.amout > 1
+};
+
+@id("unscoped-reads-args")
+forbid (principal, action, resource)
+when { context.args.amount > 1 };
+
+@id("unknown-tools-exec")
+forbid (principal, action, resource == Tool::"turnguard:unknown")
+when { resource.safetyTier == "exec" && context.args.x == 1 };
+
+@id("syntax")
+forbid (principal, action, resource)
+when {
+  context.trust ==
+};
+"#;
+    write_bundle(tmp.path(), &[("rules/zz-bad.cedar", bad)]);
+    let dir = tmp.path().to_str().unwrap();
+    let got = transcript(&["policy", "check", dir], &[(dir, "DIR")]);
+    assert_eq!(got, CHECK_TRANSCRIPT, "the rule problems changed:\n{got}");
+}
+
+const CHECK_TRANSCRIPT: &str = r#"$ policy check DIR
+exit 1
+DIR/rules/zz-bad.cedar:1: rule `odd-outcome`: @outcome("maybe") is not `hold` or `refuse`
+DIR/rules/zz-bad.cedar:5: rule `held-permit`: @outcome("hold") only means something on a forbid rule
+DIR/rules/zz-bad.cedar:9: rule `ghost`: names Tool::"test.check:ghost", which is not in the catalog
+DIR/rules/zz-bad.cedar:12: rule `agent-may-call`: rule id `agent-may-call` is used twice
+DIR/rules/zz-bad.cedar:17: rule `rules/zz-bad.cedar:15`: for policy `rules/zz-bad.cedar:15`, attribute `args.amout` in context for Action::"call" not found
+DIR/rules/zz-bad.cedar:22: rule `unscoped-reads-args`: for policy `unscoped-reads-args`, attribute `args.amount` in context for Action::"call" not found
+DIR/rules/zz-bad.cedar:26: rule `unknown-tools-exec`: for policy `unknown-tools-exec`, attribute `args.x` in context for Action::"call" not found
+DIR/rules/zz-bad.cedar:32: Cedar syntax: unexpected token `}`
+8 problem(s); the bundle is not valid
+"#;
