@@ -38,6 +38,7 @@ label_value!(
     ApiLabel,
     ShedReason,
     UpstreamError,
+    CommitDurability,
     ReloadResult,
     ReplayMode,
     ReplayResult,
@@ -247,6 +248,36 @@ impl UpstreamError {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
     pub reason: UpstreamError,
+}
+
+/// How a journal commit was made durable (`turnguard_journal_commits_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CommitDurability {
+    /// A batch with a record the contract needs durable before its caller goes on: SQLite
+    /// `synchronous=FULL` (one fsync of the WAL), PostgreSQL `synchronous_commit = on`.
+    Durable,
+    /// A batch of records nobody waits on (audit events, a chat turn's round): SQLite
+    /// `synchronous=NORMAL` (no fsync), PostgreSQL `synchronous_commit = off`.
+    Relaxed,
+    /// A batch of health probes only (every 5 s; 1 s while writes fail).
+    Probe,
+}
+
+impl CommitDurability {
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Durable => "durable",
+            Self::Relaxed => "relaxed",
+            Self::Probe => "probe",
+        }
+    }
+}
+
+/// Labels of `turnguard_journal_commits_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CommitLabels {
+    pub durability: CommitDurability,
 }
 
 /// A policy reload's result.
@@ -490,6 +521,9 @@ pub struct Metrics {
     pub journal_commit_latency: Histogram,
     /// Records per committed journal batch.
     pub journal_batch_size: Histogram,
+    /// Journal transactions committed, by durability: with one request at a time, the
+    /// durable commits per round are what the tool-turn contract costs in fsyncs.
+    pub journal_commits: Family<CommitLabels, Counter>,
     /// Records waiting for the journal writer.
     pub journal_queue_depth: Gauge<i64, AtomicI64>,
     /// Data-plane requests in flight.
@@ -611,6 +645,11 @@ impl Metrics {
             "journal_batch_size_records",
             "Records per committed journal batch",
             Histogram::new(exponential_buckets(1.0, 2.0, 10)),
+        );
+        let journal_commits = r.add(
+            "journal_commits",
+            "Journal transactions committed, by durability (durable: fsynced before the caller goes on)",
+            Family::<CommitLabels, Counter>::default(),
         );
         let journal_queue_depth = r.add(
             "journal_queue_depth_records",
@@ -764,6 +803,7 @@ impl Metrics {
             journal_write_failures,
             journal_commit_latency,
             journal_batch_size,
+            journal_commits,
             journal_queue_depth,
             inflight_requests,
         };

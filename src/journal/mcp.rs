@@ -1,7 +1,7 @@
 //! Journal reads of the MCP front ([`crate::mcp`]): tickets and recorded MCP results.
 //!
 //! The MCP front writes nothing of its own: it uses the journal operations the model path
-//! uses (`record_round` for its decision, `claim_effect` / `confirm_claims` for the execution
+//! uses (`commit_round` for its decision, `claim_effect` / `confirm_claims` for the execution
 //! claim, `record_tool_results` for the result, `record_events`, `run_untrusted`), so an MCP
 //! call has the same rows as a model-emitted one. What it needs to read:
 //!

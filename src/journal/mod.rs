@@ -246,6 +246,12 @@ impl Recorded {
         self.withheld()
     }
 
+    /// [`Recorded::digest_only`] in place.
+    pub fn keep_digest_only(&mut self) {
+        self.bytes = Vec::new();
+        self.truncated = true;
+    }
+
     /// `body` redacted with the request's `redactor` ([`redact::redact_body`]), kept whole if
     /// it fits in `cap` bytes, else its digest with a truncation marker.
     pub fn redacted(body: &[u8], redactor: &crate::policy::Redactor, cap: usize) -> Self {
@@ -261,6 +267,21 @@ impl Recorded {
             hex::encode(Sha256::digest(body)),
             redactor,
         )
+    }
+
+    /// Only the digest (SHA-256, hex) and size of `body`, never its bytes: a body the journal
+    /// does not keep (a chat turn's round under `journal_bodies = "runs"`, tool-turn contract
+    /// §D), so nothing of it is redacted or copied.
+    pub fn digest_of(body: &[u8]) -> Self {
+        use sha2::{Digest, Sha256};
+        Self {
+            bytes: Vec::new(),
+            total_bytes: body.len() as u64,
+            digest: hex::encode(Sha256::digest(body)),
+            truncated: true,
+            redacted: false,
+            _sealed: (),
+        }
     }
 
     /// A body received in pieces: `kept` is all of it (`None` when it passed the record cap),
@@ -425,6 +446,42 @@ pub struct ToolResultRecord {
     pub content: Recorded,
 }
 
+impl ToolResultRecord {
+    /// The OpenWOP `agent.tool-returned` event of this result, appended the first time the
+    /// result is recorded (the result body itself is never in the event): `status` `ok` or
+    /// `error` (then `error.code` `turnguard.tool_reported_error`), and `durationMs` from
+    /// `released_at_ms`, when the round that released the call was recorded (ms since epoch).
+    pub fn returned_event(&self, released_at_ms: Option<i64>) -> EventRecord {
+        let mut payload = serde_json::Map::new();
+        payload.insert("agentId".into(), crate::clock::AGENT_ID.into());
+        payload.insert(
+            "toolName".into(),
+            self.tool_name.as_deref().unwrap_or("unknown").into(),
+        );
+        payload.insert("callId".into(), self.tool_call_id.clone().into());
+        payload.insert(
+            "status".into(),
+            if self.is_error { "error" } else { "ok" }.into(),
+        );
+        if self.is_error {
+            payload.insert(
+                "error".into(),
+                serde_json::json!({"code": "turnguard.tool_reported_error", "message": "the agent reported that the tool failed"}),
+            );
+        }
+        if let Some(at) = released_at_ms {
+            payload.insert("durationMs".into(), (self.at_ms - at).max(0).into());
+        }
+        EventRecord {
+            request_id: self.request_id.clone(),
+            run: self.run.clone(),
+            at_ms: self.at_ms,
+            kind: "agent.tool-returned",
+            payload: serde_json::Value::Object(payload),
+        }
+    }
+}
+
 /// The tools one agent request declared (table `declared_tools`, schemas in
 /// `tool_schemas`), for `turnguard policy learn`. Never arguments or results: only the
 /// request's tool declarations.
@@ -529,12 +586,75 @@ pub struct ServedRecord {
     pub claims: Vec<(String, String)>,
 }
 
+/// What a request records before it goes upstream, as one unit of work (one transaction,
+/// one commit): the tool results it carries (durable: tool-turn contract §D, a result is
+/// journaled before the round that follows it is asked for) and the tools it declared
+/// (`turnguard policy learn`). See [`Journal::record_before_upstream`].
+#[derive(Debug, Clone, Default)]
+pub struct BeforeUpstream {
+    pub tool_results: Vec<ToolResultRecord>,
+    pub declared_tools: Option<DeclaredToolsRecord>,
+    /// The run's sticky trust bit, set (insert-if-absent, table `run_trust`) because this
+    /// turn of the run is untrusted (tool-turn contract §C): every later turn of the run is.
+    pub run_untrusted: Option<RunUntrusted>,
+}
+
+/// A run made untrusted by the turn of request `request_id` at `at_ms` (ms since epoch).
+#[derive(Debug, Clone)]
+pub struct RunUntrusted {
+    pub run_id: String,
+    pub request_id: String,
+    pub at_ms: i64,
+}
+
+/// A model round's decision as one unit of work (one transaction, one commit), built by the
+/// request path once the round is decided and before its answer leaves: the round with its
+/// calls, the `agent.tool-called` / `agent.tool-returned` events of its decisions, for a run
+/// node the served record (which confirms its claims in the same transaction), and for a
+/// chat turn the claims to confirm. See [`Journal::commit_round`].
+#[derive(Debug, Clone, Default)]
+pub struct RoundCommit {
+    pub round: Option<RoundRecord>,
+    pub events: Vec<EventRecord>,
+    pub served: Option<ServedRecord>,
+    /// Claims (effect id, call id) to confirm when there is no served record (a chat turn);
+    /// a served record carries its own ([`ServedRecord::claims`]).
+    pub claims: Vec<(String, String)>,
+}
+
+impl RoundCommit {
+    /// Whether the contract needs this unit durable before the answer leaves: a run node's
+    /// round or served record (replay and recovery read them, §D) or a claim confirmation.
+    fn durable(&self) -> bool {
+        self.served.is_some()
+            || !self.claims.is_empty()
+            || self.round.as_ref().is_some_and(|r| r.run.run_id.is_some())
+    }
+
+    /// Whether the caller waits for the commit even when it is not durable: a round that
+    /// stores a provider-held response (Responses `response_link`) is read by the next
+    /// request's chain trust, which must not find it missing.
+    fn awaited(&self) -> bool {
+        self.durable()
+            || self
+                .round
+                .as_ref()
+                .is_some_and(|r| r.response_link.is_some())
+    }
+
+    fn is_empty(&self) -> bool {
+        self.round.is_none()
+            && self.events.is_empty()
+            && self.served.is_none()
+            && self.claims.is_empty()
+    }
+}
+
 enum Op {
     ConfirmClaims(Vec<(String, String)>),
     Prune {
         before_ms: i64,
     },
-    Served(Box<ServedRecord>),
     Cursor {
         run_id: String,
         node_id: String,
@@ -544,11 +664,13 @@ enum Op {
         effect_id: String,
         call_id: String,
     },
-    Round(Box<RoundRecord>),
     ToolResults(Vec<ToolResultRecord>),
     Events(Vec<EventRecord>),
     DeclaredTools(Box<DeclaredToolsRecord>),
-    Claim(EffectClaim, oneshot::Sender<Claim>),
+    BeforeUpstream(Box<BeforeUpstream>),
+    RoundCommit(Box<RoundCommit>),
+    /// A round's effect claims, in order; answered with one [`Claim`] per claim.
+    Claims(Vec<EffectClaim>, oneshot::Sender<Vec<Claim>>),
     Interrupt(Box<interrupts::Op>),
     /// A principal token seen on the data plane (its fingerprint), insert-if-absent.
     Token {
@@ -769,15 +891,37 @@ impl Journal {
         Ok(())
     }
 
-    /// Records a chat turn's round (no run id): replay and recovery do not apply to chat
-    /// turns (tool-turn contract §D), so it is committed without an fsync. A round that
-    /// stores a provider-held response (Responses `response_link`) is awaited all the same:
-    /// the next request's chain trust reads it, and must not find it missing.
-    pub async fn record_round_relaxed(&self, rec: RoundRecord) -> Result<(), JournalError> {
-        if rec.response_link.is_some() {
-            return self.submit_with(Op::Round(Box::new(rec)), false).await;
+    /// Records what a request carries before it goes upstream in one commit: its tool
+    /// results and the run's sticky trust bit durably (returns once committed), and its
+    /// declared tools. With neither results nor the bit, the declared tools are queued only
+    /// (nothing in the contract waits for them).
+    pub async fn record_before_upstream(&self, unit: BeforeUpstream) -> Result<(), JournalError> {
+        if unit.tool_results.is_empty() && unit.run_untrusted.is_none() {
+            return match unit.declared_tools {
+                Some(d) => self.record_declared_tools(d).await,
+                None => Ok(()),
+            };
         }
-        self.submit_relaxed(Op::Round(Box::new(rec))).await
+        self.submit(Op::BeforeUpstream(Box::new(unit))).await
+    }
+
+    /// Commits a decided round as one unit ([`RoundCommit`]): durably, returning once
+    /// committed, when it holds a run node's round, a served record or claims to confirm;
+    /// otherwise (a chat turn's round and events) queued, not awaited — except a round that
+    /// stores a provider-held response, which is awaited.
+    /// Errors: [`JournalError::Fenced`] when a claim it confirms was taken over by another
+    /// owner (PostgreSQL): nothing of the unit is committed, and the answer must not leave.
+    pub async fn commit_round(&self, unit: RoundCommit) -> Result<(), JournalError> {
+        if unit.is_empty() {
+            return Ok(());
+        }
+        let (durable, awaited) = (unit.durable(), unit.awaited());
+        let op = Op::RoundCommit(Box::new(unit));
+        if awaited {
+            self.submit_with(op, durable).await
+        } else {
+            self.submit_relaxed(op).await
+        }
     }
 
     /// Records tool results durably; returns once they are committed.
@@ -789,11 +933,6 @@ impl Journal {
             return Ok(());
         }
         self.submit(Op::ToolResults(recs)).await
-    }
-
-    /// Records a model round; returns once it is committed.
-    pub async fn record_round(&self, rec: RoundRecord) -> Result<(), JournalError> {
-        self.submit(Op::Round(Box::new(rec))).await
     }
 
     /// Appends run events; `sequence` is assigned per scope (run, else request) in commit
@@ -815,12 +954,6 @@ impl Journal {
             return Ok(());
         }
         self.submit_relaxed(Op::DeclaredTools(Box::new(rec))).await
-    }
-
-    /// Records the response a run node's round was answered with (insert-if-absent on
-    /// (run, node, attempt, round): the first answer is the record).
-    pub async fn record_served(&self, rec: ServedRecord) -> Result<(), JournalError> {
-        self.submit(Op::Served(Box::new(rec))).await
     }
 
     /// Marks claims (effect id, call id) as released: their calls are about to reach the
@@ -884,8 +1017,24 @@ impl Journal {
     /// Claims an effect: an atomic insert-if-absent with a row-count check, committed before
     /// this returns. Never a replacing insert (`OR REPLACE`).
     pub async fn claim_effect(&self, claim: EffectClaim) -> Result<Claim, JournalError> {
+        self.claim_effects(vec![claim])
+            .await?
+            .pop()
+            .ok_or(JournalError::Closed)
+    }
+
+    /// Claims a round's effects in one commit, each an atomic insert-if-absent as in
+    /// [`Journal::claim_effect`], in order (a later claim of the same effect in the list
+    /// finds the earlier one); one [`Claim`] per claim, in the same order.
+    pub async fn claim_effects(
+        &self,
+        claims: Vec<EffectClaim>,
+    ) -> Result<Vec<Claim>, JournalError> {
+        if claims.is_empty() {
+            return Ok(Vec::new());
+        }
         let (tx, rx) = oneshot::channel();
-        self.submit(Op::Claim(claim, tx)).await?;
+        self.submit(Op::Claims(claims, tx)).await?;
         rx.await.map_err(|_| JournalError::Closed)
     }
 }
@@ -962,6 +1111,9 @@ fn writer(
             .journal_commit_latency
             .observe(started.elapsed().as_secs_f64());
         metrics.journal_batch_size.observe(batch.len() as f64);
+        if result.is_ok() {
+            count_commit(metrics, &batch, durable);
+        }
         if let Err(e) = &result {
             metrics.journal_write_failures.inc_by(batch.len() as u64);
             tracing::error!(error = %e, records = batch.len(), "journal batch failed");
@@ -976,7 +1128,7 @@ fn writer(
 
 fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
     let tx = conn.transaction()?;
-    let mut answers: Vec<(oneshot::Sender<Claim>, Claim)> = Vec::new();
+    let mut answers: Vec<(oneshot::Sender<Vec<Claim>>, Vec<Claim>)> = Vec::new();
     let mut replies: interrupts::Replies = Vec::new();
     for job in batch.iter_mut() {
         match &mut job.op {
@@ -1003,32 +1155,33 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                     params![t],
                 )?;
             }
-            Op::Served(r) => {
-                confirm(&tx, &r.claims)?;
-                exec(
-        &tx,
-                    "INSERT INTO served (run_id, node_id, attempt, round_index, request_digest, request_id, status,
-                        content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
-                     ON CONFLICT (run_id, node_id, attempt, round_index) DO NOTHING",
-                    params![
-                        r.run_id,
-                        r.node_id,
-                        r.attempt,
-                        r.round_index,
-                        r.request_digest,
-                        r.request_id,
-                        r.status,
-                        r.content_type,
-                        r.body.bytes,
-                        r.body.total_bytes as i64,
-                        r.body.digest,
-                        r.body.truncated,
-                        serde_json::to_string(&r.calls).unwrap_or_else(|_| "[]".into()),
-                        r.at_ms,
-                        r.body.redacted
-                    ],
-                )?;
+            Op::BeforeUpstream(u) => {
+                if let Some(r) = &u.run_untrusted {
+                    exec(
+                        &tx,
+                        "INSERT INTO run_trust (run_id, trust, request_id, at_ms)
+                         VALUES (?1, 'untrusted', ?2, ?3) ON CONFLICT (run_id) DO NOTHING",
+                        params![r.run_id, r.request_id, r.at_ms],
+                    )?;
+                }
+                for t in &u.tool_results {
+                    insert_tool_result(&tx, t)?;
+                }
+                if let Some(d) = &u.declared_tools {
+                    insert_declared_tools(&tx, d)?;
+                }
+            }
+            Op::RoundCommit(u) => {
+                confirm(&tx, &u.claims)?;
+                if let Some(r) = &u.served {
+                    insert_served(&tx, r)?;
+                }
+                if let Some(r) = &u.round {
+                    insert_round(&tx, r)?;
+                }
+                for e in &u.events {
+                    insert_event(&tx, e)?;
+                }
             }
             Op::Cursor {
                 run_id,
@@ -1049,7 +1202,6 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                     params![&*effect_id, &*call_id],
                 )?;
             }
-            Op::Round(r) => insert_round(&tx, r)?,
             Op::ToolResults(list) => {
                 for t in list {
                     insert_tool_result(&tx, t)?;
@@ -1061,10 +1213,13 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                 }
             }
             Op::DeclaredTools(d) => insert_declared_tools(&tx, d)?,
-            Op::Claim(c, answer) => {
-                let result = claim(&tx, c)?;
+            Op::Claims(list, answer) => {
+                let mut results = Vec::with_capacity(list.len());
+                for c in list.iter() {
+                    results.push(claim(&tx, c)?);
+                }
                 let (dummy, _) = oneshot::channel();
-                answers.push((std::mem::replace(answer, dummy), result));
+                answers.push((std::mem::replace(answer, dummy), results));
             }
             Op::Interrupt(op) => interrupts::apply(&tx, op, &mut replies)?,
             Op::Token {
@@ -1092,6 +1247,23 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
     Ok(())
 }
 
+/// Counts a committed batch in `turnguard_journal_commits_total` by how it was made durable
+/// (a batch of health probes only is counted apart, so the commits of requests can be read).
+fn count_commit(metrics: &Metrics, batch: &[Job], durable: bool) {
+    use crate::metrics::{CommitDurability, CommitLabels};
+    let durability = if batch.iter().all(|j| matches!(j.op, Op::Probe)) {
+        CommitDurability::Probe
+    } else if durable {
+        CommitDurability::Durable
+    } else {
+        CommitDurability::Relaxed
+    };
+    metrics
+        .journal_commits
+        .get_or_create(&CommitLabels { durability })
+        .inc();
+}
+
 /// Executes `sql` through the connection's prepared-statement cache.
 fn exec<P: rusqlite::Params>(
     tx: &rusqlite::Transaction<'_>,
@@ -1109,6 +1281,37 @@ fn confirm(tx: &rusqlite::Transaction<'_>, claims: &[(String, String)]) -> rusql
             params![effect_id, call_id],
         )?;
     }
+    Ok(())
+}
+
+/// A served record, insert-if-absent on (run, node, attempt, round) (the first answer is the
+/// record), confirming its claims in the same transaction.
+fn insert_served(tx: &rusqlite::Transaction<'_>, r: &ServedRecord) -> rusqlite::Result<()> {
+    confirm(tx, &r.claims)?;
+    exec(
+        tx,
+"INSERT INTO served (run_id, node_id, attempt, round_index, request_digest, request_id, status,
+                        content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
+                     ON CONFLICT (run_id, node_id, attempt, round_index) DO NOTHING",
+                    params![
+                        r.run_id,
+                        r.node_id,
+                        r.attempt,
+                        r.round_index,
+                        r.request_digest,
+                        r.request_id,
+                        r.status,
+                        r.content_type,
+                        r.body.bytes,
+                        r.body.total_bytes as i64,
+                        r.body.digest,
+                        r.body.truncated,
+                        serde_json::to_string(&r.calls).unwrap_or_else(|_| "[]".into()),
+                        r.at_ms,
+                        r.body.redacted
+                    ],
+    )?;
     Ok(())
 }
 
@@ -1363,17 +1566,7 @@ fn insert_tool_result(
             params![t.tool_call_id, t.run.run_id],
         )?;
         // The first time a result is seen, the call it answers returns (OpenWOP
-        // `agent.tool-returned`; the result body itself is never in the event).
-        let mut payload = serde_json::json!({
-            "agentId": crate::clock::AGENT_ID,
-            "toolName": t.tool_name.as_deref().unwrap_or("unknown"),
-            "callId": t.tool_call_id,
-            "status": if t.is_error { "error" } else { "ok" },
-        });
-        if t.is_error {
-            payload["error"] = serde_json::json!({"code": "turnguard.tool_reported_error", "message": "the agent reported that the tool failed"});
-        }
-        // durationMs: from the round that released the call to the request carrying its result.
+        // `agent.tool-returned`), with its duration from the round that released the call.
         let released_at: Option<i64> = tx
             .query_row(
                 "SELECT r.at_ms FROM tool_calls c JOIN rounds r ON r.request_id = c.request_id
@@ -1382,19 +1575,7 @@ fn insert_tool_result(
                 |r| r.get(0),
             )
             .ok();
-        if let Some(at) = released_at {
-            payload["durationMs"] = serde_json::json!((t.at_ms - at).max(0));
-        }
-        insert_event(
-            tx,
-            &EventRecord {
-                request_id: t.request_id.clone(),
-                run: t.run.clone(),
-                at_ms: t.at_ms,
-                kind: "agent.tool-returned",
-                payload,
-            },
-        )?;
+        insert_event(tx, &t.returned_event(released_at))?;
     }
     Ok(())
 }

@@ -359,6 +359,19 @@ impl SqliteReader {
         })
     }
 
+    /// The run's sticky trust bit (table `run_trust`): whether a turn of `run` was untrusted
+    /// before (tool-turn contract §C: once untrusted, always untrusted).
+    pub fn run_untrusted(&self, run: &str) -> Result<bool, JournalError> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT count(*) FROM run_trust WHERE run_id = ?1 AND trust = 'untrusted'",
+                params![run],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| n > 0)
+        })
+    }
+
     /// Recorded rounds a replay of (run, node) served without the agent so far.
     pub fn replay_cursor(&self, run: &str, node: &str) -> Result<u32, JournalError> {
         self.with(|c| {
@@ -687,6 +700,15 @@ impl JournalReader {
     pub async fn released_calls(&self, run: &str) -> Result<u32, JournalError> {
         let run = run.to_owned();
         dispatch!(self, |r| r.released_calls(&run), |p| pg::released_calls(
+            p, &run
+        ))
+    }
+
+    /// The run's sticky trust bit: whether a turn of `run` was untrusted before (§C). A read:
+    /// it never goes through the writer's queue.
+    pub async fn run_untrusted(&self, run: &str) -> Result<bool, JournalError> {
+        let run = run.to_owned();
+        dispatch!(self, |r| r.run_untrusted(&run), |p| pg::run_untrusted(
             p, &run
         ))
     }

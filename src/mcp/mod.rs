@@ -211,7 +211,8 @@ async fn handle_post(
     Path(name): Path<String>,
     req: Request<Body>,
 ) -> Response {
-    let resp = post_inner(&front, &name, req).await;
+    // Boxed: the decision path holds a round record and its unit of work across awaits.
+    let resp = Box::pin(post_inner(&front, &name, req)).await;
     front.state.metrics.request(
         crate::metrics::ApiLabel::Mcp,
         resp.status().as_u16(),

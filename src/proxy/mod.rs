@@ -28,7 +28,7 @@ pub use record::{
     call_records, claims_of, has_secrets, join, record_round, record_round_with, round_record,
     CallIds, RoundBase,
 };
-use record::{record_declared_tools, record_tool_results, record_upstream_error};
+use record::{record_before_upstream, record_upstream_error};
 pub use surface::surfaced_error;
 use surface::{read_upstream_json, respond_json, surface_json, JsonRound};
 
@@ -157,8 +157,7 @@ async fn turn(
     let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
     check_channel_schema_size(state, channel.as_ref())?;
     refuse_run_while_journal_fails(state, ctx)?;
-    record_tool_results(state, ctx, &turn, &policy).await?;
-    record_declared_tools(state, ctx, &turn).await;
+    record_before_upstream(state, ctx, &turn, &policy, trust).await?;
 
     let agent_digest = crate::recipes::semantic_request_digest(api, &json);
     let mode = run_mode(&parts.headers)?;
@@ -317,8 +316,8 @@ async fn model_rounds(mut session: Session) -> Result<(Response, bool), WireErro
                 reason,
             })?;
         match surface_json(&session, &base, body).await? {
-            JsonRound::Respond(body, calls, secrets, claims) => {
-                let out = respond_json(&session, &p, body, calls, secrets, claims).await?;
+            JsonRound::Respond(answer) => {
+                let out = respond_json(&session, &base, &p, answer).await?;
                 return Ok((out, false));
             }
             JsonRound::Repair(next) => {

@@ -1,7 +1,8 @@
 //! Recording a round: the round's ids (`round_id`, `CallIds`), what every round record
 //! shares (`RoundBase`, `round_record`, `call_records`), the tool results and declared tools
-//! seen before upstream (`record_tool_results`, `record_declared_tools`), the round
-//! (`record_round`), and for a run node what the agent received (`record_served`).
+//! seen before upstream in one commit (`record_before_upstream`), and the decided round as
+//! one unit of work (`commit_round`; `Session::commit_answer` adds what the agent receives:
+//! the served record of a run node, the claims it confirms).
 
 use std::sync::Arc;
 
@@ -10,7 +11,8 @@ use serde_json::Value;
 use crate::clock::now_ms;
 use crate::error::WireError;
 use crate::journal::{
-    CallRecord, Recorded, RoundRecord, RoundState, ServedCall, ServedRecord, ToolResultRecord,
+    CallRecord, Recorded, RoundCommit, RoundRecord, RoundState, ServedCall, ServedRecord,
+    ToolResultRecord,
 };
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Turn};
 use crate::policy::CompiledPolicy;
@@ -78,53 +80,59 @@ impl Session {
         out
     }
 
-    /// Records what the agent received for this round of a run node (the record recovery and
-    /// replay serve again), confirming the round's effect claims in the same transaction.
-    /// Chat turns are not recorded for replay (tool-turn contract §D). Call before the answer
-    /// leaves. `Err` only when a claim was taken over by another owner since
-    /// (`JournalError::Fenced`, PostgreSQL): the answer must not leave (fail closed); any
-    /// other failure is logged.
-    pub async fn record_served(
+    /// Commits the decided round `unit` with what the agent receives (`status`,
+    /// `content_type`, `body`, the released `calls` and their effect `claims`) as one unit of
+    /// work, before the answer leaves (`body` is made only when it is kept): for a run node
+    /// the served record (the record recovery
+    /// and replay serve again, confirming the claims in the same transaction), for a chat
+    /// turn (out of replay, tool-turn contract §D) the claims alone. `Err` only when a claim
+    /// was taken over by another owner since (`JournalError::Fenced`, PostgreSQL): nothing of
+    /// the unit was committed, a failed round naming why is recorded instead, and the answer
+    /// must not leave (fail closed); any other failure is logged.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn commit_answer(
         &self,
+        base: &RoundBase,
+        mut unit: RoundCommit,
         status: u16,
         content_type: &str,
-        body: Recorded,
+        body: impl FnOnce() -> Recorded,
         calls: Vec<ServedCall>,
         claims: Vec<(String, String)>,
     ) -> Result<(), crate::journal::JournalError> {
-        let (Some(run), Some(node), Some(attempt)) = (
+        match (
             &self.ctx.run.run_id,
             &self.ctx.run.node_id,
             self.ctx.run.attempt,
-        ) else {
+        ) {
+            (Some(run), Some(node), Some(attempt)) => {
+                unit.served = Some(ServedRecord {
+                    run_id: run.clone(),
+                    node_id: node.clone(),
+                    attempt,
+                    round_index: self.turn.round_index,
+                    request_digest: self.agent_digest.clone(),
+                    request_id: self.ctx.journal_id.clone(),
+                    status,
+                    content_type: content_type.to_owned(),
+                    body: body(),
+                    calls,
+                    at_ms: now_ms(),
+                    claims,
+                });
+            }
             // A chat turn keeps no served record; its claims are still confirmed.
-            return match self.state.journal.confirm_claims(claims).await {
-                Err(e @ crate::journal::JournalError::Fenced(_)) => Err(e),
-                Err(e) => {
-                    tracing::error!(error = %e, request_id = %self.ctx.request_id, "effect claims not confirmed");
-                    Ok(())
-                }
-                Ok(()) => Ok(()),
-            };
-        };
-        let rec = ServedRecord {
-            run_id: run.clone(),
-            node_id: node.clone(),
-            attempt,
-            round_index: self.turn.round_index,
-            request_digest: self.agent_digest.clone(),
-            request_id: self.ctx.journal_id.clone(),
-            status,
-            content_type: content_type.to_owned(),
-            body,
-            calls,
-            at_ms: now_ms(),
-            claims,
-        };
-        match self.state.journal.record_served(rec).await {
-            Err(e @ crate::journal::JournalError::Fenced(_)) => Err(e),
+            _ => unit.claims = claims,
+        }
+        match commit_round(self, unit).await {
+            Err(e @ crate::journal::JournalError::Fenced(_)) => {
+                let mut rec = round_record(self, base, RoundState::Failed, b"");
+                rec.error = Some(format!("not answered: {e}"));
+                record_round(self, rec).await;
+                Err(e)
+            }
             Err(e) => {
-                tracing::error!(error = %e, request_id = %self.ctx.request_id, "served response not journaled");
+                tracing::error!(error = %e, request_id = %self.ctx.request_id, "round not journaled");
                 Ok(())
             }
             Ok(()) => Ok(()),
@@ -241,11 +249,16 @@ pub fn round_record(
         latency_ms: ctx.started.elapsed().as_millis() as u64,
         state: round_state,
         error: None,
-        response: Recorded::redacted(
-            response,
-            &session.policy.redactor,
-            session.state.config.journal_max_record_bytes,
-        ),
+        // A chat turn's body is not kept (§D, `journal_bodies`): only its digest is taken.
+        response: if keeps_body(&session.state, &ctx.run) {
+            Recorded::redacted(
+                response,
+                &session.policy.redactor,
+                session.state.config.journal_max_record_bytes,
+            )
+        } else {
+            Recorded::digest_of(response)
+        },
         calls: Vec::new(),
         response_link: None,
         channel: None,
@@ -262,6 +275,33 @@ pub async fn record_round(session: &Session, rec: RoundRecord) {
     record_round_with(&session.state, &session.policy.redactor, rec).await;
 }
 
+/// A decided round's unit of work ([`RoundCommit`]) committed: its round prepared as
+/// [`record_round`] prepares one (text redacted, a chat turn's body kept as a digest unless
+/// `journal_bodies = "all"`). Errors are the journal's ([`crate::journal::Journal::commit_round`]).
+pub async fn commit_round(
+    session: &Session,
+    mut unit: RoundCommit,
+) -> Result<(), crate::journal::JournalError> {
+    if let Some(rec) = &mut unit.round {
+        rec.redact_text(&session.policy.redactor);
+        keep_body_as_configured(&session.state, rec);
+    }
+    session.state.journal.commit_round(unit).await
+}
+
+/// A chat turn is out of replay (§D): its round keeps decisions and the body's digest, not
+/// the body, unless `journal_bodies = "all"`.
+fn keep_body_as_configured(state: &AppState, rec: &mut RoundRecord) {
+    if !keeps_body(state, &rec.run) {
+        rec.response.keep_digest_only();
+    }
+}
+
+/// Whether a round of `run` keeps its response body (`journal_bodies`; a run node always).
+pub fn keeps_body(state: &AppState, run: &crate::journal::RunKey) -> bool {
+    run.run_id.is_some() || state.config.journal_bodies == crate::config::JournalBodies::All
+}
+
 /// [`record_round`] for a round decided outside a [`Session`] (the MCP front): its text
 /// fields redacted with `redactor` first.
 pub async fn record_round_with(
@@ -274,18 +314,16 @@ pub async fn record_round_with(
 }
 
 pub(super) async fn journal_round(state: &AppState, mut rec: RoundRecord) {
-    // A chat turn is out of replay (§D): its round keeps decisions and the body's digest,
-    // not the body, unless `journal_bodies = "all"`.
-    if rec.run.run_id.is_none() && state.config.journal_bodies != crate::config::JournalBodies::All
-    {
-        rec.response = rec.response.digest_only();
-    }
+    keep_body_as_configured(state, &mut rec);
     let request_id = rec.request_id.clone();
-    let result = if rec.run.run_id.is_some() {
-        state.journal.record_round(rec).await
-    } else {
-        state.journal.record_round_relaxed(rec).await
-    };
+    // Durable for a run node's round (§D), queued for a chat turn's ([`RoundCommit`]).
+    let result = state
+        .journal
+        .commit_round(RoundCommit {
+            round: Some(rec),
+            ..RoundCommit::default()
+        })
+        .await;
     if let Err(e) = result {
         tracing::error!(request_id = %request_id, error = %e, "round not journaled");
     }
@@ -298,19 +336,24 @@ pub(super) fn record_upstream_error(session: &Session, base: &RoundBase) {
     tokio::spawn(async move { journal_round(&state, rec).await });
 }
 
-/// Records the tool results the request carries, durably, before it goes upstream
-/// (tool-turn contract §D). A record failure fails the request (503) when any of the results
+/// Records what the request carries before it goes upstream, in one commit
+/// ([`crate::journal::BeforeUpstream`]): its tool results, durably (tool-turn contract §D),
+/// for an untrusted turn of a run the run's sticky trust bit (§C), and the tools it declared
+/// (names and parameter schemas, never arguments; for `turnguard policy learn`). A record
+/// failure fails the request (503) when it carries the trust bit or any of the results
 /// belongs to a tool that is not re-runnable (or that the catalog does not know); results of
-/// re-runnable tools only are logged and counted, and the request goes on.
-pub(super) async fn record_tool_results(
+/// re-runnable tools only, or declared tools alone, are logged and counted, and the request
+/// goes on.
+pub(super) async fn record_before_upstream(
     state: &AppState,
     ctx: &RequestCtx,
     turn: &Turn,
     policy: &CompiledPolicy,
+    trust: crate::policy::bundle::ContentTrust,
 ) -> Result<(), WireError> {
     let redactor = &policy.redactor;
     let cap = state.config.journal_max_record_bytes;
-    let recs: Vec<ToolResultRecord> = turn
+    let tool_results: Vec<ToolResultRecord> = turn
         .tool_results
         .iter()
         .map(|t| ToolResultRecord {
@@ -323,32 +366,7 @@ pub(super) async fn record_tool_results(
             content: Recorded::redacted(t.content.as_bytes(), redactor, cap),
         })
         .collect();
-    match state.journal.record_tool_results(recs).await {
-        Ok(()) => Ok(()),
-        Err(e) => {
-            let all_rerunnable = turn.tool_results.iter().all(|t| {
-                t.tool_name
-                    .as_deref()
-                    .and_then(|n| policy.catalog.by_name(n))
-                    .is_some_and(|tool| tool.rerunnable())
-            });
-            if all_rerunnable {
-                tracing::error!(error = %e, request_id = %ctx.request_id, "tool results of re-runnable tools not journaled; going on");
-                Ok(())
-            } else {
-                Err(WireError::JournalUnavailable {
-                    reason: e.to_string(),
-                })
-            }
-        }
-    }
-}
-
-/// Queues the tools the request declared (names and parameter schemas, never arguments) for
-/// `turnguard policy learn`; a failure is logged, the request goes on (nothing in the
-/// contract depends on it).
-pub(super) async fn record_declared_tools(state: &AppState, ctx: &RequestCtx, turn: &Turn) {
-    let rec = crate::journal::DeclaredToolsRecord {
+    let declared_tools = (!turn.tools.is_empty()).then(|| crate::journal::DeclaredToolsRecord {
         request_id: ctx.journal_id.clone(),
         at_ms: ctx.at_ms,
         run_id: ctx.run.run_id.clone(),
@@ -358,8 +376,42 @@ pub(super) async fn record_declared_tools(state: &AppState, ctx: &RequestCtx, tu
             .iter()
             .map(|t| (t.name.clone(), t.schema.clone()))
             .collect(),
+    });
+    // An untrusted turn of a run makes the run untrusted from now on (§C, sticky).
+    let run_untrusted = ctx
+        .run
+        .run_id
+        .as_ref()
+        .filter(|_| trust == crate::policy::bundle::ContentTrust::Untrusted)
+        .map(|run| crate::journal::RunUntrusted {
+            run_id: run.clone(),
+            request_id: ctx.journal_id.clone(),
+            at_ms: ctx.at_ms,
+        });
+    let sets_trust_bit = run_untrusted.is_some();
+    let unit = crate::journal::BeforeUpstream {
+        tool_results,
+        declared_tools,
+        run_untrusted,
     };
-    if let Err(e) = state.journal.record_declared_tools(rec).await {
-        tracing::error!(error = %e, request_id = %ctx.request_id, "declared tools not journaled");
+    match state.journal.record_before_upstream(unit).await {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let all_rerunnable = turn.tool_results.iter().all(|t| {
+                t.tool_name
+                    .as_deref()
+                    .and_then(|n| policy.catalog.by_name(n))
+                    .is_some_and(|tool| tool.rerunnable())
+            });
+            // The sticky bit unrecorded would let a later turn of the run pass as trusted.
+            if all_rerunnable && !sets_trust_bit {
+                tracing::error!(error = %e, request_id = %ctx.request_id, "tool results of re-runnable tools or declared tools not journaled; going on");
+                Ok(())
+            } else {
+                Err(WireError::JournalUnavailable {
+                    reason: e.to_string(),
+                })
+            }
+        }
     }
 }

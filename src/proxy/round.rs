@@ -42,13 +42,14 @@ impl Session {
 
     /// Admits one round: stages 1–8, effect claims at dispatch, surfacing — waiting for the
     /// acting person's approval when held calls surface as `wait` ([`crate::approvals`];
-    /// an approval is used only while `agent` is there to receive its calls) — then metrics
-    /// and events.
+    /// an approval is used only while `agent` is there to receive its calls) — then metrics.
+    /// Returns the verdicts and the round's `agent.tool-called` / `agent.tool-returned`
+    /// events, for the caller to journal with the round ([`crate::journal::RoundCommit`]).
     pub async fn admit(
         &self,
         round: &[ChoiceEmissions],
         agent: &impl crate::approvals::AgentEnd,
-    ) -> Vec<ChoiceVerdict> {
+    ) -> (Vec<ChoiceVerdict>, Vec<EventRecord>) {
         let mut verdicts = self.decide_round(round, Approval::Pending).await;
         if verdicts.iter().any(ChoiceVerdict::waiting) {
             // Nothing of a waiting round was dispatched (no token, no claim): it is decided
@@ -58,8 +59,8 @@ impl Session {
             let decided = settled.round(round);
             verdicts = self.decide_round(&decided, settled.approval()).await;
         }
-        self.account(round, &verdicts).await;
-        verdicts
+        let events = self.account(round, &verdicts);
+        (verdicts, events)
     }
 
     /// Stages 1–8 and surfacing for every choice of a round, with held calls as `approval`
@@ -172,6 +173,7 @@ impl Session {
             .person
             .as_ref()
             .map_or_else(|| AGENT_ID.to_owned(), |p| format!("person:{p}"));
+        let mut wanted: Vec<(usize, EffectClaim)> = Vec::new();
         for (i, call) in choice.calls.iter().enumerate() {
             if decisions[i].outcome != Outcome::Executed {
                 continue;
@@ -198,18 +200,37 @@ impl Session {
             } else {
                 continue;
             };
-            let claim = EffectClaim {
-                effect_id: effect_id.clone(),
-                tool_id: tool.descriptor.tool_id.clone(),
-                call_id: call.id.clone(),
-                run: self.ctx.run.clone(),
-                keying,
-                at_ms: now_ms(),
-                instance: crate::journal::instance_id().to_owned(),
-                reader: reader.clone(),
-            };
+            wanted.push((
+                i,
+                EffectClaim {
+                    effect_id,
+                    tool_id: tool.descriptor.tool_id.clone(),
+                    call_id: call.id.clone(),
+                    run: self.ctx.run.clone(),
+                    keying,
+                    at_ms: now_ms(),
+                    instance: crate::journal::instance_id().to_owned(),
+                    reader: reader.clone(),
+                },
+            ));
+        }
+        if wanted.is_empty() {
+            return taken;
+        }
+        // The round's claims in one commit, in call order.
+        let (index, claims): (Vec<usize>, Vec<EffectClaim>) = wanted.into_iter().unzip();
+        let effect_ids: Vec<String> = claims.iter().map(|c| c.effect_id.clone()).collect();
+        let answers = match self.state.journal.claim_effects(claims).await {
+            Ok(answers) if answers.len() == index.len() => answers.into_iter().map(Ok).collect(),
+            Ok(_) => vec![
+                Err("the journal answered a different number of claims".to_owned());
+                index.len()
+            ],
+            Err(e) => vec![Err(e.to_string()); index.len()],
+        };
+        for ((i, effect_id), answer) in index.into_iter().zip(effect_ids).zip(answers) {
             let d = &mut decisions[i];
-            match self.state.journal.claim_effect(claim).await {
+            match answer {
                 Ok(Claim::Claimed) => taken.push((i, effect_id)),
                 // Claimed and released before (by this call id or another): the effect ran or
                 // may have run; it is never released again.
@@ -246,8 +267,13 @@ impl Session {
         taken
     }
 
-    /// Metrics, per-run counters and the `agent.tool-called` / `agent.tool-returned` events.
-    pub(super) async fn account(&self, round: &[ChoiceEmissions], verdicts: &[ChoiceVerdict]) {
+    /// Metrics, per-run counters, and the `agent.tool-called` / `agent.tool-returned` events
+    /// of the round's decisions (returned, journaled by the caller with the round).
+    pub(super) fn account(
+        &self,
+        round: &[ChoiceEmissions],
+        verdicts: &[ChoiceVerdict],
+    ) -> Vec<EventRecord> {
         let mut events = Vec::new();
         let principal = self.person.as_deref().unwrap_or(AGENT_ID);
         for (choice, verdict) in round.iter().zip(verdicts) {
@@ -326,9 +352,7 @@ impl Session {
                 self.state.limits.add_run(run, n);
             }
         }
-        if let Err(e) = self.state.journal.record_events(events).await {
-            tracing::error!(error = %e, request_id = %self.ctx.request_id, "events not journaled");
-        }
+        events
     }
 
     /// An event of this request; its payload redacted (model-chosen names and ids included).

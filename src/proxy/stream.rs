@@ -21,10 +21,10 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::{call_records, join, record_round, round_record, upstream, RoundBase, Session};
+use super::{call_records, join, round_record, upstream, RoundBase, Session};
 use crate::admission::channel::{ChannelSpec, ChannelVerdict};
 use crate::admission::SchemaCache;
-use crate::journal::RoundState;
+use crate::journal::{RoundCommit, RoundState};
 use crate::metrics::{ApiLabels, ReasonLabels, UpstreamError};
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Surfacing, Turn};
 use crate::provider::{Splice, StreamAdapter};
@@ -549,7 +549,13 @@ async fn run(
         first_byte: true,
     };
     let mut splice = None;
-    let cap = session.state.config.journal_max_record_bytes;
+    // A body the journal does not keep (a chat turn's, `journal_bodies`) is not copied:
+    // only its digest and size are taken.
+    let cap = if super::record::keeps_body(&session.state, &session.ctx.run) {
+        session.state.config.journal_max_record_bytes
+    } else {
+        0
+    };
     let mut agent = ToAgent {
         tx,
         sent: Vec::new(),
@@ -614,19 +620,41 @@ async fn finish_round(
         ),
     };
     let secrets = pipeline.decided.iter().any(|(_, v)| super::has_secrets(v));
-    record(session, base, pipeline, capture, state, error, secrets).await;
+    let unit = RoundCommit {
+        round: Some(round_of(
+            session, base, pipeline, capture, state, error, secrets,
+        )),
+        ..RoundCommit::default()
+    };
     if state == RoundState::Ok {
         let calls: Vec<_> = pipeline
             .decided
             .iter()
             .flat_map(|(r, v)| session.served_calls(r, v))
             .collect();
-        let body = agent.recorded(&session.policy.redactor);
-        let body = if secrets { body.withheld() } else { body };
-        // Its claims were confirmed when the calls left: none to fence here.
+        let body = || {
+            let body = agent.recorded(&session.policy.redactor);
+            if secrets {
+                body.withheld()
+            } else {
+                body
+            }
+        };
+        // The round and what the agent received, in one commit. Its claims were confirmed
+        // when the calls left: none to fence here.
         let _ = session
-            .record_served(200, "text/event-stream", body, calls, Vec::new())
+            .commit_answer(
+                base,
+                unit,
+                200,
+                "text/event-stream",
+                body,
+                calls,
+                Vec::new(),
+            )
             .await;
+    } else if let Err(e) = super::record::commit_round(session, unit).await {
+        tracing::error!(request_id = %session.ctx.request_id, error = %e, "round not journaled");
     }
 }
 
@@ -849,7 +877,7 @@ async fn decide(
     let started = Instant::now();
     let every = Duration::from_millis(session.state.config.approval_keepalive_ms.max(10));
     let mut keepalive = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-    let verdicts = {
+    let (verdicts, events) = {
         // The approval of a held round is used only while the agent is there (its channel
         // open): a stream whose agent left stops waiting and uses nothing.
         let admit = session.admit(&round, &agent.tx);
@@ -874,6 +902,11 @@ async fn decide(
             api: session.turn.api.into(),
         })
         .observe(started.elapsed().as_secs_f64());
+    // A stream's round is recorded when it ends; its decisions' events are queued now (not
+    // awaited), so the run's event feed shows them while the stream goes on.
+    if let Err(e) = session.state.journal.record_events(events).await {
+        tracing::error!(error = %e, request_id = %session.ctx.request_id, "events not journaled");
+    }
     if agent.tx.is_closed() {
         // Nothing leaves: the claims of calls that would have been released are given back.
         for (effect_id, call_id) in super::claims_of(&verdicts) {
@@ -943,7 +976,8 @@ async fn decide(
     Next::Continue
 }
 
-async fn record(
+/// The round record of a stream's round that ended.
+fn round_of(
     session: &Session,
     base: &RoundBase,
     pipeline: &Pipeline,
@@ -951,7 +985,7 @@ async fn record(
     state: RoundState,
     error: Option<String>,
     secrets: bool,
-) {
+) -> crate::journal::RoundRecord {
     let mut rec = round_record(session, base, state, &[]);
     let received = capture.finish(&session.policy.redactor);
     rec.response = if secrets {
@@ -967,7 +1001,7 @@ async fn record(
     }
     rec.calls = pipeline.call_records(&session.call_ids());
     rec.response_link = session.judged(pipeline.response_link(), &rec.calls);
-    record_round(session, rec).await;
+    rec
 }
 
 fn count(session: &Session, reason: UpstreamError) {

@@ -10,13 +10,13 @@ use http::StatusCode;
 use serde_json::{json, Value};
 
 use super::record::{
-    call_records, claims_of, has_secrets, join, record_round, round_record, RoundBase,
+    call_records, claims_of, commit_round, has_secrets, join, record_round, round_record, RoundBase,
 };
 use crate::admission::channel::ChannelVerdict;
 use crate::admission::{self};
 use crate::body::{read_capped_within, BodyError};
 use crate::error::{Surface, WireError};
-use crate::journal::{RoundRecord, RoundState, ServedCall};
+use crate::journal::{RoundCommit, RoundRecord, RoundState, ServedCall};
 use crate::metrics::EmissionLabels;
 use crate::model::{ChoiceEmissions, SurfacedError, Surfacing};
 use crate::provider;
@@ -87,12 +87,26 @@ pub(super) async fn read_upstream_json(
 
 /// How a non-stream round ends.
 pub(super) enum JsonRound {
-    /// Send this body to the agent; these calls go with it; whether a call carried a secret.
-    Respond(Bytes, Vec<ServedCall>, bool, Vec<(String, String)>),
+    /// Send this body to the agent, once the round's unit of work is committed.
+    Respond(Box<Answer>),
     /// Ask the model again with this body.
     Repair(Value),
     /// Fail the request.
     Error(SurfacedError),
+}
+
+/// A non-stream answer that goes to the agent, with what is journaled for it in one commit
+/// before it leaves ([`Session::commit_answer`]).
+pub(super) struct Answer {
+    pub body: Bytes,
+    /// The calls that go with it.
+    pub calls: Vec<ServedCall>,
+    /// A call's arguments carried a secret: the body is kept as a digest only.
+    pub secrets: bool,
+    /// The effect claims (effect id, call id) of the released calls, confirmed in the unit.
+    pub claims: Vec<(String, String)>,
+    /// The decided round and its events.
+    pub unit: RoundCommit,
 }
 
 /// A non-stream response: adapter → admission → surface → record.
@@ -133,7 +147,7 @@ pub(super) async fn surface_json(
         .filter(|c| !c.calls.is_empty())
         .cloned()
         .collect();
-    let verdicts = session
+    let (verdicts, events) = session
         .admit(&with_calls, &crate::approvals::InRequest)
         .await;
     let mut rec = round_record(session, base, RoundState::Ok, &body);
@@ -164,22 +178,33 @@ pub(super) async fn surface_json(
         JsonRound::Repair(session.repaired(choice, items))
     } else if let Some(next) = session.check_channel(&round, &mut rec) {
         next
-    } else if provider::rewrite_response(turn.api, &mut json, &verdicts) {
-        JsonRound::Respond(
-            Bytes::from(json.to_string()),
-            session.served_calls(&with_calls, &verdicts),
-            has_secrets(&verdicts),
-            claims_of(&verdicts),
-        )
     } else {
-        JsonRound::Respond(
-            body.clone(),
-            session.served_calls(&with_calls, &verdicts),
-            has_secrets(&verdicts),
-            claims_of(&verdicts),
-        )
+        let body = if provider::rewrite_response(turn.api, &mut json, &verdicts) {
+            Bytes::from(json.to_string())
+        } else {
+            body.clone()
+        };
+        // The round is committed with what the agent receives, in one unit.
+        return Ok(JsonRound::Respond(Box::new(Answer {
+            body,
+            calls: session.served_calls(&with_calls, &verdicts),
+            secrets: has_secrets(&verdicts),
+            claims: claims_of(&verdicts),
+            unit: RoundCommit {
+                round: Some(rec),
+                events,
+                ..RoundCommit::default()
+            },
+        })));
     };
-    record_round(session, rec).await;
+    let unit = RoundCommit {
+        round: Some(rec),
+        events,
+        ..RoundCommit::default()
+    };
+    if let Err(e) = commit_round(session, unit).await {
+        tracing::error!(request_id = %session.ctx.request_id, error = %e, "round not journaled");
+    }
     Ok(outcome)
 }
 
@@ -250,32 +275,52 @@ impl Session {
     }
 }
 
-/// The agent's JSON answer of a surfaced round: for a run node, what it receives is recorded
-/// first (redacted; withheld when a call's arguments carried a secret), then the body goes
-/// out with the upstream's status and headers.
+/// The agent's JSON answer of a surfaced round: the round, its events and (for a run node)
+/// what the agent receives are committed first as one unit (redacted; withheld when a
+/// call's arguments carried a secret), then the body goes out with the upstream's status
+/// and headers.
 pub(super) async fn respond_json(
     session: &Session,
+    base: &RoundBase,
     parts: &http::response::Parts,
-    body: Bytes,
-    calls: Vec<ServedCall>,
-    secrets: bool,
-    claims: Vec<(String, String)>,
+    answer: Box<Answer>,
 ) -> Result<Response, WireError> {
+    let Answer {
+        body,
+        calls,
+        secrets,
+        claims,
+        unit,
+    } = *answer;
     let content_type = parts
         .headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("application/json");
-    let kept = crate::journal::Recorded::redacted(
-        &body,
-        &session.policy.redactor,
-        session.state.config.journal_max_record_bytes,
-    );
-    let kept = if secrets { kept.withheld() } else { kept };
+    let kept = || {
+        let kept = crate::journal::Recorded::redacted(
+            &body,
+            &session.policy.redactor,
+            session.state.config.journal_max_record_bytes,
+        );
+        if secrets {
+            kept.withheld()
+        } else {
+            kept
+        }
+    };
     // A claim another replica took over since (PostgreSQL) is no longer ours: the answer
     // does not leave (fail closed).
     session
-        .record_served(parts.status.as_u16(), content_type, kept, calls, claims)
+        .commit_answer(
+            base,
+            unit,
+            parts.status.as_u16(),
+            content_type,
+            kept,
+            calls,
+            claims,
+        )
         .await
         .map_err(|e| WireError::JournalUnavailable {
             reason: e.to_string(),

@@ -117,17 +117,18 @@ pub async fn item_references(state: &AppState, ctx: &RequestCtx, turn: &mut Turn
 }
 
 /// The turn's effective `contentTrust`: `turn` (the meet of its inputs), made untrusted when
-/// its run was untrusted before. A journal failure fails closed (untrusted).
+/// its run was untrusted before (read from the journal, never through its writer). An
+/// untrusted turn is untrusted whatever the run was; its run's bit is set before the request
+/// goes upstream ([`super::record::record_before_upstream`]). A journal failure fails closed
+/// (untrusted).
 pub async fn sticky(state: &AppState, ctx: &RequestCtx, turn: ContentTrust) -> ContentTrust {
     let Some(run) = &ctx.run.run_id else {
         return turn;
     };
-    let untrusted = turn == ContentTrust::Untrusted;
-    match state
-        .journal
-        .run_untrusted(run, untrusted, &ctx.journal_id, ctx.at_ms)
-        .await
-    {
+    if turn == ContentTrust::Untrusted {
+        return turn;
+    }
+    match state.reader.run_untrusted(run).await {
         Ok(true) => ContentTrust::Untrusted,
         Ok(false) => turn,
         Err(e) => {

@@ -17,6 +17,7 @@ mod field_inputs;
 mod fuzz;
 mod journal_bodies;
 mod journal_postgres;
+mod journal_units;
 mod mcp;
 mod ops_edge;
 mod ops_shutdown;

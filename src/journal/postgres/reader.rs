@@ -242,6 +242,19 @@ pub(crate) async fn released_calls(pool: &Pool, run: &str) -> Result<u32, Journa
     }
 }
 
+pub(crate) async fn run_untrusted(pool: &Pool, run: &str) -> Result<bool, JournalError> {
+    let r = query_opt(
+        pool,
+        "SELECT count(*) FROM run_trust WHERE run_id = $1 AND trust = 'untrusted'",
+        &[&run],
+    )
+    .await?;
+    match r {
+        Some(r) => Ok(get::<i64>(&r, 0)? > 0),
+        None => Ok(false),
+    }
+}
+
 pub(crate) async fn replay_cursor(pool: &Pool, run: &str, node: &str) -> Result<u32, JournalError> {
     match query_opt(
         pool,

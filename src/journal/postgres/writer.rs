@@ -15,9 +15,9 @@ use super::super::interrupts::{
     self, reply, Answer, InterruptRecord, InterruptRow, Replies, Resolution, Resolved, Selector,
 };
 use super::super::{
-    Claim, DeclaredToolsRecord, EffectClaim, EventRecord, InterruptState, Job, JournalError,
-    JournalHealth, Op, RoundRecord, RunKey, ToolResultRecord, UnknownValue, CLAIM_LEASE_MS,
-    MAX_BATCH, MAX_DECLARED_SCHEMA_BYTES,
+    BeforeUpstream, Claim, DeclaredToolsRecord, EffectClaim, EventRecord, InterruptState, Job,
+    JournalError, JournalHealth, Op, RoundCommit, RoundRecord, RunKey, ServedRecord,
+    ToolResultRecord, UnknownValue, CLAIM_LEASE_MS, MAX_BATCH, MAX_DECLARED_SCHEMA_BYTES,
 };
 use super::reader::u32_of;
 use super::{describe, store_failure, CHANNEL};
@@ -157,6 +157,9 @@ pub(super) async fn run(
             .journal_commit_latency
             .observe(started.elapsed().as_secs_f64());
         metrics.journal_batch_size.observe(batch.len() as f64);
+        if outcome.is_ok() {
+            super::super::count_commit(&metrics, &batch, durable);
+        }
         match outcome {
             Ok(results) => {
                 for (job, result) in batch.into_iter().zip(results) {
@@ -247,34 +250,8 @@ async fn apply(
     match op {
         Op::ConfirmClaims(list) => confirm(tx, list, instance, held).await?,
         Op::Prune { before_ms } => prune(tx, *before_ms).await?,
-        Op::Served(r) => {
-            confirm(tx, &r.claims, instance, held).await?;
-            exec(
-                tx,
-                "INSERT INTO served (run_id, node_id, attempt, round_index, request_digest, request_id, status,
-                    content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
-                 ON CONFLICT (run_id, node_id, attempt, round_index) DO NOTHING",
-                &[
-                    &r.run_id,
-                    &r.node_id,
-                    &i64::from(r.attempt),
-                    &i64::from(r.round_index),
-                    &r.request_digest,
-                    &r.request_id,
-                    &i64::from(r.status),
-                    &r.content_type,
-                    &r.body.bytes,
-                    &(r.body.total_bytes as i64),
-                    &r.body.digest,
-                    &flag(r.body.truncated),
-                    &serde_json::to_string(&r.calls).unwrap_or_else(|_| "[]".into()),
-                    &r.at_ms,
-                    &flag(r.body.redacted),
-                ],
-            )
-            .await?;
-        }
+        Op::BeforeUpstream(u) => before_upstream(tx, u).await?,
+        Op::RoundCommit(u) => round_commit(tx, u, instance, held).await?,
         Op::Cursor {
             run_id,
             node_id,
@@ -302,7 +279,6 @@ async fn apply(
                 .await?;
             }
         }
-        Op::Round(r) => insert_round(tx, r).await?,
         Op::ToolResults(list) => {
             for t in list.iter() {
                 insert_tool_result(tx, t).await?;
@@ -314,12 +290,25 @@ async fn apply(
             }
         }
         Op::DeclaredTools(d) => insert_declared_tools(tx, d).await?,
-        Op::Claim(c, answer) => {
-            let result = claim(tx, c, instance, held).await?;
+        Op::Claims(list, answer) => {
+            let mut results = Vec::with_capacity(list.len());
+            for c in list.iter() {
+                match claim(tx, c, instance, held).await {
+                    Ok(r) => results.push(r),
+                    Err(e) => {
+                        // The job's savepoint rolls back the claims taken before this one:
+                        // they are not held either.
+                        for c in &list[..results.len()] {
+                            held.remove(&(c.effect_id.clone(), c.call_id.clone()));
+                        }
+                        return Err(e);
+                    }
+                }
+            }
             let (dummy, _) = oneshot::channel();
             let answer = std::mem::replace(answer, dummy);
             replies.push(Box::new(move || {
-                let _ = answer.send(result);
+                let _ = answer.send(results);
             }));
         }
         Op::Interrupt(op) => apply_interrupt(tx, op, replies).await?,
@@ -377,6 +366,85 @@ async fn prune(tx: &Transaction<'_>, t: i64) -> Result<(), JobErr> {
         "DELETE FROM instances WHERE heartbeat_ms < $1",
         &[&(crate::clock::now_ms() - 24 * 3_600_000)],
     )
+    .await?;
+    Ok(())
+}
+
+/// What a request records before it goes upstream ([`BeforeUpstream`]), in the batch's
+/// transaction.
+async fn before_upstream(tx: &Transaction<'_>, u: &BeforeUpstream) -> Result<(), JobErr> {
+    if let Some(r) = &u.run_untrusted {
+        exec(
+            tx,
+            "INSERT INTO run_trust (run_id, trust, request_id, at_ms)
+             VALUES ($1, 'untrusted', $2, $3) ON CONFLICT (run_id) DO NOTHING",
+            &[&r.run_id, &r.request_id, &r.at_ms],
+        )
+        .await?;
+    }
+    for t in &u.tool_results {
+        insert_tool_result(tx, t).await?;
+    }
+    if let Some(d) = &u.declared_tools {
+        insert_declared_tools(tx, d).await?;
+    }
+    Ok(())
+}
+
+/// A decided round's unit of work ([`RoundCommit`]). Claims first: a claim taken over since
+/// fails the unit (fenced) before anything of it is written.
+async fn round_commit(
+    tx: &Transaction<'_>,
+    u: &RoundCommit,
+    instance: &str,
+    held: &mut Held,
+) -> Result<(), JobErr> {
+    confirm(tx, &u.claims, instance, held).await?;
+    if let Some(r) = &u.served {
+        insert_served(tx, r, instance, held).await?;
+    }
+    if let Some(r) = &u.round {
+        insert_round(tx, r).await?;
+    }
+    for e in &u.events {
+        insert_event(tx, e).await?;
+    }
+    Ok(())
+}
+
+/// A served record, insert-if-absent on (run, node, attempt, round) (the first answer is the
+/// record), confirming its claims in the same transaction (fenced: see [`confirm`]).
+async fn insert_served(
+    tx: &Transaction<'_>,
+    r: &ServedRecord,
+    instance: &str,
+    held: &mut Held,
+) -> Result<(), JobErr> {
+    confirm(tx, &r.claims, instance, held).await?;
+    exec(
+                tx,
+                "INSERT INTO served (run_id, node_id, attempt, round_index, request_digest, request_id, status,
+                    content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
+                 ON CONFLICT (run_id, node_id, attempt, round_index) DO NOTHING",
+                &[
+                    &r.run_id,
+                    &r.node_id,
+                    &i64::from(r.attempt),
+                    &i64::from(r.round_index),
+                    &r.request_digest,
+                    &r.request_id,
+                    &i64::from(r.status),
+                    &r.content_type,
+                    &r.body.bytes,
+                    &(r.body.total_bytes as i64),
+                    &r.body.digest,
+                    &flag(r.body.truncated),
+                    &serde_json::to_string(&r.calls).unwrap_or_else(|_| "[]".into()),
+                    &r.at_ms,
+                    &flag(r.body.redacted),
+                ],
+            )
     .await?;
     Ok(())
 }
@@ -690,20 +758,6 @@ async fn insert_tool_result(tx: &Transaction<'_>, t: &ToolResultRecord) -> Resul
             &[&t.tool_call_id, &t.run.run_id],
         )
         .await?;
-        let mut payload = serde_json::Map::new();
-        payload.insert("agentId".into(), json!(crate::clock::AGENT_ID));
-        payload.insert(
-            "toolName".into(),
-            json!(t.tool_name.as_deref().unwrap_or("unknown")),
-        );
-        payload.insert("callId".into(), json!(t.tool_call_id));
-        payload.insert(
-            "status".into(),
-            json!(if t.is_error { "error" } else { "ok" }),
-        );
-        if t.is_error {
-            payload.insert("error".into(), json!({"code": "turnguard.tool_reported_error", "message": "the agent reported that the tool failed"}));
-        }
         let released_at: Option<i64> = query_opt(
             tx,
             "SELECT r.at_ms FROM tool_calls c JOIN rounds r ON r.request_id = c.request_id
@@ -713,20 +767,7 @@ async fn insert_tool_result(tx: &Transaction<'_>, t: &ToolResultRecord) -> Resul
         .await?
         .map(|r| r.try_get(0))
         .transpose()?;
-        if let Some(at) = released_at {
-            payload.insert("durationMs".into(), json!((t.at_ms - at).max(0)));
-        }
-        insert_event(
-            tx,
-            &EventRecord {
-                request_id: t.request_id.clone(),
-                run: t.run.clone(),
-                at_ms: t.at_ms,
-                kind: "agent.tool-returned",
-                payload: Value::Object(payload),
-            },
-        )
-        .await?;
+        insert_event(tx, &t.returned_event(released_at)).await?;
     }
     Ok(())
 }
