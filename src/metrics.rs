@@ -259,7 +259,7 @@ pub enum CommitDurability {
     /// A batch of records nobody waits on (audit events, a chat turn's round): SQLite
     /// `synchronous=NORMAL` (no fsync), PostgreSQL `synchronous_commit = off`.
     Relaxed,
-    /// A batch of health probes only (every 5 s; 1 s while writes fail).
+    /// A batch made durable only by a health probe (every 5 s; 1 s while writes fail).
     Probe,
 }
 

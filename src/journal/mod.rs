@@ -1112,7 +1112,7 @@ fn writer(
             .observe(started.elapsed().as_secs_f64());
         metrics.journal_batch_size.observe(batch.len() as f64);
         if result.is_ok() {
-            count_commit(metrics, &batch, durable);
+            count_commit(metrics, &batch);
         }
         if let Err(e) = &result {
             metrics.journal_write_failures.inc_by(batch.len() as u64);
@@ -1248,13 +1248,17 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
 }
 
 /// Counts a committed batch in `turnguard_journal_commits_total` by how it was made durable
-/// (a batch of health probes only is counted apart, so the commits of requests can be read).
-fn count_commit(metrics: &Metrics, batch: &[Job], durable: bool) {
+/// (a batch made durable only by a health probe is counted apart, so the commits requests
+/// need can be read).
+fn count_commit(metrics: &Metrics, batch: &[Job]) {
     use crate::metrics::{CommitDurability, CommitLabels};
-    let durability = if batch.iter().all(|j| matches!(j.op, Op::Probe)) {
-        CommitDurability::Probe
-    } else if durable {
+    let probe = |j: &Job| matches!(j.op, Op::Probe);
+    // Durable for a request only when a record other than a probe needed it (a probe makes
+    // its batch durable too, but that fsync is the probe's).
+    let durability = if batch.iter().any(|j| j.durable && !probe(j)) {
         CommitDurability::Durable
+    } else if batch.iter().any(probe) {
+        CommitDurability::Probe
     } else {
         CommitDurability::Relaxed
     };

@@ -158,7 +158,7 @@ pub(super) async fn run(
             .observe(started.elapsed().as_secs_f64());
         metrics.journal_batch_size.observe(batch.len() as f64);
         if outcome.is_ok() {
-            super::super::count_commit(&metrics, &batch, durable);
+            super::super::count_commit(&metrics, &batch);
         }
         match outcome {
             Ok(results) => {
