@@ -53,8 +53,7 @@ use crate::clock::{now_ms, AGENT_ID};
 use crate::config::Ticket;
 use crate::error::WireError;
 use crate::journal::{
-    CallRecord, Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RoundState, TicketRow,
-    ToolResultRecord,
+    Claim, EffectClaim, EventRecord, Recorded, RoundRecord, RoundState, TicketRow, ToolResultRecord,
 };
 use crate::metrics::{ReplayLabels, ReplayMode, ReplayResult};
 use crate::model::{
@@ -451,22 +450,11 @@ impl McpCall {
             state,
             error,
             response: Recorded::redacted(b"", &self.policy.redactor, 0),
-            calls: vec![CallRecord {
-                choice: 0,
-                ordinal: 0,
-                call_id: exec.call_id.clone(),
-                name: self.name.clone(),
-                outcome: d.outcome.as_str(),
-                stage: d.stage.as_str(),
-                reason: d.reason.as_str(),
-                args_hash: d.args_hash.clone(),
-                tool_id: d.tool_id.clone(),
-                enforced: d.enforced,
-                rules: (!d.rules.is_empty()).then(|| d.rules.join(",")),
-                redacted_args: d.redacted_args.as_ref().map(Value::to_string),
-                logical_invocation_id: None,
-                node_ordinal: 0,
-            }],
+            calls: vec![crate::proxy::record::call_record(
+                &exec.call_id,
+                &self.name,
+                d,
+            )],
             response_link: None,
             channel: None,
             channel_result: None,

@@ -171,6 +171,27 @@ impl CallIds {
     }
 }
 
+/// The journal row of call `call_id` (tool `name`) and its decision `d`: the first call of
+/// the first choice, outside a run (the LLM path sets its position, the MCP front keeps it).
+pub fn call_record(call_id: &str, name: &str, d: &crate::model::Decision) -> CallRecord {
+    CallRecord {
+        logical_invocation_id: None,
+        node_ordinal: 0,
+        choice: 0,
+        ordinal: 0,
+        call_id: call_id.to_owned(),
+        name: name.to_owned(),
+        outcome: d.outcome.as_str(),
+        stage: d.stage.as_str(),
+        reason: d.reason.as_str(),
+        args_hash: d.args_hash.clone(),
+        tool_id: d.tool_id.clone(),
+        enforced: d.enforced,
+        rules: (!d.rules.is_empty()).then(|| d.rules.join(",")),
+        redacted_args: d.redacted_args.as_ref().map(Value::to_string),
+    }
+}
+
 /// The journal rows of each call and its decision.
 pub fn call_records(
     round: &[ChoiceEmissions],
@@ -186,16 +207,7 @@ pub fn call_records(
                 node_ordinal,
                 choice: choice.choice,
                 ordinal: ordinal as u32,
-                call_id: call.id.clone(),
-                name: call.name.clone(),
-                outcome: d.outcome.as_str(),
-                stage: d.stage.as_str(),
-                reason: d.reason.as_str(),
-                args_hash: d.args_hash.clone(),
-                tool_id: d.tool_id.clone(),
-                enforced: d.enforced,
-                rules: (!d.rules.is_empty()).then(|| d.rules.join(",")),
-                redacted_args: d.redacted_args.as_ref().map(Value::to_string),
+                ..call_record(&call.id, &call.name, d)
             });
         }
     }
