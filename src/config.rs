@@ -193,6 +193,12 @@ pub struct ServeArgs {
     /// Time a client has to send a whole request body, milliseconds; then 408 [default: 30000].
     #[arg(long, value_name = "MS", env = "TURNGUARD_BODY_READ_TIMEOUT_MS", value_parser = parse::millis)]
     pub body_read_timeout_ms: Option<u64>,
+    /// Threads of the async runtime (tokio workers) serving both planes. A sidecar shares
+    /// its pod: the default is one per CPU the process may run on (its affinity and cgroup
+    /// quota, as `std::thread::available_parallelism` reads them), at most 4
+    /// [default: min(CPUs, 4)].
+    #[arg(long, value_name = "N", env = "TURNGUARD_WORKER_THREADS", value_parser = parse::count)]
+    pub worker_threads: Option<usize>,
     /// Data-plane connections open at once; more are closed at accept. Keep it below the
     /// process's file-descriptor limit (`ulimit -n`) [default: 1024].
     #[arg(long, value_name = "N", env = "TURNGUARD_MAX_CONNECTIONS", value_parser = parse::count)]
@@ -886,6 +892,9 @@ pub struct Config {
     /// Deadline for a client's whole request body, milliseconds (408 past it).
     #[serde(deserialize_with = "check::positive")]
     pub body_read_timeout_ms: u64,
+    /// tokio worker threads ([`default_worker_threads`] unless set).
+    #[serde(deserialize_with = "check::positive")]
+    pub worker_threads: usize,
     /// Data-plane connections open at once; more are closed at accept.
     #[serde(deserialize_with = "check::positive")]
     pub max_connections: usize,
@@ -958,6 +967,7 @@ impl Default for Config {
             approval_keepalive_ms: 15_000,
             header_read_timeout_ms: 30_000,
             body_read_timeout_ms: 30_000,
+            worker_threads: default_worker_threads(),
             max_connections: 1024,
             max_schema_bytes: 256 << 10,
             max_schema_cache_bytes: 32 << 20,
@@ -975,6 +985,19 @@ impl Default for Config {
 }
 
 /// `url` with the userinfo of its authority (`user:pass@`) replaced by `***@`, for messages.
+/// Most tokio workers turnguard starts by default: a sidecar's proxy work is short and its
+/// journal writer is its own thread, so more workers add context switches, not throughput.
+pub const MAX_DEFAULT_WORKER_THREADS: usize = 4;
+
+/// The default `worker_threads`: the CPUs this process may run on
+/// (`std::thread::available_parallelism`: its CPU affinity and cgroup quota), at most
+/// [`MAX_DEFAULT_WORKER_THREADS`]; 1 when that cannot be read.
+pub fn default_worker_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, std::num::NonZeroUsize::get)
+        .min(MAX_DEFAULT_WORKER_THREADS)
+}
+
 pub fn redact_url(url: &str) -> String {
     let (scheme, rest) = match url.split_once("://") {
         Some((s, r)) => (Some(s), r),
@@ -1173,6 +1196,18 @@ mod tests {
         let env = |k: &str| (k == "TURNGUARD_SHED_RETRY_AFTER_S").then(|| "7".to_owned());
         let c = Config::resolve(&ServeArgs::default(), &env).unwrap();
         assert_eq!(c.shed_retry_after_s, 7);
+    }
+
+    #[test]
+    fn the_default_worker_count_follows_the_cpus_at_most_four() {
+        let cpus = std::thread::available_parallelism().unwrap().get();
+        assert_eq!(default_worker_threads(), cpus.min(4));
+        assert_eq!(Config::default().worker_threads, cpus.min(4));
+        let env = |k: &str| (k == "TURNGUARD_WORKER_THREADS").then(|| "0".to_owned());
+        let e = Config::resolve(&ServeArgs::default(), &env)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("TURNGUARD_WORKER_THREADS"), "{e}");
     }
 
     #[test]

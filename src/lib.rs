@@ -66,3 +66,4 @@ pub mod shutdown;
 mod source_lints;
 pub mod sse;
 pub mod state;
+pub mod strict_json;

@@ -187,12 +187,32 @@ fn parse_cli() -> Cli {
     }
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+/// Parses the command line, reads `serve`'s configuration (its `worker_threads` sizes the
+/// runtime, so it is read first), then runs the command on a multi-thread tokio runtime.
+fn main() -> anyhow::Result<()> {
     let cli = parse_cli();
+    let config = match &cli.command {
+        Command::Serve(args) => Some(Config::resolve(args, &|k| std::env::var(k).ok())?),
+        _ => None,
+    };
+    let workers = config
+        .as_ref()
+        .map_or_else(turnguard::config::default_worker_threads, |c| {
+            c.worker_threads
+        });
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .thread_name("turnguard-worker")
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?
+        .block_on(run(cli, config))
+}
+
+async fn run(cli: Cli, config: Option<Config>) -> anyhow::Result<()> {
     match cli.command {
-        Command::Serve(args) => {
-            let config = Config::resolve(&args, &|k| std::env::var(k).ok())?;
+        Command::Serve(_) => {
+            let config = config.context("serve's configuration was not read")?;
             init_logs(config.log_format);
             let running = turnguard::server::start(config)
                 .await

@@ -31,8 +31,8 @@
 //! `base_dir`, and `strict_thinking` (refuse, as the Anthropic API does, a Messages request with
 //! thinking on whose last assistant `tool_use` message does not start with its thinking block).
 //!
-//! Control endpoints: `GET /_mock/requests` (every request received, in order, with headers
-//! and JSON body), `POST /_mock/script` (replace the script), `POST /_mock/step`,
+//! Control endpoints: `GET /_mock/requests` (every request received, in order, with headers,
+//! JSON body and raw body text), `POST /_mock/script` (replace the script), `POST /_mock/step`,
 //! `POST /_mock/reset` (forget the request log).
 
 use std::collections::{BTreeMap, VecDeque};
@@ -388,7 +388,7 @@ async fn serve_step(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response 
         next_step(&m, &seen)
     };
     if let Ok(mut r) = m.requests.lock() {
-        let mut entry = json!({"method": parts.method.as_str(), "path": path, "headers": headers, "body": parsed});
+        let mut entry = json!({"method": parts.method.as_str(), "path": path, "headers": headers, "body": parsed, "raw": raw});
         if let Some(o) = entry.as_object_mut() {
             match (&chosen, &refusal) {
                 (_, Some(reason)) => o.insert("rejected".into(), json!(reason)),

@@ -89,6 +89,10 @@ pub struct Session {
     pub headers: HeaderMap,
     /// The request body as sent upstream (the agent's, plus repair turns).
     pub body: Value,
+    /// The agent's request bytes, sent as they are by the next [`Session::send`] while
+    /// `body` is exactly what they parse to (the first round, nothing added); `None` once
+    /// the body is rewritten or sent. Parsed by [`crate::strict_json`], so they read one way.
+    pub agent_bytes: Option<bytes::Bytes>,
     /// Repair rounds left.
     pub repairs_left: u32,
     /// Model rounds sent so far for this agent request.

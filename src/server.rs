@@ -181,7 +181,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     ];
     let health = journal_health_task(Arc::clone(&state));
     state.ready.store(true, Ordering::SeqCst);
-    tracing::info!(data = %addr, admin = %admin_addr, journal = %state.journal.location(), upstreams = %upstream_summary(&state.config), "turnguard listening");
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    tracing::info!(data = %addr, admin = %admin_addr, journal = %state.journal.location(), upstreams = %upstream_summary(&state.config), workers, "turnguard listening");
     Ok(Running {
         addr,
         admin_addr,

@@ -158,21 +158,40 @@ impl Default for SchemaLimits {
     }
 }
 
-/// Compiled validators keyed by schema hash, shared by every request; least recently used
-/// first out once the estimated memory ([`COMPILED_BYTES_PER_JSON_BYTE`] × the schema's JSON
-/// size) passes the budget, or past [`MAX_CACHED_SCHEMAS`] entries. A schema larger than
-/// `max_schema_bytes` is never compiled.
+/// Estimated memory of the schema's own tree kept beside its validator (to tell a cached
+/// schema from a different one with the same hash), per byte of its JSON.
+pub const SCHEMA_TREE_BYTES_PER_JSON_BYTE: usize = 8;
+
+/// Compiled validators shared by every request, keyed by a structural hash of the schema
+/// tree (SipHash with per-process random keys; a hit is confirmed by comparing the trees, so
+/// a collision compiles rather than borrows another schema's validator). Least recently used
+/// first out once the estimated memory (([`COMPILED_BYTES_PER_JSON_BYTE`] +
+/// [`SCHEMA_TREE_BYTES_PER_JSON_BYTE`]) × the schema's RFC 8785 size) passes the budget, or
+/// past [`MAX_CACHED_SCHEMAS`] entries. A schema larger than `max_schema_bytes` is never
+/// compiled.
+///
+/// A schema is serialized (RFC 8785) only on a miss: the agent declares the same tools on
+/// every request, and the hit path (hash, compare) allocates nothing but the key sort of
+/// each object (issue 13 item 6: one canonicalization per schema, not one per call).
 pub struct SchemaCache {
     limits: SchemaLimits,
+    hasher: std::hash::RandomState,
     lru: Mutex<Lru>,
     bytes: prometheus_client::metrics::gauge::Gauge,
     evictions: prometheus_client::metrics::counter::Counter,
 }
 
+/// A cached schema: its tree, its validator, its estimated memory in bytes.
+struct Entry {
+    schema: Value,
+    compiled: Compiled,
+    cost: usize,
+}
+
 #[derive(Default)]
 struct Lru {
     /// Oldest use first.
-    map: hashlink::LinkedHashMap<[u8; 32], (Compiled, usize)>,
+    map: hashlink::LinkedHashMap<u64, Entry>,
     bytes: usize,
 }
 
@@ -196,15 +215,31 @@ impl SchemaCache {
     ) -> Self {
         Self {
             limits,
+            hasher: std::hash::RandomState::new(),
             lru: Mutex::new(Lru::default()),
             bytes,
             evictions,
         }
     }
 
+    fn key(&self, schema: &Value) -> u64 {
+        use std::hash::BuildHasher;
+        self.hasher.hash_one(schema)
+    }
+
+    /// The cached validator of `schema` (now the most recently used), if it is cached.
+    fn cached(&self, key: u64, schema: &Value) -> Option<Compiled> {
+        let mut lru = self.lru.lock().ok()?;
+        let entry = lru.map.to_back(&key)?;
+        (entry.schema == *schema).then(|| Arc::clone(&entry.compiled))
+    }
+
     /// `Err((bytes, limit))` when `schema` is larger than `max_schema_bytes` (its RFC 8785
-    /// JSON): turnguard refuses to compile it.
+    /// JSON): turnguard refuses to compile it. A cached schema passed when it was compiled.
     pub fn check_size(&self, schema: &Value) -> Result<(), (usize, usize)> {
+        if self.cached(self.key(schema), schema).is_some() {
+            return Ok(());
+        }
         let n = canonical(schema).len();
         if n > self.limits.max_schema_bytes {
             Err((n, self.limits.max_schema_bytes))
@@ -217,17 +252,14 @@ impl SchemaCache {
     /// `Err(reason)` when the schema does not compile (for example a remote `$ref`) or is
     /// larger than `max_schema_bytes` (the reason names the cap and its flag).
     pub fn get(&self, schema: &Value) -> Compiled {
-        let json = canonical(schema);
-        let key: [u8; 32] = Sha256::digest(&json).into();
-        if let Ok(mut lru) = self.lru.lock() {
-            if let Some((v, _)) = lru.map.to_back(&key) {
-                return Arc::clone(v);
-            }
+        let key = self.key(schema);
+        if let Some(hit) = self.cached(key, schema) {
+            return hit;
         }
-        if json.len() > self.limits.max_schema_bytes {
+        let json_len = canonical(schema).len();
+        if json_len > self.limits.max_schema_bytes {
             return Arc::new(Err(format!(
-                "the schema is {} bytes; turnguard compiles schemas of at most {} bytes (max_schema_bytes; raise it with --max-schema-bytes)",
-                json.len(),
+                "the schema is {json_len} bytes; turnguard compiles schemas of at most {} bytes (max_schema_bytes; raise it with --max-schema-bytes)",
                 self.limits.max_schema_bytes
             )));
         }
@@ -242,23 +274,29 @@ impl SchemaCache {
                     )
                 }),
         );
-        let cost = json
-            .len()
-            .saturating_mul(COMPILED_BYTES_PER_JSON_BYTE)
+        let cost = json_len
+            .saturating_mul(COMPILED_BYTES_PER_JSON_BYTE + SCHEMA_TREE_BYTES_PER_JSON_BYTE)
             .saturating_add(1024);
         if cost > self.limits.budget_bytes {
             // Larger than the whole budget: used for this call, never kept.
             return built;
         }
         if let Ok(mut lru) = self.lru.lock() {
-            if lru.map.insert(key, (Arc::clone(&built), cost)).is_none() {
-                lru.bytes += cost;
+            let entry = Entry {
+                schema: schema.clone(),
+                compiled: Arc::clone(&built),
+                cost,
+            };
+            // A different schema under the same key (a hash collision) is replaced.
+            if let Some(old) = lru.map.insert(key, entry) {
+                lru.bytes -= old.cost;
             }
+            lru.bytes += cost;
             while lru.bytes > self.limits.budget_bytes || lru.map.len() > MAX_CACHED_SCHEMAS {
-                let Some((_, (_, c))) = lru.map.pop_front() else {
+                let Some((_, old)) = lru.map.pop_front() else {
                     break;
                 };
-                lru.bytes -= c;
+                lru.bytes -= old.cost;
                 self.evictions.inc();
             }
             self.bytes.set(i64::try_from(lru.bytes).unwrap_or(i64::MAX));
@@ -515,8 +553,11 @@ mod cache_tests {
             assert!(cache.bytes() <= 256 << 10, "{}", cache.bytes());
         }
         assert!(cache.len() < 20);
-        let key: [u8; 32] = Sha256::digest(canonical(&first)).into();
+        let key = cache.key(&first);
         assert!(cache.lru.lock().unwrap().map.contains_key(&key));
+        // A hit is the same tree, not only the same hash.
+        assert!(cache.cached(key, &schema(100, 1)).is_none());
+        assert!(cache.cached(key, &first).is_some());
         let too_big = schema(5000, 99);
         let err = cache.get(&too_big);
         let reason = err.as_ref().as_ref().err().unwrap();

@@ -68,7 +68,10 @@ impl Session {
     /// Sends the current body upstream.
     pub async fn send(&mut self) -> Result<http::Response<hyper::body::Incoming>, WireError> {
         self.rounds += 1;
-        let raw = Bytes::from(self.body.to_string());
+        let raw = match self.agent_bytes.take() {
+            Some(raw) => raw,
+            None => Bytes::from(self.body.to_string()),
+        };
         upstream::send(
             &self.state,
             self.turn.api.upstream(),
@@ -163,7 +166,11 @@ async fn turn(
     let mode = run_mode(&parts.headers)?;
     let mut json = json;
     provider::prepare_upstream(&mut json, &mut turn);
+    // Unless turnguard added to it (a Chat stream's usage request), the first round sends
+    // the agent's own bytes: no serialization, nothing the agent did not send.
+    let agent_bytes = (!turn.usage_for_turnguard).then_some(raw);
     let session = Session {
+        agent_bytes,
         agent_digest,
         channel,
         state: Arc::clone(state),
@@ -322,6 +329,7 @@ async fn model_rounds(mut session: Session) -> Result<(Response, bool), WireErro
             }
             JsonRound::Repair(next) => {
                 session.body = next;
+                session.agent_bytes = None;
                 session.count_repair();
             }
             JsonRound::Error(e) => return Ok((surfaced_error(&e, Surface::of_api(api)), false)),
@@ -420,24 +428,12 @@ fn check_schema_sizes(state: &AppState, turn: &Turn) -> Result<(), WireError> {
     Ok(())
 }
 
+/// The agent's body as JSON; a body with a repeated object key is refused (what is
+/// forwarded unchanged must read one way: [`crate::strict_json`]).
 fn parse_json(raw: &[u8]) -> Result<Value, WireError> {
-    serde_json::from_slice(raw).map_err(|e| WireError::InvalidRequest {
-        reason: format!(
-            "malformed JSON at line {} column {}: {}",
-            e.line(),
-            e.column(),
-            classify_json_error(&e)
-        ),
+    crate::strict_json::from_slice(raw).map_err(|e| WireError::InvalidRequest {
+        reason: e.to_string(),
     })
-}
-
-fn classify_json_error(e: &serde_json::Error) -> &'static str {
-    match e.classify() {
-        serde_json::error::Category::Eof => "unexpected end of input",
-        serde_json::error::Category::Syntax => "syntax error",
-        serde_json::error::Category::Data => "unexpected data",
-        serde_json::error::Category::Io => "read error",
-    }
 }
 
 pub(super) fn hex_sha256(bytes: &[u8]) -> String {

@@ -587,6 +587,7 @@ async fn run(
             return;
         };
         session.body = next;
+        session.agent_bytes = None;
         session.count_repair();
         let Some((next_base, next_body, next_coding)) =
             repair_round(&mut session, &mut agent).await

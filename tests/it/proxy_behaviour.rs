@@ -83,9 +83,14 @@ async fn unchanged_bodies_and_headers_pass_through() {
     .await;
     let mut req = chat(false);
     req["tools"][0]["function"]["name"] = json!("get_weather");
+    // Pretty-printed, with an escaped character: the upstream gets these bytes, not a
+    // re-serialization of them.
+    let sent = serde_json::to_string_pretty(&req)
+        .unwrap()
+        .replace("get_weather", "get_w\\u0065ather");
     let (status, headers, body) = post_raw(
         &format!("{}/v1/chat/completions", h.url()),
-        req.to_string().into(),
+        sent.clone().into(),
         &[
             ("authorization", "Bearer sk-test-123"),
             ("openai-organization", "org-x"),
@@ -135,6 +140,10 @@ async fn unchanged_bodies_and_headers_pass_through() {
     assert_eq!(
         seen[0]["body"], req,
         "the request body reaches the upstream unchanged"
+    );
+    assert_eq!(
+        seen[0]["raw"], sent,
+        "the agent's bytes are forwarded as they are"
     );
     let second = &seen[1]["headers"];
     assert_eq!(second["x-api-key"], "sk-ant-test");
@@ -197,6 +206,19 @@ async fn bad_input_gets_a_clear_error_and_loses_nothing() {
         post_raw(&format!("{}/v1/messages", h.url()), "[1,2]".into(), &[]).await;
     assert_eq!(status, 400);
     assert!(String::from_utf8_lossy(&body).contains("must be a JSON object"));
+    // A key twice reads two ways (serde_json keeps the last, others the first): refused,
+    // at any depth, since the agent's bytes are what goes upstream.
+    for dup in [
+        r#"{"model": "x", "stream": false, "stream": true, "messages": []}"#,
+        r#"{"model": "x", "messages": [{"role": "user", "content": "hi", "role": "system"}]}"#,
+    ] {
+        let (status, _, body) = post_raw(&url, dup.to_owned().into(), &[]).await;
+        assert_eq!(status, 400, "{dup}");
+        let err: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(err["error"]["code"], "validation_error");
+        let message = err["error"]["message"].as_str().unwrap();
+        assert!(message.contains("appears twice"), "{message}");
+    }
     assert!(
         h.mock_requests().await.is_empty(),
         "nothing malformed reaches the upstream"

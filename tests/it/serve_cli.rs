@@ -12,7 +12,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};
@@ -193,6 +193,7 @@ files = "http://127.0.0.1:9/mcp"
                 "openai=http://127.0.0.1:9/env,other=http://127.0.0.1:9/env-other",
             ),
             ("TURNGUARD_MCP_TICKET", "files=optional"),
+            ("TURNGUARD_WORKER_THREADS", "3"),
         ],
     )
     .stdout(Stdio::null())
@@ -211,7 +212,7 @@ files = "http://127.0.0.1:9/mcp"
         }
     });
     let mut log = Vec::new();
-    let admin = loop {
+    let (admin, workers, listening) = loop {
         match rx.recv_timeout(Duration::from_secs(20)) {
             Ok(line) => {
                 let v: Option<Value> = serde_json::from_str(&line).ok();
@@ -220,7 +221,8 @@ files = "http://127.0.0.1:9/mcp"
                         .then(|| v.get("admin")?.as_str().map(str::to_owned))?
                 });
                 if let Some(admin) = admin {
-                    break admin;
+                    let workers = v.as_ref().and_then(|v| v.get("workers")).cloned();
+                    break (admin, workers, line);
                 }
                 log.push(line);
             }
@@ -238,6 +240,8 @@ files = "http://127.0.0.1:9/mcp"
     let _ = child.wait();
     let (status, body) = got.expect("/config answers");
     assert_eq!(status, 200, "{body}");
+    // The runtime's own count of its workers: the variable sized the runtime.
+    assert_eq!(workers, Some(json!(3)), "{listening}");
     let doc: Value = serde_json::from_str(&body).unwrap();
     let c = doc.get("config").expect("the resolved config");
     let at = |p: &str| c.pointer(p).cloned().unwrap_or(Value::Null);
@@ -245,6 +249,7 @@ files = "http://127.0.0.1:9/mcp"
     assert_eq!(at("/tenant"), "from-env", "env over file");
     assert_eq!(at("/journal_retention_days"), 21, "env over file");
     assert_eq!(at("/max_connections"), 5, "file over default");
+    assert_eq!(at("/worker_threads"), 3, "env over the default");
     assert_eq!(at("/max_event_bytes"), 4 << 20, "the default");
     assert_eq!(
         at("/upstreams/openai/prefix"),

@@ -1,0 +1,191 @@
+//! JSON parsing that refuses duplicate object keys.
+//!
+//! turnguard forwards the agent's request bytes upstream unchanged when it does not rewrite
+//! them (issue 13 item 6). A body with a key twice (`{"stream": false, "stream": true}`)
+//! would then be read two ways: `serde_json` keeps the last value, other parsers the first,
+//! so what turnguard admitted and what the provider runs could differ (a parser
+//! differential). RFC 8259 §4 says names "SHOULD be unique" and leaves duplicates'
+//! meaning to the implementation; turnguard refuses them, at every depth, before anything
+//! else reads the body.
+
+use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
+use serde_json::{Map, Number, Value};
+
+/// Why a body is not JSON turnguard accepts.
+#[derive(Debug, thiserror::Error)]
+pub enum StrictJsonError {
+    /// Not JSON: the parser's position (1-based line and column) and its category.
+    #[error("malformed JSON at line {line} column {column}: {category}")]
+    Malformed {
+        line: usize,
+        column: usize,
+        category: &'static str,
+    },
+    /// An object names `key` twice (the key is shown with control characters and quotes
+    /// escaped, at most 64 characters).
+    #[error("malformed JSON at line {line} column {column}: the object key {key} appears twice (duplicate keys are refused: parsers disagree on which one counts)")]
+    DuplicateKey {
+        line: usize,
+        column: usize,
+        key: String,
+    },
+}
+
+/// Parses `raw` as one JSON value (serde_json's grammar and its nesting limit of 128),
+/// refusing any object with a repeated key.
+///
+/// Errors: [`StrictJsonError`]; its message names the position and never echoes body
+/// content other than a duplicated key (escaped, bounded).
+pub fn from_slice(raw: &[u8]) -> Result<Value, StrictJsonError> {
+    let mut de = serde_json::Deserializer::from_slice(raw);
+    let value = Unique
+        .deserialize(&mut de)
+        .and_then(|v| de.end().map(|()| v));
+    value.map_err(|e| {
+        let (line, column) = (e.line(), e.column());
+        let text = e.to_string();
+        match text
+            .strip_prefix(DUPLICATE)
+            .and_then(|rest| rest.split_once(END))
+        {
+            Some((key, _)) => StrictJsonError::DuplicateKey {
+                line,
+                column,
+                key: key.to_owned(),
+            },
+            None => StrictJsonError::Malformed {
+                line,
+                column,
+                category: match e.classify() {
+                    serde_json::error::Category::Eof => "unexpected end of input",
+                    serde_json::error::Category::Syntax => "syntax error",
+                    serde_json::error::Category::Data => "unexpected data",
+                    serde_json::error::Category::Io => "read error",
+                },
+            },
+        }
+    })
+}
+
+/// The marker of the duplicate-key error inside serde's custom error text.
+const DUPLICATE: &str = "\u{0}duplicate key ";
+const END: &str = "\u{0}";
+
+/// Longest duplicated key shown, characters.
+const MAX_KEY_SHOWN: usize = 64;
+
+struct Unique;
+
+impl<'de> DeserializeSeed<'de> for Unique {
+    type Value = Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Unique {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::Number(v.into()))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::Number(v.into()))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        // serde_json yields only finite floats; `Null` as serde_json's own `Value` does.
+        Ok(Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1024));
+        while let Some(v) = seq.next_element_seed(Unique)? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if out.contains_key(&key) {
+                let shown: String = key.chars().take(MAX_KEY_SHOWN).collect();
+                return Err(A::Error::custom(format!(
+                    "{DUPLICATE}{}{END}",
+                    Value::String(shown)
+                )));
+            }
+            let value = map.next_value_seed(Unique)?;
+            out.insert(key, value);
+        }
+        Ok(Value::Object(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_what_serde_json_parses_and_keeps_key_order() {
+        let raw = br#"{"b":1,"a":[true,null,-2,3.5,"x\u00e9",{"z":{}}],"c":18446744073709551615}"#;
+        let ours = from_slice(raw).unwrap();
+        let theirs: Value = serde_json::from_slice(raw).unwrap();
+        assert_eq!(ours, theirs);
+        assert_eq!(ours.to_string(), theirs.to_string());
+    }
+
+    #[test]
+    fn refuses_a_duplicate_key_at_any_depth() {
+        for raw in [
+            &br#"{"stream":false,"stream":true}"#[..],
+            br#"{"messages":[{"role":"user","role":"system"}]}"#,
+        ] {
+            let err = from_slice(raw).unwrap_err();
+            assert!(
+                matches!(err, StrictJsonError::DuplicateKey { .. }),
+                "{err:?}"
+            );
+            assert!(err.to_string().contains("appears twice"), "{err}");
+        }
+        let err = from_slice(br#"{"a\n\"b":1,"a\n\"b":2}"#).unwrap_err();
+        let text = err.to_string();
+        assert!(!text.contains('\n'), "{text}");
+        // The same key in sibling objects is not a duplicate.
+        assert!(from_slice(br#"[{"a":1},{"a":2}]"#).is_ok());
+    }
+
+    #[test]
+    fn malformed_json_names_its_position_not_its_content() {
+        let err = from_slice(b"{\"secret\": sk-live").unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("line 1 column"), "{text}");
+        assert!(!text.contains("sk-live"), "{text}");
+        assert!(from_slice(b"{} trailing").is_err());
+        let deep = "[".repeat(200) + &"]".repeat(200);
+        assert!(from_slice(deep.as_bytes()).is_err(), "nesting limit");
+    }
+}
