@@ -27,8 +27,9 @@ pub struct RequestCtx {
     /// response header and the journal's `client_request_id` column — never a journal key
     /// (a client may send one id twice).
     pub request_id: String,
-    /// turnguard's own id of this request (a fresh UUID): every journal key the request
-    /// writes (round ids, interrupt keys of chat turns, who used an approval) derives from it.
+    /// turnguard's own id of this request (a fresh UUIDv7, time-ordered): every journal key
+    /// the request writes (round ids, interrupt keys of chat turns, who used an approval)
+    /// derives from it.
     pub journal_id: String,
     /// Run identity from `Turnguard-Run` / `-Node` / `-Attempt` (DESIGN.md §2).
     pub run: RunKey,
@@ -67,7 +68,10 @@ impl RequestCtx {
         };
         Self {
             request_id,
-            journal_id: uuid::Uuid::new_v4().to_string(),
+            // Time-ordered (UUIDv7, RFC 9562): the journal's indexes keyed by it grow at
+            // their right edge, so a commit touches a few pages, not one random page per
+            // index per record (and the checkpoint copies as few).
+            journal_id: uuid::Uuid::now_v7().to_string(),
             run,
             started: Instant::now(),
             at_ms: now_ms(),

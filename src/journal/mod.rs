@@ -70,7 +70,7 @@ pub use states::{InterruptState, RoundState, UnknownValue};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rusqlite::{params, Connection};
 use tokio::sync::{mpsc, oneshot};
@@ -82,6 +82,14 @@ pub use crate::model::ResponseLink;
 const QUEUE_CAPACITY: usize = 4096;
 /// Records committed in one transaction at most.
 const MAX_BATCH: usize = 512;
+/// How long a batch that nobody waits for (relaxed records: a chat turn's round, audit
+/// events) stays open for more records before it commits. SQLite's cost is per commit (the
+/// WAL frames of every page the transaction touched, and the checkpoints they bring), not
+/// per row, so a chat turn's records share commits with their neighbours'; a record someone
+/// waits for closes the batch at once.
+const RELAXED_LINGER: Duration = Duration::from_millis(2);
+/// How often a lingering batch looks for more records.
+const LINGER_STEP: Duration = Duration::from_micros(250);
 
 /// Why the journal could not record.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -1075,6 +1083,33 @@ impl WriterThread {
     }
 }
 
+/// Takes the next batch: the first record, whatever is queued behind it, and, while nobody
+/// waits for any record in it, what arrives within [`RELAXED_LINGER`] (looked for every
+/// [`LINGER_STEP`], so a record someone waits for that arrives meanwhile waits at most that
+/// long). `None` once the queue is closed and empty.
+fn next_batch(rx: &mut mpsc::Receiver<Job>) -> Option<Vec<Job>> {
+    let first = rx.blocking_recv()?;
+    let mut batch = vec![first];
+    let mut waited_for = batch[0].ack.is_some() || batch[0].durable;
+    let deadline = Instant::now() + RELAXED_LINGER;
+    while batch.len() < MAX_BATCH {
+        match rx.try_recv() {
+            Ok(job) => {
+                waited_for |= job.ack.is_some() || job.durable;
+                batch.push(job);
+            }
+            Err(mpsc::error::TryRecvError::Disconnected) => break,
+            Err(mpsc::error::TryRecvError::Empty) => {
+                if waited_for || Instant::now() >= deadline {
+                    break;
+                }
+                std::thread::sleep(LINGER_STEP);
+            }
+        }
+    }
+    Some(batch)
+}
+
 fn writer(
     mut conn: Connection,
     mut rx: mpsc::Receiver<Job>,
@@ -1083,14 +1118,7 @@ fn writer(
 ) {
     conn.set_prepared_statement_cache_capacity(64);
     let mut full = true;
-    while let Some(first) = rx.blocking_recv() {
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
-            }
-        }
+    while let Some(mut batch) = next_batch(&mut rx) {
         // Off the queue: each job's guard takes it out of the depth gauge.
         for job in &mut batch {
             job.queued = None;
@@ -1373,11 +1401,9 @@ fn insert_event(tx: &rusqlite::Transaction<'_>, e: &EventRecord) -> rusqlite::Re
         Some(run) => format!("run:{run}"),
         None => format!("request:{}", e.request_id),
     };
-    let next: i64 = tx.query_row(
-        "SELECT coalesce(max(sequence), -1) + 1 FROM events WHERE scope = ?1",
-        params![scope],
-        |r| r.get(0),
-    )?;
+    let next: i64 = tx
+        .prepare_cached("SELECT coalesce(max(sequence), -1) + 1 FROM events WHERE scope = ?1")?
+        .query_row(params![scope], |r| r.get(0))?;
     exec(
         tx,
         "INSERT INTO events (scope, run_id, node_id, request_id, sequence, type, payload, at_ms)
