@@ -138,7 +138,8 @@ async fn turn(
     let person = acting_person(state, &parts.headers).await?;
     let raw = read_request(state, &parts, body).await?;
     let json = parse_json(&raw)?;
-    let mut turn = provider::parse_request(api, &json)
+    let mut turn = provider::adapter(api)
+        .parse_request(&json)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
     check_schema_sizes(state, &turn)?;
     refuse_provider_delegation(ctx, &turn)?;
@@ -162,7 +163,7 @@ async fn turn(
     let agent_digest = crate::recipes::semantic_request_digest(api, &json);
     let mode = run_mode(&parts.headers)?;
     let mut json = json;
-    provider::prepare_upstream(&mut json, &mut turn);
+    provider::adapter(api).prepare_upstream(&mut json, &mut turn);
     let session = Session {
         agent_digest,
         channel,
@@ -357,7 +358,7 @@ fn channel_of(
             schema: Arc::clone(schema),
         }));
     }
-    if let Some((name, schema)) = provider::structured_schema(api, body) {
+    if let Some((name, schema)) = provider::adapter(api).structured_schema(body) {
         return Ok(Some(ChannelSpec {
             channel: Channel::Structured,
             name,
