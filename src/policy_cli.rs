@@ -69,7 +69,9 @@ pub fn admit_pair(
     response: &Value,
     person: Option<&str>,
 ) -> Result<(Turn, Vec<(ChoiceEmissions, ChoiceVerdict)>), String> {
-    let turn = provider::parse_request(api, request).map_err(|e| format!("request: {e}"))?;
+    let turn = provider::adapter(api)
+        .parse_request(request)
+        .map_err(|e| format!("request: {e}"))?;
     // Offline there is no journal: a turn continuing a stored response is untrusted.
     let trust = admission::trust::of_turn(&turn, policy, &[]);
     let schemas = SchemaCache::default();
@@ -87,7 +89,8 @@ pub fn admit_pair(
         approved: &never,
         repairs_left: policy.settings.limits.repair_rounds,
     };
-    let out = provider::parse_response(api, response, &turn)
+    let out = provider::adapter(api)
+        .parse_response(response, &turn)
         .map_err(|e| format!("the response does not identify each call uniquely: {e}"))?
         .into_iter()
         .filter(|c| !c.calls.is_empty())

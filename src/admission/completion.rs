@@ -14,7 +14,7 @@
 //! (`crate::provider`): truncation is truncation under every name (`length`, `max_tokens`,
 //! `max_output_tokens`, `model_length`, and any finish reason that is not a known normal end),
 //! and a normal finish whose usage reached the request's limit is truncated too (a Chat stream
-//! that sets a limit is asked for its usage chunk: `crate::provider::prepare_upstream`).
+//! that sets a limit is asked for its usage chunk: `crate::provider::Provider::prepare_upstream`).
 //!
 //! What cannot be known, and what turnguard does then:
 //! - the request sets a limit, the finish is normal, and the server reports no usage: whether

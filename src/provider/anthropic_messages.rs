@@ -13,12 +13,106 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use serde_json::{json, Map, Value};
 
-use super::CallNames;
+use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
     Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
-    ToolCall, ToolResultSeen, Turn, UntrustedKind,
+    ResponseLink, ToolCall, ToolResultSeen, Turn, UntrustedKind,
 };
 use crate::sse::{self, Event, Payload};
+
+/// The Messages adapter ([`crate::provider::adapter`] of [`Api::AnthropicMessages`]).
+#[derive(Debug, Clone, Copy)]
+pub struct AnthropicMessages;
+
+impl Provider for AnthropicMessages {
+    fn parse_request(&self, body: &Value) -> Result<Turn, String> {
+        parse_request(body)
+    }
+
+    fn parse_response(&self, body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
+        parse_response(body, turn)
+    }
+
+    /// One: Messages has no choices.
+    fn choices_requested(&self, _body: &Value) -> u64 {
+        1
+    }
+
+    /// Nothing to prepare: the stream always carries `message_delta.usage`.
+    fn prepare_upstream(&self, _body: &mut Value, _turn: &mut Turn) -> bool {
+        false
+    }
+
+    /// Messages stores no responses.
+    fn response_link(&self, _body: &Value, _turn: &Turn) -> Option<ResponseLink> {
+        None
+    }
+
+    fn rewrite_response(&self, body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
+        rewrite_response(body, verdicts)
+    }
+
+    fn append_repair(&self, body: &mut Value, choice: &ChoiceEmissions, items: &[RepairItem]) {
+        append_repair(body, choice, items);
+    }
+
+    /// See [`structured_schema`].
+    fn structured_schema(&self, body: &Value) -> Option<(String, Value)> {
+        structured_schema(body)
+    }
+
+    /// Two `messages`: the assistant's `answer`, then the user's `feedback` (nothing when
+    /// `messages` is not an array; [`parse_request`] refused such a request).
+    fn append_text_repair(&self, body: &mut Value, answer: &str, feedback: &str) {
+        if let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) {
+            messages.push(json!({"role": "assistant", "content": answer}));
+            messages.push(json!({"role": "user", "content": feedback}));
+        }
+    }
+
+    /// A [`MessagesStream`], numbering its blocks after a [`MessagesSplice`]'s offset; the
+    /// splice itself is applied before it, by the relay.
+    fn stream(&self, turn: &Turn, splice: Option<&Splice>) -> Box<dyn ProviderStream> {
+        Box::new(match splice.and_then(Splice::state::<MessagesSplice>) {
+            Some(s) => MessagesStream::continuing(turn, s.offset),
+            None => MessagesStream::new(turn),
+        })
+    }
+}
+
+/// How a Messages repair round continues the agent's stream: no second `message_start`;
+/// content block indices continue after `offset` (the blocks the agent already has).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MessagesSplice {
+    offset: u64,
+}
+
+impl SpliceState for MessagesSplice {
+    /// Drops `message_start`; adds the offset to an event's `index`. An event without JSON, or
+    /// that changes nothing, passes byte for byte.
+    fn apply(&mut self, event: Event) -> Option<Event> {
+        let Some(v) = event.json() else {
+            return Some(event);
+        };
+        if event.kind() == Some("message_start") {
+            return None;
+        }
+        match v.get("index").and_then(Value::as_u64) {
+            Some(ix) if self.offset > 0 => {
+                let mut v = v.clone();
+                if let Some(obj) = v.as_object_mut() {
+                    obj.insert("index".into(), Value::from(ix.saturating_add(self.offset)));
+                }
+                Some(event.with_json(v))
+            }
+            _ => Some(event),
+        }
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
 
 /// Anthropic-defined tools the client runs (`bash_*`, `text_editor_*`, `computer_*`,
 /// `memory_*`): client tools like untyped ones.
@@ -548,7 +642,7 @@ impl MessagesStream {
     }
 
     /// State for a repair round whose blocks are numbered from `offset` (after the
-    /// [`crate::provider::Splice`] renumbered them).
+    /// [`MessagesSplice`] renumbered them).
     pub fn continuing(turn: &Turn, offset: u64) -> Self {
         Self {
             max_output_tokens: turn.max_output_tokens,
@@ -572,118 +666,8 @@ impl MessagesStream {
         self.first_held.is_some() && !self.decided
     }
 
-    /// Calls are held and not yet decided.
-    pub fn pending(&self) -> bool {
-        self.holding()
-    }
-
-    /// The stream broke its own structure (see [`Self::push`]); nothing more is forwarded.
-    pub fn violation(&self) -> Option<&str> {
-        self.violation.as_deref()
-    }
-
     fn violate(&mut self, why: String) {
         self.violation.get_or_insert(why);
-    }
-
-    /// Takes one event; bytes to forward now are appended to `out`.
-    ///
-    /// Fails closed (sets [`Self::violation`], forwards nothing of the event) on a structure
-    /// that does not identify each block uniquely, or that contradicts what was decided: an
-    /// event without a `type` or whose `event:` line names another type, a
-    /// `content_block_*` whose `index` is missing, not an integer or negative, a block start
-    /// out of sequence (the SDK appends blocks in arrival order and indexes deltas by
-    /// `index`, so a repeated or skipped index would put one call's bytes under another's
-    /// verdict), a delta or stop for a block that is not open, a block after the
-    /// `message_delta`, a `message_delta` whose `delta` is not an object or that changes the
-    /// completion after the decision point, or any event after `message_stop`.
-    pub fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
-        if self.violation.is_some() {
-            return;
-        }
-        let Event { block, payload } = event;
-        let parsed = match payload {
-            Payload::None | Payload::Done => {
-                // A comment or keep-alive: nothing a client dispatches.
-                self.forward(block.raw, block.event, None, None, out);
-                return;
-            }
-            Payload::Json(v) => v,
-        };
-        let Some(kind) = parsed
-            .get("type")
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-        else {
-            return self.violate("an event without a string `type`".into());
-        };
-        if block.event.as_deref().is_some_and(|e| e != kind) {
-            return self.violate(format!(
-                "an `event:` line that names another type than the data's `{}`",
-                crate::admission::sanitize_label(&kind)
-            ));
-        }
-        if self.stop_seen && kind != "ping" {
-            return self.violate("an event after `message_stop`".into());
-        }
-        let index = match parsed.get("index") {
-            None => None,
-            Some(v) => match v.as_u64() {
-                Some(ix) => Some(ix),
-                None => {
-                    return self.violate("an `index` that is not a non-negative integer".into())
-                }
-            },
-        };
-        match kind.as_str() {
-            "ping" => {
-                out.push(block.raw);
-                return;
-            }
-            "error" => {
-                self.failed = true;
-                self.held.clear();
-                self.decided = true;
-                out.push(block.raw);
-                return;
-            }
-            "content_block_start" => {
-                if let Err(why) = self.block_start(index, &parsed) {
-                    return self.violate(why);
-                }
-            }
-            "content_block_delta" | "content_block_stop" => {
-                let Some(ix) = index else {
-                    return self.violate(format!("a `{kind}` without an `index`"));
-                };
-                let Some(b) = self.blocks.get_mut(&ix).filter(|b| !b.stopped) else {
-                    return self.violate(format!("a `{kind}` for block {ix}, which is not open"));
-                };
-                if kind == "content_block_stop" {
-                    b.stopped = true;
-                } else if let (Some(call), Some(p)) = (
-                    b.call.as_mut(),
-                    parsed
-                        .pointer("/delta/partial_json")
-                        .and_then(Value::as_str),
-                ) {
-                    call.arguments.push_str(p);
-                } else if let Some(delta) = parsed.get("delta") {
-                    apply_delta(&mut b.content, delta);
-                }
-            }
-            "message_delta" => {
-                if let Err(why) = self.message_delta(&parsed) {
-                    return self.violate(why);
-                }
-            }
-            "message_start" if !self.blocks.is_empty() || self.delta_seen => {
-                return self.violate("a second `message_start`".into());
-            }
-            "message_stop" => self.stop_seen = true,
-            _ => {}
-        }
-        self.forward(block.raw, block.event, Some(parsed), index, out);
     }
 
     /// `content_block_start`: the next block in order (index, before the `message_delta`),
@@ -794,21 +778,6 @@ impl MessagesStream {
         }
     }
 
-    /// The stop reason is known (or the message ended) while calls are held.
-    pub fn ready(&self) -> bool {
-        self.holding() && !self.failed && (self.delta_seen || self.stop_seen)
-    }
-
-    /// `message_stop` was seen: a stream that ends now is complete.
-    pub fn finished(&self) -> bool {
-        self.stop_seen || self.failed
-    }
-
-    /// The provider reported an error in the stream.
-    pub fn failed(&self) -> bool {
-        self.failed
-    }
-
     fn completion(&self) -> Completion {
         classify(
             self.stop_reason.as_deref(),
@@ -817,8 +786,144 @@ impl MessagesStream {
         )
     }
 
+    /// Drops what is held and ends the agent's stream with an `error` event of `kind`
+    /// (`event: error`, `{"type": "error", "error": {type, message}}`).
+    fn error_event(&mut self, kind: &str, message: &str, out: &mut Vec<Bytes>) {
+        self.held.clear();
+        self.decided = true;
+        let body = json!({ "type": "error", "error": { "type": kind, "message": message } });
+        out.push(sse::encode(Some("error"), &body.to_string()));
+    }
+}
+
+impl ProviderStream for MessagesStream {
+    /// Calls are held and not yet decided.
+    fn pending(&self) -> bool {
+        self.holding()
+    }
+
+    /// The stream broke its own structure (see [`Self::push`]); nothing more is forwarded.
+    fn violation(&self) -> Option<&str> {
+        self.violation.as_deref()
+    }
+
+    /// Takes one event; bytes to forward now are appended to `out`.
+    ///
+    /// Fails closed (sets [`Self::violation`], forwards nothing of the event) on a structure
+    /// that does not identify each block uniquely, or that contradicts what was decided: an
+    /// event without a `type` or whose `event:` line names another type, a
+    /// `content_block_*` whose `index` is missing, not an integer or negative, a block start
+    /// out of sequence (the SDK appends blocks in arrival order and indexes deltas by
+    /// `index`, so a repeated or skipped index would put one call's bytes under another's
+    /// verdict), a delta or stop for a block that is not open, a block after the
+    /// `message_delta`, a `message_delta` whose `delta` is not an object or that changes the
+    /// completion after the decision point, or any event after `message_stop`.
+    fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
+        if self.violation.is_some() {
+            return;
+        }
+        let Event { block, payload } = event;
+        let parsed = match payload {
+            Payload::None | Payload::Done => {
+                // A comment or keep-alive: nothing a client dispatches.
+                self.forward(block.raw, block.event, None, None, out);
+                return;
+            }
+            Payload::Json(v) => v,
+        };
+        let Some(kind) = parsed
+            .get("type")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+        else {
+            return self.violate("an event without a string `type`".into());
+        };
+        if block.event.as_deref().is_some_and(|e| e != kind) {
+            return self.violate(format!(
+                "an `event:` line that names another type than the data's `{}`",
+                crate::admission::sanitize_label(&kind)
+            ));
+        }
+        if self.stop_seen && kind != "ping" {
+            return self.violate("an event after `message_stop`".into());
+        }
+        let index = match parsed.get("index") {
+            None => None,
+            Some(v) => match v.as_u64() {
+                Some(ix) => Some(ix),
+                None => {
+                    return self.violate("an `index` that is not a non-negative integer".into())
+                }
+            },
+        };
+        match kind.as_str() {
+            "ping" => {
+                out.push(block.raw);
+                return;
+            }
+            "error" => {
+                self.failed = true;
+                self.held.clear();
+                self.decided = true;
+                out.push(block.raw);
+                return;
+            }
+            "content_block_start" => {
+                if let Err(why) = self.block_start(index, &parsed) {
+                    return self.violate(why);
+                }
+            }
+            "content_block_delta" | "content_block_stop" => {
+                let Some(ix) = index else {
+                    return self.violate(format!("a `{kind}` without an `index`"));
+                };
+                let Some(b) = self.blocks.get_mut(&ix).filter(|b| !b.stopped) else {
+                    return self.violate(format!("a `{kind}` for block {ix}, which is not open"));
+                };
+                if kind == "content_block_stop" {
+                    b.stopped = true;
+                } else if let (Some(call), Some(p)) = (
+                    b.call.as_mut(),
+                    parsed
+                        .pointer("/delta/partial_json")
+                        .and_then(Value::as_str),
+                ) {
+                    call.arguments.push_str(p);
+                } else if let Some(delta) = parsed.get("delta") {
+                    apply_delta(&mut b.content, delta);
+                }
+            }
+            "message_delta" => {
+                if let Err(why) = self.message_delta(&parsed) {
+                    return self.violate(why);
+                }
+            }
+            "message_start" if !self.blocks.is_empty() || self.delta_seen => {
+                return self.violate("a second `message_start`".into());
+            }
+            "message_stop" => self.stop_seen = true,
+            _ => {}
+        }
+        self.forward(block.raw, block.event, Some(parsed), index, out);
+    }
+
+    /// The stop reason is known (or the message ended) while calls are held.
+    fn ready(&self) -> bool {
+        self.holding() && !self.failed && (self.delta_seen || self.stop_seen)
+    }
+
+    /// `message_stop` was seen: a stream that ends now is complete.
+    fn finished(&self) -> bool {
+        self.stop_seen || self.failed
+    }
+
+    /// The provider reported an error in the stream.
+    fn failed(&self) -> bool {
+        self.failed
+    }
+
     /// The emissions to admit (one choice, index 0).
-    pub fn round(&self) -> Vec<ChoiceEmissions> {
+    fn round(&self) -> Vec<ChoiceEmissions> {
         let calls: Vec<ToolCall> = self
             .blocks
             .values()
@@ -851,7 +956,7 @@ impl MessagesStream {
     }
 
     /// Completion of the message, for the journal.
-    pub fn completions(&self) -> Vec<Completion> {
+    fn completions(&self) -> Vec<Completion> {
         if self.delta_seen || self.stop_seen {
             vec![self.completion()]
         } else {
@@ -860,7 +965,7 @@ impl MessagesStream {
     }
 
     /// Emits the held events with the verdicts applied; later events flow through.
-    pub fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
+    fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
         self.decided = true;
         self.decided_completion = Some(self.completion());
         let held = std::mem::take(&mut self.held);
@@ -965,29 +1070,51 @@ impl MessagesStream {
 
     /// The upstream stream was cut: drop what is held and end the agent's stream with an
     /// Anthropic `error` event (the SDK raises on it).
-    pub fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
-        self.fail(
+    fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
+        self.error_event(
             "api_error",
             &format!("turnguard: the upstream stream ended early ({reason}); withheld tool calls were not released"),
             out,
         );
     }
 
-    /// Drops what is held and ends the agent's stream with an `error` event of `kind`.
-    pub fn fail(&mut self, kind: &str, message: &str, out: &mut Vec<Bytes>) {
+    /// Drops what is held (the round is being repaired). The [`MessagesSplice`] carries how
+    /// many content blocks the agent has already received: the next round's blocks are
+    /// numbered after them.
+    fn abandon(&mut self) -> Splice {
         self.held.clear();
         self.decided = true;
-        let body = json!({ "type": "error", "error": { "type": kind, "message": message } });
-        out.push(sse::encode(Some("error"), &body.to_string()));
+        let offset = self
+            .first_held
+            .unwrap_or_else(|| self.blocks.keys().next_back().map_or(0, |k| k + 1));
+        Splice::new(MessagesSplice { offset })
     }
 
-    /// Drops what is held (the round is being repaired). Returns how many content blocks the
-    /// agent has already received: the next round's blocks are numbered after them.
-    pub fn abandon(&mut self) -> u64 {
-        self.held.clear();
-        self.decided = true;
-        self.first_held
-            .unwrap_or_else(|| self.blocks.keys().next_back().map_or(0, |k| k + 1))
+    /// Drops what is held and ends the agent's stream with an `error` event of type
+    /// `invalid_request_error` whose message starts with the OpenWOP `code` (`code: message`;
+    /// the Anthropic SDK raises on an `error` event and shows its message).
+    fn fail(&mut self, code: &str, message: &str, out: &mut Vec<Bytes>) {
+        self.error_event("invalid_request_error", &format!("{code}: {message}"), out);
+    }
+
+    /// Messages stores no responses.
+    fn response_link(&self) -> Option<ResponseLink> {
+        None
+    }
+
+    /// A `content_block_delta`'s `text_delta` text (wire-formats.md §3).
+    fn answer_text<'e>(&self, event: &'e Event) -> Option<&'e str> {
+        let v = event.json()?;
+        if v.pointer("/delta/type").and_then(Value::as_str) != Some("text_delta") {
+            return None;
+        }
+        v.pointer("/delta/text").and_then(Value::as_str)
+    }
+
+    /// `message_stop` (by the data's `type`, which [`Self::push`] requires to agree with the
+    /// `event:` line).
+    fn is_terminal(&self, event: &Event) -> bool {
+        event.kind() == Some("message_stop")
     }
 }
 

@@ -1,5 +1,14 @@
 //! Provider adapters: each provider API's requests, JSON responses and SSE events into the
-//! neutral [`crate::model`] and back. Provider specifics live here and nowhere else.
+//! neutral [`crate::model`] and back. Provider specifics live in the API's module and nowhere
+//! else (STYLE.md "Provider specifics live in `src/provider/<api>.rs`"; issue 13 item 1).
+//!
+//! One adapter design: [`adapter`] picks the API's [`Provider`] (a unit struct in its module:
+//! [`openai_chat::OpenAiChat`], [`anthropic_messages::AnthropicMessages`],
+//! [`openai_responses::OpenAiResponses`]) — the only `match` on [`Api`] here. The provider
+//! builds its stream state machine, a [`ProviderStream`]; a stream abandoned for a repair
+//! round says how the next round continues the agent's stream, a [`Splice`] whose state and
+//! rewrite ([`SpliceState`]) the same module owns. This file holds the traits, the selector
+//! and `CallNames`; no provider event name, field or error shape.
 
 pub mod anthropic_messages;
 pub mod openai_chat;
@@ -47,342 +56,246 @@ impl CallNames {
     }
 }
 
-/// Reads a request body of `api` into a [`Turn`].
-///
-/// Errors: a reason naming the field that is not what the API expects.
-pub fn parse_request(api: Api, body: &Value) -> Result<Turn, String> {
+/// The adapter of `api`: the one place a provider API is chosen.
+pub fn adapter(api: Api) -> &'static dyn Provider {
     match api {
-        Api::OpenAiChat => openai_chat::parse_request(body),
-        Api::AnthropicMessages => anthropic_messages::parse_request(body),
-        Api::OpenAiResponses => openai_responses::parse_request(body),
+        Api::OpenAiChat => &openai_chat::OpenAiChat,
+        Api::AnthropicMessages => &anthropic_messages::AnthropicMessages,
+        Api::OpenAiResponses => &openai_responses::OpenAiResponses,
     }
 }
 
-/// Reads a non-stream response body into one [`ChoiceEmissions`] per choice.
-///
-/// Errors: the response does not identify each choice and call uniquely
-/// ([`crate::model::check_identities`]; DESIGN.md §9): the round fails closed.
-pub fn parse_response(api: Api, body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
-    match api {
-        Api::OpenAiChat => openai_chat::parse_response(body, turn),
-        Api::AnthropicMessages => anthropic_messages::parse_response(body, turn),
-        Api::OpenAiResponses => openai_responses::parse_response(body, turn),
-    }
-}
+/// The request/response side of one provider API: its request and non-stream response
+/// bodies into the neutral model and back, and its stream state machine. Wire facts are from
+/// `shared/reference/wire-formats.md` (each module names its section).
+pub trait Provider: Sync {
+    /// Reads a request body into a [`Turn`].
+    ///
+    /// Errors: a reason naming the field that is not what the API expects.
+    fn parse_request(&self, body: &Value) -> Result<Turn, String>;
 
-/// How many choices the request body asks for: Chat's `n` (default 1); one for the other
-/// APIs. A repair round is asked only of a one-choice request.
-pub fn choices_requested(api: Api, body: &Value) -> u64 {
-    match api {
-        Api::OpenAiChat => body.get("n").and_then(Value::as_u64).unwrap_or(1),
-        Api::AnthropicMessages | Api::OpenAiResponses => 1,
-    }
-}
+    /// Reads a non-stream response body into one [`ChoiceEmissions`] per choice.
+    ///
+    /// Errors: the response does not identify each choice and call uniquely
+    /// ([`crate::model::check_identities`]; DESIGN.md §9): the round fails closed.
+    fn parse_response(&self, body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String>;
 
-/// Prepares the request body sent upstream for what the completion stage must know: a Chat
-/// stream with a token limit asks for its usage chunk (see
-/// [`openai_chat::prepare_upstream`]). The agent's own request (its digest, its record) is
-/// not changed.
-pub fn prepare_upstream(body: &mut Value, turn: &mut Turn) {
-    match turn.api {
-        Api::OpenAiChat => openai_chat::prepare_upstream(body, turn),
-        Api::AnthropicMessages | Api::OpenAiResponses => {}
-    }
-}
+    /// How many choices the request body asks for (Chat's `n`, default 1; one for the APIs
+    /// without choices). A repair round is asked only of a one-choice request.
+    fn choices_requested(&self, body: &Value) -> u64;
 
-/// What the journal keeps of a non-stream response the provider stores for later turns
-/// (`previous_response_id`); `None` for APIs without stored responses.
-pub fn response_link(body: &Value, turn: &Turn) -> Option<ResponseLink> {
-    match turn.api {
-        Api::OpenAiChat | Api::AnthropicMessages => None,
-        Api::OpenAiResponses => openai_responses::response_link(body, turn),
-    }
-}
+    /// Prepares the request body sent upstream for what the completion stage must know (a
+    /// Chat stream with a token limit asks for its usage chunk). The agent's own request (its
+    /// digest, its record) is not changed; `turn` notes what was asked. Returns whether `body`
+    /// changed: when it did not, the agent's own bytes are what goes upstream.
+    fn prepare_upstream(&self, body: &mut Value, turn: &mut Turn) -> bool;
 
-/// Applies verdicts to a non-stream response body; `true` when the body changed.
-pub fn rewrite_response(api: Api, body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
-    match api {
-        Api::OpenAiChat => openai_chat::rewrite_response(body, verdicts),
-        Api::AnthropicMessages => anthropic_messages::rewrite_response(body, verdicts),
-        Api::OpenAiResponses => openai_responses::rewrite_response(body, verdicts),
-    }
-}
+    /// What the journal keeps of a non-stream response the provider stores for later turns
+    /// (`previous_response_id`); `None` for an API without stored responses.
+    fn response_link(&self, body: &Value, turn: &Turn) -> Option<ResponseLink>;
 
-/// Appends a repair turn to a request body: the withheld calls as the assistant's turn and
-/// one host-authored result per call (tool-turn contract §B "repair"; MCP `isError`, §G).
-pub fn append_repair(api: Api, body: &mut Value, choice: &ChoiceEmissions, items: &[RepairItem]) {
-    match api {
-        Api::OpenAiChat => openai_chat::append_repair(body, choice, items),
-        Api::AnthropicMessages => anthropic_messages::append_repair(body, choice, items),
-        Api::OpenAiResponses => openai_responses::append_repair(body, choice, items),
-    }
-}
+    /// Applies `verdicts` (one per choice with calls, in order) to a non-stream response body;
+    /// `true` when the body changed (else the upstream bytes are served as received).
+    fn rewrite_response(&self, body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool;
 
-/// The provider-enforced output schema of a request (`structured` channel, tool-turn
-/// contract §A): Chat `response_format: {type: "json_schema", json_schema: {name, schema}}`;
-/// Messages `output_config.format` ([`anthropic_messages::structured_schema`]); Responses
-/// `text.format` ([`openai_responses::structured_schema`]).
-pub fn structured_schema(api: Api, body: &Value) -> Option<(String, Value)> {
-    match api {
-        Api::OpenAiChat => {
-            let rf = body.get("response_format")?;
-            if rf.get("type").and_then(Value::as_str) != Some("json_schema") {
-                return None;
-            }
-            let js = rf.get("json_schema")?;
-            let name = js
-                .get("name")
-                .and_then(Value::as_str)
-                .unwrap_or("response_format")
-                .to_owned();
-            Some((name, js.get("schema")?.clone()))
-        }
-        Api::AnthropicMessages => anthropic_messages::structured_schema(body),
-        Api::OpenAiResponses => openai_responses::structured_schema(body),
-    }
-}
+    /// Appends a repair turn to a request body: the withheld calls of `choice` as the
+    /// assistant's turn and one host-authored result per item (tool-turn contract §B
+    /// "repair"; MCP `isError`, §G).
+    fn append_repair(&self, body: &mut Value, choice: &ChoiceEmissions, items: &[RepairItem]);
 
-/// Appends a repair turn for a text answer: the answer as the assistant's turn, then a
-/// host-authored user message with the validator's findings.
-pub fn append_text_repair(body: &mut Value, answer: &str, feedback: &str) {
-    if let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) {
-        messages.push(serde_json::json!({"role": "assistant", "content": answer}));
-        messages.push(serde_json::json!({"role": "user", "content": feedback}));
-    } else if body.get("messages").is_none() {
-        // Responses: the transcript is `input`.
-        openai_responses::append_text_repair(body, answer, feedback);
-    }
+    /// The provider-enforced output schema of a request, `(name, JSON Schema)` (`structured`
+    /// channel, tool-turn contract §A); `None` when the request asks for none.
+    fn structured_schema(&self, body: &Value) -> Option<(String, Value)>;
+
+    /// Appends a repair turn for a text answer: `answer` as the assistant's turn, then a
+    /// host-authored user message with the validator's `feedback` (tool-turn contract §A).
+    fn append_text_repair(&self, body: &mut Value, answer: &str, feedback: &str);
+
+    /// A fresh stream state machine for one streamed response to `turn`; `splice` when it is
+    /// a repair round continuing the agent's stream (a splice of another API is ignored).
+    fn stream(&self, turn: &Turn, splice: Option<&Splice>) -> Box<dyn ProviderStream>;
 }
 
 /// The per-API stream state machine: forwards what it may at once, holds tool-call events
-/// until the completion state is known, then releases or rewrites them.
-#[derive(Debug)]
-pub enum StreamAdapter {
-    OpenAiChat(openai_chat::ChatStream),
-    AnthropicMessages(anthropic_messages::MessagesStream),
-    OpenAiResponses(Box<openai_responses::ResponsesStream>),
-}
-
-impl StreamAdapter {
-    /// A fresh state machine for one streamed response to `turn`; `splice` when it is a
-    /// repair round continuing the agent's stream (the Responses adapter splices itself).
-    pub fn new(turn: &Turn, splice: Option<&Splice>) -> Self {
-        match turn.api {
-            Api::OpenAiChat => Self::OpenAiChat(openai_chat::ChatStream::new(turn)),
-            Api::AnthropicMessages => Self::AnthropicMessages(match splice {
-                Some(Splice::AnthropicMessages { offset }) => {
-                    anthropic_messages::MessagesStream::continuing(turn, *offset)
-                }
-                _ => anthropic_messages::MessagesStream::new(turn),
-            }),
-            Api::OpenAiResponses => Self::OpenAiResponses(Box::new(match splice {
-                Some(Splice::OpenAiResponses(s)) => {
-                    openai_responses::ResponsesStream::continuing(turn, s)
-                }
-                _ => openai_responses::ResponsesStream::new(turn),
-            })),
-        }
-    }
-
+/// until the completion state is known, then releases or rewrites them (DESIGN.md §9,
+/// "upstream"). Fed one classified [`Event`] at a time; what the agent may receive is appended
+/// to `out` as SSE blocks, upstream bytes as received unless a verdict changed them.
+pub trait ProviderStream: std::fmt::Debug + Send + Sync {
     /// Takes one classified event; what may be forwarded now is appended to `out`.
-    pub fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
-        match self {
-            Self::OpenAiChat(s) => s.push(event, out),
-            Self::AnthropicMessages(s) => s.push(event, out),
-            Self::OpenAiResponses(s) => s.push(event, out),
-        }
-    }
+    fn push(&mut self, event: Event, out: &mut Vec<Bytes>);
 
     /// The stream broke its structure in a way that does not identify each call uniquely or
     /// contradicts what was decided (each adapter's `push` lists its rules): nothing more is
     /// forwarded and the stream ends with the provider-shaped error.
-    pub fn violation(&self) -> Option<&str> {
-        match self {
-            Self::OpenAiChat(s) => s.violation(),
-            Self::AnthropicMessages(s) => s.violation(),
-            Self::OpenAiResponses(s) => s.violation(),
-        }
-    }
+    fn violation(&self) -> Option<&str>;
 
     /// Held calls can now be admitted: their completion state is known.
-    pub fn ready(&self) -> bool {
-        match self {
-            Self::OpenAiChat(s) => s.ready(),
-            Self::AnthropicMessages(s) => s.ready(),
-            Self::OpenAiResponses(s) => s.ready(),
-        }
-    }
+    fn ready(&self) -> bool;
 
     /// The response reached its terminal event; ending now is not a cut.
-    pub fn finished(&self) -> bool {
-        match self {
-            Self::OpenAiChat(s) => s.finished(),
-            Self::AnthropicMessages(s) => s.finished(),
-            Self::OpenAiResponses(s) => s.finished(),
-        }
-    }
+    fn finished(&self) -> bool;
 
     /// The provider reported an error in the stream (its error event was forwarded).
-    pub fn failed(&self) -> bool {
-        match self {
-            Self::OpenAiChat(s) => s.failed(),
-            Self::AnthropicMessages(s) => s.failed(),
-            Self::OpenAiResponses(s) => s.failed(),
-        }
-    }
+    fn failed(&self) -> bool;
 
     /// Calls are held and not yet decided.
-    pub fn pending(&self) -> bool {
-        match self {
-            Self::OpenAiChat(s) => s.pending(),
-            Self::AnthropicMessages(s) => s.pending(),
-            Self::OpenAiResponses(s) => s.pending(),
-        }
-    }
+    fn pending(&self) -> bool;
 
-    /// The held emissions to admit.
-    pub fn round(&self) -> Vec<ChoiceEmissions> {
-        match self {
-            Self::OpenAiChat(s) => s.round(),
-            Self::AnthropicMessages(s) => s.round(),
-            Self::OpenAiResponses(s) => s.round(),
-        }
-    }
+    /// The held emissions to admit, one per choice with calls.
+    fn round(&self) -> Vec<ChoiceEmissions>;
 
     /// Completion state of each choice seen so far, for the journal.
-    pub fn completions(&self) -> Vec<Completion> {
-        match self {
-            Self::OpenAiChat(s) => s.completions(),
-            Self::AnthropicMessages(s) => s.completions(),
-            Self::OpenAiResponses(s) => s.completions(),
-        }
-    }
+    fn completions(&self) -> Vec<Completion>;
 
-    /// Releases the held events with the verdicts applied.
-    pub fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
-        match self {
-            Self::OpenAiChat(s) => s.release(verdicts, out),
-            Self::AnthropicMessages(s) => s.release(verdicts, out),
-            Self::OpenAiResponses(s) => s.release(verdicts, out),
-        }
-    }
+    /// Releases the held events with `verdicts` (one per choice of [`Self::round`]) applied.
+    fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>);
 
-    /// Drops everything held and appends a provider-shaped error event.
-    pub fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
-        match self {
-            Self::OpenAiChat(s) => s.cut(reason, out),
-            Self::AnthropicMessages(s) => s.cut(reason, out),
-            Self::OpenAiResponses(s) => s.cut(reason, out),
-        }
-    }
+    /// The upstream stream was cut (`reason`): drops everything held and appends the
+    /// provider-shaped error event, on which the API's official SDK raises.
+    fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>);
 
-    /// Drops everything held and ends the stream with a provider-shaped error carrying an
-    /// OpenWOP `code` (an outcome surfaced as `error` after the headers went out).
-    pub fn fail(&mut self, code: &str, message: &str, out: &mut Vec<Bytes>) {
-        match self {
-            Self::OpenAiChat(s) => s.fail("turnguard_refused", code, message, out),
-            Self::AnthropicMessages(s) => {
-                s.fail("invalid_request_error", &format!("{code}: {message}"), out)
-            }
-            Self::OpenAiResponses(s) => s.fail(code, message, out),
-        }
-    }
+    /// Drops everything held and ends the stream with the provider-shaped error carrying an
+    /// OpenWOP `code` and `message` (an outcome surfaced as `error` after the headers went
+    /// out). Each adapter shapes it as its API's SDK reads it.
+    fn fail(&mut self, code: &str, message: &str, out: &mut Vec<Bytes>);
 
     /// Drops everything held because the round is repaired; returns how the next round's
     /// events must be spliced into the agent's stream.
-    pub fn abandon(&mut self) -> Splice {
-        match self {
-            Self::OpenAiChat(s) => Splice::OpenAiChat {
-                owed_roles: s.abandon(),
-            },
-            Self::AnthropicMessages(s) => Splice::AnthropicMessages {
-                offset: s.abandon(),
-            },
-            Self::OpenAiResponses(s) => Splice::OpenAiResponses(Box::new(s.abandon())),
-        }
-    }
+    fn abandon(&mut self) -> Splice;
 
-    /// The journal's record of the provider-stored response, once its id is known
-    /// (Responses only).
-    pub fn response_link(&self) -> Option<ResponseLink> {
-        match self {
-            Self::OpenAiResponses(s) => s.response_link(),
-            Self::OpenAiChat(_) | Self::AnthropicMessages(_) => None,
-        }
-    }
+    /// The journal's record of the provider-stored response, once its id is known; `None`
+    /// for an API without stored responses.
+    fn response_link(&self) -> Option<ResponseLink>;
+
+    /// The piece of the text answer `event` carries, if any (what a channel check of the
+    /// answer accumulates, tool-turn contract §A).
+    fn answer_text<'e>(&self, event: &'e Event) -> Option<&'e str>;
+
+    /// `event` is the event that ends a response (what a channel check holds back until the
+    /// answer is validated). Decided from the event alone, not from the stream's state.
+    fn is_terminal(&self, event: &Event) -> bool;
 }
 
 /// How a repair round's stream continues the agent's stream, which already carries the
-/// first round's text: the SDKs must see one message.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Splice {
-    /// Chat: the role is not repeated (the SDK concatenates string deltas), except for the
-    /// choices in `owed_roles`, whose role chunk was held and dropped: the first chunk of
-    /// such a choice in the repair round carries `role: "assistant"` (openai-node throws
-    /// `missing role for choice N` on a stream without one), and later ones do not.
-    OpenAiChat {
-        /// Choice indices the agent has not been sent a `delta.role` for yet.
-        owed_roles: std::collections::BTreeSet<u32>,
-    },
-    /// Messages: no second `message_start`; content block indices continue after `offset`.
-    AnthropicMessages { offset: u64 },
-    /// Responses: the adapter of the next round continues the agent's response itself
-    /// (no second `response.created`, the agent's response id, `output_index` and
-    /// `sequence_number` continuing, the items already sent kept in the final `output`).
-    OpenAiResponses(Box<openai_responses::ResponsesSplice>),
+/// first round's text: the SDKs must see one message. Made by [`ProviderStream::abandon`];
+/// the adapter of the same API reads its own state back ([`Splice::state`]).
+#[derive(Debug)]
+pub struct Splice(Box<dyn SpliceState>);
+
+/// An adapter's splice state and its rewrite of the repair round's events.
+pub trait SpliceState: std::fmt::Debug + Send + Sync + 'static {
+    /// Rewrites one event of the repair round, or drops it (`None`).
+    fn apply(&mut self, event: Event) -> Option<Event>;
+
+    /// The state as [`std::any::Any`], for [`Splice::state`].
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 impl Splice {
+    /// Wraps an adapter's splice state.
+    pub fn new(state: impl SpliceState) -> Self {
+        Self(Box::new(state))
+    }
+
     /// Rewrites one event of the repair round, or drops it (`None`).
     pub fn apply(&mut self, event: Event) -> Option<Event> {
-        let Some(v) = event.json() else {
-            return Some(event);
-        };
-        match self {
-            Self::OpenAiResponses(_) => Some(event),
-            Self::OpenAiChat { owed_roles } => {
-                let mut v = v.clone();
-                let mut changed = false;
-                for c in v
-                    .get_mut("choices")
-                    .and_then(Value::as_array_mut)
-                    .into_iter()
-                    .flatten()
-                {
-                    let index = c
-                        .get("index")
-                        .and_then(Value::as_u64)
-                        .and_then(|i| u32::try_from(i).ok());
-                    let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) else {
-                        continue;
-                    };
-                    if index.is_some_and(|i| owed_roles.remove(&i)) {
-                        if d.get("role") != Some(&Value::from("assistant")) {
-                            d.insert("role".into(), Value::from("assistant"));
-                            changed = true;
-                        }
-                    } else {
-                        changed |= d.remove("role").is_some();
-                    }
-                }
-                Some(if changed { event.with_json(v) } else { event })
-            }
-            Self::AnthropicMessages { offset } => {
-                let offset = *offset;
-                if event.kind() == Some("message_start") {
-                    return None;
-                }
-                match v.get("index").and_then(Value::as_u64) {
-                    Some(ix) if offset > 0 => {
-                        let mut v = v.clone();
-                        if let Some(obj) = v.as_object_mut() {
-                            obj.insert("index".into(), Value::from(ix.saturating_add(offset)));
-                        }
-                        Some(event.with_json(v))
-                    }
-                    _ => Some(event),
-                }
-            }
+        self.0.apply(event)
+    }
+
+    /// The state, when it is a `T` (the adapter that made it reads it back).
+    pub fn state<T: SpliceState>(&self) -> Option<&T> {
+        self.0.as_any().downcast_ref::<T>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sse::SseFramer;
+
+    fn event(raw: &str) -> Event {
+        let mut framer = SseFramer::new(1 << 16);
+        let mut blocks = framer.push(raw.as_bytes()).unwrap();
+        Event::classify(blocks.remove(0)).unwrap()
+    }
+
+    fn stream(api: Api) -> Box<dyn ProviderStream> {
+        let body = serde_json::json!({
+            "model": "m", "stream": true, "max_tokens": 100, "messages": [], "input": "x"
+        });
+        let turn = adapter(api).parse_request(&body).unwrap();
+        adapter(api).stream(&turn, None)
+    }
+
+    /// Each stream reads the answer text and the terminal event of its own API only (what a
+    /// channel check in `proxy::stream` asks of it).
+    #[test]
+    fn each_stream_reads_its_own_answer_text_and_terminal_event() {
+        let chat_text = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        let done = "data: [DONE]\n\n";
+        let text_delta = "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"hi\"}}\n\n";
+        let json_delta = "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\"}}\n\n";
+        let stop = "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+        let output_text = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\"}\n\n";
+        let args = "event: response.function_call_arguments.delta\ndata: {\"type\":\"response.function_call_arguments.delta\",\"delta\":\"{\"}\n\n";
+        let completed = "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{}}\n\n";
+        let incomplete = "event: response.incomplete\ndata: {\"type\":\"response.incomplete\",\"response\":{}}\n\n";
+        let failed =
+            "event: response.failed\ndata: {\"type\":\"response.failed\",\"response\":{}}\n\n";
+        // (api, event, answer text, terminal)
+        let cases: [(Api, &str, Option<&str>, bool); 15] = [
+            (Api::OpenAiChat, chat_text, Some("hi"), false),
+            (Api::OpenAiChat, done, None, true),
+            (Api::OpenAiChat, text_delta, None, false),
+            (Api::OpenAiChat, stop, None, false),
+            (Api::OpenAiChat, completed, None, false),
+            (Api::AnthropicMessages, text_delta, Some("hi"), false),
+            (Api::AnthropicMessages, json_delta, None, false),
+            (Api::AnthropicMessages, stop, None, true),
+            (Api::AnthropicMessages, done, None, false),
+            (Api::AnthropicMessages, chat_text, None, false),
+            (Api::OpenAiResponses, output_text, Some("hi"), false),
+            (Api::OpenAiResponses, args, None, false),
+            (Api::OpenAiResponses, completed, None, true),
+            (Api::OpenAiResponses, incomplete, None, true),
+            (Api::OpenAiResponses, failed, None, false),
+        ];
+        for (api, raw, text, terminal) in cases {
+            let s = stream(api);
+            let e = event(raw);
+            assert_eq!(s.answer_text(&e), text, "{api:?}: {raw}");
+            assert_eq!(s.is_terminal(&e), terminal, "{api:?}: {raw}");
+        }
+    }
+
+    /// `fail` ends each API's stream with that API's error shape, carrying the OpenWOP code.
+    #[test]
+    fn each_stream_fails_in_its_own_shape() {
+        let cases = [
+            (
+                Api::OpenAiChat,
+                "\"type\":\"turnguard_refused\"",
+                "\"code\":\"envelope_invalid\"",
+            ),
+            (
+                Api::AnthropicMessages,
+                "\"type\":\"invalid_request_error\"",
+                "\"message\":\"envelope_invalid: no\"",
+            ),
+            (
+                Api::OpenAiResponses,
+                "\"type\":\"turnguard_refused\"",
+                "\"code\":\"envelope_invalid\"",
+            ),
+        ];
+        for (api, kind, code) in cases {
+            let mut out = Vec::new();
+            stream(api).fail("envelope_invalid", "no", &mut out);
+            let first = String::from_utf8_lossy(&out[0]).into_owned();
+            assert!(
+                first.contains(kind) && first.contains(code),
+                "{api:?}: {first}"
+            );
         }
     }
 }

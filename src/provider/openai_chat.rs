@@ -8,17 +8,134 @@
 //! token limit and `include_usage`), then admitted and released or replaced. Chunks that no
 //! decision changes are re-emitted byte for byte.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
 use serde_json::{json, Map, Value};
 
-use super::CallNames;
+use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
     Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
-    ToolCall, ToolResultSeen, Turn, UntrustedKind,
+    ResponseLink, ToolCall, ToolResultSeen, Turn, UntrustedKind,
 };
 use crate::sse::{self, Event, Payload};
+
+/// The Chat Completions adapter ([`crate::provider::adapter`] of [`Api::OpenAiChat`]).
+#[derive(Debug, Clone, Copy)]
+pub struct OpenAiChat;
+
+impl Provider for OpenAiChat {
+    fn parse_request(&self, body: &Value) -> Result<Turn, String> {
+        parse_request(body)
+    }
+
+    fn parse_response(&self, body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
+        parse_response(body, turn)
+    }
+
+    /// The request's `n` (default 1).
+    fn choices_requested(&self, body: &Value) -> u64 {
+        body.get("n").and_then(Value::as_u64).unwrap_or(1)
+    }
+
+    /// See [`prepare_upstream`].
+    fn prepare_upstream(&self, body: &mut Value, turn: &mut Turn) -> bool {
+        prepare_upstream(body, turn)
+    }
+
+    /// Chat stores no responses.
+    fn response_link(&self, _body: &Value, _turn: &Turn) -> Option<ResponseLink> {
+        None
+    }
+
+    fn rewrite_response(&self, body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
+        rewrite_response(body, verdicts)
+    }
+
+    fn append_repair(&self, body: &mut Value, choice: &ChoiceEmissions, items: &[RepairItem]) {
+        append_repair(body, choice, items);
+    }
+
+    /// `response_format: {type: "json_schema", json_schema: {name, schema}}` (the name
+    /// defaults to `response_format`).
+    fn structured_schema(&self, body: &Value) -> Option<(String, Value)> {
+        let rf = body.get("response_format")?;
+        if rf.get("type").and_then(Value::as_str) != Some("json_schema") {
+            return None;
+        }
+        let js = rf.get("json_schema")?;
+        let name = js
+            .get("name")
+            .and_then(Value::as_str)
+            .unwrap_or("response_format")
+            .to_owned();
+        Some((name, js.get("schema")?.clone()))
+    }
+
+    /// Two `messages`: the assistant's `answer`, then the user's `feedback` (nothing when
+    /// `messages` is not an array; [`parse_request`] refused such a request).
+    fn append_text_repair(&self, body: &mut Value, answer: &str, feedback: &str) {
+        if let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) {
+            messages.push(json!({"role": "assistant", "content": answer}));
+            messages.push(json!({"role": "user", "content": feedback}));
+        }
+    }
+
+    /// A [`ChatStream`]; a repair round's [`ChatSplice`] is applied before it, by the relay.
+    fn stream(&self, turn: &Turn, _splice: Option<&Splice>) -> Box<dyn ProviderStream> {
+        Box::new(ChatStream::new(turn))
+    }
+}
+
+/// How a Chat repair round continues the agent's stream: the role is not repeated (the SDK
+/// concatenates string deltas), except for the choices in `owed_roles`, whose role chunk was
+/// held and dropped: the first chunk of such a choice in the repair round carries
+/// `role: "assistant"` (openai-node throws `missing role for choice N` on a stream without
+/// one), and later ones do not (tests/compat/FINDINGS.md).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatSplice {
+    /// Choice indices the agent has not been sent a `delta.role` for yet.
+    owed_roles: BTreeSet<u32>,
+}
+
+impl SpliceState for ChatSplice {
+    /// Puts `role: "assistant"` on an owed choice's first delta and strips `role` from every
+    /// other; an event without JSON, or that changes nothing, passes byte for byte.
+    fn apply(&mut self, event: Event) -> Option<Event> {
+        let Some(v) = event.json() else {
+            return Some(event);
+        };
+        let mut v = v.clone();
+        let mut changed = false;
+        for c in v
+            .get_mut("choices")
+            .and_then(Value::as_array_mut)
+            .into_iter()
+            .flatten()
+        {
+            let index = c
+                .get("index")
+                .and_then(Value::as_u64)
+                .and_then(|i| u32::try_from(i).ok());
+            let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) else {
+                continue;
+            };
+            if index.is_some_and(|i| self.owed_roles.remove(&i)) {
+                if d.get("role") != Some(&Value::from("assistant")) {
+                    d.insert("role".into(), Value::from("assistant"));
+                    changed = true;
+                }
+            } else {
+                changed |= d.remove("role").is_some();
+            }
+        }
+        Some(if changed { event.with_json(v) } else { event })
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
 
 /// Reads a Chat Completions request body.
 ///
@@ -297,12 +414,13 @@ pub fn classify(
 /// ask for usage gets `stream_options.include_usage = true`, so the completion stage can tell
 /// a call cut by the limit from a complete one even when the provider says `tool_calls`; the
 /// usage chunk is then turnguard's own and is not forwarded ([`Turn::usage_for_turnguard`]).
-pub fn prepare_upstream(body: &mut Value, turn: &mut Turn) {
+/// Returns whether the body changed.
+pub fn prepare_upstream(body: &mut Value, turn: &mut Turn) -> bool {
     if !turn.stream || turn.include_usage || turn.max_output_tokens.is_none() {
-        return;
+        return false;
     }
     let Some(obj) = body.as_object_mut() else {
-        return;
+        return false;
     };
     let options = obj.entry("stream_options").or_insert_with(|| json!({}));
     if !options.is_object() {
@@ -313,6 +431,7 @@ pub fn prepare_upstream(body: &mut Value, turn: &mut Turn) {
         turn.include_usage = true;
         turn.usage_for_turnguard = true;
     }
+    true
 }
 
 fn call_from_message(c: &Value) -> ToolCall {
@@ -558,23 +677,105 @@ impl ChatStream {
         !self.decided && self.choices.values().any(|c| !c.calls.is_empty())
     }
 
+    fn violate(&mut self, why: String) {
+        self.violation.get_or_insert(why);
+    }
+
+    /// The structural rules of one chunk (see [`Self::push`]).
+    fn check_structure(&self, chunk: &Value) -> Result<(), String> {
+        let Some(choices) = chunk.get("choices") else {
+            return Ok(());
+        };
+        let Some(choices) = choices.as_array() else {
+            return Err("`choices` that is not an array".into());
+        };
+        let mut seen = std::collections::BTreeSet::new();
+        for c in choices {
+            let Some(index) = choice_index(c) else {
+                return Err("a choice without a non-negative integer `index`".into());
+            };
+            if !seen.insert(index) {
+                return Err(format!("choice {index} twice in one chunk"));
+            }
+            if c.get("delta").is_some_and(|d| !d.is_object()) {
+                return Err(format!("a `delta` of choice {index} that is not an object"));
+            }
+            if let Some(list) = c.pointer("/delta/tool_calls").filter(|l| !l.is_null()) {
+                let Some(list) = list.as_array() else {
+                    return Err(format!(
+                        "`tool_calls` of choice {index} that is not an array"
+                    ));
+                };
+                if list
+                    .iter()
+                    .any(|e| !e.is_object() || e.get("index").and_then(Value::as_u64).is_none())
+                {
+                    return Err(format!(
+                        "a tool call of choice {index} without a non-negative integer `index`"
+                    ));
+                }
+            }
+            match c.get("finish_reason") {
+                None | Some(Value::Null) => {}
+                Some(Value::String(_)) => {
+                    if self
+                        .choices
+                        .get(&index)
+                        .is_some_and(|a| a.finish_reason.is_some())
+                    {
+                        return Err(format!("a second `finish_reason` for choice {index}"));
+                    }
+                }
+                Some(_) => {
+                    return Err(format!(
+                        "a `finish_reason` of choice {index} that is not a string"
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A chunk with nothing to admit: forwarded now, unless it belongs after a held finish
+    /// (usage and trailing chunks keep their place behind the held calls).
+    fn push_other(&mut self, raw: Bytes, out: &mut Vec<Bytes>) {
+        let finish_pending = self.choices.values().any(|c| c.finish_held);
+        if self.holding() && finish_pending {
+            self.held.push(Held {
+                raw,
+                json: None,
+                entries: Vec::new(),
+            });
+        } else {
+            out.push(raw);
+        }
+    }
+
+    /// Drops what is held and ends the agent's stream with an error event of `kind`/`code`
+    /// (`data: {"error": {message, type, code, param}}`, no `event:` line).
+    fn error_event(&mut self, kind: &str, code: &str, message: &str, out: &mut Vec<Bytes>) {
+        self.held.clear();
+        self.decided = true;
+        let body =
+            json!({ "error": { "message": message, "type": kind, "code": code, "param": null } });
+        out.push(sse::encode(None, &body.to_string()));
+    }
+}
+
+impl ProviderStream for ChatStream {
     /// The provider reported an error in the stream.
-    pub fn failed(&self) -> bool {
+    fn failed(&self) -> bool {
         self.failed
     }
 
     /// Calls are held and not yet decided.
-    pub fn pending(&self) -> bool {
+    fn pending(&self) -> bool {
         self.holding()
     }
 
     /// The stream broke its own structure (see [`Self::push`]); nothing more is forwarded.
-    pub fn violation(&self) -> Option<&str> {
+    fn violation(&self) -> Option<&str> {
         self.violation.as_deref()
-    }
-
-    fn violate(&mut self, why: String) {
-        self.violation.get_or_insert(why);
     }
 
     /// Takes one event; bytes to forward now are appended to `out`.
@@ -585,7 +786,7 @@ impl ChatStream {
     /// non-negative integer `index`, a `delta` that is not an object, a second `finish_reason`
     /// for a choice, a usage that reports more tokens after the decision than the decision
     /// read, or an event after `[DONE]`.
-    pub fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
+    fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
         if self.violation.is_some() {
             return;
         }
@@ -696,80 +897,10 @@ impl ChatStream {
         }
     }
 
-    /// The structural rules of one chunk (see [`Self::push`]).
-    fn check_structure(&self, chunk: &Value) -> Result<(), String> {
-        let Some(choices) = chunk.get("choices") else {
-            return Ok(());
-        };
-        let Some(choices) = choices.as_array() else {
-            return Err("`choices` that is not an array".into());
-        };
-        let mut seen = std::collections::BTreeSet::new();
-        for c in choices {
-            let Some(index) = choice_index(c) else {
-                return Err("a choice without a non-negative integer `index`".into());
-            };
-            if !seen.insert(index) {
-                return Err(format!("choice {index} twice in one chunk"));
-            }
-            if c.get("delta").is_some_and(|d| !d.is_object()) {
-                return Err(format!("a `delta` of choice {index} that is not an object"));
-            }
-            if let Some(list) = c.pointer("/delta/tool_calls").filter(|l| !l.is_null()) {
-                let Some(list) = list.as_array() else {
-                    return Err(format!(
-                        "`tool_calls` of choice {index} that is not an array"
-                    ));
-                };
-                if list
-                    .iter()
-                    .any(|e| !e.is_object() || e.get("index").and_then(Value::as_u64).is_none())
-                {
-                    return Err(format!(
-                        "a tool call of choice {index} without a non-negative integer `index`"
-                    ));
-                }
-            }
-            match c.get("finish_reason") {
-                None | Some(Value::Null) => {}
-                Some(Value::String(_)) => {
-                    if self
-                        .choices
-                        .get(&index)
-                        .is_some_and(|a| a.finish_reason.is_some())
-                    {
-                        return Err(format!("a second `finish_reason` for choice {index}"));
-                    }
-                }
-                Some(_) => {
-                    return Err(format!(
-                        "a `finish_reason` of choice {index} that is not a string"
-                    ))
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// A chunk with nothing to admit: forwarded now, unless it belongs after a held finish
-    /// (usage and trailing chunks keep their place behind the held calls).
-    fn push_other(&mut self, raw: Bytes, out: &mut Vec<Bytes>) {
-        let finish_pending = self.choices.values().any(|c| c.finish_held);
-        if self.holding() && finish_pending {
-            self.held.push(Held {
-                raw,
-                json: None,
-                entries: Vec::new(),
-            });
-        } else {
-            out.push(raw);
-        }
-    }
-
     /// The completion state of every choice with calls is known: each has its finish reason
     /// and, when the request set a token limit and usage follows, the usage chunk arrived (or
     /// the stream ended with `[DONE]`).
-    pub fn ready(&self) -> bool {
+    fn ready(&self) -> bool {
         if !self.holding() || self.failed || self.violation.is_some() {
             return false;
         }
@@ -785,7 +916,7 @@ impl ChatStream {
     }
 
     /// Every choice's finish reason is known (a stream that ends now is not cut).
-    pub fn finished(&self) -> bool {
+    fn finished(&self) -> bool {
         self.failed
             || self.done_seen
             || (!self.choices.is_empty()
@@ -793,7 +924,7 @@ impl ChatStream {
     }
 
     /// The emissions to admit, one entry per choice with calls.
-    pub fn round(&self) -> Vec<ChoiceEmissions> {
+    fn round(&self) -> Vec<ChoiceEmissions> {
         let used = if self.usage_seen {
             self.usage_tokens
         } else {
@@ -819,7 +950,7 @@ impl ChatStream {
     }
 
     /// Completion of every choice seen, for the journal.
-    pub fn completions(&self) -> Vec<Completion> {
+    fn completions(&self) -> Vec<Completion> {
         let used = if self.usage_seen {
             self.usage_tokens
         } else {
@@ -839,7 +970,7 @@ impl ChatStream {
     }
 
     /// Emits the held chunks with the verdicts applied; later chunks flow through.
-    pub fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
+    fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
         self.decided = true;
         self.decided_tokens = self.usage_tokens;
         // Per choice: released flag per call, and the index each released call is emitted at.
@@ -961,8 +1092,8 @@ impl ChatStream {
 
     /// The upstream stream was cut: drop what is held and end the agent's stream with a
     /// provider-shaped error (the openai SDK raises on a `data: {"error": …}` event).
-    pub fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
-        self.fail(
+    fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
+        self.error_event(
             "upstream_stream_interrupted",
             "turnguard.upstream_stream_cut",
             &format!("turnguard: the upstream stream ended early ({reason}); withheld tool calls were not released"),
@@ -970,17 +1101,9 @@ impl ChatStream {
         );
     }
 
-    /// Drops what is held and ends the agent's stream with an error event of `kind`/`code`.
-    pub fn fail(&mut self, kind: &str, code: &str, message: &str, out: &mut Vec<Bytes>) {
-        self.held.clear();
-        self.decided = true;
-        let body =
-            json!({ "error": { "message": message, "type": kind, "code": code, "param": null } });
-        out.push(sse::encode(None, &body.to_string()));
-    }
-
-    /// Drops what is held (the round is being repaired); the next round's events follow.
-    pub fn abandon(&mut self) -> std::collections::BTreeSet<u32> {
+    /// Drops what is held (the round is being repaired); the next round's events follow,
+    /// spliced by a [`ChatSplice`].
+    fn abandon(&mut self) -> Splice {
         // The choices whose `delta.role` was only in a held chunk: the agent never got it, so
         // the repair round's stream must carry it (openai-node requires a role per choice).
         let owed = self
@@ -994,7 +1117,32 @@ impl ChatStream {
             .collect();
         self.held.clear();
         self.decided = true;
-        owed
+        Splice::new(ChatSplice { owed_roles: owed })
+    }
+
+    /// Drops what is held and ends the agent's stream with a Chat error chunk of type
+    /// `turnguard_refused` carrying the OpenWOP `code` (the openai SDKs raise on a
+    /// `data: {"error": …}` event).
+    fn fail(&mut self, code: &str, message: &str, out: &mut Vec<Bytes>) {
+        self.error_event("turnguard_refused", code, message, out);
+    }
+
+    /// Chat stores no responses.
+    fn response_link(&self) -> Option<ResponseLink> {
+        None
+    }
+
+    /// The first choice's `delta.content` (wire-formats.md §2).
+    fn answer_text<'e>(&self, event: &'e Event) -> Option<&'e str> {
+        event
+            .json()?
+            .pointer("/choices/0/delta/content")
+            .and_then(Value::as_str)
+    }
+
+    /// `data: [DONE]`, Chat's end sentinel.
+    fn is_terminal(&self, event: &Event) -> bool {
+        matches!(event.payload, Payload::Done)
     }
 }
 

@@ -61,13 +61,69 @@ use bytes::Bytes;
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
-use super::CallNames;
+use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
     qualified_name, Api, CallInput, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState,
     DeclaredTool, FreeformFormat, RepairItem, ResponseLink, ToolCall, ToolResultSeen, Turn,
     UntrustedKind,
 };
 use crate::sse::{self, Event, Payload};
+
+/// The Responses adapter ([`crate::provider::adapter`] of [`Api::OpenAiResponses`]).
+#[derive(Debug, Clone, Copy)]
+pub struct OpenAiResponses;
+
+impl Provider for OpenAiResponses {
+    fn parse_request(&self, body: &Value) -> Result<Turn, String> {
+        parse_request(body)
+    }
+
+    fn parse_response(&self, body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
+        parse_response(body, turn)
+    }
+
+    /// One: a response has one output list.
+    fn choices_requested(&self, _body: &Value) -> u64 {
+        1
+    }
+
+    /// Nothing to prepare: the terminal event always carries `usage`.
+    fn prepare_upstream(&self, _body: &mut Value, _turn: &mut Turn) -> bool {
+        false
+    }
+
+    /// See [`response_link`].
+    fn response_link(&self, body: &Value, turn: &Turn) -> Option<ResponseLink> {
+        response_link(body, turn)
+    }
+
+    fn rewrite_response(&self, body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
+        rewrite_response(body, verdicts)
+    }
+
+    fn append_repair(&self, body: &mut Value, choice: &ChoiceEmissions, items: &[RepairItem]) {
+        append_repair(body, choice, items);
+    }
+
+    /// See [`structured_schema`].
+    fn structured_schema(&self, body: &Value) -> Option<(String, Value)> {
+        structured_schema(body)
+    }
+
+    /// See [`append_text_repair`]: the transcript is `input`.
+    fn append_text_repair(&self, body: &mut Value, answer: &str, feedback: &str) {
+        append_text_repair(body, answer, feedback);
+    }
+
+    /// A [`ResponsesStream`], continuing the agent's response as a [`ResponsesSplice`] says
+    /// (this adapter splices itself).
+    fn stream(&self, turn: &Turn, splice: Option<&Splice>) -> Box<dyn ProviderStream> {
+        Box::new(match splice.and_then(Splice::state::<ResponsesSplice>) {
+            Some(s) => ResponsesStream::continuing(turn, s),
+            None => ResponsesStream::new(turn),
+        })
+    }
+}
 
 /// Output item types the agent (client) executes: each is a call admission decides.
 const CLIENT_CALLS: [&str; 6] = [
@@ -902,6 +958,17 @@ pub struct ResponsesSplice {
     numbered: bool,
 }
 
+impl SpliceState for ResponsesSplice {
+    /// Passes every event: [`ResponsesStream::continuing`] rewrites them itself.
+    fn apply(&mut self, event: Event) -> Option<Event> {
+        Some(event)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// A client call being assembled from stream events.
 #[derive(Debug, Clone, Default)]
 struct CallAcc {
@@ -1152,26 +1219,6 @@ impl ResponsesStream {
         true
     }
 
-    /// Calls are held and not yet decided.
-    pub fn pending(&self) -> bool {
-        self.holding && !self.decided
-    }
-
-    /// The terminal event arrived while calls are held: they can be admitted.
-    pub fn ready(&self) -> bool {
-        self.pending() && !self.failed && self.terminal.is_some()
-    }
-
-    /// The terminal event was seen: a stream that ends now is complete.
-    pub fn finished(&self) -> bool {
-        self.terminal.is_some() || self.failed
-    }
-
-    /// The provider reported an error in the stream.
-    pub fn failed(&self) -> bool {
-        self.failed
-    }
-
     fn item_of(&self, json: &Value) -> Option<u64> {
         json.get("output_index")
             .and_then(Value::as_u64)
@@ -1228,96 +1275,8 @@ impl ResponsesStream {
         item.call.as_mut()
     }
 
-    /// The stream broke its structure (see [`Self::push`]); nothing more is forwarded.
-    pub fn violation(&self) -> Option<&str> {
-        self.violation.as_deref()
-    }
-
     fn violate(&mut self, why: String) {
         self.violation.get_or_insert(why);
-    }
-
-    /// Takes one event; bytes to forward now are appended to `out`.
-    ///
-    /// Fails closed (sets [`Self::violation`], forwards nothing of the event) on a structure
-    /// that does not identify each item uniquely or that follows the end: an event without a
-    /// `type` or whose `event:` line names another type, an `output_item.added` without an
-    /// integer `output_index` or on an index already used, one item id on two indices, and
-    /// any event after the terminal event (a second `response.completed` would replace the
-    /// output the agent's SDK returns).
-    pub fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
-        if self.violation.is_some() {
-            return;
-        }
-        let Event { block, payload } = event;
-        let mut json = match payload {
-            Payload::None | Payload::Done => {
-                out.push(block.raw); // comment / keep-alive: no sequence number, nothing to hold
-                return;
-            }
-            Payload::Json(v) => v,
-        };
-        self.event_lines = block.event.is_some();
-        if json.get("sequence_number").is_some() {
-            self.seq.seen = true;
-        }
-        let Some(kind) = str_of(&json, "type").map(str::to_owned) else {
-            return self.violate("an event without a string `type`".into());
-        };
-        if block.event.as_deref().is_some_and(|e| e != kind) {
-            return self.violate(format!(
-                "an `event:` line that names another type than the data's `{}`",
-                crate::admission::sanitize_label(&kind)
-            ));
-        }
-        if self.ended {
-            return self.violate(format!(
-                "`{}` after the terminal event",
-                crate::admission::sanitize_label(&kind)
-            ));
-        }
-        let dirty = self.splice.is_some();
-        if self.splice.is_some() {
-            // The provider's own id of this round, for the journal.
-            if let Some(id) = json.pointer("/response/id").and_then(Value::as_str) {
-                self.provider_response_id
-                    .get_or_insert_with(|| id.to_owned());
-            }
-        }
-        if !self.splice_event(&kind, &mut json) {
-            return;
-        }
-        let keep = self.observe(&kind, &json);
-        if self.violation.is_some() {
-            return;
-        }
-        if !keep {
-            self.seq.dropped(Some(&json));
-            return;
-        }
-        if TERMINAL.contains(&kind.as_str()) {
-            self.ended = true;
-        }
-        if kind == "error" {
-            // A provider error mid-stream: nothing held is released.
-            self.failed = true;
-            self.decided = true;
-            self.ended = true;
-            for h in std::mem::take(&mut self.held) {
-                self.seq.dropped(h.json.as_ref());
-            }
-        }
-        let held = Held {
-            raw: block.raw,
-            event: block.event,
-            json: Some(json),
-            dirty,
-        };
-        if self.pending() {
-            self.held.push(held);
-        } else {
-            self.emit(held, false, out);
-        }
     }
 
     /// Updates the state from one event; `false` when the event must be dropped.
@@ -1555,8 +1514,163 @@ impl ResponsesStream {
             .chain(self.unstreamed.iter())
     }
 
+    /// Streams the host-authored message item at `output_index` `ix`, as the provider
+    /// streams a message: added, content part, text delta and done events.
+    fn emit_host_message(&mut self, ix: u64, text: &str, out: &mut Vec<Bytes>) {
+        let id = host_message_id(self.response_id.as_deref());
+        let mut in_progress = host_message(&id, text);
+        set(&mut in_progress, "status", json!("in_progress"));
+        set(&mut in_progress, "content", json!([]));
+        let empty_part = host_text_part("");
+        let part = host_text_part(text);
+        let events = [
+            json!({"type": "response.output_item.added", "output_index": ix, "item": in_progress}),
+            json!({"type": "response.content_part.added", "item_id": id, "output_index": ix, "content_index": 0, "part": empty_part}),
+            json!({"type": "response.output_text.delta", "item_id": id, "output_index": ix, "content_index": 0, "delta": text, "logprobs": []}),
+            json!({"type": "response.output_text.done", "item_id": id, "output_index": ix, "content_index": 0, "text": text, "logprobs": []}),
+            json!({"type": "response.content_part.done", "item_id": id, "output_index": ix, "content_index": 0, "part": part}),
+            json!({"type": "response.output_item.done", "output_index": ix, "item": host_message(&id, text)}),
+        ];
+        for e in events {
+            self.emit_new(e, out);
+        }
+    }
+
+    /// Sends `response.failed` for the agent's response (its id, the items it was sent, status
+    /// `failed`, `error: {code: api_code, message, turnguard_code}`).
+    fn emit_failed(&mut self, api_code: &str, code: &str, message: &str, out: &mut Vec<Bytes>) {
+        let mut output: Vec<Value> = self
+            .splice
+            .as_ref()
+            .map(|sp| sp.sent.clone())
+            .unwrap_or_default();
+        output.extend(self.sent.values().cloned());
+        let response = json!({
+            "id": self.response_id,
+            "object": "response",
+            "status": "failed",
+            "error": {"code": api_code, "message": format!("{message} (turnguard: {code})"), "turnguard_code": code},
+            "incomplete_details": null,
+            "output": output,
+        });
+        self.emit_new(
+            json!({"type": "response.failed", "response": response}),
+            out,
+        );
+    }
+}
+
+impl ProviderStream for ResponsesStream {
+    /// Calls are held and not yet decided.
+    fn pending(&self) -> bool {
+        self.holding && !self.decided
+    }
+
+    /// The terminal event arrived while calls are held: they can be admitted.
+    fn ready(&self) -> bool {
+        self.pending() && !self.failed && self.terminal.is_some()
+    }
+
+    /// The terminal event was seen: a stream that ends now is complete.
+    fn finished(&self) -> bool {
+        self.terminal.is_some() || self.failed
+    }
+
+    /// The provider reported an error in the stream.
+    fn failed(&self) -> bool {
+        self.failed
+    }
+
+    /// The stream broke its structure (see [`Self::push`]); nothing more is forwarded.
+    fn violation(&self) -> Option<&str> {
+        self.violation.as_deref()
+    }
+
+    /// Takes one event; bytes to forward now are appended to `out`.
+    ///
+    /// Fails closed (sets [`Self::violation`], forwards nothing of the event) on a structure
+    /// that does not identify each item uniquely or that follows the end: an event without a
+    /// `type` or whose `event:` line names another type, an `output_item.added` without an
+    /// integer `output_index` or on an index already used, one item id on two indices, and
+    /// any event after the terminal event (a second `response.completed` would replace the
+    /// output the agent's SDK returns).
+    fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
+        if self.violation.is_some() {
+            return;
+        }
+        let Event { block, payload } = event;
+        let mut json = match payload {
+            Payload::None | Payload::Done => {
+                out.push(block.raw); // comment / keep-alive: no sequence number, nothing to hold
+                return;
+            }
+            Payload::Json(v) => v,
+        };
+        self.event_lines = block.event.is_some();
+        if json.get("sequence_number").is_some() {
+            self.seq.seen = true;
+        }
+        let Some(kind) = str_of(&json, "type").map(str::to_owned) else {
+            return self.violate("an event without a string `type`".into());
+        };
+        if block.event.as_deref().is_some_and(|e| e != kind) {
+            return self.violate(format!(
+                "an `event:` line that names another type than the data's `{}`",
+                crate::admission::sanitize_label(&kind)
+            ));
+        }
+        if self.ended {
+            return self.violate(format!(
+                "`{}` after the terminal event",
+                crate::admission::sanitize_label(&kind)
+            ));
+        }
+        let dirty = self.splice.is_some();
+        if self.splice.is_some() {
+            // The provider's own id of this round, for the journal.
+            if let Some(id) = json.pointer("/response/id").and_then(Value::as_str) {
+                self.provider_response_id
+                    .get_or_insert_with(|| id.to_owned());
+            }
+        }
+        if !self.splice_event(&kind, &mut json) {
+            return;
+        }
+        let keep = self.observe(&kind, &json);
+        if self.violation.is_some() {
+            return;
+        }
+        if !keep {
+            self.seq.dropped(Some(&json));
+            return;
+        }
+        if TERMINAL.contains(&kind.as_str()) {
+            self.ended = true;
+        }
+        if kind == "error" {
+            // A provider error mid-stream: nothing held is released.
+            self.failed = true;
+            self.decided = true;
+            self.ended = true;
+            for h in std::mem::take(&mut self.held) {
+                self.seq.dropped(h.json.as_ref());
+            }
+        }
+        let held = Held {
+            raw: block.raw,
+            event: block.event,
+            json: Some(json),
+            dirty,
+        };
+        if self.pending() {
+            self.held.push(held);
+        } else {
+            self.emit(held, false, out);
+        }
+    }
+
     /// The emissions to admit (one choice, index 0).
-    pub fn round(&self) -> Vec<ChoiceEmissions> {
+    fn round(&self) -> Vec<ChoiceEmissions> {
         let calls: Vec<ToolCall> = self.calls().map(CallAcc::call).collect();
         if calls.is_empty() {
             return Vec::new();
@@ -1576,7 +1690,7 @@ impl ResponsesStream {
     }
 
     /// Completion of the response, for the journal.
-    pub fn completions(&self) -> Vec<Completion> {
+    fn completions(&self) -> Vec<Completion> {
         if self.terminal.is_some() {
             vec![self.completion()]
         } else {
@@ -1585,7 +1699,7 @@ impl ResponsesStream {
     }
 
     /// The journal's record of this response, once its id is known.
-    pub fn response_link(&self) -> Option<ResponseLink> {
+    fn response_link(&self) -> Option<ResponseLink> {
         Some(ResponseLink {
             items: self
                 .terminal
@@ -1610,7 +1724,7 @@ impl ResponsesStream {
     }
 
     /// Emits the held events with the verdicts applied; later events flow through.
-    pub fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
+    fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
         self.decided = true;
         let held = std::mem::take(&mut self.held);
         let verdict = verdicts.first();
@@ -1713,35 +1827,13 @@ impl ResponsesStream {
         }
     }
 
-    /// Streams the host-authored message item at `output_index` `ix`, as the provider
-    /// streams a message: added, content part, text delta and done events.
-    fn emit_host_message(&mut self, ix: u64, text: &str, out: &mut Vec<Bytes>) {
-        let id = host_message_id(self.response_id.as_deref());
-        let mut in_progress = host_message(&id, text);
-        set(&mut in_progress, "status", json!("in_progress"));
-        set(&mut in_progress, "content", json!([]));
-        let empty_part = host_text_part("");
-        let part = host_text_part(text);
-        let events = [
-            json!({"type": "response.output_item.added", "output_index": ix, "item": in_progress}),
-            json!({"type": "response.content_part.added", "item_id": id, "output_index": ix, "content_index": 0, "part": empty_part}),
-            json!({"type": "response.output_text.delta", "item_id": id, "output_index": ix, "content_index": 0, "delta": text, "logprobs": []}),
-            json!({"type": "response.output_text.done", "item_id": id, "output_index": ix, "content_index": 0, "text": text, "logprobs": []}),
-            json!({"type": "response.content_part.done", "item_id": id, "output_index": ix, "content_index": 0, "part": part}),
-            json!({"type": "response.output_item.done", "output_index": ix, "item": host_message(&id, text)}),
-        ];
-        for e in events {
-            self.emit_new(e, out);
-        }
-    }
-
     /// Drops everything held and ends the stream as the API ends a failed response: an
     /// `error` event carrying `code` (an outcome surfaced as an error after the headers went
     /// out; the official SDKs raise on it), then `response.failed` ([`Self::emit_failed`]).
     /// The failed response's `error.code` is `invalid_prompt`, the API's code for a request
     /// that cannot succeed as sent, so a client that reads it (Codex) stops instead of sending
     /// the turn again; turnguard's own code is in its `message` and `turnguard_code`.
-    pub fn fail(&mut self, code: &str, message: &str, out: &mut Vec<Bytes>) {
+    fn fail(&mut self, code: &str, message: &str, out: &mut Vec<Bytes>) {
         self.held.clear();
         self.decided = true;
         let body = json!({
@@ -1755,32 +1847,9 @@ impl ResponsesStream {
         self.emit_failed("invalid_prompt", code, message, out);
     }
 
-    /// Sends `response.failed` for the agent's response (its id, the items it was sent, status
-    /// `failed`, `error: {code: api_code, message, turnguard_code}`).
-    fn emit_failed(&mut self, api_code: &str, code: &str, message: &str, out: &mut Vec<Bytes>) {
-        let mut output: Vec<Value> = self
-            .splice
-            .as_ref()
-            .map(|sp| sp.sent.clone())
-            .unwrap_or_default();
-        output.extend(self.sent.values().cloned());
-        let response = json!({
-            "id": self.response_id,
-            "object": "response",
-            "status": "failed",
-            "error": {"code": api_code, "message": format!("{message} (turnguard: {code})"), "turnguard_code": code},
-            "incomplete_details": null,
-            "output": output,
-        });
-        self.emit_new(
-            json!({"type": "response.failed", "response": response}),
-            out,
-        );
-    }
-
     /// Drops what is held (the round is being repaired) and says how the next round's stream
     /// continues the agent's.
-    pub fn abandon(&mut self) -> ResponsesSplice {
+    fn abandon(&mut self) -> Splice {
         self.held.clear();
         self.decided = true;
         let mut sent = self
@@ -1790,7 +1859,7 @@ impl ResponsesStream {
             .unwrap_or_default();
         sent.extend(self.sent.values().cloned());
         let base = self.splice.as_ref().map_or(0, |sp| sp.next_index);
-        ResponsesSplice {
+        Splice::new(ResponsesSplice {
             response_id: self.response_id.clone(),
             sent,
             next_index: self
@@ -1800,13 +1869,13 @@ impl ResponsesStream {
                 .map_or(base, |l| (l + 1).max(base)),
             last_seq: self.seq.last,
             numbered: self.seq.seen,
-        }
+        })
     }
 
     /// The upstream stream was cut: drop what is held and end the agent's stream with an
     /// `error` event. It has the Responses `error` event's fields (`code`, `message`, `param`)
     /// and an `error` object, on which the official SDK raises.
-    pub fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
+    fn cut(&mut self, reason: &str, out: &mut Vec<Bytes>) {
         for h in std::mem::take(&mut self.held) {
             self.seq.dropped(h.json.as_ref());
         }
@@ -1829,6 +1898,24 @@ impl ResponsesStream {
         // No `response.failed`: a cut is transient, and a client that reads the stream as
         // disconnected (Codex) retries the turn, which is what a cut upstream deserves.
         self.emit_new(body, out);
+    }
+
+    /// A `response.output_text.delta`'s `delta` (wire-formats.md §4).
+    fn answer_text<'e>(&self, event: &'e Event) -> Option<&'e str> {
+        if event.kind() != Some("response.output_text.delta") {
+            return None;
+        }
+        event.json()?.get("delta").and_then(Value::as_str)
+    }
+
+    /// `response.completed` or `response.incomplete` (by the data's `type`, which
+    /// [`Self::push`] requires to agree with the `event:` line). `response.failed` is not a
+    /// text answer's end: nothing is held back for it.
+    fn is_terminal(&self, event: &Event) -> bool {
+        matches!(
+            event.kind(),
+            Some("response.completed" | "response.incomplete")
+        )
     }
 }
 

@@ -141,7 +141,8 @@ async fn turn(
     let person = acting_person(state, &parts.headers).await?;
     let raw = read_request(state, &parts, body).await?;
     let json = parse_json(&raw)?;
-    let mut turn = provider::parse_request(api, &json)
+    let mut turn = provider::adapter(api)
+        .parse_request(&json)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
     check_schema_sizes(state, &turn)?;
     refuse_provider_delegation(ctx, &turn)?;
@@ -165,10 +166,10 @@ async fn turn(
     let agent_digest = crate::recipes::semantic_request_digest(api, &json);
     let mode = run_mode(&parts.headers)?;
     let mut json = json;
-    provider::prepare_upstream(&mut json, &mut turn);
     // Unless turnguard added to it (a Chat stream's usage request), the first round sends
     // the agent's own bytes: no serialization, nothing the agent did not send.
-    let agent_bytes = (!turn.usage_for_turnguard).then_some(raw);
+    let changed = provider::adapter(api).prepare_upstream(&mut json, &mut turn);
+    let agent_bytes = (!changed).then_some(raw);
     let session = Session {
         agent_bytes,
         agent_digest,
@@ -365,7 +366,7 @@ fn channel_of(
             schema: Arc::clone(schema),
         }));
     }
-    if let Some((name, schema)) = provider::structured_schema(api, body) {
+    if let Some((name, schema)) = provider::adapter(api).structured_schema(body) {
         return Ok(Some(ChannelSpec {
             channel: Channel::Structured,
             name,

@@ -24,8 +24,9 @@
 //! - A record kept only as a digest (over `journal_max_record_bytes`, or a secret in a call's
 //!   arguments) or in redacted form is a miss.
 //! - Removing calls from a recorded answer is the adapters' own rewrite: a JSON answer through
-//!   [`provider::rewrite_response`], a recorded stream through the stream [`Pipeline`] (the
-//!   removed calls' events dropped, indices renumbered), as if admission had withheld them.
+//!   [`provider::Provider::rewrite_response`], a recorded stream through the stream
+//!   [`Pipeline`] (the removed calls' events dropped, indices renumbered), as if admission had
+//!   withheld them.
 //!
 //! Chat turns (no `Turnguard-Run`) are out of scope for both (§D).
 
@@ -371,9 +372,11 @@ fn without_calls_json(session: &Session, body: &[u8], recorded: &HashSet<String>
     let mut json: Value = serde_json::from_slice(body).ok()?;
     // A recorded answer was parsed when it was decided; one that no longer parses is not
     // served (fail closed: the caller treats `None` as a miss).
-    let round = provider::parse_response(session.turn.api, &json, &session.turn).ok()?;
+    let round = provider::adapter(session.turn.api)
+        .parse_response(&json, &session.turn)
+        .ok()?;
     let verdicts = verdicts_without(&round, recorded);
-    provider::rewrite_response(session.turn.api, &mut json, &verdicts);
+    provider::adapter(session.turn.api).rewrite_response(&mut json, &verdicts);
     Some(Bytes::from(json.to_string()))
 }
 

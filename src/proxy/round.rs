@@ -84,7 +84,9 @@ impl Session {
             run: self.ctx.run.run_id.as_deref(),
             provider: self.turn.api.as_str(),
             approved: &approved,
-            repairs_left: if crate::provider::choices_requested(self.turn.api, &self.body) > 1 {
+            repairs_left: if crate::provider::adapter(self.turn.api).choices_requested(&self.body)
+                > 1
+            {
                 0
             } else {
                 self.repairs_left
@@ -370,7 +372,7 @@ impl Session {
     /// then one host-authored tool result per call (tool-turn contract §B, §G).
     pub fn repaired(&self, choice: &ChoiceEmissions, items: &[crate::model::RepairItem]) -> Value {
         let mut body = self.body.clone();
-        provider::append_repair(self.turn.api, &mut body, choice, items);
+        provider::adapter(self.turn.api).append_repair(&mut body, choice, items);
         body
     }
 

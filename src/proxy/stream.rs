@@ -27,8 +27,8 @@ use crate::admission::SchemaCache;
 use crate::journal::{RoundCommit, RoundState};
 use crate::metrics::{ApiLabels, ReasonLabels, UpstreamError};
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Surfacing, Turn};
-use crate::provider::{Splice, StreamAdapter};
-use crate::sse::{Event, Payload, SseBlock, SseFramer};
+use crate::provider::{ProviderStream, Splice};
+use crate::sse::{Event, SseBlock, SseFramer};
 
 /// Chunks buffered toward a slow agent before the relay waits (back-pressure).
 const OUT_QUEUE: usize = 64;
@@ -65,7 +65,7 @@ pub fn relay(
 pub struct Pipeline {
     decoder: upstream::Decoder,
     framer: SseFramer,
-    adapter: StreamAdapter,
+    adapter: Box<dyn ProviderStream>,
     queue: VecDeque<SseBlock>,
     splice: Option<Splice>,
     framer_drained: bool,
@@ -94,7 +94,7 @@ impl Pipeline {
         Self {
             decoder: upstream::Decoder::new(upstream::ContentCoding::Identity),
             framer: SseFramer::new(max_event_bytes),
-            adapter: StreamAdapter::new(turn, splice.as_ref()),
+            adapter: crate::provider::adapter(turn.api).stream(turn, splice.as_ref()),
             queue: VecDeque::new(),
             splice,
             framer_drained: false,
@@ -202,8 +202,8 @@ impl Pipeline {
                 None => event,
             };
             if let Some(check) = self.channel.as_mut() {
-                check.observe(&event);
-                if check.is_terminal(&event) {
+                check.observe(self.adapter.answer_text(&event));
+                if self.adapter.is_terminal(&event) {
                     check.terminal = Some(event);
                     continue;
                 }
@@ -435,41 +435,14 @@ struct ChannelCheck {
 const MAX_CHANNEL_TEXT: usize = 1 << 20;
 
 impl ChannelCheck {
-    /// Accumulates answer text from Chat `delta.content`, Messages `text_delta` and
-    /// Responses `response.output_text.delta` events.
-    fn observe(&mut self, event: &Event) {
-        let Some(v) = event.json() else {
-            return;
-        };
-        let piece = v
-            .pointer("/choices/0/delta/content")
-            .and_then(Value::as_str)
-            .or_else(|| {
-                (v.pointer("/delta/type").and_then(Value::as_str) == Some("text_delta"))
-                    .then(|| v.pointer("/delta/text").and_then(Value::as_str))
-                    .flatten()
-            })
-            .or_else(|| {
-                (event.kind() == Some("response.output_text.delta"))
-                    .then(|| v.get("delta").and_then(Value::as_str))
-                    .flatten()
-            });
+    /// Accumulates a piece of the answer text (the adapter's
+    /// [`ProviderStream::answer_text`]), up to [`MAX_CHANNEL_TEXT`] bytes.
+    fn observe(&mut self, piece: Option<&str>) {
         if let Some(p) = piece {
             if self.text.len() + p.len() <= MAX_CHANNEL_TEXT {
                 self.text.push_str(p);
             }
         }
-    }
-
-    /// The event that ends a response: Chat `[DONE]`, Messages `message_stop`, Responses
-    /// `response.completed` / `response.incomplete` (by the data's `type`, which the adapters
-    /// require to agree with the `event:` line).
-    fn is_terminal(&self, event: &Event) -> bool {
-        matches!(event.payload, Payload::Done)
-            || matches!(
-                event.kind(),
-                Some("message_stop" | "response.completed" | "response.incomplete")
-            )
     }
 }
 
@@ -1021,11 +994,9 @@ mod tests {
 
     #[test]
     fn a_gzip_stream_is_decoded_to_its_end() {
-        let turn = crate::provider::parse_request(
-            crate::model::Api::OpenAiChat,
-            &serde_json::json!({"model": "m", "stream": true, "messages": []}),
-        )
-        .unwrap();
+        let turn = crate::provider::adapter(crate::model::Api::OpenAiChat)
+            .parse_request(&serde_json::json!({"model": "m", "stream": true, "messages": []}))
+            .unwrap();
         let sse = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"finish_reason\":null}]}\n\ndata: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
         let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
         enc.write_all(sse).unwrap();

@@ -128,7 +128,7 @@ pub(super) async fn surface_json(
             });
         }
     };
-    let round = match provider::parse_response(turn.api, &json, turn) {
+    let round = match provider::adapter(turn.api).parse_response(&json, turn) {
         Ok(round) => round,
         Err(why) => {
             // One emission, one decision: a response that does not identify each choice and
@@ -157,7 +157,10 @@ pub(super) async fn surface_json(
     rec.completion = Some(join(round.iter().map(|c| c.completion.state.as_str())));
     rec.finish_reason = Some(join(round.iter().map(|c| c.completion.reason.as_str())));
     rec.calls = call_records(&with_calls, &verdicts, &session.call_ids());
-    rec.response_link = session.judged(provider::response_link(&json, turn), &rec.calls);
+    rec.response_link = session.judged(
+        provider::adapter(turn.api).response_link(&json, turn),
+        &rec.calls,
+    );
 
     let outcome = if let Some(e) = verdicts.iter().find_map(|v| match &v.surfacing {
         Surfacing::Error(e) => Some(e.clone()),
@@ -179,7 +182,7 @@ pub(super) async fn surface_json(
     } else if let Some(next) = session.check_channel(&round, &mut rec) {
         next
     } else {
-        let body = if provider::rewrite_response(turn.api, &mut json, &verdicts) {
+        let body = if provider::adapter(turn.api).rewrite_response(&mut json, &verdicts) {
             Bytes::from(json.to_string())
         } else {
             body.clone()
@@ -246,7 +249,7 @@ impl Session {
         let repairable = admission::completion::repairable(reason);
         if repairable
             && self.repairs_left > 0
-            && provider::choices_requested(self.turn.api, &self.body) == 1
+            && provider::adapter(self.turn.api).choices_requested(&self.body) == 1
         {
             rec.state = RoundState::Repaired;
             let mut next = self.body.clone();
@@ -254,7 +257,7 @@ impl Session {
                 "turnguard: {message}. Answer again with only a JSON document valid against the schema `{}`.",
                 admission::sanitize_label(&spec.name)
             );
-            provider::append_text_repair(
+            provider::adapter(self.turn.api).append_text_repair(
                 &mut next,
                 choice.text.as_deref().unwrap_or(""),
                 &feedback,

@@ -346,38 +346,38 @@ proptest! {
     /// (its output re-parsed canonicalizes to the same bytes).
     #[test]
     fn request_parsers_digests_and_jcs_never_panic(api in proptest::sample::select(&APIS[..]), body in prop_oneof![request(Api::OpenAiChat), request(Api::AnthropicMessages), request(Api::OpenAiResponses)]) {
-        let _ = turnguard::provider::parse_request(api, &body);
-        let _ = turnguard::provider::structured_schema(api, &body);
+        let _ = turnguard::provider::adapter(api).parse_request(&body);
+        let _ = turnguard::provider::adapter(api).structured_schema(&body);
         let _ = turnguard::recipes::semantic_request_digest(api, &body);
         let jcs = turnguard::admission::arguments::canonical(&body);
         let back: Value = serde_json::from_slice(&jcs).expect("JCS output is JSON");
         prop_assert_eq!(turnguard::admission::arguments::canonical(&back), jcs);
         let mut up = body.clone();
-        if let Ok(mut turn) = turnguard::provider::parse_request(api, &body) {
-            turnguard::provider::prepare_upstream(&mut up, &mut turn);
+        if let Ok(mut turn) = turnguard::provider::adapter(api).parse_request(&body) {
+            turnguard::provider::adapter(api).prepare_upstream(&mut up, &mut turn);
         }
     }
 
     /// Response parsing, the non-stream rewrite and the repair builders never panic.
     #[test]
     fn response_parsers_and_rewrites_never_panic(api in proptest::sample::select(&APIS[..]), body in json_value(), edits in proptest::collection::vec((any::<u16>(), json_value()), 0..3), pattern in any::<u32>()) {
-        let turn = turnguard::provider::parse_request(api, &base_request(api)).unwrap();
+        let turn = turnguard::provider::adapter(api).parse_request(&base_request(api)).unwrap();
         let mut body = if edits.is_empty() { body } else {
             let mut b = response_template(api);
             for (at, v) in edits { mutate_at(&mut b, at as usize, v); }
             b
         };
-        let _ = turnguard::provider::response_link(&body, &turn);
-        if let Ok(round) = turnguard::provider::parse_response(api, &body, &turn) {
+        let _ = turnguard::provider::adapter(api).response_link(&body, &turn);
+        if let Ok(round) = turnguard::provider::adapter(api).parse_response(&body, &turn) {
             let verdicts: Vec<ChoiceVerdict> = round.iter().map(|c| verdict_for(c, pattern)).collect();
-            let _ = turnguard::provider::rewrite_response(api, &mut body, &verdicts);
+            let _ = turnguard::provider::adapter(api).rewrite_response(&mut body, &verdicts);
             for c in &round {
                 let items: Vec<RepairItem> = (0..c.calls.len() + 1)
                     .map(|call| RepairItem { call, text: "fix it".into(), is_error: true })
                     .collect();
                 let mut req = base_request(api);
-                turnguard::provider::append_repair(api, &mut req, c, &items);
-                turnguard::provider::append_text_repair(&mut req, "x", "y");
+                turnguard::provider::adapter(api).append_repair(&mut req, c, &items);
+                turnguard::provider::adapter(api).append_text_repair(&mut req, "x", "y");
             }
         }
     }
@@ -789,7 +789,9 @@ fn calls_in(v: &Value, out: &mut Vec<(Option<String>, Option<String>)>) {
 /// Relays `chunks` through the pipeline with real admission; the forwarded bytes and the ids
 /// of the released calls.
 fn relay(api: Api, chunks: &[Vec<u8>]) -> (Vec<u8>, BTreeSet<String>) {
-    let turn = turnguard::provider::parse_request(api, &base_request(api)).unwrap();
+    let turn = turnguard::provider::adapter(api)
+        .parse_request(&base_request(api))
+        .unwrap();
     let mut p = Pipeline::new(&turn, 1 << 16, None).with_hold_cap(1 << 20);
     let mut out: Vec<Bytes> = Vec::new();
     // As the relay surfaces a decision (`proxy::stream::decide`, without the network).

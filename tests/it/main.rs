@@ -33,6 +33,7 @@ mod responses_tool_kinds;
 mod sdk_equivalence;
 mod serve_cli;
 mod shipped_catalogs;
+mod source_lints;
 mod stream_chunking;
 mod support;
 mod trust_approvals;
