@@ -46,6 +46,7 @@ pub mod config;
 pub mod edge;
 pub mod error;
 pub mod identity;
+pub mod jcs;
 pub mod journal;
 pub mod mcp;
 pub mod metrics;

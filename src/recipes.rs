@@ -6,7 +6,7 @@
 //!   `base64url(sha256("openwop:activity:v2\0" ‖ tenant ‖ \0 ‖ run ‖ \0 ‖ node ‖ \0 ‖ ordinal
 //!   ‖ \0 ‖ providerKey))`. The attempt is never part of it.
 
-use serde_json::{json, Map, Value};
+use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::model::Api;
@@ -48,38 +48,45 @@ const SEMANTIC: &[&str] = &[
 /// output bound, stop, seed, and every other option under `providerOptions`. Message order
 /// is significant.
 pub fn semantic_request_digest(api: Api, body: &Value) -> String {
-    let mut semantic = Map::new();
-    semantic.insert("recipe".into(), json!("openwop-semantic-request-v2"));
-    semantic.insert("provider".into(), json!(api.as_str()));
-    let mut options = Map::new();
+    use crate::jcs::View;
+    // A borrowed view of the request: nothing is cloned (a long transcript is hashed where
+    // it lies).
+    let mut semantic: Vec<(&str, View<'_>)> = vec![
+        ("recipe", View::Str("openwop-semantic-request-v2")),
+        ("provider", View::Str(api.as_str())),
+    ];
+    let mut options: Vec<(&str, View<'_>)> = Vec::new();
     if let Some(obj) = body.as_object() {
         for (k, v) in obj {
             if EXCLUDED.contains(&k.as_str()) {
                 continue;
             }
             if k == "tools" {
-                let mut tools = v.as_array().cloned().unwrap_or_default();
-                tools.sort_by_key(tool_name);
-                semantic.insert("tools".into(), Value::Array(tools));
+                let mut tools: Vec<&Value> =
+                    v.as_array().map(|a| a.iter().collect()).unwrap_or_default();
+                tools.sort_by_cached_key(|t| tool_name(t));
+                semantic.push((
+                    "tools",
+                    View::Array(tools.into_iter().map(View::Value).collect()),
+                ));
             } else if SEMANTIC.contains(&k.as_str()) {
-                semantic.insert(k.clone(), v.clone());
+                semantic.push((k, View::Value(v)));
             } else {
-                options.insert(k.clone(), v.clone());
+                options.push((k, View::Value(v)));
             }
         }
     }
-    semantic.insert("providerOptions".into(), Value::Object(options));
-    hex::encode(Sha256::digest(crate::admission::arguments::canonical(
-        &Value::Object(semantic),
-    )))
+    semantic.push(("providerOptions", View::Object(options)));
+    hex::encode(Sha256::digest(crate::jcs::view_to_vec(&View::Object(
+        semantic,
+    ))))
 }
 
-fn tool_name(t: &Value) -> String {
+fn tool_name(t: &Value) -> &str {
     t.pointer("/function/name")
         .or_else(|| t.get("name"))
         .and_then(Value::as_str)
         .unwrap_or_default()
-        .to_owned()
 }
 
 /// `logicalInvocationId` by the RFC 0150 §B activity recipe (unpadded base64url).
@@ -128,6 +135,61 @@ pub fn base64url(bytes: &[u8]) -> String {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::{json, Map};
+
+    /// The digest as first written (a cloned tree through `serde_jcs`): the borrowed view
+    /// must give the same bytes, or journaled recovery keys would stop matching.
+    fn digest_by_clone(api: Api, body: &Value) -> String {
+        let mut semantic = Map::new();
+        semantic.insert("recipe".into(), json!("openwop-semantic-request-v2"));
+        semantic.insert("provider".into(), json!(api.as_str()));
+        let mut options = Map::new();
+        for (k, v) in body.as_object().into_iter().flatten() {
+            if EXCLUDED.contains(&k.as_str()) {
+                continue;
+            }
+            if k == "tools" {
+                let mut tools = v.as_array().cloned().unwrap_or_default();
+                tools.sort_by_key(|t| tool_name(t).to_owned());
+                semantic.insert("tools".into(), Value::Array(tools));
+            } else if SEMANTIC.contains(&k.as_str()) {
+                semantic.insert(k.clone(), v.clone());
+            } else {
+                options.insert(k.clone(), v.clone());
+            }
+        }
+        semantic.insert("providerOptions".into(), Value::Object(options));
+        hex::encode(Sha256::digest(
+            serde_jcs::to_vec(&Value::Object(semantic)).unwrap(),
+        ))
+    }
+
+    #[test]
+    fn the_borrowed_digest_is_the_cloned_digest() {
+        for (api, body) in [
+            (
+                Api::OpenAiChat,
+                json!({"model": "m", "messages": [{"role": "user", "content": "h\u{e9}\n"}],
+                "tools": [{"type": "function", "function": {"name": "b"}}, {"type": "function", "function": {"name": "a", "parameters": {"z": 1, "a": 1.5}}}, {"function": {"name": "a"}, "x": 1}],
+                "user": "u", "metadata": {"k": 1}, "stream": true, "logprobs": true, "n": 2}),
+            ),
+            (
+                Api::AnthropicMessages,
+                json!({"model": "c", "system": "s", "max_tokens": 10, "messages": [], "tools": {"not": "an array"}, "thinking": {"type": "enabled"}}),
+            ),
+            (
+                Api::OpenAiResponses,
+                json!({"model": "g", "input": "x", "tools": [{"type": "function", "name": "t"}, {"type": "web_search"}], "store": true, "\u{1f600}": 1, "\u{e000}": 2}),
+            ),
+            (Api::OpenAiChat, json!([1, 2])),
+        ] {
+            assert_eq!(
+                semantic_request_digest(api, &body),
+                digest_by_clone(api, &body),
+                "{body}"
+            );
+        }
+    }
     use super::*;
 
     #[test]

@@ -129,8 +129,7 @@ pub fn args_hash(args: &Value) -> String {
 
 /// The RFC 8785 (JCS) serialization of `v`.
 pub fn canonical(v: &Value) -> Vec<u8> {
-    // serde_jcs only fails for maps with non-string keys, which a `Value` cannot hold.
-    serde_jcs::to_vec(v).unwrap_or_else(|_| v.to_string().into_bytes())
+    crate::jcs::to_vec(v)
 }
 
 /// A compiled validator, or why the schema does not compile.

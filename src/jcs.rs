@@ -1,0 +1,257 @@
+//! RFC 8785 (JSON Canonicalization Scheme) serialization, written in one pass.
+//!
+//! `argsHash`, the semantic request digest and effect business keys are SHA-256 over this
+//! form (OpenWOP `argsHash`; RFC 8785 §3.2): object members sorted by the UTF-16 code units
+//! of their names, no whitespace, every number written as the IEEE 754 double ECMAScript's
+//! `Number.prototype.toString` gives (RFC 8785 §3.2.2.3, via `ryu-js`), strings with only
+//! `"`, `\`, and control characters escaped (`\b \t \n \f \r`, else `\u00xx`).
+//!
+//! The output is byte-identical to `serde_jcs` (a test pins it over a generated corpus), so
+//! digests journaled before are unchanged; it writes into one buffer instead of one buffer
+//! per object value and parsing every key back.
+
+use serde_json::Value;
+
+/// A JSON tree to canonicalize that borrows its parts: lets a caller canonicalize a view
+/// (some members of a request, a sorted list of its tools) without cloning the values.
+#[derive(Debug, Clone)]
+pub enum View<'a> {
+    /// A value as it is.
+    Value(&'a Value),
+    /// A string.
+    Str(&'a str),
+    /// An array of views, in order.
+    Array(Vec<View<'a>>),
+    /// An object; member names must be distinct (they are sorted here).
+    Object(Vec<(&'a str, View<'a>)>),
+}
+
+/// The RFC 8785 form of `v`.
+pub fn to_vec(v: &Value) -> Vec<u8> {
+    let mut out = Vec::with_capacity(128);
+    write_value(&mut out, v);
+    out
+}
+
+/// The RFC 8785 form of a borrowed view.
+pub fn view_to_vec(v: &View<'_>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(256);
+    write_view(&mut out, v);
+    out
+}
+
+fn write_view(out: &mut Vec<u8>, v: &View<'_>) {
+    match v {
+        View::Value(v) => write_value(out, v),
+        View::Str(s) => write_str(out, s),
+        View::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_view(out, item);
+            }
+            out.push(b']');
+        }
+        View::Object(members) => {
+            let mut sorted: Vec<&(&str, View<'_>)> = members.iter().collect();
+            sorted.sort_by(|a, b| utf16_order(a.0, b.0));
+            out.push(b'{');
+            for (i, (k, v)) in sorted.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_str(out, k);
+                out.push(b':');
+                write_view(out, v);
+            }
+            out.push(b'}');
+        }
+    }
+}
+
+fn write_value(out: &mut Vec<u8>, v: &Value) {
+    match v {
+        Value::Null => out.extend_from_slice(b"null"),
+        Value::Bool(true) => out.extend_from_slice(b"true"),
+        Value::Bool(false) => out.extend_from_slice(b"false"),
+        Value::Number(n) => {
+            // Without `arbitrary_precision` every number has an f64 value, and it is finite.
+            let f = n.as_f64().unwrap_or(0.0);
+            let mut buf = ryu_js::Buffer::new();
+            out.extend_from_slice(buf.format_finite(f).as_bytes());
+        }
+        Value::String(s) => write_str(out, s),
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_value(out, item);
+            }
+            out.push(b']');
+        }
+        Value::Object(map) => {
+            let mut sorted: Vec<(&String, &Value)> = map.iter().collect();
+            sorted.sort_by(|a, b| utf16_order(a.0, b.0));
+            out.push(b'{');
+            for (i, (k, v)) in sorted.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_str(out, k);
+                out.push(b':');
+                write_value(out, v);
+            }
+            out.push(b'}');
+        }
+    }
+}
+
+/// Member-name order: UTF-16 code units (RFC 8785 §3.2.3). UTF-8 byte order agrees with it
+/// except past U+FFFF, so ASCII names (nearly all) compare as bytes.
+fn utf16_order(a: &str, b: &str) -> std::cmp::Ordering {
+    if a.is_ascii() && b.is_ascii() {
+        a.as_bytes().cmp(b.as_bytes())
+    } else {
+        a.encode_utf16().cmp(b.encode_utf16())
+    }
+}
+
+fn write_str(out: &mut Vec<u8>, s: &str) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out.push(b'"');
+    let bytes = s.as_bytes();
+    let mut start = 0;
+    let mut unicode = *b"\\u0000";
+    for (i, &b) in bytes.iter().enumerate() {
+        let escape: &[u8] = match b {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            0x08 => b"\\b",
+            0x0c => b"\\f",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0x00..=0x1f => {
+                unicode[4] = HEX[usize::from(b >> 4)];
+                unicode[5] = HEX[usize::from(b & 0xf)];
+                &unicode
+            }
+            _ => continue,
+        };
+        out.extend_from_slice(&bytes[start..i]);
+        out.extend_from_slice(escape);
+        start = i + 1;
+    }
+    out.extend_from_slice(&bytes[start..]);
+    out.push(b'"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const ATOMS: &[&str] = &[
+        "",
+        "a",
+        "b",
+        "A",
+        "é",
+        "\u{e000}",
+        "\u{1f600}",
+        "\u{ffff}",
+        "\"",
+        "\\",
+        "\n\t\r",
+        "\u{0}\u{1f}\u{7f}",
+        "/",
+        "caf\u{e9}",
+        "\u{10000}",
+        "z\u{8}\u{c}",
+    ];
+
+    /// xorshift64: a deterministic stream of pseudo-random numbers.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+
+        fn atom(&mut self) -> &'static str {
+            ATOMS[(self.next() % ATOMS.len() as u64) as usize]
+        }
+    }
+
+    /// A value covering what canonicalization must order and format: names past U+FFFF and
+    /// in U+E000..U+FFFF, control characters, quotes, integers past 2^53, tiny and huge
+    /// floats, negative zero, nesting.
+    fn build(depth: u32, rng: &mut Rng) -> Value {
+        match rng.next() % if depth == 0 { 6 } else { 8 } {
+            0 => Value::Null,
+            1 => Value::Bool(rng.next() % 2 == 0),
+            2 => json!((rng.next() as i64) >> (rng.next() % 64)),
+            3 => json!(rng.next() >> (rng.next() % 64)),
+            4 => {
+                let f = f64::from_bits(rng.next());
+                json!(if f.is_finite() { f } else { -0.0 })
+            }
+            5 => json!(rng.atom()),
+            6 => Value::Array((0..rng.next() % 4).map(|_| build(depth - 1, rng)).collect()),
+            _ => {
+                let mut m = serde_json::Map::new();
+                for _ in 0..rng.next() % 5 {
+                    let k = format!("{}{}", rng.atom(), rng.atom());
+                    m.insert(k, build(depth - 1, rng));
+                }
+                Value::Object(m)
+            }
+        }
+    }
+
+    fn corpus() -> Vec<Value> {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut out: Vec<Value> = (0..3000).map(|_| build(4, &mut rng)).collect();
+        out.extend([
+            json!({"b": 1, "a": [1e21, 1e-7, 0.1, -0.0, 9_007_199_254_740_993_u64, 1.5e300]}),
+            json!({"\u{e000}": 1, "\u{1f600}": 2, "a": {}}),
+            json!([[], {}, "", 0]),
+        ]);
+        out
+    }
+
+    #[test]
+    fn byte_identical_to_serde_jcs() {
+        for v in corpus() {
+            let want = serde_jcs::to_vec(&v).unwrap();
+            assert_eq!(
+                String::from_utf8(to_vec(&v)).unwrap(),
+                String::from_utf8(want).unwrap(),
+                "{v}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_view_canonicalizes_as_the_tree_it_shows() {
+        let tools = json!([{"name": "b"}, {"name": "a"}]);
+        let model = json!("gpt");
+        let view = View::Object(vec![
+            ("model", View::Value(&model)),
+            ("recipe", View::Str("r")),
+            (
+                "tools",
+                View::Array(tools.as_array().unwrap().iter().map(View::Value).collect()),
+            ),
+        ]);
+        let tree = json!({"tools": tools, "recipe": "r", "model": "gpt"});
+        assert_eq!(view_to_vec(&view), serde_jcs::to_vec(&tree).unwrap());
+    }
+}
