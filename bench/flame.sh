@@ -2,14 +2,16 @@
 # A CPU flame graph of turnguard in the bench's c=64 non-stream cell (issue 13): the release
 # build (ALLOCATOR: system, mimalloc or jemalloc), the acme example bundle, journal on, alone
 # on CPU 1; wrk and the mock on CPU 0. perf samples turnguard's threads at 999 Hz for
-# SECONDS (default 10) with DWARF call stacks; inferno folds and draws them.
+# PROFILE_SECONDS (default 10) with DWARF call stacks; inferno folds and draws them.
 #
 #   apt-get install linux-perf wrk; cargo install inferno
 #   bench/flame.sh                      # writes bench/flame-c64.svg (+ bench/out-flame/)
 #   RUN=1 bench/flame.sh                # with `Turnguard-Run` on every request (bench/post-run.lua)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SECS=${SECONDS:-10}
+# Not `SECONDS`: bash sets that one itself (seconds since the shell started), so it is never
+# unset and a default for it never applies.
+SECS=${PROFILE_SECONDS:-10}
 ALLOCATOR=${ALLOCATOR:-system}
 OUT=${OUT:-bench/out-flame}
 SVG=${SVG:-bench/flame-c64.svg}

@@ -23,7 +23,8 @@ MOCK=$(free_port)
 PIDS=()
 PG_DIR=""
 cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  # strace detaches from its tracee when killed: stop the traced turnguard (its child) first.
+  for p in "${PIDS[@]}"; do pkill -TERM -P "$p" 2>/dev/null || true; kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   if [ -n "$PG_DIR" ]; then .ci/postgres.sh stop "$PG_DIR"; fi
 }

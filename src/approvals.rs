@@ -67,7 +67,7 @@ use crate::journal::{
     InterruptRecord, InterruptRow, InterruptState, Resolution, Resolved, Selector,
 };
 use crate::metrics::{ApprovalLabels, ApprovalResult};
-use crate::model::{Api, ChoiceEmissions, ChoiceVerdict, Outcome};
+use crate::model::{ChoiceEmissions, ChoiceVerdict, Outcome};
 pub use crate::notify::served;
 use crate::request::Session;
 use crate::state::AppState;
@@ -167,14 +167,15 @@ pub fn interrupt_id(key: &str) -> String {
 
 /// The held calls of the waiting choices, as the interrupt binds them: per call its choice
 /// and position, id, tool name, `toolId` and title, `argsHash`, redacted arguments, why it
-/// was held, and whether the person may edit it (`approval_edit`; never on a Responses
-/// stream, whose call arguments cannot be rewritten).
+/// was held, and whether the person may edit it (`approval_edit`; never when the adapter
+/// cannot rewrite the answer's arguments, [`crate::model::Turn::arguments_fixed`]: a
+/// Responses stream).
 fn held_calls(
     session: &Session,
     round: &[ChoiceEmissions],
     verdicts: &[ChoiceVerdict],
 ) -> Vec<Value> {
-    let rewritable = !(session.turn.api == Api::OpenAiResponses && session.turn.stream);
+    let rewritable = !session.turn.arguments_fixed;
     let mut calls = Vec::new();
     for (choice, verdict) in round.iter().zip(verdicts) {
         if !verdict.waiting() {
@@ -276,10 +277,10 @@ pub fn edited_outcomes(
             continue;
         };
         if d.outcome == Outcome::Executed && d.enforced {
-            if turn.api == Api::OpenAiResponses && turn.stream {
+            if turn.arguments_fixed {
                 d.outcome = Outcome::Refused;
                 d.reason = crate::reason::Reason::EditUnsupported;
-                d.message = "the person edited the arguments, and a Responses stream cannot carry edited arguments (fail closed)".into();
+                d.message = "the person edited the arguments, and this answer cannot carry edited arguments (a Responses stream; fail closed)".into();
                 d.trace.push((d.stage, format!("refused: {}", d.reason)));
             } else {
                 d.release_args = Some(e.arguments.clone());

@@ -975,9 +975,11 @@ impl Journal {
     }
 
     /// Deletes records older than `before_ms` (retention; effects are kept ≥ 14 days by
-    /// configuration). Returns once committed.
+    /// configuration). Returns once committed, relaxed (no fsync of its own): a prune lost to
+    /// a crash runs again at the next start or hour, so housekeeping never costs a durable
+    /// commit nor lands in the commits a request made (`turnguard_journal_commits_total`).
     pub async fn prune(&self, before_ms: i64) -> Result<(), JournalError> {
-        self.submit(Op::Prune { before_ms }).await
+        self.submit_with(Op::Prune { before_ms }, false).await
     }
 
     /// Sets how many recorded rounds a replay of (run, node) has served without the agent.
