@@ -44,30 +44,12 @@ fn write_view(out: &mut Vec<u8>, v: &View<'_>) {
     match v {
         View::Value(v) => write_value(out, v),
         View::Str(s) => write_str(out, s),
-        View::Array(items) => {
-            out.push(b'[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_view(out, item);
-            }
-            out.push(b']');
-        }
-        View::Object(members) => {
-            let mut sorted: Vec<&(&str, View<'_>)> = members.iter().collect();
-            sorted.sort_by(|a, b| utf16_order(a.0, b.0));
-            out.push(b'{');
-            for (i, (k, v)) in sorted.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_str(out, k);
-                out.push(b':');
-                write_view(out, v);
-            }
-            out.push(b'}');
-        }
+        View::Array(items) => write_array(out, items, write_view),
+        View::Object(members) => write_object(
+            out,
+            members.iter().map(|(k, v)| (*k, v)).collect(),
+            write_view,
+        ),
     }
 }
 
@@ -83,31 +65,48 @@ fn write_value(out: &mut Vec<u8>, v: &Value) {
             out.extend_from_slice(buf.format_finite(f).as_bytes());
         }
         Value::String(s) => write_str(out, s),
-        Value::Array(items) => {
-            out.push(b'[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_value(out, item);
-            }
-            out.push(b']');
-        }
-        Value::Object(map) => {
-            let mut sorted: Vec<(&String, &Value)> = map.iter().collect();
-            sorted.sort_by(|a, b| utf16_order(a.0, b.0));
-            out.push(b'{');
-            for (i, (k, v)) in sorted.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_str(out, k);
-                out.push(b':');
-                write_value(out, v);
-            }
-            out.push(b'}');
-        }
+        Value::Array(items) => write_array(out, items, write_value),
+        Value::Object(map) => write_object(
+            out,
+            map.iter().map(|(k, v)| (k.as_str(), v)).collect(),
+            write_value,
+        ),
     }
+}
+
+/// `[a,b,…]`, each item written by `each`.
+fn write_array<'a, T: 'a>(
+    out: &mut Vec<u8>,
+    items: impl IntoIterator<Item = &'a T>,
+    each: fn(&mut Vec<u8>, &T),
+) {
+    out.push(b'[');
+    for (i, item) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        each(out, item);
+    }
+    out.push(b']');
+}
+
+/// `{"k":v,…}` with the members in RFC 8785 order, each value written by `each`.
+fn write_object<T: ?Sized>(
+    out: &mut Vec<u8>,
+    mut members: Vec<(&str, &T)>,
+    each: fn(&mut Vec<u8>, &T),
+) {
+    members.sort_by(|a, b| utf16_order(a.0, b.0));
+    out.push(b'{');
+    for (i, (k, v)) in members.into_iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        write_str(out, k);
+        out.push(b':');
+        each(out, v);
+    }
+    out.push(b'}');
 }
 
 /// Member-name order: UTF-16 code units (RFC 8785 §3.2.3). UTF-8 byte order agrees with it
