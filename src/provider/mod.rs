@@ -291,7 +291,10 @@ mod tests {
         for (api, kind, code) in cases {
             let mut out = Vec::new();
             stream(api).fail("envelope_invalid", "no", &mut out);
-            let first = String::from_utf8_lossy(&out[0]).into_owned();
+            let first = out
+                .first()
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .unwrap_or_default();
             assert!(
                 first.contains(kind) && first.contains(code),
                 "{api:?}: {first}"
