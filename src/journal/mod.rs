@@ -1091,8 +1091,8 @@ impl WriterThread {
 /// long). `None` once the queue is closed and empty.
 fn next_batch(rx: &mut mpsc::Receiver<Job>) -> Option<Vec<Job>> {
     let first = rx.blocking_recv()?;
+    let mut waited_for = first.ack.is_some() || first.durable;
     let mut batch = vec![first];
-    let mut waited_for = batch[0].ack.is_some() || batch[0].durable;
     let deadline = Instant::now() + RELAXED_LINGER;
     while batch.len() < MAX_BATCH {
         match rx.try_recv() {
