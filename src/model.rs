@@ -182,7 +182,26 @@ pub struct ItemReference {
     pub at: String,
 }
 
+/// What of a request its non-stream answer is read against
+/// ([`crate::provider::Provider::parse_response`]): the token limit the completion stage
+/// compares with, and the stored response it continues (Responses).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AnswerContext {
+    /// `max_tokens` / `max_completion_tokens` / `max_output_tokens` of the request.
+    pub max_output_tokens: Option<u64>,
+    /// `previous_response_id` of the request (Responses).
+    pub previous_response_id: Option<String>,
+}
+
 impl Turn {
+    /// What its answer is read against ([`AnswerContext`]).
+    pub fn answer_context(&self) -> AnswerContext {
+        AnswerContext {
+            max_output_tokens: self.max_output_tokens,
+            previous_response_id: self.previous_response_id.clone(),
+        }
+    }
+
     /// A request that continues the stored response `link` (`previous_response_id`, the
     /// journal's row of it) takes its position after that response: the provider-held
     /// transcript's rounds and calls come before the ones the request carries. A row without a

@@ -90,7 +90,7 @@ pub fn admit_pair(
         repairs_left: policy.settings.limits.repair_rounds,
     };
     let out = provider::adapter(api)
-        .parse_response(response, &turn)
+        .parse_response(response, &turn.answer_context())
         .map_err(|e| format!("the response does not identify each call uniquely: {e}"))?
         .into_iter()
         .filter(|c| !c.calls.is_empty())

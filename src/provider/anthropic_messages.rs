@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value};
 
 use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
-    Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
+    AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
     ResponseLink, ToolCall, ToolResultSeen, Turn, UntrustedKind,
 };
 use crate::sse::{self, Event, Payload};
@@ -29,8 +29,12 @@ impl Provider for AnthropicMessages {
         parse_request(body)
     }
 
-    fn parse_response(&self, body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
-        parse_response(body, turn)
+    fn parse_response(
+        &self,
+        body: &Value,
+        ctx: &AnswerContext,
+    ) -> Result<Vec<ChoiceEmissions>, String> {
+        parse_response(body, ctx)
     }
 
     /// One: Messages has no choices.
@@ -44,7 +48,7 @@ impl Provider for AnthropicMessages {
     }
 
     /// Messages stores no responses.
-    fn response_link(&self, _body: &Value, _turn: &Turn) -> Option<ResponseLink> {
+    fn response_link(&self, _body: &Value, _ctx: &AnswerContext) -> Option<ResponseLink> {
         None
     }
 
@@ -363,7 +367,7 @@ pub fn classify(stop_reason: Option<&str>, used: Option<u64>, max: Option<u64>) 
 /// Reads the emissions of a non-stream response (one choice, index 0).
 ///
 /// Errors: two `tool_use` blocks share an id.
-pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
+pub fn parse_response(body: &Value, ctx: &AnswerContext) -> Result<Vec<ChoiceEmissions>, String> {
     let calls = body
         .get("content")
         .and_then(Value::as_array)
@@ -413,7 +417,7 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>,
         completion: classify(
             body.get("stop_reason").and_then(Value::as_str),
             body.pointer("/usage/output_tokens").and_then(Value::as_u64),
-            turn.max_output_tokens,
+            ctx.max_output_tokens,
         ),
         calls,
     }];
@@ -1103,7 +1107,7 @@ impl ProviderStream for MessagesStream {
     }
 
     /// A `content_block_delta`'s `text_delta` text (wire-formats.md §3).
-    fn answer_text<'e>(&self, event: &'e Event) -> Option<&'e str> {
+    fn answer_text<'a>(&'a self, event: &'a Event) -> Option<&'a str> {
         let v = event.json()?;
         if v.pointer("/delta/type").and_then(Value::as_str) != Some("text_delta") {
             return None;

@@ -11,6 +11,7 @@
 //! and `CallNames`; no provider event name, field or error shape.
 
 pub mod anthropic_messages;
+pub mod block;
 pub mod openai_chat;
 pub mod openai_responses;
 
@@ -18,7 +19,7 @@ use bytes::Bytes;
 use serde_json::Value;
 
 use crate::model::{
-    Api, ChoiceEmissions, ChoiceVerdict, Completion, RepairItem, ResponseLink, Turn, UntrustedKind,
+    AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, RepairItem, ResponseLink, Turn, UntrustedKind,
 };
 use crate::sse::Event;
 
@@ -65,6 +66,12 @@ pub fn adapter(api: Api) -> &'static dyn Provider {
     }
 }
 
+/// The one-event machine of a non-stream answer to `turn` ([`block::Block`]): a JSON answer
+/// goes through the same round engine as a stream.
+pub fn block(turn: &Turn) -> Box<dyn ProviderStream> {
+    Box::new(block::Block::new(adapter(turn.api), turn.answer_context()))
+}
+
 /// The request/response side of one provider API: its request and non-stream response
 /// bodies into the neutral model and back, and its stream state machine. Wire facts are from
 /// `shared/reference/wire-formats.md` (each module names its section).
@@ -78,7 +85,8 @@ pub trait Provider: Sync {
     ///
     /// Errors: the response does not identify each choice and call uniquely
     /// ([`crate::model::check_identities`]; DESIGN.md §9): the round fails closed.
-    fn parse_response(&self, body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String>;
+    fn parse_response(&self, body: &Value, ctx: &AnswerContext)
+        -> Result<Vec<ChoiceEmissions>, String>;
 
     /// How many choices the request body asks for (Chat's `n`, default 1; one for the APIs
     /// without choices). A repair round is asked only of a one-choice request.
@@ -92,7 +100,7 @@ pub trait Provider: Sync {
 
     /// What the journal keeps of a non-stream response the provider stores for later turns
     /// (`previous_response_id`); `None` for an API without stored responses.
-    fn response_link(&self, body: &Value, turn: &Turn) -> Option<ResponseLink>;
+    fn response_link(&self, body: &Value, ctx: &AnswerContext) -> Option<ResponseLink>;
 
     /// Applies `verdicts` (one per choice with calls, in order) to a non-stream response body;
     /// `true` when the body changed (else the upstream bytes are served as received).
@@ -169,7 +177,7 @@ pub trait ProviderStream: std::fmt::Debug + Send + Sync {
 
     /// The piece of the text answer `event` carries, if any (what a channel check of the
     /// answer accumulates, tool-turn contract §A).
-    fn answer_text<'e>(&self, event: &'e Event) -> Option<&'e str>;
+    fn answer_text<'a>(&'a self, event: &'a Event) -> Option<&'a str>;
 
     /// `event` is the event that ends a response (what a channel check holds back until the
     /// answer is validated). Decided from the event alone, not from the stream's state.

@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value};
 
 use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
-    Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
+    AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
     ResponseLink, ToolCall, ToolResultSeen, Turn, UntrustedKind,
 };
 use crate::sse::{self, Event, Payload};
@@ -29,8 +29,12 @@ impl Provider for OpenAiChat {
         parse_request(body)
     }
 
-    fn parse_response(&self, body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
-        parse_response(body, turn)
+    fn parse_response(
+        &self,
+        body: &Value,
+        ctx: &AnswerContext,
+    ) -> Result<Vec<ChoiceEmissions>, String> {
+        parse_response(body, ctx)
     }
 
     /// The request's `n` (default 1).
@@ -44,7 +48,7 @@ impl Provider for OpenAiChat {
     }
 
     /// Chat stores no responses.
-    fn response_link(&self, _body: &Value, _turn: &Turn) -> Option<ResponseLink> {
+    fn response_link(&self, _body: &Value, _ctx: &AnswerContext) -> Option<ResponseLink> {
         None
     }
 
@@ -461,7 +465,7 @@ fn call_from_message(c: &Value) -> ToolCall {
 /// Errors: the response does not identify each choice uniquely (a choice without a
 /// non-negative integer `index`, or two choices with one): a verdict could otherwise reach
 /// another choice's calls (DESIGN.md §9).
-pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
+pub fn parse_response(body: &Value, ctx: &AnswerContext) -> Result<Vec<ChoiceEmissions>, String> {
     let used = body
         .pointer("/usage/completion_tokens")
         .and_then(Value::as_u64);
@@ -500,7 +504,7 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>,
                 choice.get("finish_reason").and_then(Value::as_str),
                 refused,
                 used,
-                turn.max_output_tokens,
+                ctx.max_output_tokens,
             ),
             calls,
         });
@@ -1133,7 +1137,7 @@ impl ProviderStream for ChatStream {
     }
 
     /// The first choice's `delta.content` (wire-formats.md §2).
-    fn answer_text<'e>(&self, event: &'e Event) -> Option<&'e str> {
+    fn answer_text<'a>(&'a self, event: &'a Event) -> Option<&'a str> {
         event
             .json()?
             .pointer("/choices/0/delta/content")

@@ -63,7 +63,7 @@ use sha2::{Digest, Sha256};
 
 use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
-    qualified_name, Api, CallInput, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState,
+    qualified_name, AnswerContext, Api, CallInput, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState,
     DeclaredTool, FreeformFormat, RepairItem, ResponseLink, ToolCall, ToolResultSeen, Turn,
     UntrustedKind,
 };
@@ -78,8 +78,12 @@ impl Provider for OpenAiResponses {
         parse_request(body)
     }
 
-    fn parse_response(&self, body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
-        parse_response(body, turn)
+    fn parse_response(
+        &self,
+        body: &Value,
+        ctx: &AnswerContext,
+    ) -> Result<Vec<ChoiceEmissions>, String> {
+        parse_response(body, ctx)
     }
 
     /// One: a response has one output list.
@@ -93,8 +97,8 @@ impl Provider for OpenAiResponses {
     }
 
     /// See [`response_link`].
-    fn response_link(&self, body: &Value, turn: &Turn) -> Option<ResponseLink> {
-        response_link(body, turn)
+    fn response_link(&self, body: &Value, ctx: &AnswerContext) -> Option<ResponseLink> {
+        response_link(body, ctx)
     }
 
     fn rewrite_response(&self, body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
@@ -715,7 +719,7 @@ pub fn append_text_repair(body: &mut Value, answer: &str, feedback: &str) {
 /// Reads the emissions of a non-stream response (one choice, index 0).
 ///
 /// Errors: two client calls share a `call_id`.
-pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>, String> {
+pub fn parse_response(body: &Value, ctx: &AnswerContext) -> Result<Vec<ChoiceEmissions>, String> {
     let calls = output_items(body)
         .filter(|i| item_kind(i) == Kind::Call)
         .map(call_from_item)
@@ -728,7 +732,7 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>,
         choice: 0,
         text: output_text(body),
         provider_output: output_items(body).any(|i| item_kind(i) == Kind::Provider),
-        completion: completion_of_response(body, false, turn.max_output_tokens),
+        completion: completion_of_response(body, false, ctx.max_output_tokens),
         calls,
     }];
     crate::model::check_identities(&out)?;
@@ -736,7 +740,7 @@ pub fn parse_response(body: &Value, turn: &Turn) -> Result<Vec<ChoiceEmissions>,
 }
 
 /// The journal's record of a (non-stream) response the provider stores.
-pub fn response_link(body: &Value, turn: &Turn) -> Option<ResponseLink> {
+pub fn response_link(body: &Value, ctx: &AnswerContext) -> Option<ResponseLink> {
     let response_id = str_of(body, "id")?.to_owned();
     let mut provider_items = Vec::new();
     for item in output_items(body) {
@@ -745,7 +749,7 @@ pub fn response_link(body: &Value, turn: &Turn) -> Option<ResponseLink> {
     Some(ResponseLink {
         items: stored_items(body),
         response_id,
-        previous_response_id: turn.previous_response_id.clone(),
+        previous_response_id: ctx.previous_response_id.clone(),
         status: str_of(body, "status").map(str::to_owned),
         provider_items,
         content_trust: None,
@@ -1901,7 +1905,7 @@ impl ProviderStream for ResponsesStream {
     }
 
     /// A `response.output_text.delta`'s `delta` (wire-formats.md §4).
-    fn answer_text<'e>(&self, event: &'e Event) -> Option<&'e str> {
+    fn answer_text<'a>(&'a self, event: &'a Event) -> Option<&'a str> {
         if event.kind() != Some("response.output_text.delta") {
             return None;
         }
@@ -2146,7 +2150,7 @@ mod tests {
             ]
         });
         let turn = parse_request(&json!({"input": "x"})).unwrap();
-        let round = parse_response(&body, &turn).unwrap();
+        let round = parse_response(&body, &turn.answer_context()).unwrap();
         let calls: Vec<(&str, &str, &str)> = round[0]
             .calls
             .iter()
@@ -2156,7 +2160,7 @@ mod tests {
             calls,
             vec![("call_1", "a", "{\"x\":1}"), ("call_2", "sql", "SELECT 1")]
         );
-        let link = response_link(&body, &turn).unwrap();
+        let link = response_link(&body, &turn.answer_context()).unwrap();
         assert_eq!(link.provider_items, vec!["web_search_call"]);
         let decision = |released: bool| {
             crate::model::Decision::new(

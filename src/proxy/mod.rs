@@ -16,6 +16,8 @@
 //! [`upstream`] (the upstream leg). Everything provider-specific is behind
 //! [`crate::provider`]. Each request takes one policy snapshot and uses it throughout.
 
+pub mod engine;
+pub mod pipeline;
 pub mod record;
 pub mod recovery;
 pub mod round;
@@ -30,10 +32,10 @@ pub use record::{
 };
 use record::{record_before_upstream, record_upstream_error};
 pub use surface::surfaced_error;
-use surface::{read_upstream_json, respond_json, surface_json, JsonRound};
+use surface::{answer_json, JsonRound};
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::response::Response;
@@ -284,7 +286,6 @@ fn refuse_run_while_journal_fails(state: &AppState, ctx: &RequestCtx) -> Result<
 /// unchanged; a stream is relayed ([`stream::relay`]); a JSON answer is surfaced, and a
 /// repair round loops back to send.
 async fn model_rounds(mut session: Session) -> Result<(Response, bool), WireError> {
-    let state = Arc::clone(&session.state);
     let api = session.turn.api;
     loop {
         let sent = tokio::time::Instant::now();
@@ -310,24 +311,8 @@ async fn model_rounds(mut session: Session) -> Result<(Response, bool), WireErro
         if is_event_stream(resp.headers()) {
             return Ok((stream::relay(session, base, resp, coding), true));
         }
-        let (p, b) = resp.into_parts();
-        let body_started = Instant::now();
-        let body = read_upstream_json(&state, b, sent).await;
-        crate::edge::upstream_waited(body_started, body_started.elapsed());
-        let body = body
-            .and_then(|b| {
-                upstream::decode_body(coding, b, state.config.max_response_bytes)
-                    .map_err(|e| format!("response body: {e}"))
-            })
-            .map_err(|reason| WireError::UpstreamUnavailable {
-                upstream: api.upstream().to_owned(),
-                reason,
-            })?;
-        match surface_json(&session, &base, body).await? {
-            JsonRound::Respond(answer) => {
-                let out = respond_json(&session, &base, &p, answer).await?;
-                return Ok((out, false));
-            }
+        match answer_json(&session, &base, resp, coding, sent).await? {
+            JsonRound::Respond(out) => return Ok((out, false)),
             JsonRound::Repair(next) => {
                 session.body = next;
                 session.agent_bytes = None;

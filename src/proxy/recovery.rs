@@ -37,15 +37,13 @@ use axum::response::Response;
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::StatusCode;
-use serde_json::Value;
 
-use super::stream::{Finish, Pipeline};
+use super::pipeline::{Finish, Pipeline};
 use super::{RunMode, Session};
 use crate::error::WireError;
 use crate::journal::{JournalError, JournalReader, RoundState, ServedRecord};
 use crate::metrics::{ReplayLabels, ReplayMode, ReplayResult};
 use crate::model::{ChoiceEmissions, ChoiceVerdict, Decision, Outcome, Stage, Surfacing};
-use crate::provider;
 
 /// Recorded rounds followed at most from one request (a continuation chain).
 const MAX_CHAIN: u32 = 1000;
@@ -312,10 +310,9 @@ async fn replay_chain(
 fn serve(session: &Session, rec: &ServedRecord, recorded: &HashSet<String>) -> Option<Response> {
     let body = if recorded.is_empty() {
         Bytes::from(rec.body.bytes.clone())
-    } else if super::is_event_content_type(&rec.content_type) {
-        without_calls_sse(session, &rec.body.bytes, recorded)?
     } else {
-        without_calls_json(session, &rec.body.bytes, recorded)?
+        let stream = super::is_event_content_type(&rec.content_type);
+        without_calls(session, &rec.body.bytes, recorded, stream)?
     };
     let mut resp = Response::new(Body::from(body));
     *resp.status_mut() = StatusCode::from_u16(rec.status).unwrap_or(StatusCode::OK);
@@ -368,20 +365,20 @@ fn verdicts_without(round: &[ChoiceEmissions], recorded: &HashSet<String>) -> Ve
         .collect()
 }
 
-fn without_calls_json(session: &Session, body: &[u8], recorded: &HashSet<String>) -> Option<Bytes> {
-    let mut json: Value = serde_json::from_slice(body).ok()?;
-    // A recorded answer was parsed when it was decided; one that no longer parses is not
-    // served (fail closed: the caller treats `None` as a miss).
-    let round = provider::adapter(session.turn.api)
-        .parse_response(&json, &session.turn)
-        .ok()?;
-    let verdicts = verdicts_without(&round, recorded);
-    provider::adapter(session.turn.api).rewrite_response(&mut json, &verdicts);
-    Some(Bytes::from(json.to_string()))
-}
-
-fn without_calls_sse(session: &Session, body: &[u8], recorded: &HashSet<String>) -> Option<Bytes> {
-    let mut pipeline = Pipeline::new(&session.turn, session.state.config.max_event_bytes, None);
+/// A recorded answer (an event stream when `stream`, else one JSON body) re-read by the
+/// round engine's pipeline with the calls in `recorded` dropped; `None` when it no longer
+/// reads (the record is then a miss: fail closed).
+fn without_calls(
+    session: &Session,
+    body: &[u8],
+    recorded: &HashSet<String>,
+    stream: bool,
+) -> Option<Bytes> {
+    let mut pipeline = if stream {
+        Pipeline::new(&session.turn, session.state.config.max_event_bytes, None)
+    } else {
+        Pipeline::block(&session.turn, usize::MAX)
+    };
     let mut out = Vec::new();
     pipeline.feed(body).ok()?;
     while let Some(round) = pipeline.advance(&mut out) {
@@ -395,7 +392,7 @@ fn without_calls_sse(session: &Session, body: &[u8], recorded: &HashSet<String>)
                 pipeline.release(round, verdicts, &mut out);
             }
             Finish::Ended(RoundState::Ok, _) => break,
-            Finish::Ended(..) => return None,
+            Finish::Ended(..) | Finish::Refused { .. } => return None,
         }
     }
     Some(out.concat().into())

@@ -348,30 +348,6 @@ impl Decoder {
     }
 }
 
-/// Decodes a whole (capped) non-stream body; the cap applies to the decoded bytes.
-///
-/// Errors: the body does not decode, or decodes to more than `cap` bytes (the error names the
-/// cap and its flag, `--max-response-bytes`).
-pub fn decode_body(coding: ContentCoding, body: Bytes, cap: usize) -> Result<Bytes, String> {
-    if coding == ContentCoding::Identity {
-        return Ok(body);
-    }
-    let mut decoder = Decoder::new(coding);
-    let mut out: Vec<u8> = Vec::new();
-    let mut sink = |piece: &[u8]| {
-        if out.len() + piece.len() > cap {
-            return Err(format!(
-                "the decoded response body exceeds the {cap}-byte limit (--max-response-bytes)"
-            ));
-        }
-        out.extend_from_slice(piece);
-        Ok(())
-    };
-    decoder.push(&body, &mut sink)?;
-    decoder.finish(&mut sink)?;
-    Ok(Bytes::from(out))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -397,14 +373,15 @@ mod tests {
                 enc.finish().unwrap()
             }),
         ] {
-            assert_eq!(
-                &decode_body(coding, Bytes::from(coded.clone()), usize::MAX).unwrap()[..],
-                &text[..]
-            );
-            assert!(
-                decode_body(coding, Bytes::from(coded.clone()), 1000).is_err(),
-                "the cap applies to decoded bytes"
-            );
+            let mut whole = Decoder::new(coding);
+            let mut out = Vec::new();
+            let mut sink = |p: &[u8]| {
+                out.extend_from_slice(p);
+                Ok(())
+            };
+            whole.push(&coded, &mut sink).unwrap();
+            whole.finish(&mut sink).unwrap();
+            assert_eq!(out, text);
             let mut d = Decoder::new(coding);
             let mut out = Vec::new();
             for piece in coded.chunks(7) {

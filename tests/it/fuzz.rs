@@ -30,7 +30,7 @@ use turnguard::model::{
 };
 use turnguard::policy::bundle::ContentTrust;
 use turnguard::policy::{BundleSource, CompiledPolicy};
-use turnguard::proxy::stream::{Finish, Pipeline};
+use turnguard::proxy::pipeline::{Finish, Pipeline};
 use turnguard::sse::{Event, SseFramer};
 
 use crate::support;
@@ -367,8 +367,8 @@ proptest! {
             for (at, v) in edits { mutate_at(&mut b, at as usize, v); }
             b
         };
-        let _ = turnguard::provider::adapter(api).response_link(&body, &turn);
-        if let Ok(round) = turnguard::provider::adapter(api).parse_response(&body, &turn) {
+        let _ = turnguard::provider::adapter(api).response_link(&body, &turn.answer_context());
+        if let Ok(round) = turnguard::provider::adapter(api).parse_response(&body, &turn.answer_context()) {
             let verdicts: Vec<ChoiceVerdict> = round.iter().map(|c| verdict_for(c, pattern)).collect();
             let _ = turnguard::provider::adapter(api).rewrite_response(&mut body, &verdicts);
             for c in &round {
@@ -823,7 +823,7 @@ fn relay(api: Api, chunks: &[Vec<u8>]) -> (Vec<u8>, BTreeSet<String>) {
     for _ in 0..16 {
         match p.finish(cut.clone(), &mut out) {
             Finish::Decide(round) => step(&mut p, round, &mut out),
-            Finish::Ended(..) => break,
+            Finish::Ended(..) | Finish::Refused { .. } => break,
         }
     }
     let mut released = BTreeSet::new();

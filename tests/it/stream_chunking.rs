@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 use turnguard::admission::{admit_choice, AdmitCtx, LimitState, SchemaCache};
 use turnguard::model::{Api, ChoiceEmissions, ChoiceVerdict, DeclaredTool, Turn};
 use turnguard::policy::bundle::ContentTrust;
-use turnguard::proxy::stream::{Finish, Pipeline};
+use turnguard::proxy::pipeline::{Finish, Pipeline};
 
 fn turn(api: Api) -> Turn {
     let tools = [
@@ -139,6 +139,7 @@ fn relay_with(
                 assert_eq!(state.as_str(), "ok");
                 break;
             }
+            Finish::Refused { reason, .. } => panic!("no channel is checked here: {reason}"),
         }
     }
     (out.concat(), p.decided.clone())
