@@ -15,8 +15,8 @@ use serde_json::{json, Map, Value};
 
 use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
-    AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool, RepairItem,
-    ResponseLink, ToolCall, ToolResultSeen, Turn, UntrustedKind,
+    AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool,
+    RepairItem, ResponseLink, ToolCall, ToolResultSeen, Turn, UntrustedKind,
 };
 use crate::sse::{self, Event, Payload};
 

@@ -148,7 +148,10 @@ impl ProviderStream for Block {
     }
 
     fn completions(&self) -> Vec<Completion> {
-        self.choices().iter().map(|c| c.completion.clone()).collect()
+        self.choices()
+            .iter()
+            .map(|c| c.completion.clone())
+            .collect()
     }
 
     fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {

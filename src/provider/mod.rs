@@ -19,7 +19,8 @@ use bytes::Bytes;
 use serde_json::Value;
 
 use crate::model::{
-    AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, RepairItem, ResponseLink, Turn, UntrustedKind,
+    AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, RepairItem, ResponseLink, Turn,
+    UntrustedKind,
 };
 use crate::sse::Event;
 
@@ -85,8 +86,11 @@ pub trait Provider: Sync {
     ///
     /// Errors: the response does not identify each choice and call uniquely
     /// ([`crate::model::check_identities`]; DESIGN.md §9): the round fails closed.
-    fn parse_response(&self, body: &Value, ctx: &AnswerContext)
-        -> Result<Vec<ChoiceEmissions>, String>;
+    fn parse_response(
+        &self,
+        body: &Value,
+        ctx: &AnswerContext,
+    ) -> Result<Vec<ChoiceEmissions>, String>;
 
     /// How many choices the request body asks for (Chat's `n`, default 1; one for the APIs
     /// without choices). A repair round is asked only of a one-choice request.

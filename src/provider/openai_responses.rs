@@ -63,9 +63,9 @@ use sha2::{Digest, Sha256};
 
 use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
-    qualified_name, AnswerContext, Api, CallInput, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState,
-    DeclaredTool, FreeformFormat, RepairItem, ResponseLink, ToolCall, ToolResultSeen, Turn,
-    UntrustedKind,
+    qualified_name, AnswerContext, Api, CallInput, ChoiceEmissions, ChoiceVerdict, Completion,
+    CompletionState, DeclaredTool, FreeformFormat, RepairItem, ResponseLink, ToolCall,
+    ToolResultSeen, Turn, UntrustedKind,
 };
 use crate::sse::{self, Event, Payload};
 

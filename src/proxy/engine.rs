@@ -20,7 +20,7 @@ use hyper::body::Incoming;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
-use super::pipeline::{Capture, Finish, Pipeline};
+use super::pipeline::{Finish, Pipeline};
 use super::record::{claims_of, has_secrets, join, round_record, RoundBase};
 use crate::journal::{EventRecord, RoundCommit, RoundState};
 use crate::metrics::{ApiLabels, EmissionLabels, ReasonLabels, UpstreamError};
@@ -193,7 +193,6 @@ impl Cut {
 pub(super) async fn read_round(
     session: &Session,
     pipeline: &mut Pipeline,
-    capture: &mut Capture,
     body: &mut Incoming,
     agent: &mut ToAgent,
     relay: &mut RelayCtx,
@@ -249,7 +248,6 @@ pub(super) async fn read_round(
                     .observe(sent.elapsed().as_secs_f64());
             }
         }
-        capture.push(&data);
         let fed = pipeline.feed(&data);
         // A JSON answer's work is the handler's own time; a stream's runs after the headers.
         if let Some(t) = relay.timing.as_ref().filter(|_| !held) {
@@ -354,7 +352,10 @@ async fn refused_answer(
         adapter.append_text_repair(&mut next, pipeline.answer_text(), &feedback);
         return RoundEnd::Repair(next, pipeline.abandon_answer());
     }
-    let channel = session.channel.as_ref().map_or("text", |c| c.channel.as_str());
+    let channel = session
+        .channel
+        .as_ref()
+        .map_or("text", |c| c.channel.as_str());
     let e = SurfacedError {
         status: 422,
         code: crate::admission::completion::channel_error_code(reason),
@@ -483,7 +484,10 @@ async fn decide(
 /// A stream's calls are about to leave: their effect claims are confirmed first. A claim
 /// taken over by another owner since (PostgreSQL, `JournalError::Fenced`) is no longer ours:
 /// nothing of the round leaves (fail closed); any other failure is logged.
-async fn confirm_claims(session: &Session, verdicts: &[ChoiceVerdict]) -> Result<(), SurfacedError> {
+async fn confirm_claims(
+    session: &Session,
+    verdicts: &[ChoiceVerdict],
+) -> Result<(), SurfacedError> {
     match session
         .state
         .journal
@@ -517,8 +521,7 @@ async fn confirm_claims(session: &Session, verdicts: &[ChoiceVerdict]) -> Result
 pub(super) async fn finish_round(
     session: &Session,
     base: &RoundBase,
-    pipeline: &Pipeline,
-    capture: Capture,
+    pipeline: &mut Pipeline,
     end: &RoundEnd,
     agent: &mut ToAgent,
     (status, content_type): (u16, &str),
@@ -538,9 +541,7 @@ pub(super) async fn finish_round(
         To::Stream(_) => (Vec::new(), Vec::new()),
     };
     let unit = RoundCommit {
-        round: Some(round_of(
-            session, base, pipeline, capture, state, error, secrets,
-        )),
+        round: Some(round_of(session, base, pipeline, state, error, secrets)),
         events,
         ..RoundCommit::default()
     };
@@ -574,14 +575,13 @@ pub(super) async fn finish_round(
 fn round_of(
     session: &Session,
     base: &RoundBase,
-    pipeline: &Pipeline,
-    capture: Capture,
+    pipeline: &mut Pipeline,
     state: RoundState,
     error: Option<String>,
     secrets: bool,
 ) -> crate::journal::RoundRecord {
     let mut rec = round_record(session, base, state, &[]);
-    let received = capture.finish(&session.policy.redactor);
+    let received = pipeline.received(&session.policy.redactor);
     rec.response = if secrets {
         received.withheld()
     } else {
@@ -598,10 +598,7 @@ fn round_of(
             .state
             .metrics
             .emissions
-            .get_or_create(&EmissionLabels {
-                channel,
-                result,
-            })
+            .get_or_create(&EmissionLabels { channel, result })
             .inc();
         rec.channel = Some(channel.as_str());
         rec.channel_result = Some(result.to_owned());

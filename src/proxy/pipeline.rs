@@ -45,6 +45,8 @@ pub struct Pipeline {
     block: Option<BlockBody>,
     /// The block's event, once the body is complete.
     block_event: Option<Event>,
+    /// What the journal keeps of the decoded upstream bytes.
+    capture: Capture,
 }
 
 /// A JSON answer's body, decoded, and the most it may be (`max_response_bytes`).
@@ -95,6 +97,7 @@ impl Pipeline {
             decided: Vec::new(),
             block: None,
             block_event: None,
+            capture: Capture::new(0),
         }
     }
 
@@ -148,6 +151,18 @@ impl Pipeline {
             .and_then(|c| c.result.map(|r| (c.spec.channel, r)))
     }
 
+    /// Keeps up to `cap` decoded upstream bytes for the journal (0: a digest and size only).
+    pub fn with_capture(mut self, cap: usize) -> Self {
+        self.capture = Capture::new(cap);
+        self
+    }
+
+    /// What the journal records of the upstream answer, decoded and redacted — decided or
+    /// not, a cut one too (a digest only past the capture's cap). Taken once.
+    pub fn received(&mut self, redactor: &crate::policy::Redactor) -> crate::journal::Recorded {
+        std::mem::replace(&mut self.capture, Capture::new(0)).finish(redactor)
+    }
+
     /// Caps what may arrive while tool-call events are held (decoded bytes).
     pub fn with_hold_cap(mut self, cap: usize) -> Self {
         self.hold_cap = cap;
@@ -160,8 +175,12 @@ impl Pipeline {
         if self.broken.is_some() {
             return Ok(());
         }
+        let capture = &mut self.capture;
         if let Some(block) = &mut self.block {
-            return self.decoder.push(data, &mut |piece: &[u8]| block.push(piece));
+            return self.decoder.push(data, &mut |piece: &[u8]| {
+                capture.push(piece);
+                block.push(piece)
+            });
         }
         let pending = self.adapter.pending();
         let (framer, queue, held_bytes, hold_cap) = (
@@ -174,6 +193,7 @@ impl Pipeline {
             *held_bytes = 0;
         }
         let mut sink = |piece: &[u8]| -> Result<(), String> {
+            capture.push(piece);
             if pending {
                 *held_bytes = held_bytes.saturating_add(piece.len());
                 if *held_bytes > hold_cap {
@@ -328,8 +348,9 @@ impl Pipeline {
         } else if cut.is_none() && !self.framer_drained {
             self.framer_drained = true;
             let mut queue = std::mem::take(&mut self.queue);
-            let (framer, broken) = (&mut self.framer, &mut self.broken);
+            let (framer, broken, capture) = (&mut self.framer, &mut self.broken, &mut self.capture);
             let mut sink = |piece: &[u8]| -> Result<(), String> {
+                capture.push(piece);
                 queue.extend(framer.push(piece).map_err(|e| e.to_string())?);
                 Ok(())
             };
@@ -397,7 +418,11 @@ impl Pipeline {
         let Some(block) = self.block.as_mut() else {
             return;
         };
-        let mut sink = |piece: &[u8]| block.push(piece);
+        let capture = &mut self.capture;
+        let mut sink = |piece: &[u8]| {
+            capture.push(piece);
+            block.push(piece)
+        };
         if let Err(why) = self.decoder.finish(&mut sink) {
             self.broken = Some(why);
             return;
@@ -482,8 +507,9 @@ impl ChannelCheck {
     }
 }
 
-/// Keeps what the journal stores of the upstream bytes (bounded by the record cap).
-pub(super) struct Capture {
+/// Keeps what the journal stores of the decoded upstream bytes (bounded by the record cap)
+/// and their digest.
+struct Capture {
     bytes: Vec<u8>,
     total: usize,
     cap: usize,
@@ -491,7 +517,7 @@ pub(super) struct Capture {
 }
 
 impl Capture {
-    pub(super) fn new(cap: usize) -> Self {
+    fn new(cap: usize) -> Self {
         use sha2::Digest;
         Self {
             bytes: Vec::new(),
@@ -501,7 +527,7 @@ impl Capture {
         }
     }
 
-    pub(super) fn push(&mut self, data: &[u8]) {
+    fn push(&mut self, data: &[u8]) {
         use sha2::Digest;
         self.total += data.len();
         self.hasher.update(data);
@@ -511,7 +537,7 @@ impl Capture {
     }
 
     /// The bytes received, redacted — decided or not, a cut stream too.
-    pub(super) fn finish(self, redactor: &crate::policy::Redactor) -> crate::journal::Recorded {
+    fn finish(self, redactor: &crate::policy::Redactor) -> crate::journal::Recorded {
         use sha2::Digest;
         let truncated = self.total > self.cap;
         crate::journal::Recorded::redacted_parts(
@@ -522,7 +548,6 @@ impl Capture {
         )
     }
 }
-
 
 impl BlockBody {
     fn push(&mut self, piece: &[u8]) -> Result<(), String> {

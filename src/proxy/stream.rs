@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::engine::{finish_round, read_round, RelayCtx, RoundEnd, ToAgent};
-use super::pipeline::{Capture, Pipeline};
+use super::pipeline::Pipeline;
 use super::{upstream, RoundBase, Session};
 use crate::metrics::{ReasonLabels, UpstreamError};
 
@@ -74,26 +74,17 @@ async fn run(
             Pipeline::new(&session.turn, session.state.config.max_event_bytes, splice)
                 .with_coding(coding)
                 .with_hold_cap(session.state.config.max_response_bytes)
+                .with_capture(cap)
                 .with_channel(
                     session.channel.clone(),
                     std::sync::Arc::clone(&session.state.schemas),
                 );
-        let mut capture = Capture::new(cap);
-        let end = read_round(
-            &session,
-            &mut pipeline,
-            &mut capture,
-            &mut body,
-            &mut agent,
-            &mut relay,
-        )
-        .await;
+        let end = read_round(&session, &mut pipeline, &mut body, &mut agent, &mut relay).await;
         // Its claims were confirmed when the calls left: nothing to fence here.
         let _ = finish_round(
             &session,
             &base,
-            &pipeline,
-            capture,
+            &mut pipeline,
             &end,
             &mut agent,
             (200, "text/event-stream"),

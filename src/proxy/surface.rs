@@ -9,7 +9,7 @@ use hyper::body::Incoming;
 use serde_json::{json, Value};
 
 use super::engine::{finish_round, read_round, RelayCtx, RoundEnd, ToAgent};
-use super::pipeline::{Capture, Pipeline};
+use super::pipeline::Pipeline;
 use super::record::RoundBase;
 use crate::error::{Surface, WireError};
 use crate::journal::RoundState;
@@ -78,20 +78,12 @@ pub(super) async fn answer_json(
     };
     let mut pipeline = Pipeline::block(&session.turn, config.max_response_bytes)
         .with_coding(coding)
+        .with_capture(cap)
         .with_channel(
             session.channel.clone(),
             std::sync::Arc::clone(&session.state.schemas),
         );
-    let mut capture = Capture::new(cap);
-    let end = read_round(
-        session,
-        &mut pipeline,
-        &mut capture,
-        &mut body,
-        &mut agent,
-        &mut relay,
-    )
-    .await;
+    let end = read_round(session, &mut pipeline, &mut body, &mut agent, &mut relay).await;
     let content_type = parts
         .headers
         .get(http::header::CONTENT_TYPE)
@@ -103,8 +95,7 @@ pub(super) async fn answer_json(
     finish_round(
         session,
         base,
-        &pipeline,
-        capture,
+        &mut pipeline,
         &end,
         &mut agent,
         (parts.status.as_u16(), &content_type),

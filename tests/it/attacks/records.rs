@@ -715,3 +715,71 @@ async fn only_the_first_unrecorded_call_is_in_doubt() {
     );
     h.stop().await;
 }
+
+/// A compressed answer is journaled as turnguard read it, decoded and redacted: the record
+/// of a run node's gzip answer keeps its text with the key replaced, never the coded bytes
+/// (which the redactor cannot read).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_compressed_answer_is_journaled_decoded_and_redacted() {
+    use std::io::Write;
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    let key = "sk-proj-GZIPgggggggggggggggggggggggg0007";
+    let mut answer = answer_calls("chatcmpl-gz", Vec::new());
+    answer["choices"][0]["message"]["content"] = json!(format!("The key is {key}, kept."));
+    answer["choices"][0]["finish_reason"] = json!("stop");
+    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    enc.write_all(answer.to_string().as_bytes()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("answer.json");
+    std::fs::write(&file, enc.finish().unwrap()).unwrap();
+    // The same answer as a gzip stream.
+    let sse = format!(
+        "{}\n\n{}\n\ndata: [DONE]\n\n",
+        chat_chunk(
+            json!({"role": "assistant", "content": format!("The key is {key}, kept.")}),
+            Value::Null
+        ),
+        chat_chunk(json!({}), json!("stop"))
+    );
+    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    enc.write_all(sse.as_bytes()).unwrap();
+    let stream_file = dir.path().join("answer.sse");
+    std::fs::write(&stream_file, enc.finish().unwrap()).unwrap();
+    h.script(&json!({"responses": [
+        {"file": file, "headers": {"content-encoding": "gzip"}},
+        {"file": stream_file, "headers": {"content-encoding": "gzip", "content-type": "text/event-stream"}},
+    ]}))
+    .await;
+    let agent = Agent::new(&h, "run-gzip", "Tell me.");
+    let r = agent.send().await;
+    assert_eq!(r.status, 200, "{}", r.text_body());
+    assert!(
+        r.text_body().contains(key),
+        "the agent gets its answer, decoded"
+    );
+    wait_rounds(&h, "run-gzip", 1);
+    let streamed = Agent::new(&h, "run-gzip-stream", "Tell me.");
+    let mut body = streamed.body();
+    body["stream"] = json!(true);
+    let r = streamed.send_body(&body).await;
+    assert_eq!(r.status, 200);
+    assert!(r.text_body().contains("kept."), "{}", r.text_body());
+    wait_rounds(&h, "run-gzip-stream", 1);
+    let journal = h.stop().await;
+    assert_journal_free_of(journal.path(), key, "a key in a gzip answer");
+    let db = support::journal(&journal.path().join("journal.db"));
+    for run in ["run-gzip", "run-gzip-stream"] {
+        let kept: Vec<u8> = db
+            .query_row(
+                &format!("SELECT response FROM rounds WHERE run_id = '{run}'"),
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        let kept = String::from_utf8(kept).expect("the record is the decoded text");
+        assert!(
+            kept.contains("[REDACTED:api-key]") && kept.contains("kept."),
+            "{run}: the decoded answer is kept, redacted: {kept}"
+        );
+    }
+}

@@ -668,3 +668,43 @@ async fn the_official_sdks_never_assemble_an_unadmitted_call() {
     }
     h.stop().await;
 }
+
+/// A non-stream answer is one block of the round engine: a 2xx body that is not a JSON
+/// object, or one that decodes past `max_response_bytes` (a compression bomb), ends the turn
+/// with a provider-shaped 502 naming what was wrong; none of its bytes reach the agent.
+#[tokio::test]
+async fn a_json_answer_that_is_not_an_object_or_decodes_past_the_cap_is_refused() {
+    let h = support::start_with(Script::default(), |c| c.max_response_bytes = 64 * 1024).await;
+    let dir = tempfile::tempdir().unwrap();
+    let array = dir.path().join("array.json");
+    std::fs::write(&array, format!("[\"{EVIL}\"]")).unwrap();
+    let step = json!({"file": array});
+    let (status, _, body) = exchange(&h, "/v1/chat/completions", step, &chat_request(false)).await;
+    assert_eq!(status, 502, "{body}");
+    assert!(!body.contains(EVIL), "nothing of the body went out: {body}");
+    assert!(body.contains("not a JSON object"), "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert!(
+        v["error"]["message"].is_string(),
+        "OpenAI's error shape: {v}"
+    );
+
+    // 1 MiB of spaces and a call, gzipped to about a kilobyte: the cap is on decoded bytes.
+    let resp = json!({"id": "chatcmpl-x", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "call_evil", "type": "function", "function": {"name": EVIL, "arguments": "{}"}}]},
+            "finish_reason": "tool_calls"}]});
+    let padded = format!("{}{resp}", " ".repeat(1 << 20));
+    let bomb = dir.path().join("bomb.json");
+    std::fs::write(&bomb, gzip(padded.as_bytes())).unwrap();
+    assert!(std::fs::metadata(&bomb).unwrap().len() < 8 * 1024);
+    let step = json!({"file": bomb, "headers": {"content-encoding": "gzip"}});
+    let (status, _, body) = exchange(&h, "/v1/chat/completions", step, &chat_request(false)).await;
+    assert_eq!(status, 502, "{body}");
+    assert!(!carries_call(&body), "{body}");
+    assert!(
+        body.contains("max_response_bytes"),
+        "the error names the cap: {body}"
+    );
+    h.stop().await;
+}
