@@ -186,13 +186,13 @@ impl Rules {
             detail,
         };
         let principal = match req.person {
-            Some(sub) => uid("User", sub),
-            None => uid("Agent", req.agent),
+            Some(sub) => uid(Kind::User, sub),
+            None => uid(Kind::Agent, req.agent),
         };
         let (Some(principal), Some(action), Some(resource)) = (
             principal,
-            uid("Action", "call"),
-            uid("Tool", &req.tool.descriptor.tool_id),
+            action_call(),
+            uid(Kind::Tool, &req.tool.descriptor.tool_id),
         ) else {
             return refuse(
                 crate::reason::Reason::RuleError,
@@ -289,13 +289,13 @@ impl Rules {
     /// arguments cannot be evaluated here and do not hide a tool.
     pub fn may_invoke(&self, person: Option<&str>, agent: &str, tool: &CatalogTool) -> bool {
         let principal = match person {
-            Some(sub) => uid("User", sub),
-            None => uid("Agent", agent),
+            Some(sub) => uid(Kind::User, sub),
+            None => uid(Kind::Agent, agent),
         };
         let (Some(principal), Some(action), Some(resource)) = (
             principal,
-            uid("Action", "call"),
-            uid("Tool", &tool.descriptor.tool_id),
+            action_call(),
+            uid(Kind::Tool, &tool.descriptor.tool_id),
         ) else {
             return false;
         };
@@ -342,9 +342,50 @@ impl Rules {
     }
 }
 
-fn uid(ty: &str, id: &str) -> Option<EntityUid> {
-    let ty = EntityTypeName::from_str(ty).ok()?;
-    Some(EntityUid::from_type_name_and_id(ty, EntityId::new(id)))
+/// The entity types a request names (policy/README.md, "Entities").
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    User,
+    Agent,
+    Tool,
+}
+
+/// The entity type names, parsed once (a parse per call cost more than the rules' own
+/// evaluation of a small bundle).
+struct Types {
+    user: Option<EntityTypeName>,
+    agent: Option<EntityTypeName>,
+    tool: Option<EntityTypeName>,
+    action_call: Option<EntityUid>,
+}
+
+static TYPES: std::sync::LazyLock<Types> = std::sync::LazyLock::new(|| {
+    let ty = |t: &str| EntityTypeName::from_str(t).ok();
+    Types {
+        user: ty("User"),
+        agent: ty("Agent"),
+        tool: ty("Tool"),
+        action_call: ty("Action")
+            .map(|a| EntityUid::from_type_name_and_id(a, EntityId::new("call"))),
+    }
+});
+
+/// The entity `kind::"id"`; `None` when the type name does not parse (it always does).
+fn uid(kind: Kind, id: &str) -> Option<EntityUid> {
+    let ty = match kind {
+        Kind::User => &TYPES.user,
+        Kind::Agent => &TYPES.agent,
+        Kind::Tool => &TYPES.tool,
+    };
+    Some(EntityUid::from_type_name_and_id(
+        ty.clone()?,
+        EntityId::new(id),
+    ))
+}
+
+/// `Action::"call"`, the one action.
+fn action_call() -> Option<EntityUid> {
+    TYPES.action_call.clone()
 }
 
 /// The byte range of one statement (up to and including its `;`).
@@ -756,8 +797,19 @@ fn to_cedar(
     v: &Value,
     schema: Option<&BTreeMap<String, Value>>,
 ) -> Result<RestrictedExpression, String> {
-    let schema = schema.map(|s| Value::Object(s.clone().into_iter().collect()));
-    convert(v, schema.as_ref(), "")
+    match (v, schema) {
+        // The usual root, an object under a schema with no `anyOf` / `oneOf` of its own: its
+        // properties are read in place (what `convert` does with the schema as a value).
+        (Value::Object(map), Some(root))
+            if !root.contains_key("anyOf") && !root.contains_key("oneOf") =>
+        {
+            convert_fields(map, root.get("properties"), "")
+        }
+        _ => {
+            let schema = schema.map(|s| Value::Object(s.clone().into_iter().collect()));
+            convert(v, schema.as_ref(), "")
+        }
+    }
 }
 
 fn convert(v: &Value, schema: Option<&Value>, path: &str) -> Result<RestrictedExpression, String> {
@@ -803,17 +855,22 @@ fn convert(v: &Value, schema: Option<&Value>, path: &str) -> Result<RestrictedEx
             }
             Ok(RestrictedExpression::new_set(out))
         }
-        Value::Object(map) => {
-            let props = schema.and_then(|s| s.get("properties"));
-            let mut fields = Vec::with_capacity(map.len());
-            for (k, item) in map.iter().filter(|(_, item)| !item.is_null()) {
-                let p = props.and_then(|p| p.get(k));
-                fields.push((k.clone(), convert(item, p, &format!("{path}/{k}"))?));
-            }
-            RestrictedExpression::new_record(fields)
-                .map_err(|e| format!("`{}`: {e}", display_path(path)))
-        }
+        Value::Object(map) => convert_fields(map, schema.and_then(|s| s.get("properties")), path),
     }
+}
+
+/// An object's non-null fields as a Cedar record, each under its `properties` schema.
+fn convert_fields(
+    map: &Map<String, Value>,
+    props: Option<&Value>,
+    path: &str,
+) -> Result<RestrictedExpression, String> {
+    let mut fields = Vec::with_capacity(map.len());
+    for (k, item) in map.iter().filter(|(_, item)| !item.is_null()) {
+        let p = props.and_then(|p| p.get(k));
+        fields.push((k.clone(), convert(item, p, &format!("{path}/{k}"))?));
+    }
+    RestrictedExpression::new_record(fields).map_err(|e| format!("`{}`: {e}", display_path(path)))
 }
 
 fn display_path(p: &str) -> &str {
@@ -876,7 +933,7 @@ fn tool_entities(catalog: &Catalog) -> Result<Entities, String> {
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
         .collect();
-        let uid = uid("Tool", &d.tool_id).ok_or("a tool id cannot be a Cedar entity id")?;
+        let uid = uid(Kind::Tool, &d.tool_id).ok_or("a tool id cannot be a Cedar entity id")?;
         list.push(Entity::new(uid, attrs, HashSet::new()).map_err(|e| e.to_string())?);
     }
     Entities::from_entities(list, None).map_err(|e| e.to_string())
