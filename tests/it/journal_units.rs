@@ -46,13 +46,21 @@ fn transcript(messages: Vec<Value>) -> Value {
 
 /// Sends `body` as alice in `run`; asserts a 200 and returns the response and how many
 /// durable commits the request made.
+/// Alice's agent-side token, minted once: one minted in a later second carries another
+/// `exp`, so it is another token, and its first presentation is a durable commit of its own
+/// (which counted in whichever request crossed the second: a flaky count).
+fn alice() -> String {
+    static TOKEN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TOKEN.get_or_init(|| agent_token("alice")).clone()
+}
+
 async fn durable_commits_of(h: &Harness, run: Option<&str>, body: &Value) -> (Value, f64) {
     let before = metric(h, DURABLE).await;
     let url = format!("{}/v1/chat/completions", h.url());
-    let headers = match run {
-        Some(run) => as_person("alice", run),
-        None => vec![("turnguard-principal-token", agent_token("alice"))],
-    };
+    let mut headers = vec![("turnguard-principal-token", alice())];
+    if let Some(run) = run {
+        headers.push(("turnguard-run", run.to_owned()));
+    }
     let (status, _, resp) = support::call("POST", &url, &headers, Some(body)).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
     let after = metric(h, DURABLE).await;

@@ -82,14 +82,72 @@ fn batch_err(e: tokio_postgres::Error) -> BatchErr {
 
 type Params<'a> = [&'a (dyn ToSql + Sync)];
 
+/// A parameter as the writer sends it: PostgreSQL text cannot hold U+0000, and a value that
+/// carries one (a model-chosen tool name, an agent-chosen model name) would fail its whole
+/// job, so in a text-typed parameter each NUL is sent as U+FFFD. Every other value, and every
+/// other type, is sent as the value itself encodes it.
+#[derive(Debug)]
+struct NulSafe<'a>(&'a (dyn ToSql + Sync));
+
+impl ToSql for NulSafe<'_> {
+    fn to_sql(
+        &self,
+        ty: &tokio_postgres::types::Type,
+        out: &mut bytes::BytesMut,
+    ) -> Result<tokio_postgres::types::IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        use tokio_postgres::types::{IsNull, Type};
+        let start = out.len();
+        let written = self.0.to_sql_checked(ty, out)?;
+        let text = matches!(
+            *ty,
+            Type::TEXT | Type::VARCHAR | Type::BPCHAR | Type::NAME | Type::UNKNOWN
+        );
+        if matches!(written, IsNull::No) && text && out.get(start..).is_some_and(|b| b.contains(&0))
+        {
+            let encoded = out.split_off(start);
+            for (i, piece) in encoded.as_ref().split(|b| *b == 0).enumerate() {
+                if i > 0 {
+                    out.extend_from_slice("\u{FFFD}".as_bytes());
+                }
+                out.extend_from_slice(piece);
+            }
+        }
+        Ok(written)
+    }
+
+    /// The wrapped value checks its own type in [`ToSql::to_sql_checked`].
+    fn accepts(_: &tokio_postgres::types::Type) -> bool {
+        true
+    }
+
+    fn to_sql_checked(
+        &self,
+        ty: &tokio_postgres::types::Type,
+        out: &mut bytes::BytesMut,
+    ) -> Result<tokio_postgres::types::IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        self.to_sql(ty, out)
+    }
+}
+
+/// `params` as the writer sends them ([`NulSafe`]).
+fn nul_safe<'a>(params: &'a Params<'a>) -> Vec<NulSafe<'a>> {
+    params.iter().map(|p| NulSafe(*p)).collect()
+}
+
+fn as_params<'a>(safe: &'a [NulSafe<'a>]) -> Vec<&'a (dyn ToSql + Sync)> {
+    safe.iter().map(|p| p as &(dyn ToSql + Sync)).collect()
+}
+
 async fn exec(tx: &Transaction<'_>, sql: &str, params: &Params<'_>) -> Result<u64, JobErr> {
     let st = tx.prepare_cached(sql).await?;
-    Ok(tx.execute(&st, params).await?)
+    let safe = nul_safe(params);
+    Ok(tx.execute(&st, &as_params(&safe)).await?)
 }
 
 async fn query(tx: &Transaction<'_>, sql: &str, params: &Params<'_>) -> Result<Vec<Row>, JobErr> {
     let st = tx.prepare_cached(sql).await?;
-    Ok(tx.query(&st, params).await?)
+    let safe = nul_safe(params);
+    Ok(tx.query(&st, &as_params(&safe)).await?)
 }
 
 async fn query_opt(
@@ -145,7 +203,9 @@ async fn run_stmts(tx: &Transaction<'_>, stmts: &[Stmt<'_>]) -> Result<(), JobEr
     for st in stmts {
         prepared.push(tx.prepare_cached(st.sql).await?);
     }
-    let params: Vec<Vec<&(dyn ToSql + Sync)>> = stmts.iter().map(Stmt::params).collect();
+    let raw: Vec<Vec<&(dyn ToSql + Sync)>> = stmts.iter().map(Stmt::params).collect();
+    let safe: Vec<Vec<NulSafe<'_>>> = raw.iter().map(|p| nul_safe(p)).collect();
+    let params: Vec<Vec<&(dyn ToSql + Sync)>> = safe.iter().map(|p| as_params(p)).collect();
     let mut pending: Vec<_> = prepared
         .iter()
         .zip(&params)

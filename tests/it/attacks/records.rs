@@ -783,3 +783,39 @@ async fn a_compressed_answer_is_journaled_decoded_and_redacted() {
         );
     }
 }
+
+/// A NUL in a model-chosen value (a tool name, a call id) or an agent-chosen one (the model
+/// name) does not cost the record of the round: PostgreSQL text cannot hold U+0000, and its
+/// refusal used to fail the round's whole unit of work, so a hostile model could keep its own
+/// decisions out of the journal. The journal stores the character as U+FFFD there (SQLite
+/// keeps it as sent), and the round, its call and its served record are all written.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nul_in_a_name_does_not_cost_the_record_of_the_round() {
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    h.script(&json!({"responses": [{"json": answer_calls(
+        "chatcmpl-nul",
+        vec![call("call_\u{0}n", "lookup\u{0}order", json!({"orderId": "o-1"}))],
+    )}]}))
+    .await;
+    let agent = Agent::new(&h, "run-nul", "Look it up.");
+    let mut body = agent.body();
+    body["model"] = json!("gpt\u{0}test");
+    let r = agent.send_body(&body).await;
+    assert_eq!(r.status, 200, "{}", r.text_body());
+    wait_rounds(&h, "run-nul", 1);
+    let journal = h.stop().await;
+    let db = support::journal(&journal.path().join("journal.db"));
+    let (model, name, served): (String, String, i64) = db
+        .query_row(
+            "SELECT r.model, c.name, (SELECT count(*) FROM served s WHERE s.run_id = r.run_id)
+             FROM rounds r JOIN tool_calls c ON c.request_id = r.request_id
+             WHERE r.run_id = 'run-nul'",
+            [],
+            |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)),
+        )
+        .expect("the round and its call are journaled");
+    let kept = |s: &str, want: &str| s == want || s == want.replace('\u{0}', "\u{FFFD}");
+    assert!(kept(&model, "gpt\u{0}test"), "{model:?}");
+    assert!(kept(&name, "lookup\u{0}order"), "{name:?}");
+    assert_eq!(served, 1, "the served record is written too");
+}
