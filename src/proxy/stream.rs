@@ -5,7 +5,8 @@
 //! for a repair — dropped while turnguard asks the model again and splices the new round's
 //! stream into the agent's (one message for the SDK). A stream that ends before its terminal
 //! event is a cut: nothing held is released and the agent's stream ends with a
-//! provider-shaped error event. Each round is journaled with the upstream bytes as received.
+//! provider-shaped error event. Each round is journaled with the upstream bytes as decoded
+//! (after `Content-Encoding`, so redaction reads them).
 
 use std::convert::Infallible;
 use std::sync::Arc;
