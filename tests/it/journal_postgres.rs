@@ -449,3 +449,63 @@ async fn a_claim_taken_over_before_the_answer_leaves_withholds_the_call() {
     );
     h.stop().await;
 }
+
+/// The writer pipelines jobs that read no reply as one group under one savepoint; a group
+/// with a record the database refuses is rolled back and its jobs run again one by one, so
+/// the bad record fails alone and every other job of the group is committed. A trigger that
+/// refuses one token fingerprint plays the bad record.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_record_in_a_pipelined_group_fails_alone() {
+    let Some((_db, url)) = database("a_refused_record_in_a_pipelined_group_fails_alone") else {
+        return;
+    };
+    let (journal, writer) = open(&url).await;
+    let pg = client(&url).await;
+    pg.batch_execute(
+        "CREATE FUNCTION refuse_boom() RETURNS trigger AS $$
+         BEGIN
+           IF NEW.fingerprint = 'boom' THEN RAISE EXCEPTION 'refused by the test trigger'; END IF;
+           RETURN NEW;
+         END $$ LANGUAGE plpgsql;
+         CREATE TRIGGER refuse_boom BEFORE INSERT ON principal_tokens
+           FOR EACH ROW EXECUTE FUNCTION refuse_boom();",
+    )
+    .await
+    .unwrap();
+    let later = turnguard::clock::now_ms() + 3_600_000;
+    let names: Vec<String> = (0..12)
+        .map(|i| {
+            if i == 5 {
+                "boom".into()
+            } else {
+                format!("fp-{i}")
+            }
+        })
+        .collect();
+    // All submitted at once: they queue together and the writer takes them in one or two
+    // batches, each a pipelined group.
+    let results =
+        futures_util::future::join_all(names.iter().map(|n| journal.remember_token(n, later)))
+            .await;
+    for (name, result) in names.iter().zip(&results) {
+        if name == "boom" {
+            let e = result.as_ref().expect_err("the refused record fails");
+            assert!(e.to_string().contains("refused by the test trigger"), "{e}");
+        } else {
+            assert!(result.is_ok(), "{name}: {result:?}");
+        }
+    }
+    let kept: i64 = pg
+        .query_one(
+            "SELECT count(*) FROM principal_tokens WHERE fingerprint LIKE 'fp-%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kept, 11, "every other record of the group is committed");
+    drop(journal);
+    tokio::task::spawn_blocking(move || writer.join())
+        .await
+        .unwrap();
+}
