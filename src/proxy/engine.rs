@@ -33,8 +33,8 @@ pub(super) enum RoundEnd {
     /// Ask the model again with this body; a stream splices its answer like this.
     Repair(Value, Splice),
     /// An outcome surfaced as an error: the stream ended with its error event; a JSON
-    /// answer is this error, with its status.
-    Refused(SurfacedError),
+    /// answer is this error, with its status. The journal's note of why, if any.
+    Refused(SurfacedError, Option<String>),
     /// The answer is complete (or failed): journal state and error.
     Done(RoundState, Option<String>),
     /// The agent went away.
@@ -316,7 +316,7 @@ async fn at_decision(
             Some(RoundEnd::Repair(body, splice))
         }
         Next::Stop(e) => Some(if agent.send_all(out).await {
-            RoundEnd::Refused(e)
+            RoundEnd::Refused(e, None)
         } else {
             RoundEnd::ClientGone
         }),
@@ -364,7 +364,10 @@ async fn refused_answer(
     };
     pipeline.end_with(e.code, &e.message, out);
     if agent.send_all(out).await {
-        RoundEnd::Refused(e)
+        RoundEnd::Refused(
+            e,
+            Some("the text answer did not meet its channel's schema".to_owned()),
+        )
     } else {
         RoundEnd::ClientGone
     }
@@ -528,7 +531,7 @@ pub(super) async fn finish_round(
 ) -> Result<(), crate::journal::JournalError> {
     let (state, error) = match end {
         RoundEnd::Repair(..) => (RoundState::Repaired, None),
-        RoundEnd::Refused(_) => (RoundState::SurfacedError, None),
+        RoundEnd::Refused(_, why) => (RoundState::SurfacedError, why.clone()),
         RoundEnd::Done(s, e) => (*s, e.clone()),
         RoundEnd::ClientGone => (
             RoundState::ClientGone,

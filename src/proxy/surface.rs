@@ -106,7 +106,7 @@ pub(super) async fn answer_json(
     })?;
     match end {
         RoundEnd::Repair(next, _) => Ok(JsonRound::Repair(next)),
-        RoundEnd::Refused(e) => Ok(JsonRound::Error(e)),
+        RoundEnd::Refused(e, _) => Ok(JsonRound::Error(e)),
         RoundEnd::Done(RoundState::Ok, _) => {
             let mut out = Response::new(axum::body::Body::from(agent.take_body()));
             *out.status_mut() = parts.status;
