@@ -70,6 +70,7 @@ pub(super) struct ToAgent {
     sent: Vec<u8>,
     total: usize,
     cap: usize,
+    /// A stream's digest of what it sent so far.
     hasher: sha2::Sha256,
 }
 
@@ -116,17 +117,26 @@ impl ToAgent {
     }
 
     /// What was sent, as a journal record, redacted (a digest only past the cap).
+    /// A held answer is digested here, from its chunks (a chat turn never asks, so never pays
+    /// for it); a stream's digest is taken as it goes, since its bytes are not kept.
     fn recorded(&self, redactor: &crate::policy::Redactor) -> crate::journal::Recorded {
         use sha2::Digest;
         let truncated = self.total > self.cap;
-        let kept = (!truncated).then(|| match &self.to {
-            To::Held { chunks, .. } => chunks.concat(),
-            To::Stream(_) => self.sent.clone(),
-        });
+        let (kept, digest) = match &self.to {
+            To::Held { chunks, .. } => {
+                let mut hasher = sha2::Sha256::new();
+                chunks.iter().for_each(|c| hasher.update(c));
+                ((!truncated).then(|| chunks.concat()), hasher.finalize())
+            }
+            To::Stream(_) => (
+                (!truncated).then(|| self.sent.clone()),
+                self.hasher.clone().finalize(),
+            ),
+        };
         crate::journal::Recorded::redacted_parts(
             kept,
             self.total as u64,
-            hex::encode(self.hasher.clone().finalize()),
+            hex::encode(digest),
             redactor,
         )
     }
@@ -135,10 +145,10 @@ impl ToAgent {
     pub(super) async fn send_all(&mut self, out: &mut Vec<Bytes>) -> bool {
         for chunk in out.drain(..) {
             self.total += chunk.len();
-            sha2::Digest::update(&mut self.hasher, &chunk);
             match &mut self.to {
                 To::Held { chunks, .. } => chunks.push(chunk),
                 To::Stream(tx) => {
+                    sha2::Digest::update(&mut self.hasher, &chunk);
                     if self.sent.len() + chunk.len() <= self.cap {
                         self.sent.extend_from_slice(&chunk);
                     }
