@@ -418,16 +418,12 @@ async fn commit(
     while at < batch.len() {
         // The planned jobs from here on, pipelined as one group.
         let group = match planned_group(&tx, &batch[at..], instance).await? {
-            Some(n) => {
-                results.extend((0..n).map(|_| Ok(())));
-                at += n;
+            Head::Done(done) => {
+                at += done.len();
+                results.extend(done);
                 continue;
             }
-            None => batch[at..]
-                .iter()
-                .take_while(|j| plan(&j.op, instance).is_some())
-                .count()
-                .max(1),
+            Head::OneByOne(n) => n,
         };
         for job in &mut batch[at..at + group] {
             results.push(one_job(&tx, job, instance, held, &mut replies).await?);
@@ -441,34 +437,47 @@ async fn commit(
     Ok(results)
 }
 
-/// Pipelines the longest run of planned jobs at the head of `jobs` (two or more) under one
-/// savepoint: `Some(n)` when its `n` jobs were applied; `None` when there is no such run, or
-/// it failed and was rolled back (the caller runs its jobs one by one).
+/// What [`planned_group`] did with the head of a batch.
+enum Head {
+    /// These jobs were applied, one result each, in order.
+    Done(Vec<Result<(), JournalError>>),
+    /// Run the next `n` jobs one by one ([`one_job`]): the head job reads replies, or a group
+    /// of several failed and was rolled back.
+    OneByOne(usize),
+}
+
+/// Pipelines the longest run of planned jobs at the head of `jobs` under one savepoint, each
+/// job planned once. A group of one is that job in its own savepoint, its error its own; a
+/// group of several that fails is rolled back for the caller to run one by one.
 async fn planned_group(
     tx: &Transaction<'_>,
     jobs: &[Job],
     instance: &str,
-) -> Result<Option<usize>, BatchErr> {
+) -> Result<Head, BatchErr> {
     let plans: Vec<Vec<Stmt<'_>>> = jobs.iter().map_while(|j| plan(&j.op, instance)).collect();
-    if plans.len() < 2 {
-        return Ok(None);
-    }
     let n = plans.len();
+    if n == 0 {
+        return Ok(Head::OneByOne(1));
+    }
     let stmts: Vec<Stmt<'_>> = plans.into_iter().flatten().collect();
-    tx.batch_execute("SAVEPOINT grp").await.map_err(batch_err)?;
+    tx.batch_execute("SAVEPOINT job").await.map_err(batch_err)?;
     match run_stmts(tx, &stmts).await {
         Ok(()) => {
-            tx.batch_execute("RELEASE SAVEPOINT grp")
+            tx.batch_execute("RELEASE SAVEPOINT job")
                 .await
                 .map_err(batch_err)?;
-            Ok(Some(n))
+            Ok(Head::Done((0..n).map(|_| Ok(())).collect()))
         }
         Err(JobErr::Db(e)) if store_failure(&e) => Err(BatchErr::Store(describe(&e))),
-        Err(_) => {
-            tx.batch_execute("ROLLBACK TO SAVEPOINT grp")
+        Err(e) => {
+            tx.batch_execute("ROLLBACK TO SAVEPOINT job")
                 .await
                 .map_err(batch_err)?;
-            Ok(None)
+            Ok(if n == 1 {
+                Head::Done(vec![Err(e.into())])
+            } else {
+                Head::OneByOne(n)
+            })
         }
     }
 }
