@@ -33,6 +33,8 @@ for attempt in 1 2 3 4 5 6 7 8; do
   fi
   echo "postgres.sh: the cluster did not start on port $port (attempt $attempt); its log:" >&2
   cat "$dir/pg_ctl.log" "$dir/server.log" >&2 || true
+  # A start that timed out may leave its server running and holding the data directory.
+  su postgres -c "$bin/pg_ctl -D '$dir/db' -m immediate stop" > /dev/null 2>&1 || true
   : > "$dir/server.log"
   port=$((port + 1))
 done
