@@ -9,8 +9,10 @@
 //! Validation at load: every rule is validated (Cedar strict mode) against a schema
 //! generated from the catalog. A rule whose scope is `resource == Tool::"<id>"` is validated
 //! against that tool's argument types, so `context.args.amout` for a tool without `amout` is a
-//! load error naming file, line and rule. A rule not scoped to one tool sees `args` as an
-//! empty record (it cannot read arguments). An argument the `inputSchema` does not require,
+//! load error naming file, line and rule. A rule not scoped to one tool cannot read
+//! arguments: one that names `context.args` (a `has` test too) or uses `context` whole is a
+//! load error, and at decision time only the tools some rule is scoped to have their
+//! arguments converted into `context.args` (the others get the empty record). An argument the `inputSchema` does not require,
 //! or allows to be `null`, is an optional attribute: a rule that reads it without a `has`
 //! guard is a load error that says so (`policy check`).
 //!
@@ -56,6 +58,11 @@ pub struct Rules {
     policies: PolicySet,
     entities: Entities,
     meta: HashMap<PolicyId, RuleMeta>,
+    /// Tool ids some rule is scoped to (`resource == Tool::"<id>"`): only those rules are
+    /// validated against a tool's argument types, so only for these tools are the call's
+    /// arguments converted into `context.args`; every other tool's rules see the empty
+    /// record they were validated against.
+    reads_args: HashSet<String>,
     authorizer: Authorizer,
 }
 
@@ -124,6 +131,7 @@ impl Rules {
         let schemas = Schemas::of(catalog, &mut errors).map_err(|e| vec![e])?;
         let mut policies = PolicySet::new();
         let mut meta = HashMap::new();
+        let mut reads_args = HashSet::new();
         for (file, text) in files {
             for chunk in split_statements(text) {
                 let statement = Statement { file, text, chunk };
@@ -134,6 +142,10 @@ impl Rules {
                         continue;
                     }
                 };
+                let scoped = match rule.policy.resource_constraint() {
+                    ResourceConstraint::Eq(uid) => Some(uid.id().unescaped().to_owned()),
+                    _ => None,
+                };
                 if policies.add(rule.policy).is_err() {
                     errors.push(statement.error(
                         statement.line(),
@@ -143,6 +155,7 @@ impl Rules {
                     continue;
                 }
                 meta.insert(PolicyId::new(&rule.label), rule.meta);
+                reads_args.extend(scoped);
             }
         }
         let entities = match tool_entities(catalog) {
@@ -159,6 +172,7 @@ impl Rules {
             policies,
             entities,
             meta,
+            reads_args,
             authorizer: Authorizer::new(),
         })
     }
@@ -199,7 +213,15 @@ impl Rules {
                 "an entity id could not be formed".into(),
             );
         };
-        let args = match to_cedar(req.args, req.tool.input_schema()) {
+        // Only a rule scoped to this tool can read its arguments (the others were validated
+        // against an empty `args` record, and see one).
+        let args = if self.reads_args.contains(&req.tool.descriptor.tool_id) {
+            to_cedar(req.args, req.tool.input_schema())
+        } else {
+            RestrictedExpression::new_record(Vec::<(String, RestrictedExpression)>::new())
+                .map_err(|e| e.to_string())
+        };
+        let args = match args {
             Ok(a) => a,
             Err(why) => return refuse(crate::reason::Reason::ArgsUnrepresentable, why),
         };
@@ -541,6 +563,16 @@ impl Statement<'_> {
             .for_rule(&policy)
             .map_err(|why| vec![self.error(line, &label, why)])?;
         self.validate(&policy, &label, schema)?;
+        // The generic schema types `args` as the empty record, so a rule checked against it
+        // may still test `context.args has <x>` (typed `false`) or use `context` whole;
+        // refused here so that such a rule cannot see arguments it was not validated for.
+        if std::ptr::eq(schema, &schemas.generic) && reads_args(&policy) {
+            let why = "reads `context.args` (or the whole `context`) but is not scoped to one \
+                       tool: only a rule whose scope is `resource == Tool::\"<toolId>\"` sees \
+                       the call's arguments"
+                .to_owned();
+            return Err(vec![self.error(line, &label, why)]);
+        }
         Ok(CompiledRule {
             policy,
             meta: RuleMeta {
@@ -611,6 +643,44 @@ impl Statement<'_> {
         } else {
             Err(errors)
         }
+    }
+}
+
+/// Whether `policy`'s conditions read `context.args` (`context.args…`, `context has args…`)
+/// or use `context` other than through one of its attributes (which would include `args`),
+/// read from the policy's JSON form (Cedar EST: `{".": {"left", "attr"}}`, `{"has": {"left",
+/// "attr"}}` with `attr` a string or a path, `{"Var": "context"}`). A policy whose JSON form
+/// cannot be had counts as reading them.
+fn reads_args(policy: &Policy) -> bool {
+    fn walk(v: &Value) -> bool {
+        match v {
+            Value::Object(map) => {
+                if map.get("Var").and_then(Value::as_str) == Some("context") {
+                    return true;
+                }
+                for op in [".", "has"] {
+                    if let Some(Value::Object(inner)) = map.get(op) {
+                        let on_context = inner.get("left").and_then(|l| l.get("Var"))
+                            == Some(&Value::from("context"));
+                        if on_context {
+                            let first = match inner.get("attr") {
+                                Some(Value::String(a)) => Some(a.as_str()),
+                                Some(Value::Array(path)) => path.first().and_then(Value::as_str),
+                                _ => None,
+                            };
+                            return first.is_none_or(|a| a == "args");
+                        }
+                    }
+                }
+                map.values().any(walk)
+            }
+            Value::Array(items) => items.iter().any(walk),
+            _ => false,
+        }
+    }
+    match policy.to_json() {
+        Ok(est) => est.get("conditions").is_some_and(walk),
+        Err(_) => true,
     }
 }
 

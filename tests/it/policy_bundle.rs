@@ -221,6 +221,40 @@ fn policy_check_rejects_a_rule_naming_an_argument_the_tool_does_not_have() {
     );
 }
 
+/// A rule not scoped to one tool is validated against an empty `args` record, so it cannot
+/// see arguments: a `has` test on them (which that validation types as `false`) or a use of
+/// the whole `context` is a load error, not a rule that behaves unlike what was checked.
+#[test]
+fn policy_check_rejects_an_unscoped_rule_that_tests_or_uses_the_arguments() {
+    for cond in [
+        "context.args has amount",
+        "context has args",
+        "context has args.amount",
+        "context == {trust: \"trusted\", provider: \"\", model: \"\", run: \"\", approved: true, args: {}}",
+    ] {
+        let text = format!(
+            "{BASE_RULES}\n@id(\"unscoped-args\")\nforbid (principal, action, resource)\nwhen {{ {cond} }};\n"
+        );
+        let line = line_of(&text, "@id(\"unscoped-args\")");
+        rejects(
+            "rules/pay.cedar",
+            &text,
+            line,
+            &["unscoped-args", "not scoped to one tool", "context.args"],
+        );
+    }
+    // Attributes of the context other than `args` stay readable by any rule, and a rule
+    // scoped to the tool reads its arguments.
+    let text = format!(
+        "{BASE_RULES}\n@id(\"unscoped-trust\")\nforbid (principal, action, resource)\nwhen {{ context has trust && context.trust == \"untrusted\" && resource.safetyTier == \"exec\" }};\n\n@id(\"scoped-has\")\nforbid (principal, action, resource == Tool::\"test.check:pay\")\nwhen {{ context.args has amount && context.args.to == \"x\" }};\n"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    base_bundle(tmp.path());
+    write_bundle(tmp.path(), &[("rules/pay.cedar", &text)]);
+    let (code, out) = turnguard(&["policy", "check", tmp.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+}
+
 #[test]
 fn policy_check_rejects_exec_on_a_tool_that_is_not_a_host_extension() {
     // The second tool (`pay`, a connector) becomes `exec`: the error must point into its
