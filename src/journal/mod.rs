@@ -87,7 +87,11 @@ const MAX_BATCH: usize = 512;
 /// WAL frames of every page the transaction touched, and the checkpoints they bring), not
 /// per row, so a chat turn's records share commits with their neighbours'; a record someone
 /// waits for closes the batch at once.
-const RELAXED_LINGER: Duration = Duration::from_millis(2);
+const RELAXED_LINGER: Duration = Duration::from_millis(10);
+/// Schema digests the writer remembers having stored in `tool_schemas` (so the same declared
+/// schema is not serialized and re-inserted for every request); forgotten all at once when
+/// full, and after a prune.
+const KNOWN_SCHEMAS: usize = 4096;
 /// How often a lingering batch looks for more records.
 const LINGER_STEP: Duration = Duration::from_micros(250);
 
@@ -1120,6 +1124,7 @@ fn writer(
 ) {
     conn.set_prepared_statement_cache_capacity(64);
     let mut full = true;
+    let mut known = KnownSchemas::default();
     while let Some(mut batch) = next_batch(&mut rx) {
         // Off the queue: each job's guard takes it out of the depth gauge.
         for job in &mut batch {
@@ -1134,7 +1139,7 @@ fn writer(
             }
         }
         let started = Instant::now();
-        let committed = commit(&mut conn, &mut batch);
+        let committed = commit(&mut conn, &mut batch, &mut known);
         health.record(&committed);
         let result = committed.map_err(|e| JournalError::Write(e.to_string()));
         metrics
@@ -1156,7 +1161,46 @@ fn writer(
     }
 }
 
-fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
+/// The schema digests known to be in `tool_schemas`: those of committed batches only (a
+/// batch that rolls back forgets what it added).
+#[derive(Default)]
+struct KnownSchemas {
+    committed: std::collections::HashSet<String>,
+    pending: Vec<String>,
+}
+
+impl KnownSchemas {
+    fn contains(&self, digest: &str) -> bool {
+        self.committed.contains(digest) || self.pending.iter().any(|d| d == digest)
+    }
+
+    fn settle(&mut self, committed: bool) {
+        if !committed {
+            self.pending.clear();
+            return;
+        }
+        if self.committed.len() + self.pending.len() > KNOWN_SCHEMAS {
+            self.committed.clear();
+        }
+        self.committed.extend(self.pending.drain(..));
+    }
+}
+
+fn commit(
+    conn: &mut Connection,
+    batch: &mut [Job],
+    known: &mut KnownSchemas,
+) -> rusqlite::Result<()> {
+    let result = commit_batch(conn, batch, known);
+    known.settle(result.is_ok());
+    result
+}
+
+fn commit_batch(
+    conn: &mut Connection,
+    batch: &mut [Job],
+    known: &mut KnownSchemas,
+) -> rusqlite::Result<()> {
     let tx = conn.transaction()?;
     let mut answers: Vec<(oneshot::Sender<Vec<Claim>>, Vec<Claim>)> = Vec::new();
     let mut replies: interrupts::Replies = Vec::new();
@@ -1165,6 +1209,9 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
             Op::ConfirmClaims(list) => confirm(&tx, list)?,
             Op::Prune { before_ms } => {
                 let t = *before_ms;
+                // The prune may delete stored schemas: store them again when next declared.
+                known.committed.clear();
+                known.pending.clear();
                 exec(&tx, "DELETE FROM tool_calls WHERE request_id IN (SELECT request_id FROM rounds WHERE at_ms < ?1)", params![t])?;
                 for table in ["rounds", "tool_results", "effects", "events", "served"] {
                     exec(
@@ -1198,7 +1245,7 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                     insert_tool_result(&tx, t)?;
                 }
                 if let Some(d) = &u.declared_tools {
-                    insert_declared_tools(&tx, d)?;
+                    insert_declared_tools(&tx, d, known)?;
                 }
             }
             Op::RoundCommit(u) => {
@@ -1242,7 +1289,7 @@ fn commit(conn: &mut Connection, batch: &mut [Job]) -> rusqlite::Result<()> {
                     insert_event(&tx, e)?;
                 }
             }
-            Op::DeclaredTools(d) => insert_declared_tools(&tx, d)?,
+            Op::DeclaredTools(d) => insert_declared_tools(&tx, d, known)?,
             Op::Claims(list, answer) => {
                 let mut results = Vec::with_capacity(list.len());
                 for c in list.iter() {
@@ -1427,10 +1474,13 @@ fn insert_event(tx: &rusqlite::Transaction<'_>, e: &EventRecord) -> rusqlite::Re
 fn insert_declared_tools(
     tx: &rusqlite::Transaction<'_>,
     d: &DeclaredToolsRecord,
+    known: &mut KnownSchemas,
 ) -> rusqlite::Result<()> {
     for (name, schema) in &d.tools {
         let digest = schema.as_ref().map(crate::admission::arguments::args_hash);
-        if let (Some(digest), Some(schema)) = (&digest, schema) {
+        let stored = digest.as_deref().is_some_and(|g| known.contains(g));
+        if let (Some(digest), Some(schema), false) = (&digest, schema, stored) {
+            known.pending.push(digest.clone());
             let text = schema.to_string();
             let kept = (text.len() <= MAX_DECLARED_SCHEMA_BYTES).then_some(text);
             exec(
