@@ -87,7 +87,7 @@ const MAX_BATCH: usize = 512;
 /// WAL frames of every page the transaction touched, and the checkpoints they bring), not
 /// per row, so a chat turn's records share commits with their neighbours'; a record someone
 /// waits for closes the batch at once.
-const RELAXED_LINGER: Duration = Duration::from_millis(10);
+const RELAXED_LINGER: Duration = Duration::from_millis(2);
 /// Schema digests the writer remembers having stored in `tool_schemas` (so the same declared
 /// schema is not serialized and re-inserted for every request); forgotten all at once when
 /// full, and after a prune.
