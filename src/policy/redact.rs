@@ -3,7 +3,7 @@
 //! after redaction (OpenWOP run-event-payloads `argsHash`: "with resolved secrets already
 //! redacted").
 
-use regex::Regex;
+use regex::{Regex, RegexSet};
 use serde_json::Value;
 
 use super::bundle::Redaction;
@@ -50,6 +50,10 @@ const BUILTIN: &[(&str, &str)] = &[
 #[derive(Debug, Clone)]
 pub struct Redactor {
     patterns: Vec<(String, Regex)>,
+    /// Every pattern at once: one scan tells a text with no secret (the usual case) apart
+    /// without running each pattern over it. `None` when the set would exceed the regex
+    /// crate's size limit (then each pattern is run, as they compiled one by one).
+    any: Option<RegexSet>,
     pointers: Vec<(String, String)>,
     /// Also strip matches from arguments released to egress tools.
     pub strip_from_egress: bool,
@@ -94,8 +98,10 @@ impl Redactor {
         if !errors.is_empty() {
             return Err(errors);
         }
+        let any = RegexSet::new(patterns.iter().map(|(_, re)| re.as_str())).ok();
         Ok(Self {
             patterns,
+            any,
             pointers: cfg
                 .pointers
                 .iter()
@@ -123,6 +129,16 @@ impl Redactor {
 
     /// Redacts secrets inside free text (log lines, tool results).
     pub fn redact_text(&self, text: &str) -> String {
+        self.redacted(text).unwrap_or_else(|| text.to_owned())
+    }
+
+    /// `text` with its secrets replaced, or `None` when it holds none (one scan of all the
+    /// patterns together; only a text that some pattern matches runs them one by one, in
+    /// order, each over what the previous ones left).
+    fn redacted(&self, text: &str) -> Option<String> {
+        if self.any.as_ref().is_some_and(|set| !set.is_match(text)) {
+            return None;
+        }
         let mut s = text.to_owned();
         for (name, re) in &self.patterns {
             if re.is_match(&s) {
@@ -131,14 +147,13 @@ impl Redactor {
                     .into_owned();
             }
         }
-        s
+        (s != text).then_some(s)
     }
 
     fn walk(&self, v: &mut Value, found: &mut usize) {
         match v {
             Value::String(s) => {
-                let r = self.redact_text(s);
-                if r != *s {
+                if let Some(r) = self.redacted(s) {
                     *found += 1;
                     *s = r;
                 }
