@@ -63,7 +63,44 @@ pub struct Rules {
     /// arguments converted into `context.args`; every other tool's rules see the empty
     /// record they were validated against.
     reads_args: HashSet<String>,
+    /// The last few contexts built for tools no rule reads the arguments of (the same facts
+    /// recur across the calls of a round and across chat turns): a hit is an `Arc` clone
+    /// instead of evaluating six expressions.
+    contexts: std::sync::Mutex<std::collections::VecDeque<(ContextFacts, Context)>>,
     authorizer: Authorizer,
+}
+
+/// How many argument-free contexts [`Rules`] keeps.
+const CACHED_CONTEXTS: usize = 32;
+
+/// The context's facts other than the arguments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ContextFacts {
+    trust: String,
+    provider: String,
+    model: String,
+    run: String,
+    approved: bool,
+}
+
+impl ContextFacts {
+    fn of(req: &AuthzRequest<'_>) -> Self {
+        Self {
+            trust: req.trust.to_owned(),
+            provider: req.provider.to_owned(),
+            model: req.model.to_owned(),
+            run: req.run.to_owned(),
+            approved: req.approved,
+        }
+    }
+
+    fn is(&self, req: &AuthzRequest<'_>) -> bool {
+        self.trust == req.trust
+            && self.provider == req.provider
+            && self.model == req.model
+            && self.run == req.run
+            && self.approved == req.approved
+    }
 }
 
 impl Rules {
@@ -173,6 +210,7 @@ impl Rules {
             entities,
             meta,
             reads_args,
+            contexts: Default::default(),
             authorizer: Authorizer::new(),
         })
     }
@@ -190,6 +228,61 @@ impl Rules {
     /// Where a rule came from.
     pub fn meta(&self, id: &str) -> Option<&RuleMeta> {
         self.meta.get(&PolicyId::new(id))
+    }
+
+    /// The request context of one call (module docs: `trust`, `provider`, `model`, `run`,
+    /// `approved`, `args`). Only a rule scoped to the tool can read its arguments (the others
+    /// were validated against an empty `args` record), so for any other tool `args` is the
+    /// empty record and the context comes from [`Self::contexts`] when it was built before.
+    /// `Err`: the refusal (an argument with no Cedar form, or a context Cedar rejects).
+    fn context(&self, req: &AuthzRequest<'_>) -> Result<Context, Box<Authz>> {
+        let refuse = |reason, detail: String| {
+            Box::new(Authz::Refuse {
+                rules: Vec::new(),
+                reason,
+                detail,
+            })
+        };
+        let reads_args = self.reads_args.contains(&req.tool.descriptor.tool_id);
+        let cache = || self.contexts.lock().unwrap_or_else(|e| e.into_inner());
+        if !reads_args {
+            if let Some((_, c)) = cache().iter().find(|(facts, _)| facts.is(req)) {
+                return Ok(c.clone());
+            }
+        }
+        let args = if reads_args {
+            to_cedar(req.args, req.tool.input_schema())
+        } else {
+            RestrictedExpression::new_record(Vec::<(String, RestrictedExpression)>::new())
+                .map_err(|e| e.to_string())
+        };
+        let args = args.map_err(|why| refuse(crate::reason::Reason::ArgsUnrepresentable, why))?;
+        let string = |v: &str| RestrictedExpression::new_string(v.to_owned());
+        let context = Context::from_pairs([
+            ("trust".to_owned(), string(req.trust)),
+            ("provider".to_owned(), string(req.provider)),
+            ("model".to_owned(), string(req.model)),
+            ("run".to_owned(), string(req.run)),
+            (
+                "approved".to_owned(),
+                RestrictedExpression::new_bool(req.approved),
+            ),
+            ("args".to_owned(), args),
+        ])
+        .map_err(|_| {
+            refuse(
+                crate::reason::Reason::RuleError,
+                "the context could not be built".into(),
+            )
+        })?;
+        if !reads_args {
+            let mut cache = cache();
+            if cache.len() == CACHED_CONTEXTS {
+                cache.pop_front();
+            }
+            cache.push_back((ContextFacts::of(req), context.clone()));
+        }
+        Ok(context)
     }
 
     /// Decides one call. Cannot fail: anything that cannot be evaluated refuses.
@@ -213,46 +306,9 @@ impl Rules {
                 "an entity id could not be formed".into(),
             );
         };
-        // Only a rule scoped to this tool can read its arguments (the others were validated
-        // against an empty `args` record, and see one).
-        let args = if self.reads_args.contains(&req.tool.descriptor.tool_id) {
-            to_cedar(req.args, req.tool.input_schema())
-        } else {
-            RestrictedExpression::new_record(Vec::<(String, RestrictedExpression)>::new())
-                .map_err(|e| e.to_string())
-        };
-        let args = match args {
-            Ok(a) => a,
-            Err(why) => return refuse(crate::reason::Reason::ArgsUnrepresentable, why),
-        };
-        let context = Context::from_pairs([
-            (
-                "trust".to_owned(),
-                RestrictedExpression::new_string(req.trust.to_owned()),
-            ),
-            (
-                "provider".to_owned(),
-                RestrictedExpression::new_string(req.provider.to_owned()),
-            ),
-            (
-                "model".to_owned(),
-                RestrictedExpression::new_string(req.model.to_owned()),
-            ),
-            (
-                "run".to_owned(),
-                RestrictedExpression::new_string(req.run.to_owned()),
-            ),
-            (
-                "approved".to_owned(),
-                RestrictedExpression::new_bool(req.approved),
-            ),
-            ("args".to_owned(), args),
-        ]);
-        let Ok(context) = context else {
-            return refuse(
-                crate::reason::Reason::RuleError,
-                "the context could not be built".into(),
-            );
+        let context = match self.context(req) {
+            Ok(c) => c,
+            Err(refusal) => return *refusal,
         };
         let Ok(request) = Request::new(principal, action, resource, context, None) else {
             return refuse(
