@@ -3,7 +3,7 @@
 //! after redaction (OpenWOP run-event-payloads `argsHash`: "with resolved secrets already
 //! redacted").
 
-use regex::{Regex, RegexSet};
+use regex::Regex;
 use serde_json::Value;
 
 use super::bundle::Redaction;
@@ -50,10 +50,6 @@ const BUILTIN: &[(&str, &str)] = &[
 #[derive(Debug, Clone)]
 pub struct Redactor {
     patterns: Vec<(String, Regex)>,
-    /// Every pattern at once: one scan tells a text with no secret (the usual case) apart
-    /// without running each pattern over it. `None` when the set would exceed the regex
-    /// crate's size limit (then each pattern is run, as they compiled one by one).
-    any: Option<RegexSet>,
     pointers: Vec<(String, String)>,
     /// Also strip matches from arguments released to egress tools.
     pub strip_from_egress: bool,
@@ -98,10 +94,8 @@ impl Redactor {
         if !errors.is_empty() {
             return Err(errors);
         }
-        let any = RegexSet::new(patterns.iter().map(|(_, re)| re.as_str())).ok();
         Ok(Self {
             patterns,
-            any,
             pointers: cfg
                 .pointers
                 .iter()
@@ -132,15 +126,14 @@ impl Redactor {
         self.redacted(text).unwrap_or_else(|| text.to_owned())
     }
 
-    /// `text` with its secrets replaced, or `None` when it holds none (one scan of all the
-    /// patterns together; only a text that some pattern matches runs them one by one, in
-    /// order, each over what the previous ones left).
+    /// `text` with its secrets replaced, or `None` when it holds none: the patterns run in
+    /// order, each over what the previous ones left, and a text none of them matches is not
+    /// copied. (One `RegexSet` scan of all patterns was measured instead: it cost 2.5 MiB of
+    /// resident memory at start for the built-ins, against a 32 MiB budget.)
     fn redacted(&self, text: &str) -> Option<String> {
-        if self.any.as_ref().is_some_and(|set| !set.is_match(text)) {
-            return None;
-        }
+        let first = self.patterns.iter().position(|(_, re)| re.is_match(text))?;
         let mut s = text.to_owned();
-        for (name, re) in &self.patterns {
+        for (name, re) in &self.patterns[first..] {
             if re.is_match(&s) {
                 s = re
                     .replace_all(&s, format!("[REDACTED:{name}]").as_str())
