@@ -1207,31 +1207,7 @@ fn commit_batch(
     for job in batch.iter_mut() {
         match &mut job.op {
             Op::ConfirmClaims(list) => confirm(&tx, list)?,
-            Op::Prune { before_ms } => {
-                let t = *before_ms;
-                // The prune may delete stored schemas: store them again when next declared.
-                known.committed.clear();
-                known.pending.clear();
-                exec(&tx, "DELETE FROM tool_calls WHERE request_id IN (SELECT request_id FROM rounds WHERE at_ms < ?1)", params![t])?;
-                for table in ["rounds", "tool_results", "effects", "events", "served"] {
-                    exec(
-                        &tx,
-                        &format!("DELETE FROM {table} WHERE at_ms < ?1"),
-                        params![t],
-                    )?;
-                }
-                exec(
-                    &tx,
-                    "DELETE FROM declared_tools WHERE at_ms < ?1",
-                    params![t],
-                )?;
-                exec(&tx, "DELETE FROM tool_schemas WHERE at_ms < ?1 AND schema_digest NOT IN (SELECT schema_digest FROM declared_tools WHERE schema_digest IS NOT NULL)", params![t])?;
-                exec(
-                    &tx,
-                    "DELETE FROM principal_tokens WHERE expires_at_ms < ?1",
-                    params![t],
-                )?;
-            }
+            Op::Prune { before_ms } => prune(&tx, *before_ms, known)?,
             Op::BeforeUpstream(u) => {
                 if let Some(r) = &u.run_untrusted {
                     exec(
@@ -1321,6 +1297,33 @@ fn commit_batch(
     for reply in replies {
         reply();
     }
+    Ok(())
+}
+
+/// Deletes what is older than `t` (ms since the epoch) from every table that ages out.
+fn prune(tx: &rusqlite::Transaction<'_>, t: i64, known: &mut KnownSchemas) -> rusqlite::Result<()> {
+    // The prune may delete stored schemas: store them again when next declared.
+    known.committed.clear();
+    known.pending.clear();
+    exec(tx, "DELETE FROM tool_calls WHERE request_id IN (SELECT request_id FROM rounds WHERE at_ms < ?1)", params![t])?;
+    for table in ["rounds", "tool_results", "effects", "events", "served"] {
+        exec(
+            tx,
+            &format!("DELETE FROM {table} WHERE at_ms < ?1"),
+            params![t],
+        )?;
+    }
+    exec(
+        tx,
+        "DELETE FROM declared_tools WHERE at_ms < ?1",
+        params![t],
+    )?;
+    exec(tx, "DELETE FROM tool_schemas WHERE at_ms < ?1 AND schema_digest NOT IN (SELECT schema_digest FROM declared_tools WHERE schema_digest IS NOT NULL)", params![t])?;
+    exec(
+        tx,
+        "DELETE FROM principal_tokens WHERE expires_at_ms < ?1",
+        params![t],
+    )?;
     Ok(())
 }
 
