@@ -13,8 +13,8 @@
 //! arguments: one that names `context.args` (a `has` test too) or uses `context` whole is a
 //! load error, and at decision time only the tools some rule is scoped to have their
 //! arguments converted into `context.args` (the others get the empty record). An argument
-//! the `inputSchema` does not require, or allows to be `null`, is an optional attribute: a rule that reads it without a `has`
-//! guard is a load error that says so (`policy check`).
+//! the `inputSchema` does not require, or allows to be `null`, is an optional attribute: a
+//! rule that reads it without a `has` guard is a load error that says so (`policy check`).
 //!
 //! Arguments: an argument value never refuses a call by itself ([`to_cedar`]): `null`s are
 //! left out (absent), arrays are sets (duplicates collapse), numbers Cedar has no exact form
