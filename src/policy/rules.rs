@@ -179,8 +179,12 @@ impl Rules {
                         continue;
                     }
                 };
+                // A rule scoped to the unknown-tool stand-in is checked against the generic
+                // schema, so it cannot read arguments either.
                 let scoped = match rule.policy.resource_constraint() {
-                    ResourceConstraint::Eq(uid) => Some(uid.id().unescaped().to_owned()),
+                    ResourceConstraint::Eq(uid) => {
+                        Some(uid.id().unescaped().to_owned()).filter(|id| id != UNKNOWN_TOOL_ID)
+                    }
                     _ => None,
                 };
                 if policies.add(rule.policy).is_err() {
