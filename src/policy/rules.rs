@@ -152,6 +152,17 @@ pub enum Authz {
     },
 }
 
+impl Authz {
+    /// A refusal no rule determined (the request or its context could not be formed).
+    fn refused(reason: crate::reason::Reason, detail: String) -> Self {
+        Self::Refuse {
+            rules: Vec::new(),
+            reason,
+            detail,
+        }
+    }
+}
+
 impl Rules {
     /// Parses and validates every `rules/*.cedar` file against the catalog (`files`:
     /// bundle-relative path → text): each statement is parsed with its `@id` and
@@ -179,14 +190,6 @@ impl Rules {
                         continue;
                     }
                 };
-                // A rule scoped to the unknown-tool stand-in is checked against the generic
-                // schema, so it cannot read arguments either.
-                let scoped = match rule.policy.resource_constraint() {
-                    ResourceConstraint::Eq(uid) => {
-                        Some(uid.id().unescaped().to_owned()).filter(|id| id != UNKNOWN_TOOL_ID)
-                    }
-                    _ => None,
-                };
                 if policies.add(rule.policy).is_err() {
                     errors.push(statement.error(
                         statement.line(),
@@ -196,7 +199,7 @@ impl Rules {
                     continue;
                 }
                 meta.insert(PolicyId::new(&rule.label), rule.meta);
-                reads_args.extend(scoped);
+                reads_args.extend(rule.args_of);
             }
         }
         let entities = match tool_entities(catalog) {
@@ -240,13 +243,7 @@ impl Rules {
     /// empty record and the context comes from [`Self::contexts`] when it was built before.
     /// `Err`: the refusal (an argument with no Cedar form, or a context Cedar rejects).
     fn context(&self, req: &AuthzRequest<'_>) -> Result<Context, Box<Authz>> {
-        let refuse = |reason, detail: String| {
-            Box::new(Authz::Refuse {
-                rules: Vec::new(),
-                reason,
-                detail,
-            })
-        };
+        let refuse = |reason, detail| Box::new(Authz::refused(reason, detail));
         let reads_args = self.reads_args.contains(&req.tool.descriptor.tool_id);
         let cache = || self.contexts.lock().unwrap_or_else(|e| e.into_inner());
         if !reads_args {
@@ -291,11 +288,7 @@ impl Rules {
 
     /// Decides one call. Cannot fail: anything that cannot be evaluated refuses.
     pub fn authorize(&self, req: &AuthzRequest<'_>) -> Authz {
-        let refuse = |reason, detail: String| Authz::Refuse {
-            rules: Vec::new(),
-            reason,
-            detail,
-        };
+        let refuse = Authz::refused;
         let principal = match req.person {
             Some(sub) => uid(Kind::User, sub),
             None => uid(Kind::Agent, req.agent),
@@ -562,17 +555,18 @@ impl Schemas {
         Ok(Self { generic, per_tool })
     }
 
-    /// The schema `policy` is validated against: its tool's when its scope is
-    /// `resource == Tool::"<id>"` (the unknown-tool stand-in gets the generic one), else the
-    /// generic one. `Err` with the message when the scope names a tool without a schema.
-    fn for_rule(&self, policy: &Policy) -> Result<&Schema, String> {
+    /// The schema `policy` is validated against, with the tool it belongs to: its tool's
+    /// when its scope is `resource == Tool::"<id>"` (the unknown-tool stand-in gets the
+    /// generic one, `None`), else the generic one. `Err` with the message when the scope
+    /// names a tool without a schema.
+    fn for_rule(&self, policy: &Policy) -> Result<(&Schema, Option<String>), String> {
         let ResourceConstraint::Eq(uid) = policy.resource_constraint() else {
-            return Ok(&self.generic);
+            return Ok((&self.generic, None));
         };
         let id = uid.id().unescaped().to_owned();
         match self.per_tool.get(&id) {
-            Some(s) => Ok(s),
-            None if id == UNKNOWN_TOOL_ID => Ok(&self.generic),
+            Some(s) => Ok((s, Some(id))),
+            None if id == UNKNOWN_TOOL_ID => Ok((&self.generic, None)),
             None => Err(format!("names Tool::\"{id}\", which is not in the catalog")),
         }
     }
@@ -589,6 +583,9 @@ struct Statement<'a> {
 struct CompiledRule {
     /// The policy, under the rule's id.
     policy: Policy,
+    /// The tool whose argument types the rule was validated against (`None`: the generic
+    /// schema, which cannot read arguments).
+    args_of: Option<String>,
     /// The rule's id: its `@id`, else `file:line`.
     label: String,
     meta: RuleMeta,
@@ -619,14 +616,14 @@ impl Statement<'_> {
     fn compile(&self, schemas: &Schemas) -> Result<CompiledRule, Vec<PolicyError>> {
         let (policy, label, hold) = self.parse().map_err(|e| vec![e])?;
         let line = self.line();
-        let schema = schemas
+        let (schema, args_of) = schemas
             .for_rule(&policy)
             .map_err(|why| vec![self.error(line, &label, why)])?;
         self.validate(&policy, &label, schema)?;
         // The generic schema types `args` as the empty record, so a rule checked against it
         // may still test `context.args has <x>` (typed `false`) or use `context` whole;
         // refused here so that such a rule cannot see arguments it was not validated for.
-        if std::ptr::eq(schema, &schemas.generic) && reads_args(&policy) {
+        if args_of.is_none() && names_context_args(&policy) {
             let why = "reads `context.args` (or the whole `context`) but is not scoped to one \
                        tool: only a rule whose scope is `resource == Tool::\"<toolId>\"` sees \
                        the call's arguments"
@@ -635,6 +632,7 @@ impl Statement<'_> {
         }
         Ok(CompiledRule {
             policy,
+            args_of,
             meta: RuleMeta {
                 file: self.file.to_owned(),
                 line,
@@ -711,7 +709,7 @@ impl Statement<'_> {
 /// read from the policy's JSON form (Cedar EST: `{".": {"left", "attr"}}`, `{"has": {"left",
 /// "attr"}}` with `attr` a string or a path, `{"Var": "context"}`). A policy whose JSON form
 /// cannot be had counts as reading them.
-fn reads_args(policy: &Policy) -> bool {
+fn names_context_args(policy: &Policy) -> bool {
     fn walk(v: &Value) -> bool {
         match v {
             Value::Object(map) => {
