@@ -147,8 +147,11 @@ impl SqliteMcpReader {
     ) -> Result<Vec<TicketRow>, JournalError> {
         self.with(|c| {
             let mut st = c.prepare_cached(
+                // The run's rounds first (`rounds_run`), then each round's calls (the
+                // `(request_id, choice, ordinal)` key): `CROSS JOIN` fixes that order, as there
+                // is no index on `args_hash` (schema step 10 says why).
                 "SELECT c.id, c.request_id, c.call_id, c.name, r.node_id, r.attempt, r.content_trust
-                 FROM tool_calls c JOIN rounds r ON r.request_id = c.request_id
+                 FROM rounds r INDEXED BY rounds_run CROSS JOIN tool_calls c ON c.request_id = r.request_id
                  WHERE r.run_id = ?1 AND r.api != 'mcp' AND c.args_hash = ?2
                    AND (c.outcome = 'executed' OR c.enforced = 0)
                  ORDER BY c.id",
@@ -201,7 +204,8 @@ impl SqliteMcpReader {
     }
 }
 
-/// Schema step of the MCP front: the ticket lookup reads `tool_calls` by `args_hash`.
+/// Schema step 7, for the MCP front's ticket lookup: an index of `tool_calls` by `args_hash`
+/// (dropped again by step 10, `super::schema`).
 pub(super) fn migrate(conn: &Connection, version: i64) -> rusqlite::Result<()> {
     conn.execute_batch(&format!(
         "BEGIN;

@@ -3,7 +3,7 @@
 use rusqlite::Connection;
 
 /// The schema version this build writes. Each version's step is additive and runs once.
-pub const VERSION: i64 = 9;
+pub const VERSION: i64 = 10;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -43,7 +43,23 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 9 {
         v9(conn)?;
     }
+    if version < 10 {
+        v10(conn)?;
+    }
     Ok(())
+}
+
+/// Drops `tool_calls_args_hash` (added by step 7). Its key is a SHA-256, so every record
+/// landed on a random leaf page: a commit of ~40 chat turns dirtied ~40 of its pages, each
+/// written to the WAL and copied again by the checkpoint. The one query it served (the MCP
+/// ticket lookup, `super::mcp`) is scoped to a run and now starts from `rounds_run`.
+fn v10(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         DROP INDEX IF EXISTS tool_calls_args_hash;
+         PRAGMA user_version = 10;
+         COMMIT;",
+    )
 }
 
 /// The output items of stored responses, for Responses `item_reference` lookups

@@ -477,8 +477,10 @@ pub(crate) async fn tickets(
 ) -> Result<Vec<TicketRow>, JournalError> {
     let rows = query(
         pool,
+        // The run's rounds (`rounds_run`), then each round's calls by `request_id`: there is no
+        // index on `args_hash` (migration V2).
         "SELECT c.id, c.request_id, c.call_id, c.name, r.node_id, r.attempt, r.content_trust
-         FROM tool_calls c JOIN rounds r ON r.request_id = c.request_id
+         FROM rounds r JOIN tool_calls c ON c.request_id = r.request_id
          WHERE r.run_id = $1 AND r.api != 'mcp' AND c.args_hash = $2
            AND (c.outcome = 'executed' OR c.enforced = 0)
          ORDER BY c.id",
