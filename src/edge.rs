@@ -128,32 +128,31 @@ fn api_of(path: &str) -> ApiLabel {
     }
 }
 
-/// Keeps a sane `x-request-id` (ASCII graphic, 1–200 bytes), else sets a fresh UUIDv7.
-/// Returns the id.
-fn ensure_request_id(headers: &mut HeaderMap) -> String {
-    let sane = headers
+/// The agent's `x-request-id` when it is sane: trimmed, 1–200 bytes, ASCII graphic.
+pub(crate) fn sane_request_id(headers: &HeaderMap) -> Option<String> {
+    headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
         .map(str::trim)
         .filter(|v| !v.is_empty() && v.len() <= 200 && v.chars().all(|c| c.is_ascii_graphic()))
-        .map(str::to_owned);
-    match sane {
-        Some(id) => {
-            if let Ok(v) = HeaderValue::from_str(&id) {
-                headers.insert("x-request-id", v);
-            }
-            id
-        }
-        None => {
-            // Time-ordered (UUIDv7): the journal indexes it (`rounds.client_request_id`), and a
-            // random key would put every record on a random page of that index.
-            let id = uuid::Uuid::now_v7().to_string();
-            if let Ok(v) = HeaderValue::from_str(&id) {
-                headers.insert("x-request-id", v);
-            }
-            id
-        }
+        .map(str::to_owned)
+}
+
+/// A request id turnguard makes up: a UUIDv7, time-ordered like `journal_id`, because the
+/// journal indexes it (`rounds.client_request_id`) and a random key would put every record
+/// on a random page of that index.
+pub(crate) fn fresh_request_id() -> String {
+    uuid::Uuid::now_v7().to_string()
+}
+
+/// Keeps a sane `x-request-id` (ASCII graphic, 1–200 bytes), else sets a fresh UUIDv7.
+/// Returns the id.
+fn ensure_request_id(headers: &mut HeaderMap) -> String {
+    let id = sane_request_id(headers).unwrap_or_else(fresh_request_id);
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        headers.insert("x-request-id", v);
     }
+    id
 }
 
 /// The trace id of a valid W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`), for the log.

@@ -50,10 +50,8 @@ impl RequestCtx {
                 .filter(|v| !v.is_empty() && v.len() <= 200)
                 .map(str::to_owned)
         };
-        let request_id = header("x-request-id")
-            .filter(|v| v.chars().all(|c| c.is_ascii_graphic()))
-            // Time-ordered like `journal_id`: it is indexed too (`rounds.client_request_id`).
-            .unwrap_or_else(|| uuid::Uuid::now_v7().to_string());
+        let request_id =
+            crate::edge::sane_request_id(headers).unwrap_or_else(crate::edge::fresh_request_id);
         let run_id = header("turnguard-run");
         let run = RunKey {
             node_id: run_id

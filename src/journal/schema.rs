@@ -2,7 +2,8 @@
 
 use rusqlite::Connection;
 
-/// The schema version this build writes. Each version's step is additive and runs once.
+/// The schema version this build writes. Each version's step runs once and keeps every row
+/// (step 10 drops an index, nothing else is ever removed).
 pub const VERSION: i64 = 10;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
@@ -381,6 +382,14 @@ mod tests {
             .pragma_query_value(None, "user_version", |r| r.get(0))
             .unwrap();
         assert_eq!(v, VERSION);
+        let args_hash_index: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE name = 'tool_calls_args_hash'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(args_hash_index, 0, "step 10 drops the random-key index");
         let ids: Vec<(String, String)> = conn
             .prepare("SELECT request_id, client_request_id FROM rounds ORDER BY id")
             .unwrap()
