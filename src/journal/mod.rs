@@ -72,7 +72,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rusqlite::{params, Connection};
+use rusqlite::{params, Connection, OptionalExtension};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::Metrics;
@@ -1615,6 +1615,14 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
     Ok(())
 }
 
+/// When the call a tool result answers was released: `rounds.at_ms` of the newest round
+/// that released `call_id` (`?1`) in the result's run (`?2`, NULL for a chat turn).
+pub(super) const RELEASED_AT_SQL: &str =
+    "SELECT r.at_ms FROM tool_calls c INDEXED BY tool_calls_executed_call
+     CROSS JOIN rounds r ON r.request_id = c.request_id
+     WHERE c.call_id = ?1 AND c.outcome = 'executed' AND r.run_id IS ?2
+     ORDER BY c.id DESC LIMIT 1";
+
 fn insert_tool_result(
     tx: &rusqlite::Transaction<'_>,
     t: &ToolResultRecord,
@@ -1654,14 +1662,15 @@ fn insert_tool_result(
         )?;
         // The first time a result is seen, the call it answers returns (OpenWOP
         // `agent.tool-returned`), with its duration from the round that released the call.
+        // From the call (schema step 11's index), never from `rounds_run`: a chat turn's
+        // `run_id IS NULL` would match every chat round.
         let released_at: Option<i64> = tx
             .query_row(
-                "SELECT r.at_ms FROM tool_calls c JOIN rounds r ON r.request_id = c.request_id
-                 WHERE c.call_id = ?1 AND r.run_id IS ?2 AND c.outcome = 'executed' ORDER BY c.id DESC LIMIT 1",
+                RELEASED_AT_SQL,
                 params![t.tool_call_id, t.run.run_id],
                 |r| r.get(0),
             )
-            .ok();
+            .optional()?;
         insert_event(tx, &t.returned_event(released_at))?;
     }
     Ok(())

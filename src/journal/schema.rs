@@ -4,7 +4,7 @@ use rusqlite::Connection;
 
 /// The schema version this build writes. Each version's step runs once and keeps every row
 /// (step 10 drops an index, nothing else is ever removed).
-pub const VERSION: i64 = 10;
+pub const VERSION: i64 = 11;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -47,7 +47,26 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 10 {
         v10(conn)?;
     }
+    if version < 11 {
+        v11(conn)?;
+    }
     Ok(())
+}
+
+/// Indexes released calls by `call_id` (`tool_calls_executed_call`, partial: `outcome =
+/// 'executed'`). A tool result seen for the first time looks up the round that released its
+/// call (for `agent.tool-returned`'s duration); without it that lookup searched `rounds_run`
+/// by `run_id`, which for a chat turn (`run_id` NULL) is every chat round in the journal, on
+/// every new tool result. Only released calls are indexed: refused and held ones are never
+/// answered by a result. PostgreSQL has had `tool_calls_call` since V1.
+fn v11(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         CREATE INDEX IF NOT EXISTS tool_calls_executed_call ON tool_calls (call_id)
+            WHERE outcome = 'executed';
+         PRAGMA user_version = 11;
+         COMMIT;",
+    )
 }
 
 /// Drops `tool_calls_args_hash` (added by step 7). Its key is a SHA-256, so every record
@@ -359,6 +378,7 @@ fn v8(conn: &Connection) -> rusqlite::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rusqlite::OptionalExtension;
 
     /// A journal written by the v4 schema opens: its rows are kept, the client's id column
     /// is filled from the old key, and the new tables and columns exist.
@@ -411,5 +431,64 @@ mod tests {
         conn.execute("INSERT INTO principal_tokens VALUES ('f', 1, 1)", [])
             .unwrap();
         migrate(&conn).unwrap();
+    }
+
+    /// A new tool result finds the round that released its call through the call's index,
+    /// for a chat turn (`run_id` NULL) as for a run, and reads the newest such round.
+    #[test]
+    fn the_released_at_lookup_starts_from_the_call() {
+        let conn = Connection::open_in_memory().unwrap();
+        migrate(&conn).unwrap();
+        for run in [None, Some("run-1")] {
+            let plan: Vec<String> = conn
+                .prepare(&format!(
+                    "EXPLAIN QUERY PLAN {}",
+                    super::super::RELEASED_AT_SQL
+                ))
+                .unwrap()
+                .query_map(rusqlite::params!["call_1", run], |r| r.get(3))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            let plan = plan.join("; ");
+            assert!(
+                plan.starts_with("SEARCH c USING INDEX tool_calls_executed_call (call_id=?)"),
+                "{plan}"
+            );
+            assert!(
+                !plan.contains("rounds_run") && !plan.contains("SCAN"),
+                "{plan}"
+            );
+        }
+        conn.execute_batch(
+            "INSERT INTO rounds (request_id, at_ms, api, stream, round_index, request_digest,
+                latency_ms, state, response_bytes, response_digest, response_truncated)
+             VALUES ('r1', 10, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0),
+                    ('r2', 20, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0),
+                    ('r3', 30, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0);
+             INSERT INTO tool_calls (request_id, choice, ordinal, call_id, name, outcome, stage, reason)
+             VALUES ('r1', 0, 0, 'call_1', 'lookup', 'executed', 'dispatch', 'ok'),
+                    ('r2', 0, 0, 'call_1', 'lookup', 'executed', 'dispatch', 'ok'),
+                    ('r3', 0, 0, 'call_1', 'lookup', 'refused', 'authorization', 'no');",
+        )
+        .unwrap();
+        let at: Option<i64> = conn
+            .query_row(
+                super::super::RELEASED_AT_SQL,
+                rusqlite::params!["call_1", None::<String>],
+                |r| r.get(0),
+            )
+            .optional()
+            .unwrap();
+        assert_eq!(at, Some(20), "the newest round that released the call");
+        let none: Option<i64> = conn
+            .query_row(
+                super::super::RELEASED_AT_SQL,
+                rusqlite::params!["call_1", "run-1"],
+                |r| r.get(0),
+            )
+            .optional()
+            .unwrap();
+        assert_eq!(none, None, "a run does not see a chat turn's call");
     }
 }
