@@ -6,6 +6,7 @@
 #
 #   bench/ab.sh OLD_BINARY NEW_BINARY      # needs wrk and a release benchtool
 #   ROUNDS=5 SECONDS_PER_RUN=8 CELL=jsonrun bench/ab.sh old new
+#   CELL=jsontools bench/ab.sh old new   # each request carries a new tool result (post-tools.lua)
 #
 # Reported per run: requests/s, p99, turnguard CPU µs per request (utime+stime of the whole
 # process over the run divided by wrk's requests), peak RSS (VmHWM) at the end of the run, and
@@ -34,7 +35,12 @@ PIDS+=($!)
 cp -r policy/examples/acme "$WORK/policy"
 sed -i -e 's/^burst = .*/burst = 100000000/' -e 's/^per_minute = .*/per_minute = 100000000/' \
   "$WORK/policy/turnguard.toml"
-script=bench/post.lua; [ "$CELL" = jsonrun ] && script=bench/post-run.lua
+case "$CELL" in
+  json) script=bench/post.lua ;;
+  jsonrun) script=bench/post-run.lua ;;
+  jsontools) script=bench/post-tools.lua ;;
+  *) echo "CELL is json, jsonrun or jsontools" >&2; exit 2 ;;
+esac
 CLK=$(getconf CLK_TCK)
 metric() { # metrics-text name → summed value of every sample of `name`
   awk -v n="$2" '$1 ~ "^"n"(\\{|$)" {s += $NF} END {print s + 0}' "$1"
