@@ -7,7 +7,8 @@
 //! turn's round, audit events) are queued and committed with `synchronous=NORMAL`.
 //!
 //! Writes are insert-if-absent (`ON CONFLICT DO NOTHING`), never a replacing insert (the
-//! `OR REPLACE` conflict clause): a record, once written, is never silently overwritten. When
+//! `OR REPLACE` conflict clause): a record, once written, is never silently overwritten (the
+//! counters of declared tools, which only grow, are summed in place: `declared`). When
 //! the journal cannot record what the contract requires, the caller fails the request. Every
 //! key is turnguard's own (a round's `request_id` is [`crate::proxy::RequestCtx::journal_id`],
 //! then `#repair-N`): an id the client chose (`x-request-id`) is only a column
@@ -51,6 +52,7 @@
 //! `outcome` other than `executed`): the provider still holds them, so a later request that
 //! continues the chain is expected to answer them (see the Responses adapter's notes).
 
+mod declared;
 mod interrupts;
 mod location;
 mod mcp;
@@ -496,8 +498,9 @@ impl ToolResultRecord {
     }
 }
 
-/// The tools one agent request declared (table `declared_tools`, schemas in
-/// `tool_schemas`), for `turnguard policy learn`. Never arguments or results: only the
+/// The tools one agent request declared, for `turnguard policy learn` (SQLite: counted in
+/// `declared_tool_counts`; PostgreSQL: a row each in `declared_tools`; schemas in
+/// `tool_schemas`). Never arguments or results: only the
 /// request's tool declarations.
 #[derive(Debug, Clone)]
 pub struct DeclaredToolsRecord {
@@ -1206,6 +1209,7 @@ fn commit_batch(
     let tx = conn.transaction()?;
     let mut answers: Vec<(oneshot::Sender<Vec<Claim>>, Vec<Claim>)> = Vec::new();
     let mut replies: interrupts::Replies = Vec::new();
+    let mut declared = declared::DeclaredCounts::default();
     for job in batch.iter_mut() {
         match &mut job.op {
             Op::ConfirmClaims(list) => confirm(&tx, list)?,
@@ -1223,7 +1227,7 @@ fn commit_batch(
                     insert_tool_result(&tx, t)?;
                 }
                 if let Some(d) = &u.declared_tools {
-                    insert_declared_tools(&tx, d, known)?;
+                    declared.add(&tx, d, known)?;
                 }
             }
             Op::RoundCommit(u) => {
@@ -1267,7 +1271,7 @@ fn commit_batch(
                     insert_event(&tx, e)?;
                 }
             }
-            Op::DeclaredTools(d) => insert_declared_tools(&tx, d, known)?,
+            Op::DeclaredTools(d) => declared.add(&tx, d, known)?,
             Op::Claims(list, answer) => {
                 let mut results = Vec::with_capacity(list.len());
                 for c in list.iter() {
@@ -1292,6 +1296,7 @@ fn commit_batch(
             Op::Probe => probe_write(&tx)?,
         }
     }
+    declared.flush(&tx)?;
     tx.commit()?;
     for (tx, result) in answers {
         let _ = tx.send(result);
@@ -1315,12 +1320,13 @@ fn prune(tx: &rusqlite::Transaction<'_>, t: i64, known: &mut KnownSchemas) -> ru
             params![t],
         )?;
     }
+    // A tool's counts age out once no request has declared it since `t`.
     exec(
         tx,
-        "DELETE FROM declared_tools WHERE at_ms < ?1",
+        "DELETE FROM declared_tool_counts WHERE last_at_ms < ?1",
         params![t],
     )?;
-    exec(tx, "DELETE FROM tool_schemas WHERE at_ms < ?1 AND schema_digest NOT IN (SELECT schema_digest FROM declared_tools WHERE schema_digest IS NOT NULL)", params![t])?;
+    exec(tx, "DELETE FROM tool_schemas WHERE at_ms < ?1 AND schema_digest NOT IN (SELECT schema_digest FROM declared_tool_counts)", params![t])?;
     exec(
         tx,
         "DELETE FROM principal_tokens WHERE expires_at_ms < ?1",
@@ -1473,36 +1479,6 @@ fn insert_event(tx: &rusqlite::Transaction<'_>, e: &EventRecord) -> rusqlite::Re
             e.at_ms
         ],
     )?;
-    Ok(())
-}
-
-fn insert_declared_tools(
-    tx: &rusqlite::Transaction<'_>,
-    d: &DeclaredToolsRecord,
-    known: &mut KnownSchemas,
-) -> rusqlite::Result<()> {
-    for (name, schema) in &d.tools {
-        let digest = schema.as_ref().map(crate::admission::arguments::args_hash);
-        let stored = digest.as_deref().is_some_and(|g| known.contains(g));
-        if let (Some(digest), Some(schema), false) = (&digest, schema, stored) {
-            known.pending.push(digest.clone());
-            let text = schema.to_string();
-            let kept = (text.len() <= MAX_DECLARED_SCHEMA_BYTES).then_some(text);
-            exec(
-                tx,
-                "INSERT INTO tool_schemas (schema_digest, schema, at_ms) VALUES (?1, ?2, ?3)
-                 ON CONFLICT (schema_digest) DO NOTHING",
-                params![digest, kept, d.at_ms],
-            )?;
-        }
-        exec(
-            tx,
-            "INSERT INTO declared_tools (request_id, run_id, api, name, schema_digest, at_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-             ON CONFLICT (request_id, name) DO NOTHING",
-            params![d.request_id, d.run_id, d.api, name, digest, d.at_ms],
-        )?;
-    }
     Ok(())
 }
 

@@ -63,7 +63,7 @@ pub struct LearnRows {
     pub followups: Vec<(String, Vec<String>)>,
 }
 
-/// One declared tool name in `declared_tools`.
+/// One declared tool name (SQLite `declared_tool_counts`, PostgreSQL `declared_tools`).
 #[derive(Debug, Clone)]
 pub struct DeclaredToolRow {
     pub name: String,
@@ -523,11 +523,13 @@ impl SqliteReader {
         self.with(|c| {
             let mut out = LearnRows::default();
             let mut st = c.prepare(
-                "SELECT d.name, count(DISTINCT d.request_id), count(DISTINCT d.schema_digest),
-                        (SELECT s.schema FROM declared_tools d2 JOIN tool_schemas s ON s.schema_digest = d2.schema_digest
-                         WHERE d2.name = d.name GROUP BY d2.schema_digest ORDER BY count(*) DESC, max(d2.at_ms) DESC LIMIT 1),
-                        (SELECT d3.api FROM declared_tools d3 WHERE d3.name = d.name ORDER BY d3.at_ms DESC, d3.id DESC LIMIT 1)
-                 FROM declared_tools d GROUP BY d.name ORDER BY d.name",
+                // Per tool: the requests that declared it, its distinct schemas (`''` is no
+                // schema), the schema most requests declared, and the API that declared it last.
+                "SELECT d.name, sum(d.requests), count(DISTINCT nullif(d.schema_digest, '')),
+                        (SELECT s.schema FROM declared_tool_counts d2 JOIN tool_schemas s ON s.schema_digest = d2.schema_digest
+                         WHERE d2.name = d.name GROUP BY d2.schema_digest ORDER BY sum(d2.requests) DESC, max(d2.last_at_ms) DESC LIMIT 1),
+                        (SELECT d3.api FROM declared_tool_counts d3 WHERE d3.name = d.name ORDER BY d3.last_at_ms DESC LIMIT 1)
+                 FROM declared_tool_counts d GROUP BY d.name ORDER BY d.name",
             )?;
             let rows = st.query_map([], |r| {
                 Ok(DeclaredToolRow {

@@ -2,9 +2,11 @@
 
 use rusqlite::Connection;
 
-/// The schema version this build writes. Each version's step runs once and keeps every row
-/// (step 10 drops an index, nothing else is ever removed).
-pub const VERSION: i64 = 11;
+/// The schema version this build writes. Each version's step runs once and keeps what the
+/// journal recorded: step 10 drops an index, step 12 folds `declared_tools`' per-request rows
+/// into per-(tool, schema, API) counts and makes `rounds_run` partial; no other step removes
+/// anything.
+pub const VERSION: i64 = 12;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -50,7 +52,44 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 11 {
         v11(conn)?;
     }
+    if version < 12 {
+        v12(conn)?;
+    }
     Ok(())
+}
+
+/// Two chat-turn write costs that bought nothing:
+/// - `declared_tools` kept one row per (agent request, declared tool), with two index
+///   entries, forever growing: an agent declaring 20 tools wrote 60 B-tree entries a request
+///   for `turnguard policy learn`, which only ever counts them. `declared_tool_counts` keeps,
+///   per (tool name, schema digest, API), the requests that declared it and the first and
+///   last time; the writer adds a whole commit's declarations in one upsert per distinct
+///   row. Existing rows are folded in (`count(DISTINCT request_id)`, which is what `learn`
+///   read); `schema_digest` is `''` for a tool declared without parameters.
+/// - `rounds_run` indexed every chat round under a NULL run. It is rebuilt partial (`run_id
+///   IS NOT NULL`): every query that uses it names a run (`run_id = ?`).
+fn v12(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         CREATE TABLE IF NOT EXISTS declared_tool_counts (
+            name TEXT NOT NULL,
+            schema_digest TEXT NOT NULL,
+            api TEXT NOT NULL,
+            requests INTEGER NOT NULL,
+            first_at_ms INTEGER NOT NULL,
+            last_at_ms INTEGER NOT NULL,
+            PRIMARY KEY (name, schema_digest, api)
+         ) WITHOUT ROWID;
+         INSERT INTO declared_tool_counts (name, schema_digest, api, requests, first_at_ms, last_at_ms)
+            SELECT name, coalesce(schema_digest, ''), api, count(DISTINCT request_id), min(at_ms), max(at_ms)
+            FROM declared_tools GROUP BY name, coalesce(schema_digest, ''), api;
+         DROP TABLE declared_tools;
+         DROP INDEX IF EXISTS rounds_run;
+         CREATE INDEX rounds_run ON rounds (run_id, node_id, attempt, round_index)
+            WHERE run_id IS NOT NULL;
+         PRAGMA user_version = 12;
+         COMMIT;",
+    )
 }
 
 /// Indexes released calls by `call_id` (`tool_calls_executed_call`, partial: `outcome =
@@ -490,5 +529,70 @@ mod tests {
             .optional()
             .unwrap();
         assert_eq!(none, None, "a run does not see a chat turn's call");
+    }
+
+    /// Step 12 folds per-request declarations into counts — the requests that declared each
+    /// (name, schema, API), first and last seen — and keeps `rounds_run` for runs only,
+    /// still chosen by a query that names a run.
+    #[test]
+    fn step_12_counts_declared_tools_and_indexes_run_rounds_only() {
+        let conn = Connection::open_in_memory().unwrap();
+        for step in [v1, v2, v3, v4, v5, v6] {
+            step(&conn).unwrap();
+        }
+        conn.execute_batch(
+            "INSERT INTO declared_tools (request_id, run_id, api, name, schema_digest, at_ms)
+             VALUES ('r1', NULL, 'openai_chat', 'lookup', 'sa', 10),
+                    ('r2', NULL, 'openai_chat', 'lookup', 'sa', 30),
+                    ('r3', 'run', 'openai_chat', 'lookup', 'sb', 20),
+                    ('r3', 'run', 'openai_chat', 'ping', NULL, 20);",
+        )
+        .unwrap();
+        migrate(&conn).unwrap();
+        let rows: Vec<(String, String, i64, i64, i64)> = conn
+            .prepare(
+                "SELECT name, schema_digest, requests, first_at_ms, last_at_ms
+                 FROM declared_tool_counts ORDER BY name, schema_digest",
+            )
+            .unwrap()
+            .query_map([], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            })
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        let row = |n: &str, d: &str, c, f, l| (n.to_owned(), d.to_owned(), c, f, l);
+        assert_eq!(
+            rows,
+            [
+                row("lookup", "sa", 2, 10, 30),
+                row("lookup", "sb", 1, 20, 20),
+                row("ping", "", 1, 20, 20)
+            ]
+        );
+        let old: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE name = 'declared_tools'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(old, 0, "the per-request table is gone");
+        let index: String = conn
+            .query_row(
+                "SELECT sql FROM sqlite_master WHERE name = 'rounds_run'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(index.contains("WHERE run_id IS NOT NULL"), "{index}");
+        let plan: String = conn
+            .query_row(
+                "EXPLAIN QUERY PLAN SELECT id FROM rounds WHERE run_id = ?1 AND node_id = ?2",
+                ["run", "node"],
+                |r| r.get(3),
+            )
+            .unwrap();
+        assert!(plan.contains("INDEX rounds_run (run_id=?"), "{plan}");
     }
 }

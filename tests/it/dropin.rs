@@ -952,6 +952,13 @@ async fn policy_learn_turns_a_shadow_run_into_a_catalog_that_checks() {
         !tools.iter().any(|t| t["names"][0].as_str() == Some("Read")),
         "a tool the bundle catalogues is not repeated:\n{learned}"
     );
+    // Both requests declared each tool once, with the same schema (the journal counts
+    // declarations, SQLite and PostgreSQL alike).
+    for name in ["lookup_order", "refund_order"] {
+        let line =
+            format!("`{name}`: declared in 2 request(s) (openai_chat) with 1 distinct schema(s)");
+        assert!(learned.contains(&line), "{line}\n{learned}");
+    }
     let lookup = by_name("lookup_order");
     assert_eq!(
         lookup["descriptor"]["safetyTier"].as_str(),
