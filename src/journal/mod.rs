@@ -92,6 +92,12 @@ const MAX_BATCH: usize = 512;
 /// fewer commits (145 records each instead of 40) and no difference in CPU per request
 /// (bench/RESULTS.md, seventh session).
 const RELAXED_LINGER: Duration = Duration::from_millis(2);
+/// The writer connection's page cache, KiB (`PRAGMA cache_size`; SQLite's default is 2,000
+/// KiB). The writer appends at the right edge of each B-tree, so what it reads again is
+/// those edges' root-to-leaf paths (about fifty 4 KiB pages over the tables and indexes a
+/// round writes); the default cache filled with pages it never read again, ~1.5 MiB of
+/// resident memory (bench/RESULTS.md, issue 13 run 5).
+const WRITER_CACHE_KIB: i64 = 512;
 /// How often a lingering batch looks for more records.
 const LINGER_STEP: Duration = Duration::from_micros(250);
 /// Schema digests the writer remembers having stored in `tool_schemas` (so the same declared
@@ -778,6 +784,8 @@ impl Journal {
         let conn = Connection::open(path).map_err(open_err)?;
         schema::migrate(&conn).map_err(open_err)?;
         conn.busy_timeout(busy_timeout).map_err(open_err)?;
+        conn.pragma_update(None, "cache_size", -WRITER_CACHE_KIB)
+            .map_err(open_err)?;
         probe_write(&conn).map_err(|e| JournalError::Open {
             path: path.to_owned(),
             reason: format!("the journal is not writable: {e}"),
