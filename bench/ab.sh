@@ -7,6 +7,7 @@
 #   bench/ab.sh OLD_BINARY NEW_BINARY      # needs wrk and a release benchtool
 #   ROUNDS=5 SECONDS_PER_RUN=8 CELL=jsonrun bench/ab.sh old new
 #   CELL=jsontools bench/ab.sh old new   # each request carries a new tool result (post-tools.lua)
+#   CELL=jsonagent bench/ab.sh old new   # a coding agent's request: 16 tools, a long system prompt
 #
 # Reported per run: requests/s, p99, turnguard CPU µs per request (utime+stime of the whole
 # process over the run divided by wrk's requests), peak RSS (VmHWM) at the end of the run, and
@@ -39,7 +40,8 @@ case "$CELL" in
   json) script=bench/post.lua ;;
   jsonrun) script=bench/post-run.lua ;;
   jsontools) script=bench/post-tools.lua ;;
-  *) echo "CELL is json, jsonrun or jsontools" >&2; exit 2 ;;
+  jsonagent) script=bench/post-agent.lua ;;
+  *) echo "CELL is json, jsonrun, jsontools or jsonagent" >&2; exit 2 ;;
 esac
 CLK=$(getconf CLK_TCK)
 metric() { # metrics-text name → summed value of every sample of `name`
