@@ -54,8 +54,9 @@ pub struct DeclaredTool {
     /// The tool's identity ([`qualified_name`]): the provider-facing name, qualified
     /// `namespace.name` when the tool is declared inside a Responses `namespace` tool.
     pub name: String,
-    /// JSON Schema of the arguments (`function.parameters` / `input_schema`).
-    pub schema: Option<Value>,
+    /// JSON Schema of the arguments (`function.parameters` / `input_schema`), shared: the
+    /// journal's record of the declaration holds the same tree, not a copy.
+    pub schema: Option<std::sync::Arc<Value>>,
     /// `Some` for a free-form tool (Responses `type: "custom"`): its input is raw text in this
     /// format, not a JSON object, and the arguments stage checks the format instead of a
     /// schema. `None`: JSON arguments.
@@ -67,7 +68,7 @@ impl DeclaredTool {
     pub fn json(name: impl Into<String>, schema: Option<Value>) -> Self {
         Self {
             name: name.into(),
-            schema,
+            schema: schema.map(std::sync::Arc::new),
             freeform: None,
         }
     }

@@ -176,9 +176,17 @@ pub struct SchemaCache {
     limits: SchemaLimits,
     hasher: std::hash::RandomState,
     lru: Mutex<Lru>,
+    /// Fingerprints of schemas that passed [`SchemaCache::check_size`] and are not compiled
+    /// (a declared tool no call names is never compiled): the next request declaring the
+    /// same schema skips its RFC 8785 serialization.
+    sized: Mutex<hashlink::LruCache<u64, ()>>,
     bytes: prometheus_client::metrics::gauge::Gauge,
     evictions: prometheus_client::metrics::counter::Counter,
 }
+
+/// Fingerprints [`SchemaCache`] remembers as within the size cap (8 bytes each and the LRU's
+/// links: ~200 KiB when full).
+const SIZED_FINGERPRINTS: usize = 4096;
 
 /// A cached schema: its tree, its validator, its estimated memory in bytes.
 struct Entry {
@@ -216,11 +224,14 @@ impl SchemaCache {
             limits,
             hasher: std::hash::RandomState::new(),
             lru: Mutex::new(Lru::default()),
+            sized: Mutex::new(hashlink::LruCache::new(SIZED_FINGERPRINTS)),
             bytes,
             evictions,
         }
     }
 
+    /// The schema's fingerprint in this process: SipHash-1-3 of the tree under a key drawn at
+    /// start ([`std::hash::RandomState`]), so nobody outside can aim at a collision.
     fn key(&self, schema: &Value) -> u64 {
         use std::hash::BuildHasher;
         self.hasher.hash_one(schema)
@@ -234,17 +245,29 @@ impl SchemaCache {
     }
 
     /// `Err((bytes, limit))` when `schema` is larger than `max_schema_bytes` (its RFC 8785
-    /// JSON): turnguard refuses to compile it. A cached schema passed when it was compiled.
-    pub fn check_size(&self, schema: &Value) -> Result<(), (usize, usize)> {
-        if self.cached(self.key(schema), schema).is_some() {
-            return Ok(());
+    /// JSON): turnguard refuses to compile it; `Ok(fingerprint)` otherwise (the journal's
+    /// writer keys the schema's digest by it). A cached schema passed when it was compiled;
+    /// one whose fingerprint passed before is taken as passing again (a collision needs the
+    /// process's hash key, and [`SchemaCache::get`] checks the size again before it compiles,
+    /// so the compiled-memory bound never rests on the fingerprint).
+    pub fn check_size(&self, schema: &Value) -> Result<u64, (usize, usize)> {
+        let key = self.key(schema);
+        if self.cached(key, schema).is_some() {
+            return Ok(key);
+        }
+        if let Ok(mut sized) = self.sized.lock() {
+            if sized.get(&key).is_some() {
+                return Ok(key);
+            }
         }
         let n = canonical(schema).len();
         if n > self.limits.max_schema_bytes {
-            Err((n, self.limits.max_schema_bytes))
-        } else {
-            Ok(())
+            return Err((n, self.limits.max_schema_bytes));
         }
+        if let Ok(mut sized) = self.sized.lock() {
+            sized.insert(key, ());
+        }
+        Ok(key)
     }
 
     /// The compiled validator for `schema`, compiling it on first use.
@@ -377,7 +400,7 @@ pub fn check(
     };
     let declared = turn
         .declarations(&call.name)
-        .filter_map(|t| t.schema.as_ref())
+        .filter_map(|t| t.schema.as_deref())
         .map(|s| ("declared", s));
     for (which, schema) in declared.chain(catalog_schema.map(|s| ("catalog", s))) {
         let compiled = schemas.get(schema);
@@ -562,5 +585,13 @@ mod cache_tests {
         let reason = err.as_ref().as_ref().err().unwrap();
         assert!(reason.contains("--max-schema-bytes"), "{reason}");
         assert!(cache.check_size(&too_big).is_err());
+        // A schema that passed is remembered by fingerprint, and the fingerprint is the
+        // cache's key; a larger one is still refused, every time.
+        let small = schema(10, 7);
+        assert_eq!(cache.check_size(&small), Ok(cache.key(&small)));
+        assert!(cache.sized.lock().unwrap().contains_key(&cache.key(&small)));
+        assert_eq!(cache.check_size(&small), Ok(cache.key(&small)));
+        assert!(cache.check_size(&too_big).is_err());
+        assert!(!cache.sized.lock().unwrap().contains_key(&cache.key(&too_big)));
     }
 }

@@ -37,13 +37,17 @@ impl DeclaredCounts {
         known: &mut KnownSchemas,
     ) -> rusqlite::Result<()> {
         let mut seen: Vec<&str> = Vec::with_capacity(d.tools.len());
-        for (name, schema) in &d.tools {
+        for tool in &d.tools {
+            let name = &tool.name;
             if seen.contains(&name.as_str()) {
                 continue;
             }
             seen.push(name);
-            let digest = schema.as_ref().map(crate::admission::arguments::args_hash);
-            if let (Some(digest), Some(schema)) = (&digest, schema) {
+            let digest = tool
+                .schema
+                .as_deref()
+                .map(|schema| known.digest(tool.fingerprint, schema));
+            if let (Some(digest), Some(schema)) = (&digest, &tool.schema) {
                 if !known.contains(digest) {
                     known.pending.push(digest.clone());
                     let text = schema.to_string();

@@ -515,8 +515,21 @@ pub struct DeclaredToolsRecord {
     pub at_ms: i64,
     pub run_id: Option<String>,
     pub api: &'static str,
-    /// (tool name, declared parameter schema) in declaration order.
-    pub tools: Vec<(String, Option<serde_json::Value>)>,
+    /// The declared tools, in declaration order.
+    pub tools: Vec<DeclaredSchema>,
+}
+
+/// One tool of a [`DeclaredToolsRecord`].
+#[derive(Debug, Clone)]
+pub struct DeclaredSchema {
+    pub name: String,
+    /// The declared parameter schema, shared with the request's turn (not a copy).
+    pub schema: Option<Arc<serde_json::Value>>,
+    /// The schema's fingerprint in this process
+    /// ([`crate::admission::arguments::SchemaCache::check_size`]): the SQLite writer keeps
+    /// each fingerprint's digest, so a schema declared again is not serialized and hashed
+    /// again. `None`: the digest is computed.
+    pub fingerprint: Option<u64>,
 }
 
 /// Largest declared tool schema kept whole, bytes; a larger one keeps its digest only.
@@ -1180,9 +1193,29 @@ fn writer(
 struct KnownSchemas {
     committed: std::collections::HashSet<String>,
     pending: Vec<String>,
+    /// Each schema fingerprint's digest ([`DeclaredSchema::fingerprint`]; a pure function
+    /// of the schema, so a rolled-back batch or a prune leaves it true).
+    digests: std::collections::HashMap<u64, String>,
 }
 
 impl KnownSchemas {
+    /// The digest of a declared schema (SHA-256 of its RFC 8785 form), from its fingerprint
+    /// when this writer has digested it before.
+    fn digest(&mut self, fingerprint: Option<u64>, schema: &serde_json::Value) -> String {
+        let Some(fingerprint) = fingerprint else {
+            return crate::admission::arguments::args_hash(schema);
+        };
+        if let Some(digest) = self.digests.get(&fingerprint) {
+            return digest.clone();
+        }
+        if self.digests.len() >= KNOWN_SCHEMAS {
+            self.digests.clear();
+        }
+        let digest = crate::admission::arguments::args_hash(schema);
+        self.digests.insert(fingerprint, digest.clone());
+        digest
+    }
+
     fn contains(&self, digest: &str) -> bool {
         self.committed.contains(digest) || self.pending.iter().any(|d| d == digest)
     }

@@ -170,7 +170,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
             turn.tools.push(DeclaredTool {
                 freeform: None,
                 name: name.to_owned(),
-                schema: t.get("input_schema").cloned(),
+                schema: t.get("input_schema").cloned().map(std::sync::Arc::new),
             });
         }
     }

@@ -286,7 +286,7 @@ fn declared_tools(
             tools.push(DeclaredTool {
                 freeform: None,
                 name: name.to_owned(),
-                schema: f.get("parameters").cloned(),
+                schema: f.get("parameters").cloned().map(std::sync::Arc::new),
             });
         }
     }
@@ -296,7 +296,7 @@ fn declared_tools(
                 tools.push(DeclaredTool {
                     freeform: None,
                     name: name.to_owned(),
-                    schema: f.get("parameters").cloned(),
+                    schema: f.get("parameters").cloned().map(std::sync::Arc::new),
                 });
             }
         }

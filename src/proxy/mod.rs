@@ -146,7 +146,7 @@ async fn turn(
     let mut turn = provider::adapter(api)
         .parse_request(&json)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
-    check_schema_sizes(state, &turn)?;
+    let fingerprints = check_schema_sizes(state, &turn)?;
     refuse_provider_delegation(ctx, &turn)?;
     check_run_ids(&ctx.run)?;
     let policy = state.policy.snapshot();
@@ -163,7 +163,7 @@ async fn turn(
     let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
     check_channel_schema_size(state, channel.as_ref())?;
     refuse_run_while_journal_fails(state, ctx)?;
-    record_before_upstream(state, ctx, &turn, &policy, trust).await?;
+    record_before_upstream(state, ctx, &turn, &policy, trust, &fingerprints).await?;
 
     let agent_digest = crate::recipes::semantic_request_digest(api, &json);
     let mode = run_mode(&parts.headers)?;
@@ -267,6 +267,7 @@ fn check_channel_schema_size(
             bytes,
             limit_bytes,
         })
+        .map(|_| ())
 }
 
 /// A run node needs durable records (tool-turn contract §D): while the journal is failing
@@ -395,11 +396,16 @@ pub(crate) async fn read_request(
 }
 
 /// A request declaring a tool schema over `max_schema_bytes` is refused before it goes
-/// upstream (issue 11: compiled schemas are bounded in memory).
-fn check_schema_sizes(state: &AppState, turn: &Turn) -> Result<(), WireError> {
+/// upstream (issue 11: compiled schemas are bounded in memory). Returns each declared
+/// tool's schema fingerprint, in `turn.tools` order (`None`: no schema).
+fn check_schema_sizes(state: &AppState, turn: &Turn) -> Result<Vec<Option<u64>>, WireError> {
+    let mut fingerprints = Vec::with_capacity(turn.tools.len());
     for tool in &turn.tools {
-        let Some(schema) = &tool.schema else { continue };
-        state
+        let Some(schema) = &tool.schema else {
+            fingerprints.push(None);
+            continue;
+        };
+        let fingerprint = state
             .schemas
             .check_size(schema)
             .map_err(|(bytes, limit_bytes)| WireError::SchemaTooLarge {
@@ -410,8 +416,9 @@ fn check_schema_sizes(state: &AppState, turn: &Turn) -> Result<(), WireError> {
                 bytes,
                 limit_bytes,
             })?;
+        fingerprints.push(Some(fingerprint));
     }
-    Ok(())
+    Ok(fingerprints)
 }
 
 /// The agent's body as JSON; a body with a repeated object key is refused (what is

@@ -362,6 +362,7 @@ pub(super) async fn record_before_upstream(
     turn: &Turn,
     policy: &CompiledPolicy,
     trust: crate::policy::bundle::ContentTrust,
+    fingerprints: &[Option<u64>],
 ) -> Result<(), WireError> {
     let redactor = &policy.redactor;
     let cap = state.config.journal_max_record_bytes;
@@ -386,7 +387,12 @@ pub(super) async fn record_before_upstream(
         tools: turn
             .tools
             .iter()
-            .map(|t| (t.name.clone(), t.schema.clone()))
+            .enumerate()
+            .map(|(i, t)| crate::journal::DeclaredSchema {
+                name: t.name.clone(),
+                schema: t.schema.clone(),
+                fingerprint: fingerprints.get(i).copied().flatten(),
+            })
             .collect(),
     });
     // An untrusted turn of a run makes the run untrusted from now on (§C, sticky).

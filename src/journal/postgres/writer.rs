@@ -823,9 +823,13 @@ fn plan_event<'a>(out: &mut Vec<Stmt<'a>>, e: &'a EventRecord) {
 }
 
 fn plan_declared_tools<'a>(out: &mut Vec<Stmt<'a>>, d: &'a DeclaredToolsRecord) {
-    for (name, schema) in &d.tools {
-        let digest = schema.as_ref().map(crate::admission::arguments::args_hash);
-        if let (Some(digest), Some(schema)) = (&digest, schema) {
+    for tool in &d.tools {
+        let name = &tool.name;
+        let digest = tool
+            .schema
+            .as_deref()
+            .map(crate::admission::arguments::args_hash);
+        if let (Some(digest), Some(schema)) = (&digest, &tool.schema) {
             let text = schema.to_string();
             let kept = (text.len() <= MAX_DECLARED_SCHEMA_BYTES).then_some(text);
             out.push(
