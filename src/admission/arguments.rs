@@ -592,6 +592,10 @@ mod cache_tests {
         assert!(cache.sized.lock().unwrap().contains_key(&cache.key(&small)));
         assert_eq!(cache.check_size(&small), Ok(cache.key(&small)));
         assert!(cache.check_size(&too_big).is_err());
-        assert!(!cache.sized.lock().unwrap().contains_key(&cache.key(&too_big)));
+        assert!(!cache
+            .sized
+            .lock()
+            .unwrap()
+            .contains_key(&cache.key(&too_big)));
     }
 }
