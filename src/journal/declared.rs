@@ -9,7 +9,7 @@
 //! ever grows (`requests + n`, the earliest `first_at_ms`, the latest `last_at_ms`); no
 //! record of a call, a round or a decision is ever changed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use rusqlite::params;
 
@@ -36,13 +36,13 @@ impl DeclaredCounts {
         d: &DeclaredToolsRecord,
         known: &mut KnownSchemas,
     ) -> rusqlite::Result<()> {
-        let mut seen: Vec<&str> = Vec::with_capacity(d.tools.len());
+        // A set, not a list: a body may declare tens of thousands of tools.
+        let mut seen: HashSet<&str> = HashSet::with_capacity(d.tools.len());
         for tool in &d.tools {
             let name = &tool.name;
-            if seen.contains(&name.as_str()) {
+            if !seen.insert(name.as_str()) {
                 continue;
             }
-            seen.push(name);
             let digest = tool
                 .schema
                 .as_deref()
@@ -88,5 +88,86 @@ impl DeclaredCounts {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::journal::DeclaredSchema;
+
+    fn record(at_ms: i64, tools: &[(&str, Option<serde_json::Value>)]) -> DeclaredToolsRecord {
+        DeclaredToolsRecord {
+            request_id: format!("r{at_ms}"),
+            at_ms,
+            run_id: None,
+            api: "openai_chat",
+            tools: tools
+                .iter()
+                .map(|(name, schema)| DeclaredSchema {
+                    name: (*name).to_owned(),
+                    schema: schema.clone().map(Arc::new),
+                    fingerprint: None,
+                })
+                .collect(),
+        }
+    }
+
+    /// Two commits' declarations add up per (name, schema, API); a name declared twice in one
+    /// request counts once, with its first schema; each schema is stored once.
+    #[test]
+    fn declarations_are_counted_per_request_and_summed_across_commits() {
+        let mut conn = rusqlite::Connection::open_in_memory().unwrap();
+        crate::journal::schema::migrate(&conn).unwrap();
+        let a = serde_json::json!({"type": "object", "properties": {"q": {"type": "string"}}});
+        let b = serde_json::json!({"type": "object"});
+        let mut known = KnownSchemas::default();
+        for (at, tools) in [
+            (
+                10,
+                vec![
+                    ("lookup", Some(a.clone())),
+                    ("lookup", Some(b.clone())),
+                    ("ping", None),
+                ],
+            ),
+            (20, vec![("lookup", Some(a.clone()))]),
+        ] {
+            let tx = conn.transaction().unwrap();
+            let mut counts = DeclaredCounts::default();
+            counts.add(&tx, &record(at, &tools), &mut known).unwrap();
+            counts.flush(&tx).unwrap();
+            tx.commit().unwrap();
+            known.settle(true);
+        }
+        let rows: Vec<(String, String, i64, i64, i64)> = conn
+            .prepare(
+                "SELECT name, schema_digest, requests, first_at_ms, last_at_ms
+                 FROM declared_tool_counts ORDER BY name",
+            )
+            .unwrap()
+            .query_map([], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            })
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        let digest = crate::admission::arguments::args_hash(&a);
+        assert_eq!(
+            rows,
+            [
+                ("lookup".to_owned(), digest, 2, 10, 20),
+                ("ping".to_owned(), String::new(), 1, 10, 10)
+            ]
+        );
+        let schemas: i64 = conn
+            .query_row("SELECT count(*) FROM tool_schemas", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(
+            schemas, 1,
+            "the second `lookup` schema of the first request is not used"
+        );
     }
 }
