@@ -14,6 +14,7 @@
 # from turnguard's metrics the journal commits and the mean records per commit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/common.sh
 [ $# -eq 2 ] || { echo "usage: bench/ab.sh OLD_BINARY NEW_BINARY" >&2; exit 2; }
 A=$(realpath "$1"); B=$(realpath "$2")
 ROUNDS=${ROUNDS:-3}
@@ -27,15 +28,12 @@ command -v wrk >/dev/null || { echo "wrk is missing: apt-get install wrk" >&2; e
 cargo build --release --locked --example benchtool 2>&1 | tail -1
 TOOL=$CARGO_TARGET_DIR/release/examples/benchtool
 WORK=$(mktemp -d)
-free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 MOCK_PORT=$(free_port)
 PIDS=()
 trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true' EXIT
 taskset -c "$LOADGEN_CPU" "$TOOL" mock --listen "127.0.0.1:$MOCK_PORT" >/dev/null &
 PIDS+=($!)
-cp -r policy/examples/acme "$WORK/policy"
-sed -i -e 's/^burst = .*/burst = 100000000/' -e 's/^per_minute = .*/per_minute = 100000000/' \
-  "$WORK/policy/turnguard.toml"
+bench_bundle "$WORK"
 case "$CELL" in
   json) script=bench/post.lua ;;
   jsonrun) script=bench/post-run.lua ;;

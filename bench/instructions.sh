@@ -15,6 +15,7 @@
 # slowdown, so per-commit costs are overstated too. Needs valgrind and a release benchtool.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/common.sh
 [ $# -ge 1 ] || { echo "usage: bench/instructions.sh BINARY [BINARY…]" >&2; exit 2; }
 command -v valgrind >/dev/null || { echo "valgrind is missing: apt-get install valgrind" >&2; exit 1; }
 CELL=${CELL:-json}
@@ -28,15 +29,12 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 cargo build --release --locked --example benchtool 2>&1 | tail -1
 TOOL=$CARGO_TARGET_DIR/release/examples/benchtool
 WORK=$(mktemp -d)
-free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 MOCK_PORT=$(free_port)
 PIDS=()
 trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"' EXIT
 "$TOOL" mock --listen "127.0.0.1:$MOCK_PORT" >/dev/null &
 PIDS+=($!)
-cp -r policy/examples/acme "$WORK/policy"
-sed -i -e 's/^burst = .*/burst = 100000000/' -e 's/^per_minute = .*/per_minute = 100000000/' \
-  "$WORK/policy/turnguard.toml"
+bench_bundle "$WORK"
 
 count() { # binary requests → instructions of the whole process
   local bin=$1 n=$2 port admin pid out

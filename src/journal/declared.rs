@@ -91,6 +91,23 @@ impl DeclaredCounts {
     }
 }
 
+/// Every `declared_tool_counts` row as (name, schema digest, requests, first, last), in key
+/// order: what the tests of this table and of schema step 12 compare.
+#[cfg(test)]
+pub(super) fn counts(conn: &rusqlite::Connection) -> Vec<(String, String, i64, i64, i64)> {
+    conn.prepare(
+        "SELECT name, schema_digest, requests, first_at_ms, last_at_ms
+         FROM declared_tool_counts ORDER BY name, schema_digest, api",
+    )
+    .and_then(|mut st| {
+        st.query_map([], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+        })?
+        .collect()
+    })
+    .expect("declared_tool_counts is readable")
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -142,18 +159,7 @@ mod tests {
             tx.commit().unwrap();
             known.settle(true);
         }
-        let rows: Vec<(String, String, i64, i64, i64)> = conn
-            .prepare(
-                "SELECT name, schema_digest, requests, first_at_ms, last_at_ms
-                 FROM declared_tool_counts ORDER BY name",
-            )
-            .unwrap()
-            .query_map([], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
-            })
-            .unwrap()
-            .map(Result::unwrap)
-            .collect();
+        let rows = counts(&conn);
         let digest = crate::admission::arguments::args_hash(&a);
         assert_eq!(
             rows,

@@ -549,18 +549,7 @@ mod tests {
         )
         .unwrap();
         migrate(&conn).unwrap();
-        let rows: Vec<(String, String, i64, i64, i64)> = conn
-            .prepare(
-                "SELECT name, schema_digest, requests, first_at_ms, last_at_ms
-                 FROM declared_tool_counts ORDER BY name, schema_digest",
-            )
-            .unwrap()
-            .query_map([], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
-            })
-            .unwrap()
-            .map(Result::unwrap)
-            .collect();
+        let rows = super::super::declared::counts(&conn);
         let row = |n: &str, d: &str, c, f, l| (n.to_owned(), d.to_owned(), c, f, l);
         assert_eq!(
             rows,

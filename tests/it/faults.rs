@@ -1190,6 +1190,38 @@ async fn a_declared_schema_over_the_cap_is_413_naming_the_flag() {
     h.stop().await;
 }
 
+/// The size check remembers schemas that passed (a declared tool no call names is not
+/// serialized again on every request): a remembered pass never lets a larger schema through.
+/// Small, oversized, oversized again, small again — 200, 413, 413, 200 — with a declared
+/// tool no call names beside it each time; only the two admitted requests go upstream.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_remembered_size_pass_never_admits_a_larger_schema() {
+    let h = support::start_with(Script::default(), |c| c.max_schema_bytes = 4096).await;
+    h.script(&json!({"responses": [{"json": call_answer("huge")}], "repeat": true}))
+        .await;
+    let request = |props: usize| {
+        json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}],
+        "tools": [
+            {"type": "function", "function": {"name": "aside", "parameters": big_schema(3, 1)}},
+            {"type": "function", "function": {"name": "huge", "parameters": big_schema(props, 0)}}
+        ]})
+    };
+    for (props, want) in [(2, 200), (200, 413), (200, 413), (2, 200)] {
+        let (status, resp) = post_json(&chat_url(&h), &request(props), &[]).await;
+        let text = String::from_utf8_lossy(&resp);
+        assert_eq!(status, want, "{props} properties: {text}");
+        if want == 413 {
+            assert!(text.contains("huge") && text.contains("4096"), "{text}");
+        }
+    }
+    assert_eq!(
+        h.mock_requests().await.len(),
+        2,
+        "only the admitted requests went upstream"
+    );
+    h.stop().await;
+}
+
 /// Distinct large schemas do not grow the compiled-schema cache past its byte budget: least
 /// recently used ones are evicted.
 #[tokio::test(flavor = "multi_thread")]

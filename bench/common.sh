@@ -1,0 +1,12 @@
+# Shared by the bench scripts (sourced, not run): a free loopback port, and the bench's policy
+# bundle — the acme example with its per-(principal, tool) rate bucket raised so the bench's
+# single agent is never rate-limited.
+
+free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+
+# bench_bundle DIR: copies policy/examples/acme to DIR/policy with the bucket raised.
+bench_bundle() {
+  cp -r policy/examples/acme "$1/policy"
+  sed -i -e 's/^burst = .*/burst = 100000000/' -e 's/^per_minute = .*/per_minute = 100000000/' \
+    "$1/policy/turnguard.toml"
+}
