@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use rusqlite::params;
 
-use super::{exec, DeclaredToolsRecord, KnownSchemas, MAX_DECLARED_SCHEMA_BYTES};
+use super::{exec, stored_schema_text, DeclaredToolsRecord, KnownSchemas};
 
 /// One row's share of a batch: requests, earliest and latest `at_ms` (ms since the epoch).
 struct Share {
@@ -50,8 +50,7 @@ impl DeclaredCounts {
             if let (Some(digest), Some(schema)) = (&digest, &tool.schema) {
                 if !known.contains(digest) {
                     known.pending.push(digest.clone());
-                    let text = schema.to_string();
-                    let kept = (text.len() <= MAX_DECLARED_SCHEMA_BYTES).then_some(text);
+                    let kept = stored_schema_text(schema, &d.redactor);
                     exec(
                         tx,
                         "INSERT INTO tool_schemas (schema_digest, schema, at_ms) VALUES (?1, ?2, ?3)
@@ -129,6 +128,9 @@ mod tests {
                     fingerprint: None,
                 })
                 .collect(),
+            redactor: Arc::new(
+                crate::policy::Redactor::compile(&Default::default(), "t", "").unwrap(),
+            ),
         }
     }
 

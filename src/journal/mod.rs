@@ -507,7 +507,9 @@ impl ToolResultRecord {
 /// The tools one agent request declared, for `turnguard policy learn` (SQLite: counted in
 /// `declared_tool_counts`; PostgreSQL: a row each in `declared_tools`; schemas in
 /// `tool_schemas`). Never arguments or results: only the
-/// request's tool declarations.
+/// request's tool declarations, redacted like every other record (tool-turn contract §B
+/// stage 7): names by the request path, schemas by the writer when it stores one
+/// ([`stored_schema_text`]).
 #[derive(Debug, Clone)]
 pub struct DeclaredToolsRecord {
     /// The agent request (the first round's `request_id`).
@@ -517,13 +519,18 @@ pub struct DeclaredToolsRecord {
     pub api: &'static str,
     /// The declared tools, in declaration order.
     pub tools: Vec<DeclaredSchema>,
+    /// The request's redactor, for the schemas the writer stores.
+    pub redactor: Arc<crate::policy::Redactor>,
 }
 
 /// One tool of a [`DeclaredToolsRecord`].
 #[derive(Debug, Clone)]
 pub struct DeclaredSchema {
+    /// The declared name, already redacted.
     pub name: String,
-    /// The declared parameter schema, shared with the request's turn (not a copy).
+    /// The declared parameter schema as the agent sent it, shared with the request's turn
+    /// (not a copy). Its digest is taken of it as sent (one row per distinct schema); what
+    /// `tool_schemas` keeps of it is [`stored_schema_text`].
     pub schema: Option<Arc<serde_json::Value>>,
     /// The schema's fingerprint in this process
     /// ([`crate::admission::arguments::SchemaCache::check_size`]): the SQLite writer keeps
@@ -534,6 +541,24 @@ pub struct DeclaredSchema {
 
 /// Largest declared tool schema kept whole, bytes; a larger one keeps its digest only.
 pub const MAX_DECLARED_SCHEMA_BYTES: usize = 64 << 10;
+
+/// What `tool_schemas.schema` keeps of a declared schema: its JSON text with every secret
+/// the redactor finds replaced ([`redact::redact_body`]: strings after unescaping, and
+/// object keys as text), or `None` (digest only) when that text is over
+/// [`MAX_DECLARED_SCHEMA_BYTES`] or cannot be redacted. Run once per schema the writer has
+/// not stored before, never per request.
+pub fn stored_schema_text(
+    schema: &serde_json::Value,
+    redactor: &crate::policy::Redactor,
+) -> Option<String> {
+    let text = schema.to_string();
+    let text = match redact::redact_body(redactor, text.as_bytes()) {
+        redact::Redacted::Clean => text,
+        redact::Redacted::Replaced(bytes) => String::from_utf8(bytes).ok()?,
+        redact::Redacted::Withheld => return None,
+    };
+    (text.len() <= MAX_DECLARED_SCHEMA_BYTES).then_some(text)
+}
 
 /// An OpenWOP run event (`agent.tool-called`, `agent.tool-returned` …) to append.
 #[derive(Debug, Clone)]

@@ -111,8 +111,8 @@ pub struct CompiledPolicy {
     pub catalog: Catalog,
     /// Cedar rules.
     pub rules: Rules,
-    /// Redaction.
-    pub redactor: Redactor,
+    /// Redaction (shared with the journal records that redact in the writer thread).
+    pub redactor: Arc<Redactor>,
     /// Prompted-output schemas by name (`schemas/<name>.json`).
     pub prompted: BTreeMap<String, Arc<Value>>,
     /// Test cases (file, case).
@@ -321,7 +321,7 @@ pub fn compile(src: &BundleSource) -> Result<CompiledPolicy, Vec<PolicyError>> {
         }
     }
     let redactor = match Redactor::compile(&settings.redaction, "turnguard.toml", settings_text) {
-        Ok(r) => Some(r),
+        Ok(r) => Some(Arc::new(r)),
         Err(e) => {
             errors.extend(e);
             None

@@ -389,11 +389,12 @@ pub(super) async fn record_before_upstream(
             .iter()
             .enumerate()
             .map(|(i, t)| crate::journal::DeclaredSchema {
-                name: t.name.clone(),
+                name: redactor.redact_text(&t.name),
                 schema: t.schema.clone(),
                 fingerprint: fingerprints.get(i).copied().flatten(),
             })
             .collect(),
+        redactor: Arc::clone(&policy.redactor),
     });
     // An untrusted turn of a run makes the run untrusted from now on (§C, sticky).
     let run_untrusted = ctx

@@ -25,7 +25,7 @@ use super::super::interrupts::{
 use super::super::{
     BeforeUpstream, Claim, DeclaredToolsRecord, EffectClaim, EventRecord, InterruptState, Job,
     JournalError, JournalHealth, Op, RoundCommit, RoundRecord, RunKey, ServedRecord,
-    ToolResultRecord, UnknownValue, CLAIM_LEASE_MS, MAX_BATCH, MAX_DECLARED_SCHEMA_BYTES,
+    ToolResultRecord, UnknownValue, CLAIM_LEASE_MS, MAX_BATCH,
 };
 use super::reader::u32_of;
 use super::{describe, store_failure, CHANNEL};
@@ -830,8 +830,7 @@ fn plan_declared_tools<'a>(out: &mut Vec<Stmt<'a>>, d: &'a DeclaredToolsRecord) 
             .as_deref()
             .map(crate::admission::arguments::args_hash);
         if let (Some(digest), Some(schema)) = (&digest, &tool.schema) {
-            let text = schema.to_string();
-            let kept = (text.len() <= MAX_DECLARED_SCHEMA_BYTES).then_some(text);
+            let kept = crate::journal::stored_schema_text(schema, &d.redactor);
             out.push(
                 Stmt::new(
                     "INSERT INTO tool_schemas (schema_digest, schema, at_ms) VALUES ($1, $2, $3)

@@ -282,6 +282,78 @@ async fn no_secret_reaches_the_journal_in_clear() {
     );
 }
 
+/// The tools an agent declares are journaled for `policy learn` (names, API, each distinct
+/// schema once), and redacted like every other record: a key in a declared tool's name, in a
+/// schema's description, spelt with a JSON escape, or used as a property name never reaches
+/// the journal in clear, on a chat turn and on a run round alike; the schema is kept with the
+/// text around the key.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_declared_tool_carries_no_secret_into_the_journal() {
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    let in_name = "sk-proj-NAMEaaaaaaaaaaaaaaaaaaaaaaaa0011";
+    let in_description = "Bearer DESCbbbbbbbbbbbbbbbbbbbbbbbb0012";
+    let escaped_tail = "ESCcccccccccccccccccccccccc0013";
+    let in_key = "sk-proj-KEYSdddddddddddddddddddddddd0014";
+    let mut tools = declared_tools();
+    let extra = format!(
+        r#"[{{"type": "function", "function": {{"name": "{in_name}", "description": "unused",
+            "parameters": {{"type": "object"}}}}}},
+           {{"type": "function", "function": {{"name": "billing_probe",
+            "description": "Probes billing.",
+            "parameters": {{"type": "object", "description": "Calls billing with {in_description} set.",
+                "properties": {{
+                "token": {{"type": "string", "default": "\u0073k-proj-{escaped_tail}"}},
+                "{in_key}": {{"type": "string"}}}}}}}}}}]"#
+    );
+    let extra: Vec<Value> = serde_json::from_str(&extra).unwrap();
+    tools.as_array_mut().unwrap().extend(extra);
+    h.script(&json!({"responses": [
+        {"json": answer_text("chatcmpl-d0", "Nothing to do.")},
+        {"json": answer_text("chatcmpl-d1", "Nothing to do.")},
+    ]}))
+    .await;
+    // A run round, then a chat turn (no `Turnguard-Run`).
+    let agent = Agent::new(&h, "run-declared", "Anything to do?");
+    let mut body = agent.body();
+    body["tools"] = tools;
+    let r = agent.send_body(&body).await;
+    assert_eq!(r.status, 200, "{}", r.text_body());
+    let (status, _, bytes) = support::call(
+        "POST",
+        &format!("{}/v1/chat/completions", h.url()),
+        &[],
+        Some(&body),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    let dir = h.stop().await;
+    for (needle, what) in [
+        (in_name, "a key as a declared tool's name"),
+        (in_description, "a key in a declared schema's description"),
+        (
+            escaped_tail,
+            "a key spelt with a JSON escape in a declared schema",
+        ),
+        (in_key, "a key as a declared schema's property name"),
+    ] {
+        assert_journal_free_of(dir.path(), needle, what);
+    }
+    let db = support::journal(&dir.path().join("journal.db"));
+    let kept: String = db
+        .query_row(
+            "SELECT schema FROM tool_schemas WHERE schema LIKE '%Calls billing%'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(
+        kept.contains("[REDACTED:bearer-token]")
+            && kept.contains("[REDACTED:api-key]")
+            && kept.contains("set."),
+        "the schema is kept around its redacted keys: {kept}"
+    );
+}
+
 /// Issue 10 item 10: a reused `x-request-id` silently dropped the second round's calls (the
 /// journal keyed rounds by the client's id, `ON CONFLICT DO NOTHING`). The journal's keys are
 /// turnguard's own; the client's id is a column.
