@@ -5,6 +5,7 @@
 #
 #   bench/instructions.sh OLD_BINARY NEW_BINARY         # json cell (post.lua's request)
 #   CELL=jsonagent REQUESTS=1200 bench/instructions.sh old new
+#   KEEP=/tmp/cg bench/instructions.sh new   # also keeps the last busy callgrind file there
 #
 # Per binary: one run with REQUESTS requests (8 keep-alive connections, one at a time each)
 # and one with 8, both under callgrind; instructions/request = (total − idle) / (REQUESTS − 8),
@@ -72,5 +73,6 @@ for bin in "$@"; do
   python3 -c "import sys; b,i,n=map(int,sys.argv[1:4]); print(f'{sys.argv[4]}\t{(b-i)/(n-8):,.0f} instructions/request ({n} requests, {sys.argv[5]})')" \
     "$busy" "$idle" "$REQUESTS" "$bin" "$CELL"
 done
+if [ -n "${KEEP:-}" ]; then mkdir -p "$KEEP"; cp "$WORK/cg.$REQUESTS.out" "$KEEP/callgrind.out"; fi
 echo "top inclusive turnguard functions of the last binary (all requests):"
 callgrind_annotate --inclusive=yes "$WORK/cg.$REQUESTS.out" 2>/dev/null | grep 'turnguard::' | head -25 | cut -c1-150

@@ -358,7 +358,10 @@ pub async fn settle(
     let redactor = &session.policy.redactor;
     let calls: Vec<Value> = held_calls(session, round, verdicts)
         .into_iter()
-        .map(|c| redactor.redact("", &c).0)
+        .map(|mut c| {
+            redactor.redact_in_place("", &mut c);
+            c
+        })
         .collect();
     let hashes: BTreeSet<String> = calls
         .iter()
@@ -497,12 +500,12 @@ fn interrupt_record(
         request_id: session.ctx.journal_id.clone(),
         principal: person.map(str::to_owned),
         policy_revision: session.policy.revision.clone(),
-        payload: redactor
-            .redact(
-                "",
-                &json!({"kind": "approval", "key": key, "data": data, "timeoutMs": timeout_ms}),
-            )
-            .0,
+        payload: {
+            let mut payload =
+                json!({"kind": "approval", "key": key, "data": data, "timeoutMs": timeout_ms});
+            redactor.redact_in_place("", &mut payload);
+            payload
+        },
         calls: Value::Array(calls),
         requested_at_ms: now,
         expires_at_ms: now.saturating_add(timeout_ms as i64),

@@ -30,7 +30,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use jsonschema::{Draft, Validator};
+use jsonschema::Draft;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -133,7 +133,7 @@ pub fn canonical(v: &Value) -> Vec<u8> {
 }
 
 /// A compiled validator, or why the schema does not compile.
-pub type Compiled = Arc<Result<Validator, String>>;
+pub type Compiled = crate::policy::catalog::CompiledSchema;
 
 /// Estimated memory of a compiled validator per byte of its schema's JSON (measured with
 /// `jsonschema` 0.61: a 1.7 MB schema compiles to about 41 MB, ×24; rounded up).
@@ -278,24 +278,10 @@ impl SchemaCache {
         if let Some(hit) = self.cached(key, schema) {
             return hit;
         }
-        let json_len = canonical(schema).len();
+        let (built, json_len) = self.compile_sized(schema);
         if json_len > self.limits.max_schema_bytes {
-            return Arc::new(Err(format!(
-                "the schema is {json_len} bytes; turnguard compiles schemas of at most {} bytes (max_schema_bytes; raise it with --max-schema-bytes)",
-                self.limits.max_schema_bytes
-            )));
+            return built;
         }
-        let built = Arc::new(
-            jsonschema::options()
-                .with_draft(Draft::Draft202012)
-                .build(schema)
-                .map_err(|e| {
-                    format!(
-                        "the declared schema does not compile: {}",
-                        e.kind().keyword()
-                    )
-                }),
-        );
         let cost = json_len
             .saturating_mul(COMPILED_BYTES_PER_JSON_BYTE + SCHEMA_TREE_BYTES_PER_JSON_BYTE)
             .saturating_add(1024);
@@ -326,6 +312,38 @@ impl SchemaCache {
         built
     }
 
+    /// `schema` compiled, not cached: for a schema whose owner keeps it (a catalog tool's
+    /// `inputSchema`, compiled once per policy snapshot: [`CatalogTool::input_validator`]).
+    /// The same size cap and errors as [`SchemaCache::get`].
+    ///
+    /// [`CatalogTool::input_validator`]: crate::policy::catalog::CatalogTool::input_validator
+    pub fn compile(&self, schema: &Value) -> Compiled {
+        self.compile_sized(schema).0
+    }
+
+    /// [`SchemaCache::compile`] and the schema's RFC 8785 length, bytes (over
+    /// `max_schema_bytes`: not compiled).
+    fn compile_sized(&self, schema: &Value) -> (Compiled, usize) {
+        let json_len = canonical(schema).len();
+        if json_len > self.limits.max_schema_bytes {
+            let refused = Err(format!(
+                "the schema is {json_len} bytes; turnguard compiles schemas of at most {} bytes (max_schema_bytes; raise it with --max-schema-bytes)",
+                self.limits.max_schema_bytes
+            ));
+            return (Arc::new(refused), json_len);
+        }
+        let built = jsonschema::options()
+            .with_draft(Draft::Draft202012)
+            .build(schema)
+            .map_err(|e| {
+                format!(
+                    "the declared schema does not compile: {}",
+                    e.kind().keyword()
+                )
+            });
+        (Arc::new(built), json_len)
+    }
+
     /// Number of compiled schemas held.
     pub fn len(&self) -> usize {
         self.lru.lock().map(|m| m.map.len()).unwrap_or(0)
@@ -349,7 +367,7 @@ pub fn check(
     turn: &Turn,
     call: &ToolCall,
     args: &Result<Value, ArgsError>,
-    catalog_schema: Option<&Value>,
+    catalog_schema: Option<Compiled>,
     schemas: &SchemaCache,
 ) -> Option<Decision> {
     let invalid = |reason: crate::reason::Reason, message: String| {
@@ -401,9 +419,8 @@ pub fn check(
     let declared = turn
         .declarations(&call.name)
         .filter_map(|t| t.schema.as_deref())
-        .map(|s| ("declared", s));
-    for (which, schema) in declared.chain(catalog_schema.map(|s| ("catalog", s))) {
-        let compiled = schemas.get(schema);
+        .map(|s| ("declared", schemas.get(s)));
+    for (which, compiled) in declared.chain(catalog_schema.map(|c| ("catalog", c))) {
         let validator = match compiled.as_ref() {
             Ok(v) => v,
             Err(reason) => {

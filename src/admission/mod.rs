@@ -227,10 +227,8 @@ impl CallCtx<'_> {
         );
         self.trace.push((Stage::Name, pass));
         // 3. arguments
-        let catalog_schema = tool
-            .input_schema()
-            .map(|s| Value::Object(s.clone().into_iter().collect()));
-        if let Some(d) = arguments::check(turn, call, &args, catalog_schema.as_ref(), ctx.schemas) {
+        let catalog_schema = tool.input_validator(|s| ctx.schemas.compile(s));
+        if let Some(d) = arguments::check(turn, call, &args, catalog_schema, ctx.schemas) {
             return Err(Box::new(d));
         }
         self.trace.push((

@@ -2,6 +2,7 @@
 //! provider-facing tool name (DESIGN.md §5; OpenWOP tool-catalog.md).
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, OnceLock};
 
 use serde_json::Value;
 
@@ -32,12 +33,32 @@ pub struct CatalogTool {
     pub file: String,
     /// `false` for the unknown-tool stand-in.
     pub catalogued: bool,
+    /// The `inputSchema` compiled on first use and kept with this policy snapshot (a reload
+    /// builds a new catalog), so a call does not rebuild, hash and look the schema up.
+    compiled_input: OnceLock<CompiledSchema>,
 }
+
+/// A compiled JSON Schema, or why it does not compile (the admission stage's
+/// `arguments::Compiled`).
+pub type CompiledSchema = Arc<Result<jsonschema::Validator, String>>;
 
 impl CatalogTool {
     /// The descriptor's `inputSchema`.
     pub fn input_schema(&self) -> Option<&BTreeMap<String, Value>> {
         self.descriptor.input_schema.as_ref()
+    }
+
+    /// The `inputSchema` compiled by `compile` on the first call of this snapshot, the same
+    /// validator after; `None` when the descriptor has none.
+    pub fn input_validator(
+        &self,
+        compile: impl FnOnce(&Value) -> CompiledSchema,
+    ) -> Option<CompiledSchema> {
+        let schema = self.descriptor.input_schema.as_ref()?;
+        let compiled = self
+            .compiled_input
+            .get_or_init(|| compile(&Value::Object(schema.clone().into_iter().collect())));
+        Some(Arc::clone(compiled))
     }
 
     /// Needs the trust gate when the turn is untrusted (tool-turn contract §C; DESIGN.md §4):
@@ -156,6 +177,7 @@ impl Catalog {
                     idempotency_meta_key,
                     file: file.clone(),
                     catalogued: true,
+                    compiled_input: OnceLock::new(),
                 });
             }
         }
@@ -227,6 +249,7 @@ fn unknown_tool() -> CatalogTool {
         idempotency_meta_key: None,
         file: String::new(),
         catalogued: false,
+        compiled_input: OnceLock::new(),
     }
 }
 

@@ -108,17 +108,24 @@ impl Redactor {
     /// A copy of `args` with every secret replaced; returns it and how many were found.
     pub fn redact(&self, tool_id: &str, args: &Value) -> (Value, usize) {
         let mut out = args.clone();
+        let found = self.redact_in_place(tool_id, &mut out);
+        (out, found)
+    }
+
+    /// [`Redactor::redact`] on a value the caller owns (no copy); returns how many secrets
+    /// were replaced.
+    pub fn redact_in_place(&self, tool_id: &str, v: &mut Value) -> usize {
         let mut found = 0;
         for (tool, pointer) in &self.pointers {
             if tool == tool_id {
-                if let Some(v) = out.pointer_mut(pointer) {
+                if let Some(v) = v.pointer_mut(pointer) {
                     *v = Value::String("[REDACTED:pointer]".into());
                     found += 1;
                 }
             }
         }
-        self.walk(&mut out, &mut found);
-        (out, found)
+        self.walk(v, &mut found);
+        found
     }
 
     /// Redacts secrets inside free text (log lines, tool results).

@@ -358,13 +358,14 @@ impl Session {
     }
 
     /// An event of this request; its payload redacted (model-chosen names and ids included).
-    pub(super) fn event(&self, kind: &'static str, payload: Value) -> EventRecord {
+    pub(super) fn event(&self, kind: &'static str, mut payload: Value) -> EventRecord {
+        self.policy.redactor.redact_in_place("", &mut payload);
         EventRecord {
             request_id: self.ctx.journal_id.clone(),
             run: self.ctx.run.clone(),
             at_ms: now_ms(),
             kind,
-            payload: self.policy.redactor.redact("", &payload).0,
+            payload,
         }
     }
 
