@@ -474,10 +474,7 @@ impl SqliteReader {
     /// rounds.
     pub fn show(&self, run: &str) -> Result<Vec<serde_json::Value>, JournalError> {
         let (filter, key) = match run.strip_prefix("chat:") {
-            Some(request) => (
-                "r.run_id IS NULL AND (r.request_id = ?1 OR r.client_request_id = ?1 OR substr(r.request_id, 1, length(?1) + 8) = ?1 || '#repair-')",
-                request,
-            ),
+            Some(request) => (CHAT_TURN_ROUNDS, request),
             None => ("r.run_id = ?1", run),
         };
         self.with(|c| {
@@ -784,3 +781,11 @@ mod pool_tests {
         writer.join();
     }
 }
+
+/// The rounds of the chat turn `?1` names (`turnguard journal show chat:<id>`): its journal
+/// id, the agent's `x-request-id`, or its repair rounds (`<id>#repair-N`, found as the key
+/// range `[<id>#repair-, <id>#repair.)`, `.` being the byte after `-`). Each term is an
+/// index search (SQLite's multi-index OR), never a scan of every round.
+pub(crate) const CHAT_TURN_ROUNDS: &str =
+    "r.run_id IS NULL AND (r.request_id = ?1 OR r.client_request_id = ?1 \
+     OR (r.request_id >= ?1 || '#repair-' AND r.request_id < ?1 || '#repair.'))";

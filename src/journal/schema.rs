@@ -6,7 +6,7 @@ use rusqlite::Connection;
 /// journal recorded: step 10 drops an index, step 12 folds `declared_tools`' per-request rows
 /// into per-(tool, schema, API) counts and makes `rounds_run` partial; no other step removes
 /// anything.
-pub const VERSION: i64 = 12;
+pub const VERSION: i64 = 13;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -55,7 +55,25 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 12 {
         v12(conn)?;
     }
+    if version < 13 {
+        v13(conn)?;
+    }
     Ok(())
+}
+
+/// `rounds_client` indexed every round, and most rounds carry no `x-request-id` (the OpenAI
+/// and Anthropic SDKs send none): a NULL key written on every round of every turn. It is
+/// rebuilt partial (`client_request_id IS NOT NULL`); its one reader, `turnguard journal
+/// show chat:<id>`, compares the column to an id, which implies NOT NULL.
+fn v13(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         DROP INDEX IF EXISTS rounds_client;
+         CREATE INDEX rounds_client ON rounds (client_request_id)
+            WHERE client_request_id IS NOT NULL;
+         PRAGMA user_version = 13;
+         COMMIT;",
+    )
 }
 
 /// Two chat-turn write costs that bought nothing:
@@ -583,5 +601,49 @@ mod tests {
             )
             .unwrap();
         assert!(plan.contains("INDEX rounds_run (run_id=?"), "{plan}");
+    }
+
+    /// Step 13 keeps `rounds_client` for rounds that carry the agent's id only, and a lookup
+    /// by that id still uses it.
+    #[test]
+    fn step_13_indexes_client_ids_only_where_there_is_one() {
+        let conn = Connection::open_in_memory().unwrap();
+        migrate(&conn).unwrap();
+        let index: String = conn
+            .query_row(
+                "SELECT sql FROM sqlite_master WHERE name = 'rounds_client'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(
+            index.contains("WHERE client_request_id IS NOT NULL"),
+            "{index}"
+        );
+        let plan: String = conn
+            .query_row(
+                "EXPLAIN QUERY PLAN SELECT id FROM rounds WHERE client_request_id = ?1",
+                ["agent-id"],
+                |r| r.get(3),
+            )
+            .unwrap();
+        assert!(
+            plan.contains("INDEX rounds_client (client_request_id=?"),
+            "{plan}"
+        );
+        let sql = format!(
+            "EXPLAIN QUERY PLAN SELECT r.id FROM rounds r WHERE {}",
+            super::super::reader::CHAT_TURN_ROUNDS
+        );
+        let mut st = conn.prepare(&sql).unwrap();
+        let plan: Vec<String> = st
+            .query_map(["t1"], |r| r.get(3))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert!(
+            plan.iter().all(|step| !step.starts_with("SCAN")),
+            "`journal show chat:` searches indexes: {plan:?}"
+        );
     }
 }

@@ -823,6 +823,11 @@ async fn logs_and_the_journal_cli_show_what_turnguard_did() {
     assert_eq!(code, 0, "{out}");
     let shown: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(
+        shown["rounds"].as_array().map(Vec::len),
+        Some(2),
+        "the agent's id finds the turn's round and its repair round: {shown}"
+    );
+    assert_eq!(
         shown.pointer("/rounds/0/calls/0/name"),
         Some(&json!("drop_table")),
         "{shown}"
@@ -832,6 +837,17 @@ async fn logs_and_the_journal_cli_show_what_turnguard_did() {
         Some(&json!("invalid")),
         "{shown}"
     );
+    // By turnguard's own id: the round by its key, the repair round by its key's prefix.
+    let (code, out) = turnguard(&[
+        "journal",
+        "show",
+        cols[0],
+        "--journal",
+        &support::journal_arg(&journal),
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let by_own_id: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(by_own_id["rounds"], shown["rounds"], "{by_own_id}");
     drop(tg);
     mock.abort();
 }
