@@ -754,6 +754,14 @@ impl JournalReader {
     }
 }
 
+/// The rounds of the chat turn `?1` names (`turnguard journal show chat:<id>`): its journal
+/// id, the agent's `x-request-id`, or its repair rounds (`<id>#repair-N`, found as the key
+/// range `[<id>#repair-, <id>#repair.)`, `.` being the byte after `-`). Each term is an
+/// index search (SQLite's multi-index OR), never a scan of every round.
+pub(crate) const CHAT_TURN_ROUNDS: &str =
+    "r.run_id IS NULL AND (r.request_id = ?1 OR r.client_request_id = ?1 \
+     OR (r.request_id >= ?1 || '#repair-' AND r.request_id < ?1 || '#repair.'))";
+
 #[cfg(test)]
 mod pool_tests {
     use super::*;
@@ -781,11 +789,3 @@ mod pool_tests {
         writer.join();
     }
 }
-
-/// The rounds of the chat turn `?1` names (`turnguard journal show chat:<id>`): its journal
-/// id, the agent's `x-request-id`, or its repair rounds (`<id>#repair-N`, found as the key
-/// range `[<id>#repair-, <id>#repair.)`, `.` being the byte after `-`). Each term is an
-/// index search (SQLite's multi-index OR), never a scan of every round.
-pub(crate) const CHAT_TURN_ROUNDS: &str =
-    "r.run_id IS NULL AND (r.request_id = ?1 OR r.client_request_id = ?1 \
-     OR (r.request_id >= ?1 || '#repair-' AND r.request_id < ?1 || '#repair.'))";
