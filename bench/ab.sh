@@ -8,6 +8,7 @@
 #   ROUNDS=5 SECONDS_PER_RUN=8 CELL=jsonrun bench/ab.sh old new
 #   CELL=jsontools bench/ab.sh old new   # each request carries a new tool result (post-tools.lua)
 #   CELL=jsonagent bench/ab.sh old new   # a coding agent's request: 16 tools, a long system prompt
+#   BENCHTOOL=/tmp/benchtool bench/ab.sh old new   # an earlier benchtool build: nothing compiled
 #
 # Reported per run: requests/s, p99, turnguard CPU µs per request (utime+stime of the whole
 # process over the run divided by wrk's requests), peak RSS (VmHWM) at the end of the run, and
@@ -25,8 +26,7 @@ LOADGEN_CPU=${LOADGEN_CPU:-0}
 PROXY_CPU=${PROXY_CPU:-1}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 command -v wrk >/dev/null || { echo "wrk is missing: apt-get install wrk" >&2; exit 1; }
-cargo build --release --locked --example benchtool 2>&1 | tail -1
-TOOL=$CARGO_TARGET_DIR/release/examples/benchtool
+TOOL=$(bench_tool)
 WORK=$(mktemp -d)
 MOCK_PORT=$(free_port)
 PIDS=()

@@ -10,3 +10,15 @@ bench_bundle() {
   sed -i -e 's/^burst = .*/burst = 100000000/' -e 's/^per_minute = .*/per_minute = 100000000/' \
     "$1/policy/turnguard.toml"
 }
+
+# bench_tool: prints the benchtool to run: $BENCHTOOL when set (an earlier build; the scripts
+# use only its mock and load generator, so any build serves and nothing is compiled while
+# measuring), else this checkout's release build, built first.
+bench_tool() {
+  if [ -n "${BENCHTOOL:-}" ]; then
+    realpath "$BENCHTOOL"
+  else
+    cargo build --release --locked --example benchtool 2>&1 | tail -1 >&2
+    echo "$CARGO_TARGET_DIR/release/examples/benchtool"
+  fi
+}

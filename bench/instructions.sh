@@ -6,6 +6,7 @@
 #   bench/instructions.sh OLD_BINARY NEW_BINARY         # json cell (post.lua's request)
 #   CELL=jsonagent REQUESTS=1200 bench/instructions.sh old new
 #   KEEP=/tmp/cg bench/instructions.sh new   # also keeps the last busy callgrind file there
+#   BENCHTOOL=/tmp/benchtool bench/instructions.sh new   # a benchtool built before: no build
 #
 # Per binary: one run with REQUESTS requests (8 keep-alive connections, one at a time each)
 # and one with 8, both under callgrind; instructions/request = (total − idle) / (REQUESTS − 8),
@@ -27,8 +28,7 @@ case "$CELL" in
   *) echo "CELL is json or jsonagent" >&2; exit 2 ;;
 esac
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
-cargo build --release --locked --example benchtool 2>&1 | tail -1
-TOOL=$CARGO_TARGET_DIR/release/examples/benchtool
+TOOL=$(bench_tool)
 WORK=$(mktemp -d)
 MOCK_PORT=$(free_port)
 PIDS=()
