@@ -9,6 +9,7 @@
 #   RUN=1 bench/flame.sh                # with `Turnguard-Run` on every request (bench/post-run.lua)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/common.sh
 # Not `SECONDS`: bash sets that one itself (seconds since the shell started), so it is never
 # unset and a default for it never applies.
 SECS=${PROFILE_SECONDS:-10}
@@ -26,13 +27,11 @@ TG=$CARGO_TARGET_DIR/release/turnguard
 TOOL=$CARGO_TARGET_DIR/release/examples/benchtool
 rm -rf "$OUT"; mkdir -p "$OUT"
 WORK=$(mktemp -d)
-free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 MOCK=$(free_port); PORT=$(free_port); ADMIN=$(free_port)
 PIDS=()
 trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true' EXIT
 taskset -c 0 "$TOOL" mock --listen "127.0.0.1:$MOCK" & PIDS+=($!)
-cp -r policy/examples/acme "$WORK/policy"
-sed -i -e 's/^burst = .*/burst = 100000000/' -e 's/^per_minute = .*/per_minute = 100000000/' "$WORK/policy/turnguard.toml"
+bench_bundle "$WORK"
 taskset -c 1 "$TG" serve --listen "127.0.0.1:$PORT" --admin-listen "127.0.0.1:$ADMIN" \
   --journal "$WORK/journal.db" --policy "$WORK/policy" --upstream "openai=http://127.0.0.1:$MOCK" \
   --log-format json 2> "$OUT/turnguard.log" &

@@ -11,6 +11,7 @@
 #   JOURNALS="sqlite postgres" bench/fsyncs.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/common.sh
 N=${1:-200}
 JOURNALS=${JOURNALS:-sqlite}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
@@ -18,7 +19,6 @@ cargo build --release --locked --bin turnguard --example benchtool 2>&1 | tail -
 TG=$CARGO_TARGET_DIR/release/turnguard
 TOOL=$CARGO_TARGET_DIR/release/examples/benchtool
 WORK=$(mktemp -d)
-free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 MOCK=$(free_port)
 PIDS=()
 PG_DIR=""
@@ -30,8 +30,7 @@ cleanup() {
 }
 trap cleanup EXIT
 "$TOOL" mock --listen "127.0.0.1:$MOCK" & PIDS+=($!)
-cp -r policy/examples/acme "$WORK/policy"
-sed -i -e 's/^burst = .*/burst = 100000000/' -e 's/^per_minute = .*/per_minute = 100000000/' "$WORK/policy/turnguard.toml"
+bench_bundle "$WORK"
 if [[ " $JOURNALS " == *" postgres "* ]] && [ -z "${BENCH_PG_URL:-}" ]; then
   read -r PG_DIR BENCH_PG_URL < <(TURNGUARD_CI_PG_PORT=${BENCH_PG_PORT:-55434} .ci/postgres.sh)
 fi

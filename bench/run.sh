@@ -10,6 +10,7 @@
 #                                # throwaway cluster from .ci/postgres.sh, or BENCH_PG_URL)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/common.sh
 ROUNDS=${ROUNDS:-3}
 SECS=${SECONDS_PER_RUN:-6}
 EVENT_DELAY_US=${EVENT_DELAY_US:-1000}
@@ -41,7 +42,6 @@ for a in $ALLOCATORS; do
   cp "$CARGO_TARGET_DIR/release/turnguard" "$WORK/turnguard-$a"
 done
 TG=$WORK/turnguard-${ALLOCATORS%% *}
-free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 MOCK_PORT=$(free_port); NGINX_PORT=$(free_port)
 
 PIDS=()
@@ -66,9 +66,7 @@ taskset -c "$PROXY_CPU" nginx -p "$WORK/nginx" -c "$WORK/nginx.conf"
 # rules over arguments, limits, redaction) with its per-(principal, tool) token bucket raised
 # so the bench's one agent is not rate-limited (the bucket still runs), journal on (a file on
 # disk, synchronous=FULL), JSON logs.
-cp -r policy/examples/acme "$WORK/policy"
-sed -i -e 's/^burst = .*/burst = 100000000/' -e 's/^per_minute = .*/per_minute = 100000000/' \
-  "$WORK/policy/turnguard.toml"
+bench_bundle "$WORK"
 "$TG" policy check "$WORK/policy" >/dev/null
 declare -A URL=(
   [direct]="http://127.0.0.1:$MOCK_PORT/v1/chat/completions"

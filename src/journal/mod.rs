@@ -57,6 +57,7 @@ mod interrupts;
 mod location;
 mod mcp;
 mod postgres;
+mod prune;
 mod reader;
 pub mod redact;
 mod schema;
@@ -1279,7 +1280,7 @@ fn commit_batch(
     for job in batch.iter_mut() {
         match &mut job.op {
             Op::ConfirmClaims(list) => confirm(&tx, list)?,
-            Op::Prune { before_ms } => prune(&tx, *before_ms, known)?,
+            Op::Prune { before_ms } => prune::prune(&tx, *before_ms, known)?,
             Op::BeforeUpstream(u) => {
                 if let Some(r) = &u.run_untrusted {
                     exec(
@@ -1370,34 +1371,6 @@ fn commit_batch(
     for reply in replies {
         reply();
     }
-    Ok(())
-}
-
-/// Deletes what is older than `t` (ms since the epoch) from every table that ages out.
-fn prune(tx: &rusqlite::Transaction<'_>, t: i64, known: &mut KnownSchemas) -> rusqlite::Result<()> {
-    // The prune may delete stored schemas: store them again when next declared.
-    known.committed.clear();
-    known.pending.clear();
-    exec(tx, "DELETE FROM tool_calls WHERE request_id IN (SELECT request_id FROM rounds WHERE at_ms < ?1)", params![t])?;
-    for table in ["rounds", "tool_results", "effects", "events", "served"] {
-        exec(
-            tx,
-            &format!("DELETE FROM {table} WHERE at_ms < ?1"),
-            params![t],
-        )?;
-    }
-    // A tool's counts age out once no request has declared it since `t`.
-    exec(
-        tx,
-        "DELETE FROM declared_tool_counts WHERE last_at_ms < ?1",
-        params![t],
-    )?;
-    exec(tx, "DELETE FROM tool_schemas WHERE at_ms < ?1 AND schema_digest NOT IN (SELECT schema_digest FROM declared_tool_counts)", params![t])?;
-    exec(
-        tx,
-        "DELETE FROM principal_tokens WHERE expires_at_ms < ?1",
-        params![t],
-    )?;
     Ok(())
 }
 
