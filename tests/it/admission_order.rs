@@ -1283,3 +1283,50 @@ async fn a_suppressed_repeat_without_a_recorded_result_is_not_reported_as_succes
         );
     }
 }
+
+/// The catalog's `inputSchema` is compiled once per policy snapshot and enforced on every
+/// call, not only the first: the agent declares `get_weather` with a schema that accepts
+/// anything, so only the catalog's `required = ["location"]` can refuse `{}`. Valid, invalid,
+/// valid again: executed, invalid at the arguments stage naming the catalog schema, executed.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_catalog_schema_is_enforced_on_every_call() {
+    let h = support::start_with_policy(Script::default(), "policy-order").await;
+    let rounds = [
+        ("call_w1", r#"{"location": "Paris"}"#),
+        ("call_w2", "{}"),
+        ("call_w3", r#"{"location": "Oslo"}"#),
+    ];
+    let responses: Vec<Value> = rounds
+        .iter()
+        .enumerate()
+        .map(|(i, (id, args))| {
+            json!({"json": chat_response(&format!("chatcmpl-cat{i}"), "tool_calls", &[(id, "get_weather", args)])})
+        })
+        .collect();
+    h.script(&json!({ "responses": responses })).await;
+    let request = json!({
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [chat_tool("get_weather", json!({"type": "object"}))]
+    });
+    let url = format!("{}/v1/chat/completions", h.url());
+    let mut released = Vec::new();
+    for _ in rounds {
+        let (status, _, body) = post_raw(&url, request.to_string().into(), &[]).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        let got: Value = serde_json::from_slice(&body).unwrap();
+        let message = &got["choices"][0]["message"];
+        match message["tool_calls"][0]["id"].as_str() {
+            Some(id) => released.push(id.to_owned()),
+            None => {
+                let text = message["content"].as_str().unwrap_or_default();
+                assert!(
+                    text.contains("invalid at the arguments stage (schema_violation)"),
+                    "{text}"
+                );
+                released.push(String::new());
+            }
+        }
+    }
+    assert_eq!(released, ["call_w1", "", "call_w3"]);
+}
