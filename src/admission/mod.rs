@@ -668,6 +668,12 @@ pub fn withheld_by_cut(choice: &ChoiceEmissions) -> ChoiceVerdict {
 /// Names and ids come from model output: show at most 64 characters of a safe alphabet so
 /// host-authored text never carries model-authored prose.
 pub(crate) fn sanitize_label(s: &str) -> String {
+    let allowed =
+        |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b'/' | b':');
+    if !s.is_empty() && s.len() <= 64 && s.bytes().all(allowed) {
+        // The common case (a plain tool name): nothing to drop, one copy.
+        return s.to_owned();
+    }
     let cleaned: String = s
         .chars()
         .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '/' | ':'))
@@ -677,5 +683,25 @@ pub(crate) fn sanitize_label(s: &str) -> String {
         "(unnamed)".into()
     } else {
         cleaned
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sanitize_label;
+
+    /// A plain name comes back as it is; anything else is filtered to the allowed characters
+    /// and 64 of them, and nothing left is `(unnamed)`.
+    #[test]
+    fn labels_keep_plain_names_and_filter_the_rest() {
+        assert_eq!(
+            sanitize_label("mcp__github/create_issue:v1.2"),
+            "mcp__github/create_issue:v1.2"
+        );
+        assert_eq!(sanitize_label("rm -rf\n<b>é"), "rm-rfb");
+        let long = "a".repeat(80);
+        assert_eq!(sanitize_label(&long), "a".repeat(64));
+        assert_eq!(sanitize_label(""), "(unnamed)");
+        assert_eq!(sanitize_label("\u{202e}"), "(unnamed)");
     }
 }
