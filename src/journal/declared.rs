@@ -54,7 +54,8 @@ impl DeclaredCounts {
                     exec(
                         tx,
                         "INSERT INTO tool_schemas (schema_digest, schema, at_ms) VALUES (?1, ?2, ?3)
-                         ON CONFLICT (schema_digest) DO NOTHING",
+                         ON CONFLICT (schema_digest) DO UPDATE SET schema = excluded.schema
+                            WHERE tool_schemas.schema IS NULL",
                         params![digest, kept, d.at_ms],
                     )?;
                 }
@@ -132,6 +133,40 @@ mod tests {
                 crate::policy::Redactor::compile(&Default::default(), "t", "").unwrap(),
             ),
         }
+    }
+
+    /// A schema whose stored text was cleared (schema step 14: it was kept unredacted) is
+    /// stored again, redacted, the next time it is declared.
+    #[test]
+    fn a_cleared_schema_is_stored_again_redacted() {
+        let mut conn = rusqlite::Connection::open_in_memory().unwrap();
+        crate::journal::schema::migrate(&conn).unwrap();
+        let schema = serde_json::json!({"type": "object", "description": "key sk-proj-abcdefghijklmnopqrstuvwxyz0123"});
+        let digest = crate::admission::arguments::args_hash(&schema);
+        conn.execute(
+            "INSERT INTO tool_schemas (schema_digest, schema, at_ms) VALUES (?1, NULL, 1)",
+            [&digest],
+        )
+        .unwrap();
+        let tx = conn.transaction().unwrap();
+        let mut counts = DeclaredCounts::default();
+        let mut known = KnownSchemas::default();
+        counts
+            .add(&tx, &record(5, &[("probe", Some(schema))]), &mut known)
+            .unwrap();
+        counts.flush(&tx).unwrap();
+        tx.commit().unwrap();
+        let stored: String = conn
+            .query_row(
+                "SELECT schema FROM tool_schemas WHERE schema_digest = ?1",
+                [&digest],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(
+            stored.contains("[REDACTED:api-key]") && !stored.contains("sk-proj"),
+            "{stored}"
+        );
     }
 
     /// Two commits' declarations add up per (name, schema, API); a name declared twice in one

@@ -546,8 +546,9 @@ pub const MAX_DECLARED_SCHEMA_BYTES: usize = 64 << 10;
 /// What `tool_schemas.schema` keeps of a declared schema: its JSON text with every secret
 /// the redactor finds replaced ([`redact::redact_body`]: strings after unescaping, and
 /// object keys as text), or `None` (digest only) when that text is over
-/// [`MAX_DECLARED_SCHEMA_BYTES`] or cannot be redacted. Run once per schema the writer has
-/// not stored before, never per request.
+/// [`MAX_DECLARED_SCHEMA_BYTES`] or cannot be redacted. The SQLite writer runs it once per
+/// schema it has not stored in this process; the PostgreSQL writer for every declaration (it
+/// plans each request's insert on its own).
 pub fn stored_schema_text(
     schema: &serde_json::Value,
     redactor: &crate::policy::Redactor,

@@ -7,8 +7,12 @@
 //! reads the old rows and one more, and the delete is a rowid range. (`DELETE … WHERE at_ms <
 //! t` read every row of each table every hour, inside the writer's transaction, while the
 //! requests waiting on a commit queued behind it.) A row whose `at_ms` (its request's start)
-//! is older than that of a row committed before it, a round that outlived a shorter one, is
-//! deleted by the next prune; no row at or after the cut-off is ever deleted.
+//! is older than that of a row committed before it (a round that outlived a shorter one) stays
+//! until every row committed before it is old too: at most its request's duration late. No row
+//! at or after the cut-off is deleted, with one exception: a row dated more than
+//! [`FUTURE_SLACK_MS`] after the prune's own clock (a clock that stepped forward, then back)
+//! cannot hold the cut, or everything committed after it would outlive the retention by the
+//! clock's error; it goes with the rows around it.
 //!
 //! The small tables (`effects`, keyed by effect id; the declared-tool counts, schemas and
 //! principal tokens) are still filtered by time.
@@ -20,12 +24,17 @@ use super::{exec, KnownSchemas};
 /// The append-only tables pruned by rowid prefix (their rows' `at_ms` follow commit order).
 const APPEND_ONLY: [&str; 4] = ["rounds", "tool_results", "events", "served"];
 
-/// The first rowid of `table` that is kept at cut-off `?1`: the first row at or after it, or
-/// one past the last row when all are older (NULL for an empty table, which keeps nothing to
-/// delete). Reads the old rows and one more.
+/// How far after the prune's clock a row's `at_ms` may lie and still hold the cut, ms (a
+/// day: far beyond any skew between the clock a record was stamped with and the prune's).
+pub(super) const FUTURE_SLACK_MS: i64 = 24 * 60 * 60 * 1000;
+
+/// The first rowid of `table` that is kept at cut-off `?1`: the first row at or after it
+/// and not after `?2` (the prune's clock plus [`FUTURE_SLACK_MS`]), or one past the last row
+/// when none is (NULL for an empty table, which keeps nothing to delete). Reads the old rows
+/// and one more.
 fn first_kept_sql(table: &str) -> String {
     format!(
-        "SELECT coalesce((SELECT id FROM {table} WHERE at_ms >= ?1 ORDER BY id LIMIT 1),
+        "SELECT coalesce((SELECT id FROM {table} WHERE at_ms >= ?1 AND at_ms <= ?2 ORDER BY id LIMIT 1),
                          (SELECT max(id) + 1 FROM {table}))"
     )
 }
@@ -40,10 +49,11 @@ pub(super) fn prune(
     // The prune may delete stored schemas: store them again when next declared.
     known.committed.clear();
     known.pending.clear();
+    let latest = crate::clock::now_ms().saturating_add(FUTURE_SLACK_MS);
     for table in APPEND_ONLY {
         let first_kept: Option<i64> = tx
             .prepare_cached(&first_kept_sql(table))?
-            .query_row(params![t], |r| r.get(0))
+            .query_row(params![t, latest], |r| r.get(0))
             .optional()?
             .flatten();
         let Some(first_kept) = first_kept else {
@@ -111,7 +121,8 @@ mod tests {
     }
 
     /// Old rows go and no newer one does; a straggler (older than a row committed before it)
-    /// goes at the next prune; an all-old table is emptied; an empty one is left alone.
+    /// goes once the rows before it are old; an all-old table is emptied; an empty one is left
+    /// alone.
     #[test]
     fn the_old_prefix_goes_and_nothing_newer() {
         let mut conn = rusqlite::Connection::open_in_memory().unwrap();
@@ -126,6 +137,22 @@ mod tests {
         assert!(kept(&conn).is_empty());
     }
 
+    /// A row stamped by a clock that had jumped a year ahead does not hold back the prune of
+    /// what was committed after it; a row a minute ahead (ordinary skew) still holds the cut.
+    #[test]
+    fn a_row_from_a_clock_far_ahead_does_not_hold_the_cut() {
+        let mut conn = rusqlite::Connection::open_in_memory().unwrap();
+        super::super::schema::migrate(&conn).unwrap();
+        let now = crate::clock::now_ms();
+        let year = 365 * 24 * 60 * 60 * 1000;
+        events(
+            &conn,
+            &[now - 10, now + year, now - 9, now + 60_000, now - 8],
+        );
+        prune_at(&mut conn, now);
+        assert_eq!(kept(&conn), [now + 60_000, now - 8]);
+    }
+
     /// Finding the cut in a table of which nothing is old reads one row, not the table
     /// (SQLite's own count of full-scan steps).
     #[test]
@@ -134,7 +161,7 @@ mod tests {
         super::super::schema::migrate(&conn).unwrap();
         events(&conn, &vec![500; 5_000]);
         let mut st = conn.prepare(&first_kept_sql("events")).unwrap();
-        let first: i64 = st.query_row(params![100], |r| r.get(0)).unwrap();
+        let first: i64 = st.query_row(params![100, 1_000], |r| r.get(0)).unwrap();
         assert_eq!(first, 1);
         let steps = st.get_status(rusqlite::StatementStatus::FullscanStep);
         assert!(steps <= 1, "{steps} rows read to find the cut");

@@ -755,12 +755,15 @@ impl JournalReader {
 }
 
 /// The rounds of the chat turn `?1` names (`turnguard journal show chat:<id>`): its journal
-/// id, the agent's `x-request-id`, or its repair rounds (`<id>#repair-N`, found as the key
-/// range `[<id>#repair-, <id>#repair.)`, `.` being the byte after `-`). Each term is an
-/// index search (SQLite's multi-index OR), never a scan of every round.
-pub(crate) const CHAT_TURN_ROUNDS: &str =
-    "r.run_id IS NULL AND (r.request_id = ?1 OR r.client_request_id = ?1 \
-     OR (r.request_id >= ?1 || '#repair-' AND r.request_id < ?1 || '#repair.'))";
+/// id, the agent's `x-request-id` (or the id the edge gave the request), or its repair rounds
+/// (`<id>#repair-N`, found as the key range `[<id>#repair-, <id>#repair.)`, `.` being the
+/// byte after `-`). Each arm is an index search (the key's unique index, `rounds_client`
+/// over chat rounds), never a scan of every round; written as one `IN` of three searches
+/// because an `OR` lets the planner scan the partial `rounds_client` whole instead.
+pub(crate) const CHAT_TURN_ROUNDS: &str = "r.run_id IS NULL AND r.id IN (\
+     SELECT id FROM rounds WHERE request_id = ?1 \
+     UNION ALL SELECT id FROM rounds WHERE run_id IS NULL AND client_request_id = ?1 \
+     UNION ALL SELECT id FROM rounds WHERE request_id >= ?1 || '#repair-' AND request_id < ?1 || '#repair.')";
 
 #[cfg(test)]
 mod pool_tests {

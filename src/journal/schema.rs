@@ -6,7 +6,7 @@ use rusqlite::Connection;
 /// journal recorded: step 10 drops an index, step 12 folds `declared_tools`' per-request rows
 /// into per-(tool, schema, API) counts and makes `rounds_run` partial; no other step removes
 /// anything.
-pub const VERSION: i64 = 13;
+pub const VERSION: i64 = 14;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -58,13 +58,34 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 13 {
         v13(conn)?;
     }
+    if version < 14 {
+        v14(conn)?;
+    }
     Ok(())
 }
 
-/// `rounds_client` indexed every round, and most rounds carry no `x-request-id` (the OpenAI
-/// and Anthropic SDKs send none): a NULL key written on every round of every turn. It is
-/// rebuilt partial (`client_request_id IS NOT NULL`); its one reader, `turnguard journal
-/// show chat:<id>`, compares the column to an id, which implies NOT NULL.
+/// Two fixes:
+/// - `rounds_client` is rebuilt over chat rounds only (`run_id IS NULL`): its one reader,
+///   `turnguard journal show chat:<id>` ([`super::reader::CHAT_TURN_ROUNDS`]), asks for chat
+///   rounds, and a run round no longer writes an entry to it.
+/// - Declared schemas stored before they were redacted (`tool_schemas.schema`, kept as the
+///   agent sent them until this version) are cleared; the digest stays, and the next
+///   declaration of the schema stores its redacted text again (the insert fills a cleared
+///   row: [`super::declared`]).
+fn v14(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         DROP INDEX IF EXISTS rounds_client;
+         CREATE INDEX rounds_client ON rounds (client_request_id) WHERE run_id IS NULL;
+         UPDATE tool_schemas SET schema = NULL;
+         PRAGMA user_version = 14;
+         COMMIT;",
+    )
+}
+
+/// Rebuilds `rounds_client` partial (`client_request_id IS NOT NULL`). It was meant to drop
+/// NULL keys, but every round carries an id (the agent's `x-request-id` or the one the edge
+/// gave the request), so it indexes the same rows as before; step 14 narrows it for real.
 fn v13(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(
         "BEGIN;
@@ -603,12 +624,27 @@ mod tests {
         assert!(plan.contains("INDEX rounds_run (run_id=?"), "{plan}");
     }
 
-    /// Step 13 keeps `rounds_client` for rounds that carry the agent's id only, and a lookup
-    /// by that id still uses it.
+    /// Step 14 keeps `rounds_client` for chat rounds only, a chat-turn lookup by the agent's
+    /// id still uses it, and declared schemas stored before redaction are cleared (digests
+    /// kept).
     #[test]
-    fn step_13_indexes_client_ids_only_where_there_is_one() {
+    fn step_14_indexes_chat_rounds_only_and_clears_unredacted_schemas() {
         let conn = Connection::open_in_memory().unwrap();
+        for step in [v1, v2, v3, v4, v5, v6] {
+            step(&conn).unwrap();
+        }
+        conn.execute_batch(
+            "INSERT INTO tool_schemas (schema_digest, schema, at_ms)
+             VALUES ('d1', '{\"description\":\"sk-proj-old\"}', 10);",
+        )
+        .unwrap();
         migrate(&conn).unwrap();
+        let kept: (String, Option<String>) = conn
+            .query_row("SELECT schema_digest, schema FROM tool_schemas", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .unwrap();
+        assert_eq!(kept, ("d1".to_owned(), None));
         let index: String = conn
             .query_row(
                 "SELECT sql FROM sqlite_master WHERE name = 'rounds_client'",
@@ -616,13 +652,10 @@ mod tests {
                 |r| r.get(0),
             )
             .unwrap();
-        assert!(
-            index.contains("WHERE client_request_id IS NOT NULL"),
-            "{index}"
-        );
+        assert!(index.contains("WHERE run_id IS NULL"), "{index}");
         let plan: String = conn
             .query_row(
-                "EXPLAIN QUERY PLAN SELECT id FROM rounds WHERE client_request_id = ?1",
+                "EXPLAIN QUERY PLAN SELECT id FROM rounds WHERE run_id IS NULL AND client_request_id = ?1",
                 ["agent-id"],
                 |r| r.get(3),
             )

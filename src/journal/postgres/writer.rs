@@ -834,7 +834,8 @@ fn plan_declared_tools<'a>(out: &mut Vec<Stmt<'a>>, d: &'a DeclaredToolsRecord) 
             out.push(
                 Stmt::new(
                     "INSERT INTO tool_schemas (schema_digest, schema, at_ms) VALUES ($1, $2, $3)
-                     ON CONFLICT (schema_digest) DO NOTHING",
+                     ON CONFLICT (schema_digest) DO UPDATE SET schema = excluded.schema
+                        WHERE tool_schemas.schema IS NULL",
                 )
                 .arg(digest.clone())
                 .arg(kept)
