@@ -49,7 +49,7 @@ impl Api {
 
 /// A tool the request declares (`tools[]`, a Responses `additional_tools` input item …), with
 /// its input schema or free-form format when it has one.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default)]
 pub struct DeclaredTool {
     /// The tool's identity ([`qualified_name`]): the provider-facing name, qualified
     /// `namespace.name` when the tool is declared inside a Responses `namespace` tool.
@@ -61,6 +61,20 @@ pub struct DeclaredTool {
     /// format, not a JSON object, and the arguments stage checks the format instead of a
     /// schema. `None`: JSON arguments.
     pub freeform: Option<FreeformFormat>,
+    /// The schema's fingerprint in this process's schema cache, set when the request's schema
+    /// sizes are checked ([`crate::admission::arguments::SchemaCache::check_size`]): the
+    /// arguments stage looks the compiled schema up by it and the journal's writer its digest,
+    /// instead of hashing the tree again. A lookup by it still compares the trees, so a stale
+    /// or missing one costs a hash, never a wrong schema. `None`: not checked yet.
+    pub fingerprint: Option<u64>,
+}
+
+/// Declarations are equal when they declare the same thing; the cache fingerprint is not part
+/// of what a declaration says.
+impl PartialEq for DeclaredTool {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name && self.schema == other.schema && self.freeform == other.freeform
+    }
 }
 
 impl DeclaredTool {
@@ -70,6 +84,7 @@ impl DeclaredTool {
             name: name.into(),
             schema: schema.map(std::sync::Arc::new),
             freeform: None,
+            fingerprint: None,
         }
     }
 }

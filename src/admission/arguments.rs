@@ -274,7 +274,14 @@ impl SchemaCache {
     /// `Err(reason)` when the schema does not compile (for example a remote `$ref`) or is
     /// larger than `max_schema_bytes` (the reason names the cap and its flag).
     pub fn get(&self, schema: &Value) -> Compiled {
-        let key = self.key(schema);
+        self.get_fingerprinted(None, schema)
+    }
+
+    /// [`SchemaCache::get`] with the schema's fingerprint from [`SchemaCache::check_size`]
+    /// when the caller has it (`None`: it is computed). The cached entry is still compared
+    /// with `schema`, so a fingerprint of another schema finds nothing wrong.
+    pub fn get_fingerprinted(&self, fingerprint: Option<u64>, schema: &Value) -> Compiled {
+        let key = fingerprint.unwrap_or_else(|| self.key(schema));
         if let Some(hit) = self.cached(key, schema) {
             return hit;
         }
@@ -416,10 +423,12 @@ pub fn check(
             )
         }
     };
-    let declared = turn
-        .declarations(&call.name)
-        .filter_map(|t| t.schema.as_deref())
-        .map(|s| ("declared", schemas.get(s)));
+    let declared = turn.declarations(&call.name).filter_map(|t| {
+        Some((
+            "declared",
+            schemas.get_fingerprinted(t.fingerprint, t.schema.as_deref()?),
+        ))
+    });
     for (which, compiled) in declared.chain(catalog_schema.map(|c| ("catalog", c))) {
         let validator = match compiled.as_ref() {
             Ok(v) => v,
@@ -571,6 +580,45 @@ mod cache_tests {
             );
         }
         serde_json::json!({"type": "object", "properties": p})
+    }
+
+    /// A lookup by another schema's fingerprint (stale, or a collision) never hands back the
+    /// other schema's validator: the trees are compared, and the right schema is compiled.
+    #[test]
+    fn a_wrong_fingerprint_never_finds_another_schema() {
+        let cache = SchemaCache::new(
+            SchemaLimits {
+                max_schema_bytes: 64 << 10,
+                budget_bytes: 256 << 10,
+            },
+            Default::default(),
+            Default::default(),
+        );
+        let strict = serde_json::json!({"type": "object", "required": ["q"]});
+        let loose = serde_json::json!({"type": "object"});
+        let key = cache.check_size(&strict).unwrap();
+        let v = cache.get_fingerprinted(Some(key), &strict);
+        assert!(!v
+            .as_ref()
+            .as_ref()
+            .unwrap()
+            .is_valid(&serde_json::json!({})));
+        let v = cache.get_fingerprinted(Some(key), &loose);
+        assert!(
+            v.as_ref()
+                .as_ref()
+                .unwrap()
+                .is_valid(&serde_json::json!({})),
+            "the loose schema, not the cached strict one"
+        );
+        let v = cache.get_fingerprinted(Some(key), &strict);
+        assert!(
+            !v.as_ref()
+                .as_ref()
+                .unwrap()
+                .is_valid(&serde_json::json!({})),
+            "and back"
+        );
     }
 
     #[test]

@@ -171,6 +171,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                 freeform: None,
                 name: name.to_owned(),
                 schema: t.get("input_schema").cloned().map(std::sync::Arc::new),
+                fingerprint: None,
             });
         }
     }

@@ -287,6 +287,7 @@ fn declared_tools(
                 freeform: None,
                 name: name.to_owned(),
                 schema: f.get("parameters").cloned().map(std::sync::Arc::new),
+                fingerprint: None,
             });
         }
     }
@@ -297,6 +298,7 @@ fn declared_tools(
                     freeform: None,
                     name: name.to_owned(),
                     schema: f.get("parameters").cloned().map(std::sync::Arc::new),
+                    fingerprint: None,
                 });
             }
         }

@@ -448,6 +448,7 @@ fn declare_tools(
                 name: qualified_name(namespace, name()?),
                 schema: None,
                 freeform: Some(freeform_format(t.get("format"))),
+                fingerprint: None,
             }),
             "namespace" if namespace.is_none() => {
                 let ns = name()?;

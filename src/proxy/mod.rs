@@ -146,7 +146,7 @@ async fn turn(
     let mut turn = provider::adapter(api)
         .parse_request(&json)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
-    let fingerprints = check_schema_sizes(state, &turn)?;
+    check_schema_sizes(state, &mut turn)?;
     refuse_provider_delegation(ctx, &turn)?;
     check_run_ids(&ctx.run)?;
     let policy = state.policy.snapshot();
@@ -163,7 +163,7 @@ async fn turn(
     let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
     check_channel_schema_size(state, channel.as_ref())?;
     refuse_run_while_journal_fails(state, ctx)?;
-    record_before_upstream(state, ctx, &turn, &policy, trust, &fingerprints).await?;
+    record_before_upstream(state, ctx, &turn, &policy, trust).await?;
 
     let agent_digest = crate::recipes::semantic_request_digest(api, &json);
     let mode = run_mode(&parts.headers)?;
@@ -396,15 +396,11 @@ pub(crate) async fn read_request(
 }
 
 /// A request declaring a tool schema over `max_schema_bytes` is refused before it goes
-/// upstream (issue 11: compiled schemas are bounded in memory). Returns each declared
-/// tool's schema fingerprint, in `turn.tools` order (`None`: no schema).
-fn check_schema_sizes(state: &AppState, turn: &Turn) -> Result<Vec<Option<u64>>, WireError> {
-    let mut fingerprints = Vec::with_capacity(turn.tools.len());
-    for tool in &turn.tools {
-        let Some(schema) = &tool.schema else {
-            fingerprints.push(None);
-            continue;
-        };
+/// upstream (issue 11: compiled schemas are bounded in memory). Sets each declared schema's
+/// [`crate::model::DeclaredTool::fingerprint`].
+fn check_schema_sizes(state: &AppState, turn: &mut Turn) -> Result<(), WireError> {
+    for tool in &mut turn.tools {
+        let Some(schema) = &tool.schema else { continue };
         let fingerprint = state
             .schemas
             .check_size(schema)
@@ -416,9 +412,9 @@ fn check_schema_sizes(state: &AppState, turn: &Turn) -> Result<Vec<Option<u64>>,
                 bytes,
                 limit_bytes,
             })?;
-        fingerprints.push(Some(fingerprint));
+        tool.fingerprint = Some(fingerprint);
     }
-    Ok(fingerprints)
+    Ok(())
 }
 
 /// The agent's body as JSON; a body with a repeated object key is refused (what is

@@ -362,7 +362,6 @@ pub(super) async fn record_before_upstream(
     turn: &Turn,
     policy: &CompiledPolicy,
     trust: crate::policy::bundle::ContentTrust,
-    fingerprints: &[Option<u64>],
 ) -> Result<(), WireError> {
     let redactor = &policy.redactor;
     let cap = state.config.journal_max_record_bytes;
@@ -387,11 +386,10 @@ pub(super) async fn record_before_upstream(
         tools: turn
             .tools
             .iter()
-            .enumerate()
-            .map(|(i, t)| crate::journal::DeclaredSchema {
+            .map(|t| crate::journal::DeclaredSchema {
                 name: redactor.redact_text(&t.name),
                 schema: t.schema.clone(),
-                fingerprint: fingerprints.get(i).copied().flatten(),
+                fingerprint: t.fingerprint,
             })
             .collect(),
         redactor: Arc::clone(&policy.redactor),
