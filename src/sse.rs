@@ -231,7 +231,7 @@ impl Event {
 
     /// The same event with its JSON replaced and re-encoded (the `event:` line kept).
     pub fn with_json(self, json: Value) -> Self {
-        let data = json.to_string();
+        let data = crate::strict_json::to_text(&json);
         let raw = encode(self.block.event.as_deref(), &data);
         Self {
             block: SseBlock {

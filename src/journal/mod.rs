@@ -1515,7 +1515,7 @@ fn insert_event(tx: &rusqlite::Transaction<'_>, e: &EventRecord) -> rusqlite::Re
             e.request_id,
             next,
             e.kind,
-            e.payload.to_string(),
+            crate::strict_json::to_text(&e.payload),
             e.at_ms
         ],
     )?;
@@ -1582,7 +1582,7 @@ fn insert_round(tx: &rusqlite::Transaction<'_>, r: &RoundRecord) -> rusqlite::Re
                 link.next_round_index,
                 link.calls_so_far
                     .as_ref()
-                    .map(|c| serde_json::Value::from(c.clone()).to_string()),
+                    .map(|c| crate::strict_json::to_text(&serde_json::Value::from(c.clone()))),
                 r.at_ms,
             ],
         )?;

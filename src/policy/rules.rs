@@ -63,15 +63,17 @@ pub struct Rules {
     /// arguments converted into `context.args`; every other tool's rules see the empty
     /// record they were validated against.
     reads_args: HashSet<String>,
-    /// The last few contexts built for tools no rule reads the arguments of (the same facts
-    /// recur across the calls of a round and across chat turns): a hit is an `Arc` clone
-    /// instead of evaluating six expressions.
-    contexts: std::sync::Mutex<std::collections::VecDeque<(ContextFacts, Context)>>,
+    /// The last few decisions for tools no rule reads the arguments of ([`Rules::authorize`]):
+    /// such a decision is a pure function of the principal, the tool and the context's other
+    /// facts under this rule set (Cedar reads no clock and no randomness; the policies and
+    /// entities are fixed for the life of a `Rules`), and the same facts recur across the
+    /// calls of a round and across an agent's turns.
+    decisions: std::sync::Mutex<std::collections::VecDeque<(DecisionFacts, Authz)>>,
     authorizer: Authorizer,
 }
 
-/// How many argument-free contexts [`Rules`] keeps.
-const CACHED_CONTEXTS: usize = 32;
+/// How many argument-free decisions [`Rules`] keeps (the oldest is forgotten first).
+const CACHED_DECISIONS: usize = 64;
 
 /// The context's facts other than the arguments.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,6 +102,34 @@ impl ContextFacts {
             && self.model == req.model
             && self.run == req.run
             && self.approved == req.approved
+    }
+}
+
+/// Everything an argument-free decision depends on: who calls (the person, or the agent),
+/// which tool, and the context's facts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct DecisionFacts {
+    person: Option<String>,
+    agent: String,
+    tool_id: String,
+    context: ContextFacts,
+}
+
+impl DecisionFacts {
+    fn of(req: &AuthzRequest<'_>) -> Self {
+        Self {
+            person: req.person.map(str::to_owned),
+            agent: req.agent.to_owned(),
+            tool_id: req.tool.descriptor.tool_id.clone(),
+            context: ContextFacts::of(req),
+        }
+    }
+
+    fn is(&self, req: &AuthzRequest<'_>) -> bool {
+        self.person.as_deref() == req.person
+            && self.agent == req.agent
+            && self.tool_id == req.tool.descriptor.tool_id
+            && self.context.is(req)
     }
 }
 
@@ -217,7 +247,7 @@ impl Rules {
             entities,
             meta,
             reads_args,
-            contexts: Default::default(),
+            decisions: Default::default(),
             authorizer: Authorizer::new(),
         })
     }
@@ -240,17 +270,10 @@ impl Rules {
     /// The request context of one call (module docs: `trust`, `provider`, `model`, `run`,
     /// `approved`, `args`). Only a rule scoped to the tool can read its arguments (the others
     /// were validated against an empty `args` record), so for any other tool `args` is the
-    /// empty record and the context comes from [`Self::contexts`] when it was built before.
+    /// empty record.
     /// `Err`: the refusal (an argument with no Cedar form, or a context Cedar rejects).
-    fn context(&self, req: &AuthzRequest<'_>) -> Result<Context, Box<Authz>> {
+    fn context(&self, req: &AuthzRequest<'_>, reads_args: bool) -> Result<Context, Box<Authz>> {
         let refuse = |reason, detail| Box::new(Authz::refused(reason, detail));
-        let reads_args = self.reads_args.contains(&req.tool.descriptor.tool_id);
-        let cache = || self.contexts.lock().unwrap_or_else(|e| e.into_inner());
-        if !reads_args {
-            if let Some((_, c)) = cache().iter().find(|(facts, _)| facts.is(req)) {
-                return Ok(c.clone());
-            }
-        }
         let args = if reads_args {
             to_cedar(req.args, req.tool.input_schema())
         } else {
@@ -259,7 +282,7 @@ impl Rules {
         };
         let args = args.map_err(|why| refuse(crate::reason::Reason::ArgsUnrepresentable, why))?;
         let string = |v: &str| RestrictedExpression::new_string(v.to_owned());
-        let context = Context::from_pairs([
+        Context::from_pairs([
             ("trust".to_owned(), string(req.trust)),
             ("provider".to_owned(), string(req.provider)),
             ("model".to_owned(), string(req.model)),
@@ -275,19 +298,33 @@ impl Rules {
                 crate::reason::Reason::RuleError,
                 "the context could not be built".into(),
             )
-        })?;
-        if !reads_args {
-            let mut cache = cache();
-            if cache.len() == CACHED_CONTEXTS {
-                cache.pop_front();
-            }
-            cache.push_back((ContextFacts::of(req), context.clone()));
-        }
-        Ok(context)
+        })
     }
 
-    /// Decides one call. Cannot fail: anything that cannot be evaluated refuses.
+    /// Decides one call. Cannot fail: anything that cannot be evaluated refuses. For a tool no
+    /// rule reads the arguments of, a decision made before for the same principal, tool and
+    /// context facts is answered again ([`Rules::decisions`]) instead of evaluated.
     pub fn authorize(&self, req: &AuthzRequest<'_>) -> Authz {
+        let reads_args = self.reads_args.contains(&req.tool.descriptor.tool_id);
+        if reads_args {
+            return self.evaluate(req, true);
+        }
+        let memo = || self.decisions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, decided)) = memo().iter().find(|(facts, _)| facts.is(req)) {
+            return decided.clone();
+        }
+        let decided = self.evaluate(req, false);
+        let mut memo = memo();
+        if memo.len() == CACHED_DECISIONS {
+            memo.pop_front();
+        }
+        memo.push_back((DecisionFacts::of(req), decided.clone()));
+        decided
+    }
+
+    /// Evaluates one call's request against the rules (`reads_args`: the tool's arguments go
+    /// into `context.args`).
+    fn evaluate(&self, req: &AuthzRequest<'_>, reads_args: bool) -> Authz {
         let refuse = Authz::refused;
         let principal = match req.person {
             Some(sub) => uid(Kind::User, sub),
@@ -303,7 +340,7 @@ impl Rules {
                 "an entity id could not be formed".into(),
             );
         };
-        let context = match self.context(req) {
+        let context = match self.context(req, reads_args) {
             Ok(c) => c,
             Err(refusal) => return *refusal,
         };

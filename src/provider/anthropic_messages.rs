@@ -287,7 +287,9 @@ fn judge_blocks(
                 turn.tool_results.push(ToolResultSeen {
                     tool_call_id: id.to_owned(),
                     tool_name: calls.name_of(id),
-                    content: b.get("content").cloned().unwrap_or(Value::Null).to_string(),
+                    content: b
+                        .get("content")
+                        .map_or_else(|| "null".to_owned(), crate::strict_json::to_text),
                     is_error: b.get("is_error").and_then(Value::as_bool) == Some(true),
                 });
                 if let Some(Value::Array(inner)) = b.get("content") {
@@ -1025,7 +1027,10 @@ impl ProviderStream for MessagesStream {
                             let new_ix = renumber.get(&ix).copied().flatten().unwrap_or(ix);
                             let delta = json!({"type": "content_block_delta", "index": new_ix,
                                 "delta": {"type": "input_json_delta", "partial_json": args}});
-                            out.push(sse::encode(Some("content_block_delta"), &delta.to_string()));
+                            out.push(sse::encode(
+                                Some("content_block_delta"),
+                                &crate::strict_json::to_text(&delta),
+                            ));
                         }
                         _ => {}
                     }
@@ -1035,7 +1040,10 @@ impl ProviderStream for MessagesStream {
                     Some(Some(new)) if *new != ix => {
                         if let Some(v) = h.json.as_mut() {
                             set(v, "index", json!(new));
-                            out.push(sse::encode(h.name.as_deref(), &v.to_string()));
+                            out.push(sse::encode(
+                                h.name.as_deref(),
+                                &crate::strict_json::to_text(v),
+                            ));
                             continue;
                         }
                     }
@@ -1063,7 +1071,7 @@ impl ProviderStream for MessagesStream {
                         }
                         out.push(sse::encode(
                             h.name.as_deref().or(Some("message_delta")),
-                            &v.to_string(),
+                            &crate::strict_json::to_text(v),
                         ));
                         continue;
                     }

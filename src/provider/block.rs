@@ -162,7 +162,7 @@ impl ProviderStream for Block {
         self.done = true;
         if let Some((json, raw)) = &mut self.body {
             if self.provider.rewrite_response(json, verdicts) {
-                out.push(Bytes::from(json.to_string()));
+                out.push(Bytes::from(crate::strict_json::to_text(json)));
             } else {
                 out.push(raw.clone());
             }

@@ -215,7 +215,9 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                 turn.tool_results.push(ToolResultSeen {
                     tool_call_id: format!("function:{name}"),
                     tool_name: (!name.is_empty()).then(|| name.to_owned()),
-                    content: m.get("content").cloned().unwrap_or(Value::Null).to_string(),
+                    content: m
+                        .get("content")
+                        .map_or_else(|| "null".to_owned(), crate::strict_json::to_text),
                     is_error: false,
                 });
             }
@@ -228,7 +230,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                 turn.tool_results.push(ToolResultSeen {
                     tool_call_id: id.to_owned(),
                     tool_name: calls.name_of(id),
-                    content: content.to_string(),
+                    content: crate::strict_json::to_text(&content),
                     is_error: false,
                 });
             }
@@ -764,7 +766,7 @@ impl ChatStream {
         self.decided = true;
         let body =
             json!({ "error": { "message": message, "type": kind, "code": code, "param": null } });
-        out.push(sse::encode(None, &body.to_string()));
+        out.push(sse::encode(None, &crate::strict_json::to_text(&body)));
     }
 }
 
@@ -1385,7 +1387,7 @@ fn keep_only_calls_and_finish(chunk: &mut Value) {
 }
 
 fn encode(chunk: &Value) -> Bytes {
-    sse::encode(None, &chunk.to_string())
+    sse::encode(None, &crate::strict_json::to_text(chunk))
 }
 
 /// A chunk carrying host-authored `text` as content for choice `index`; `with_role` when no

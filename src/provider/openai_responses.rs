@@ -1462,7 +1462,10 @@ impl ResponsesStream {
                 .event
                 .as_ref()
                 .map(|_| str_of(&json, "type").unwrap_or_default().to_owned());
-            out.push(sse::encode(name.as_deref(), &json.to_string()));
+            out.push(sse::encode(
+                name.as_deref(),
+                &crate::strict_json::to_text(&json),
+            ));
         } else {
             out.push(h.raw);
         }
@@ -1489,7 +1492,10 @@ impl ResponsesStream {
         let name = self
             .event_lines
             .then(|| str_of(&json, "type").unwrap_or_default().to_owned());
-        out.push(sse::encode(name.as_deref(), &json.to_string()));
+        out.push(sse::encode(
+            name.as_deref(),
+            &crate::strict_json::to_text(&json),
+        ));
     }
 
     fn completion(&self) -> Completion {

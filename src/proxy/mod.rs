@@ -72,7 +72,7 @@ impl Session {
         self.rounds += 1;
         let raw = match self.agent_bytes.take() {
             Some(raw) => raw,
-            None => Bytes::from(self.body.to_string()),
+            None => Bytes::from(crate::strict_json::to_text(&self.body)),
         };
         upstream::send(
             &self.state,

@@ -6,8 +6,6 @@
 
 use std::sync::Arc;
 
-use serde_json::Value;
-
 use crate::clock::now_ms;
 use crate::error::WireError;
 use crate::journal::{
@@ -188,7 +186,7 @@ pub fn call_record(call_id: &str, name: &str, d: &crate::model::Decision) -> Cal
         tool_id: d.tool_id.clone(),
         enforced: d.enforced,
         rules: (!d.rules.is_empty()).then(|| d.rules.join(",")),
-        redacted_args: d.redacted_args.as_ref().map(Value::to_string),
+        redacted_args: d.redacted_args.as_ref().map(crate::strict_json::to_text),
     }
 }
 

@@ -566,6 +566,47 @@ async fn approved_context_lets_a_hold_rule_pass_once() {
     h.stop().await;
 }
 
+/// Authorization decisions of tools no rule reads the arguments of are remembered per
+/// principal, tool and context facts (`Rules::authorize`). Facts that differ only in
+/// `context.approved` must get their own decisions: the same person, run, model, tool and
+/// trust are decided unapproved (held, and the approval probe finds the hold rule can be
+/// lifted), approved (released), and unapproved again on a new request that no approval covers
+/// any more (a new user message, so it is no recovery), which is held again. With `approved`
+/// left out of the memo's key, the first round's probe would get the remembered hold, the call
+/// would be refused outright, and no approval would ever be listed (the test fails waiting).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_remembered_decision_never_answers_other_approval_facts() {
+    let (h, _keys) = start(30_000).await;
+    let alice = token("alice", json!({}));
+    let shell = || json!({"json": chat_response("", vec![chat_call("call_sh", "run_shell", json!({"command": "ls"}))])});
+    h.script(&json!({"responses": [shell(), shell()]})).await;
+    for (round, verdict) in [(1, "accept"), (2, "reject")] {
+        let ask = format!("list files ({round})");
+        let body = json!({"model": "gpt-4o-mini", "tools": chat_tools(), "messages": [{"role": "user", "content": ask}]});
+        // One run; each round its own node (the interrupt of a held round is per node).
+        let mut headers = as_person("alice", "run-m");
+        headers.push(("turnguard-node", format!("n{round}")));
+        let waiting = agent(&h, "/v1/chat/completions", body, headers);
+        let listed = wait_pending(&h, &alice, 1).await;
+        assert_eq!(
+            listed[0]["calls"][0]["heldBecause"]["stage"], "authorization",
+            "round {round} is held by the exec rule"
+        );
+        let id = listed[0]["interruptId"].as_str().unwrap();
+        let (resolved, _) =
+            resolve(&h, &format!("/approvals/{id}"), &bearer(&alice), verdict).await;
+        assert_eq!(resolved, 200, "round {round}");
+        let (status, _, resp) = waiting.await.unwrap();
+        if verdict == "accept" {
+            assert_eq!(status, 200);
+            assert_eq!(released_calls(&json_of(&resp))[0].0, "run_shell");
+        } else {
+            assert_eq!(status, 422, "round {round}: {resp:?}");
+        }
+    }
+    h.stop().await;
+}
+
 // ---- streaming -------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread")]

@@ -817,7 +817,7 @@ fn plan_event<'a>(out: &mut Vec<Stmt<'a>>, e: &'a EventRecord) {
         .arg(&e.run.node_id)
         .arg(&e.request_id)
         .arg(e.kind)
-        .arg(e.payload.to_string())
+        .arg(crate::strict_json::to_text(&e.payload))
         .arg(e.at_ms),
     );
 }
@@ -919,7 +919,7 @@ fn plan_round<'a>(out: &mut Vec<Stmt<'a>>, r: &'a RoundRecord) {
             .arg(
                 link.calls_so_far
                     .as_ref()
-                    .map(|c| Value::from(c.clone()).to_string()),
+                    .map(|c| crate::strict_json::to_text(&Value::from(c.clone()))),
             )
             .arg(r.at_ms),
         );
@@ -1185,7 +1185,7 @@ async fn raise(
             &rec.request_id,
             &rec.principal,
             &rec.policy_revision,
-            &rec.payload.to_string(),
+            &crate::strict_json::to_text(&rec.payload),
             &rec.calls.to_string(),
             &rec.requested_at_ms,
             &rec.expires_at_ms,
