@@ -50,7 +50,7 @@ const BUILTIN: &[(&str, &str)] = &[
 #[derive(Debug, Clone)]
 pub struct Redactor {
     patterns: Vec<(String, Regex)>,
-    /// Every pattern as one alternation ([`any_of`]), asked only whether a text holds any
+    /// Every pattern as one alternation ([`prefilters`]), asked only whether a text holds any
     /// secret at all: a text it does not match (almost every argument, id and hash) costs one
     /// search instead of one per pattern. `None` when it cannot be formed (the patterns then
     /// run one by one, as before).
@@ -102,12 +102,7 @@ impl Redactor {
         if !errors.is_empty() {
             return Err(errors);
         }
-        let shortest_match = patterns
-            .iter()
-            .map(|(_, re)| shortest_match(re.as_str()))
-            .min()
-            .unwrap_or(usize::MAX);
-        let any = any_of(&patterns);
+        let (shortest_match, any) = prefilters(&patterns);
         Ok(Self {
             patterns,
             any,
@@ -188,35 +183,41 @@ impl Redactor {
     }
 }
 
-/// One regex that matches where any of `patterns` matches. The alternation is formed of
-/// the patterns' parsed forms (HIR, parsed with the defaults `Regex::new` uses, as
-/// [`shortest_match`] does), not of their texts: joining texts would let one pattern's syntax
-/// reach into the next (a `(?x)` comment runs to the next newline, past the group meant to
-/// close it, and could re-pair with a later pattern's brackets into a regex that compiles and
-/// matches less). The HIR has every flag resolved and no comments; its printed form is a
-/// pattern equivalent to it (`regex-syntax`'s `Display` for `Hir`). Whether a text matches is
-/// the same question as whether some pattern does; which one, and where, is left to the
-/// patterns themselves. `None` with no patterns, or when the alternation does not compile
-/// (`regex`'s size limits).
-fn any_of(patterns: &[(String, Regex)]) -> Option<Regex> {
-    if patterns.is_empty() {
-        return None;
-    }
-    let hirs = patterns
+/// What the patterns' parsed forms tell before any text is searched, each pattern parsed
+/// once (HIR, with the defaults `Regex::new` uses): the shortest text any of them can match
+/// ([`Redactor::shortest_match`]: the least `minimum_len`; 0 for a pattern that does not
+/// parse, so nothing is skipped; `usize::MAX` when nothing can match), and one regex that
+/// matches where any of them matches ([`Redactor::any`]).
+///
+/// The alternation is formed of the HIRs, not of the patterns' texts: joining texts would let
+/// one pattern's syntax reach into the next (a `(?x)` comment runs to the next newline, past
+/// the group meant to close it, and could re-pair with a later pattern's brackets into a regex
+/// that compiles and matches less). The HIR has every flag resolved and no comments; its
+/// printed form is a pattern equivalent to it (`regex-syntax`'s `Display` for `Hir`). Whether
+/// a text matches is the same question as whether some pattern does; which one, and where,
+/// is left to the patterns themselves. No alternation with no patterns, when one does not
+/// parse, or when it does not compile (`regex`'s size limits).
+fn prefilters(patterns: &[(String, Regex)]) -> (usize, Option<Regex>) {
+    let hirs: Vec<_> = patterns
         .iter()
         .map(|(_, re)| regex_syntax::parse(re.as_str()).ok())
-        .collect::<Option<Vec<_>>>()?;
-    Regex::new(&regex_syntax::hir::Hir::alternation(hirs).to_string()).ok()
-}
-
-/// The fewest bytes a match of `pattern` (already compiled by `regex`, so it parses) spans:
-/// `regex-syntax`'s `minimum_len` of its HIR, parsed with the defaults `Regex::new` uses; 0
-/// when it cannot tell (so nothing is skipped), `usize::MAX` when nothing can match.
-fn shortest_match(pattern: &str) -> usize {
-    match regex_syntax::parse(pattern) {
-        Ok(hir) => hir.properties().minimum_len().unwrap_or(usize::MAX),
-        Err(_) => 0,
-    }
+        .collect();
+    let shortest = hirs
+        .iter()
+        .map(|hir| {
+            hir.as_ref()
+                .map_or(0, |h| h.properties().minimum_len().unwrap_or(usize::MAX))
+        })
+        .min()
+        .unwrap_or(usize::MAX);
+    let any = if hirs.is_empty() {
+        None
+    } else {
+        hirs.into_iter()
+            .collect::<Option<Vec<_>>>()
+            .and_then(|h| Regex::new(&regex_syntax::hir::Hir::alternation(h).to_string()).ok())
+    };
+    (shortest, any)
 }
 
 #[cfg(test)]
