@@ -195,7 +195,8 @@ pub struct ServeArgs {
     pub body_read_timeout_ms: Option<u64>,
     /// Threads of the async runtime (tokio workers) serving both planes. A sidecar shares
     /// its pod: the default is one per CPU the process may run on (its affinity and cgroup
-    /// quota, as `std::thread::available_parallelism` reads them), at most 4
+    /// quota, as `std::thread::available_parallelism` reads them), at most 4. One worker
+    /// is a current-thread runtime (the main thread polls every task)
     /// [default: min(CPUs, 4)].
     #[arg(long, value_name = "N", env = "TURNGUARD_WORKER_THREADS", value_parser = parse::count)]
     pub worker_threads: Option<usize>,
@@ -984,7 +985,6 @@ impl Default for Config {
     }
 }
 
-/// `url` with the userinfo of its authority (`user:pass@`) replaced by `***@`, for messages.
 /// Most tokio workers turnguard starts by default: a sidecar's proxy work is short and its
 /// journal writer is its own thread, so more workers add context switches, not throughput.
 pub const MAX_DEFAULT_WORKER_THREADS: usize = 4;
@@ -998,6 +998,7 @@ pub fn default_worker_threads() -> usize {
         .min(MAX_DEFAULT_WORKER_THREADS)
 }
 
+/// `url` with the userinfo of its authority (`user:pass@`) replaced by `***@`, for messages.
 pub fn redact_url(url: &str) -> String {
     let (scheme, rest) = match url.split_once("://") {
         Some((s, r)) => (Some(s), r),

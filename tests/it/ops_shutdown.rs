@@ -214,7 +214,13 @@ async fn sigterm_during_a_stream_lets_it_finish_journals_it_and_exits_0() {
     let mock = start_mock(120).await;
     let mut tg = spawn_turnguard(
         &mock.addr.to_string(),
-        &["--shutdown-delay-ms=600", "--shutdown-grace-ms=15000"],
+        // One worker: the current-thread runtime a one-CPU sidecar gets by default (the
+        // other test here keeps the default, multi-thread on a machine with more CPUs).
+        &[
+            "--shutdown-delay-ms=600",
+            "--shutdown-grace-ms=15000",
+            "--worker-threads=1",
+        ],
     )
     .await;
     let url = format!("http://{}/v1/chat/completions", tg.data);
