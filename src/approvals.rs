@@ -45,6 +45,7 @@
 //! approve: the interrupt is journaled and resolved rejected at once (`no_approver`) rather
 //! than holding the agent for the whole timeout.
 
+use crate::strict_json::Lookup as _;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -1195,7 +1196,7 @@ async fn edited_calls(
     let offered = row
         .record
         .payload
-        .pointer("/data/actions")
+        .at("/data/actions")
         .and_then(Value::as_array)
         .is_some_and(|a| a.iter().any(|x| x == "edit-accept"));
     if !offered {

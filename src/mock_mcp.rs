@@ -20,6 +20,7 @@
 //! headers), `POST /_mock/script` (replace the script), `POST /_mock/step` (release one gated
 //! answer), `POST /_mock/reset` (forget executions and requests).
 
+use crate::strict_json::Lookup as _;
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::path::Path;
@@ -273,7 +274,7 @@ async fn serve(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response {
         return StatusCode::ACCEPTED.into_response();
     };
     let modern = params
-        .pointer("/_meta")
+        .at("/_meta")
         .and_then(|m| m.get(VERSION_META))
         .and_then(Value::as_str)
         .is_some();
@@ -405,7 +406,7 @@ async fn serve(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response {
                 return json_response(StatusCode::OK, &answer);
             }
             let token = params
-                .pointer("/_meta/progressToken")
+                .at("/_meta/progressToken")
                 .cloned()
                 .unwrap_or(json!("mock"));
             let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress",

@@ -35,6 +35,7 @@
 //! JSON body and raw body text), `POST /_mock/script` (replace the script), `POST /_mock/step`,
 //! `POST /_mock/reset` (forget the request log).
 
+use crate::strict_json::Lookup as _;
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -515,7 +516,7 @@ async fn serve_step(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response 
 /// The Anthropic API's check with extended thinking on (see [`Script::strict_thinking`]): the
 /// message it answers with, or `None` when the request passes.
 fn thinking_violation(body: &Value) -> Option<String> {
-    let mode = body.pointer("/thinking/type").and_then(Value::as_str);
+    let mode = body.at("/thinking/type").and_then(Value::as_str);
     if !matches!(mode, Some("enabled" | "adaptive")) {
         return None;
     }

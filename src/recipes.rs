@@ -6,6 +6,7 @@
 //!   `base64url(sha256("openwop:activity:v2\0" ‖ tenant ‖ \0 ‖ run ‖ \0 ‖ node ‖ \0 ‖ ordinal
 //!   ‖ \0 ‖ providerKey))`. The attempt is never part of it.
 
+use crate::strict_json::Lookup as _;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -83,7 +84,7 @@ pub fn semantic_request_digest(api: Api, body: &Value) -> String {
 }
 
 fn tool_name(t: &Value) -> &str {
-    t.pointer("/function/name")
+    t.at("/function/name")
         .or_else(|| t.get("name"))
         .and_then(Value::as_str)
         .unwrap_or_default()

@@ -8,7 +8,8 @@
 //! journaled. Clippy cannot see operator indexing on `Value`, so this test scans the
 //! non-test part of every file under `src/` for an index by a string literal (`x["…"]`)
 //! or by a reference (`x[&…]`), and fails when a file has more than its baseline. Use
-//! `.get()`, `.get_mut()`, `.pointer()`, or insert into `as_object_mut()`.
+//! `.get()`, `.get_mut()`, `strict_json::Lookup::at` (a JSON Pointer), or insert into
+//! `as_object_mut()`.
 //!
 //! The layering of modules (issue 13 item 1, `ARCHITECTURE.md` "Layers"): each module
 //! imports only its own layer and the layers below it. [`tests::LAYERS`] lists them bottom

@@ -42,6 +42,47 @@ pub fn to_text(v: &Value) -> String {
     serde_json::to_string(v).unwrap_or_else(|_| v.to_string())
 }
 
+/// RFC 6901 JSON Pointer lookup on a [`Value`] without allocating: the same answers as
+/// `serde_json::Value::pointer` (an empty pointer is the value itself; one not starting with
+/// `/` is `None`; `~1` and `~0` are unescaped in each reference token; an array index is
+/// decimal digits without a leading `+` or `0`, `"0"` itself allowed), but a token is
+/// unescaped only when it holds a `~`, where `Value::pointer` builds two strings per token.
+/// The hot paths read provider bodies and stream chunks through it (issue 13, profile-led:
+/// `call_from_message` made eight allocations a call).
+pub trait Lookup {
+    /// The value at `pointer`, if any.
+    fn at(&self, pointer: &str) -> Option<&Value>;
+}
+
+impl Lookup for Value {
+    fn at(&self, pointer: &str) -> Option<&Value> {
+        if pointer.is_empty() {
+            return Some(self);
+        }
+        let rest = pointer.strip_prefix('/')?;
+        rest.split('/').try_fold(self, |target, token| {
+            let token: std::borrow::Cow<'_, str> = if token.contains('~') {
+                token.replace("~1", "/").replace("~0", "~").into()
+            } else {
+                token.into()
+            };
+            match target {
+                Value::Object(map) => map.get(token.as_ref()),
+                Value::Array(list) => array_index(&token).and_then(|i| list.get(i)),
+                _ => None,
+            }
+        })
+    }
+}
+
+/// An RFC 6901 array index as `serde_json` reads one: no `+`, no leading zero but `"0"`.
+fn array_index(token: &str) -> Option<usize> {
+    if token.starts_with('+') || (token.starts_with('0') && token.len() != 1) {
+        return None;
+    }
+    token.parse().ok()
+}
+
 /// Parses `raw` as one JSON value (serde_json's grammar and its nesting limit of 128),
 /// refusing any object with a repeated key.
 ///
@@ -142,15 +183,19 @@ impl<'de> Visitor<'de> for Unique {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
         let mut out = Map::new();
         while let Some(key) = map.next_key::<String>()? {
-            if out.contains_key(&key) {
-                let shown: String = key.chars().take(MAX_KEY_SHOWN).collect();
-                return Err(A::Error::custom(format!(
-                    "{DUPLICATE}{}{END}",
-                    Value::String(shown)
-                )));
+            // One lookup per key: the entry both finds a repeat and holds the slot.
+            match out.entry(key) {
+                serde_json::map::Entry::Occupied(seen) => {
+                    let shown: String = seen.key().chars().take(MAX_KEY_SHOWN).collect();
+                    return Err(A::Error::custom(format!(
+                        "{DUPLICATE}{}{END}",
+                        Value::String(shown)
+                    )));
+                }
+                serde_json::map::Entry::Vacant(slot) => {
+                    slot.insert(map.next_value_seed(Unique)?);
+                }
             }
-            let value = map.next_value_seed(Unique)?;
-            out.insert(key, value);
         }
         Ok(Value::Object(out))
     }
@@ -159,6 +204,48 @@ impl<'de> Visitor<'de> for Unique {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lookup_answers_as_serde_json_pointer() {
+        let v: Value = serde_json::json!({
+            "a": {"b": [10, {"c": "x"}], "": {"": 1}},
+            "m~n": {"p/q": 2},
+            "0": "zero",
+            "arr": [[0, 1], [2, 3]],
+        });
+        for p in [
+            "",
+            "/",
+            "//",
+            "/a",
+            "/a/b",
+            "/a/b/0",
+            "/a/b/1/c",
+            "/a/b/2",
+            "/a/b/01",
+            "/a/b/+1",
+            "/a/b/-1",
+            "/a/b/ 1",
+            "/a/b/1/c/x",
+            "/a/",
+            "/a//",
+            "/m~0n",
+            "/m~0n/p~1q",
+            "/m~n",
+            "/m~01n",
+            "/m~1n",
+            "/0",
+            "/arr/1/0",
+            "/arr/1/0/0",
+            "a",
+            "a/b",
+            "/missing",
+            "/arr/18446744073709551616",
+            "/~2",
+        ] {
+            assert_eq!(v.at(p), v.pointer(p), "pointer {p:?}");
+        }
+    }
 
     #[test]
     fn parses_what_serde_json_parses_and_keeps_key_order() {

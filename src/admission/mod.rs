@@ -160,27 +160,35 @@ fn decide(
     let tool = ctx.policy.tool(&call.name);
     let args = arguments::parse_call(call);
     // Redaction runs for every parsed call so that every record carries the redacted form;
-    // it never decides an outcome (stage 7).
+    // it never decides an outcome (stage 7). Arguments without a secret are their own
+    // redacted form: copied only when there is something to replace.
+    let redactor = &ctx.policy.redactor;
+    let tool_id = &tool.descriptor.tool_id;
     let redacted = args
         .as_ref()
         .ok()
-        .map(|a| ctx.policy.redactor.redact(&tool.descriptor.tool_id, a));
+        .filter(|a| redactor.finds(tool_id, a))
+        .map(|a| redactor.redact(tool_id, a));
+    let hash = match (&redacted, &args) {
+        (Some((r, _)), _) | (None, Ok(r)) => Some(arguments::args_hash(r)),
+        (None, Err(_)) => None,
+    };
     let mut call_ctx = CallCtx {
         ctx,
         turn,
         choice,
         call,
         tool,
-        hash: redacted.as_ref().map(|(r, _)| arguments::args_hash(r)),
+        hash,
         secrets: redacted.as_ref().map_or(0, |(_, n)| *n),
         redacted_args: redacted.map(|(r, _)| r),
         trace: Vec::new(),
     };
-    let d = match call_ctx.stages(args, reached_limits, released_before) {
+    let d = match call_ctx.stages(&args, reached_limits, released_before) {
         Ok(d) => d,
         Err(ended) => *ended,
     };
-    call_ctx.finish(d)
+    call_ctx.finish(d, args.ok())
 }
 
 /// A stage ended the call with this decision (boxed: the early-return path of [`CallCtx`]'s
@@ -197,6 +205,8 @@ struct CallCtx<'a> {
     tool: &'a crate::policy::catalog::CatalogTool,
     hash: Option<String>,
     secrets: usize,
+    /// The redacted copy of the arguments, when they held a secret (otherwise the
+    /// arguments are their own redacted form: [`CallCtx::finish`]).
     redacted_args: Option<Value>,
     trace: Vec<(Stage, String)>,
 }
@@ -205,7 +215,7 @@ impl CallCtx<'_> {
     /// Stages 1–8 in order: `Err` is the stage that ended the call, `Ok` the dispatch decision.
     fn stages(
         &mut self,
-        args: Result<Value, arguments::ArgsError>,
+        args: &Result<Value, arguments::ArgsError>,
         reached_limits: &mut u32,
         released_before: u32,
     ) -> Result<Decision, Ended> {
@@ -228,7 +238,7 @@ impl CallCtx<'_> {
         self.trace.push((Stage::Name, pass));
         // 3. arguments
         let catalog_schema = tool.input_validator(|s| ctx.schemas.compile(s));
-        if let Some(d) = arguments::check(turn, call, &args, catalog_schema, ctx.schemas) {
+        if let Some(d) = arguments::check(turn, call, args, catalog_schema, ctx.schemas) {
             return Err(Box::new(d));
         }
         self.trace.push((
@@ -245,7 +255,7 @@ impl CallCtx<'_> {
             )));
         };
         // 4. trust, 5. authorization
-        self.trust_and_authorization(&args)?;
+        self.trust_and_authorization(args)?;
         // 6. limits
         self.limits(reached_limits, released_before)?;
         // 7. redaction
@@ -258,7 +268,8 @@ impl CallCtx<'_> {
             String::new(),
         );
         if strip {
-            d.release_args = self.redacted_args.as_ref().map(Value::to_string);
+            // `strip` means secrets were found, so the redacted copy exists.
+            d.release_args = self.redacted_args.as_ref().map(crate::strict_json::to_text);
         }
         Ok(d)
     }
@@ -424,13 +435,14 @@ impl CallCtx<'_> {
     }
 
     /// The decision with what every decision carries: the tool, the hash and redacted
-    /// arguments, the secrets count and the trace ending in the deciding stage's note.
-    fn finish(self, mut d: Decision) -> Decision {
+    /// arguments (the redacted copy, or `args` themselves when they held no secret), the
+    /// secrets count and the trace ending in the deciding stage's note.
+    fn finish(self, mut d: Decision, args: Option<Value>) -> Decision {
         d.secrets = self.secrets;
         d.tool_id = self.tool.descriptor.tool_id.clone();
         d.tool_name = sanitize_label(&self.call.name);
         d.args_hash = self.hash;
-        d.redacted_args = self.redacted_args;
+        d.redacted_args = self.redacted_args.or(args);
         d.trace = self.trace;
         let note = if d.message.is_empty() {
             format!("{}: {}", d.outcome.as_str(), d.reason)

@@ -4,6 +4,7 @@
 //! person's app would (`GET /approvals`, `POST /approvals/{interruptId}`); the admin plane
 //! decides (a token the agent presented, a delegated token or another person's is refused).
 
+use crate::strict_json::Lookup as _;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -219,7 +220,7 @@ fn table(body: &Value) -> String {
             .collect();
         let why: Vec<&str> = calls
             .iter()
-            .filter_map(|c| c.pointer("/heldBecause/reason").and_then(Value::as_str))
+            .filter_map(|c| c.at("/heldBecause/reason").and_then(Value::as_str))
             .collect();
         let left = a
             .get("expiresAt")

@@ -12,6 +12,7 @@
 //!   string (400). It goes through [`crate::approvals::resolve_as`], the admin API's
 //!   compare-and-set.
 
+use crate::strict_json::Lookup as _;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -297,7 +298,7 @@ fn card(row: &InterruptRow, csrf: &str, now: i64) -> Markup {
         .cloned()
         .unwrap_or(Value::Null);
     let inputs: Vec<Value> = data
-        .pointer("/artifactData/untrustedInputs")
+        .at("/artifactData/untrustedInputs")
         .and_then(Value::as_array)
         .cloned()
         .unwrap_or_default();

@@ -37,6 +37,7 @@
 //!    results are untrusted unless the catalog says otherwise), and only then answered. A
 //!    record failure fails the call (`turnguard.journal_unavailable`).
 
+use crate::strict_json::Lookup as _;
 use std::sync::Arc;
 
 use axum::response::Response;
@@ -335,7 +336,7 @@ impl McpCall {
                 .tool
                 .business_key
                 .iter()
-                .map(|p| self.arguments.pointer(p).cloned().unwrap_or(Value::Null))
+                .map(|p| self.arguments.at(p).cloned().unwrap_or(Value::Null))
                 .collect();
             let canon = admission::arguments::canonical(
                 &json!({"toolId": self.tool.descriptor.tool_id, "businessKey": key}),
@@ -847,7 +848,7 @@ async fn finish(call: McpCall, exec: Exec, answer: Answer) -> Option<Value> {
             return Some(wire_error(&call.id, &e));
         }
     };
-    if msg.pointer("/result/resultType").and_then(Value::as_str) == Some("input_required") {
+    if msg.at("/result/resultType").and_then(Value::as_str) == Some("input_required") {
         // The server asks for input first (MRTR): nothing ran yet. The claim is given back so
         // the client's retry is the execution.
         if let Some((effect_id, _)) = &exec.effect {

@@ -23,6 +23,7 @@
 //! `MissingRequiredClientCapabilityError` (`-32021`, HTTP 400, MCP `basic/index`; the code is
 //! the one MCP defines for it, used for both eras).
 
+use crate::strict_json::Lookup as _;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -130,7 +131,7 @@ impl Asks {
 fn question(args: &Value) -> String {
     let text = ["/question", "/message", "/prompt", "/text"]
         .iter()
-        .find_map(|p| args.pointer(p).and_then(Value::as_str))
+        .find_map(|p| args.at(p).and_then(Value::as_str))
         .map(str::to_owned)
         .unwrap_or_else(|| args.to_string());
     text.chars().take(MAX_QUESTION_CHARS).collect()
@@ -280,7 +281,7 @@ pub async fn handle(call: McpCall, mut d: Decision, ticket: Option<TicketRow>) -
         .and_then(|t| call.front.asks.take(t))
         .filter(|a| a.binding == binding);
     let answer = params
-        .pointer(&format!("/inputResponses/{INPUT_KEY}"))
+        .at(&format!("/inputResponses/{INPUT_KEY}"))
         .filter(|a| a.get("action").and_then(Value::as_str).is_some());
     if let (Some(_), Some(answer)) = (&prior, answer) {
         let result = answered(&call, answer);

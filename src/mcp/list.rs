@@ -15,6 +15,7 @@
 //! A catalog tool matches an MCP tool by its MCP name, or by the name an agent exposes it to
 //! the model as, `mcp__<server>__<tool>` (Claude Code's convention).
 
+use crate::strict_json::Lookup as _;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -133,7 +134,7 @@ pub async fn handle(front: &Arc<McpFront>, inbound: Inbound) -> Response {
     let hook: relay::Hook = Box::new(move |answer: Answer| {
         Box::pin(async move {
             let mut msg = answer.ok()?;
-            let tools = msg.pointer("/result/tools")?.as_array()?.clone();
+            let tools = msg.at("/result/tools")?.as_array()?.clone();
             f.tools.remember(&server, &tools);
             let shown: Vec<Value> = tools
                 .into_iter()
@@ -143,7 +144,7 @@ pub async fn handle(front: &Arc<McpFront>, inbound: Inbound) -> Response {
                     if !visible(&policy, person.as_deref(), tool) {
                         return None;
                     }
-                    let title = t.pointer("/annotations/title").cloned();
+                    let title = t.at("/annotations/title").cloned();
                     if let Some(o) = t.as_object_mut() {
                         o.insert("annotations".into(), annotations(tool, title.as_ref()));
                     }
@@ -165,7 +166,7 @@ pub async fn declared(front: &Arc<McpFront>, inbound: &Inbound, tool: &str) -> O
     if let Some(t) = front.tools.get(&inbound.server_name, tool) {
         return Some(t);
     }
-    let meta = inbound.message.pointer("/params/_meta").cloned();
+    let meta = inbound.message.at("/params/_meta").cloned();
     let mut cursor: Option<Value> = None;
     for _ in 0..MAX_PAGES {
         let id = json!(format!("turnguard-{}", uuid::Uuid::new_v4()));
@@ -206,12 +207,12 @@ pub async fn declared(front: &Arc<McpFront>, inbound: &Inbound, tool: &str) -> O
             return None;
         }
         let answer = relay::read_answer(front, resp, &id).await.ok()?;
-        let tools = answer.pointer("/result/tools")?.as_array()?.clone();
+        let tools = answer.at("/result/tools")?.as_array()?.clone();
         front.tools.remember(&inbound.server_name, &tools);
         if let Some(t) = front.tools.get(&inbound.server_name, tool) {
             return Some(t);
         }
-        cursor = answer.pointer("/result/nextCursor").cloned();
+        cursor = answer.at("/result/nextCursor").cloned();
         if cursor.as_ref().is_none_or(Value::is_null) {
             break;
         }

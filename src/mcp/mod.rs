@@ -33,6 +33,7 @@ pub mod list;
 pub mod relay;
 pub mod session;
 
+use crate::strict_json::Lookup as _;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -348,7 +349,7 @@ fn era_of(
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     let modern_version = message
-        .pointer("/params/_meta")
+        .at("/params/_meta")
         .and_then(|m| m.get(VERSION_META))
         .and_then(Value::as_str)
         .map(str::to_owned);
@@ -357,7 +358,7 @@ fn era_of(
     } else if let Some(version) = &modern_version {
         session::check_modern(id, version, headers, message).map_err(Box::new)?;
         let caps = message
-            .pointer("/params/_meta")
+            .at("/params/_meta")
             .and_then(|m| m.get(CAPABILITIES_META))
             .cloned()
             .unwrap_or(Value::Null);

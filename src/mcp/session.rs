@@ -13,6 +13,7 @@
 //! - **2026-07-28**: no handshake and no session; each request names its revision and
 //!   capabilities in `_meta`, checked here ([`check_modern`]).
 
+use crate::strict_json::Lookup as _;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -142,7 +143,7 @@ pub fn check_modern(
         }
     }
     if method == Some("tools/call") {
-        let name = message.pointer("/params/name").and_then(Value::as_str);
+        let name = message.at("/params/name").and_then(Value::as_str);
         if let (Some(h), Some(n)) = (header("mcp-name"), name) {
             if decode_header(h) != n {
                 return mismatch("Mcp-Name");
@@ -204,7 +205,7 @@ pub async fn initialize(front: &Arc<McpFront>, inbound: Inbound) -> Response {
     let id = inbound.id();
     let mut message = inbound.message.clone();
     let asked = message
-        .pointer("/params/protocolVersion")
+        .at("/params/protocolVersion")
         .and_then(Value::as_str)
         .unwrap_or_default()
         .to_owned();
@@ -217,7 +218,7 @@ pub async fn initialize(front: &Arc<McpFront>, inbound: Inbound) -> Response {
         }
     }
     let capabilities = message
-        .pointer("/params/capabilities")
+        .at("/params/capabilities")
         .cloned()
         .unwrap_or_else(|| json!({}));
     let body = bytes::Bytes::from(message.to_string());
@@ -239,7 +240,7 @@ pub async fn initialize(front: &Arc<McpFront>, inbound: Inbound) -> Response {
         return json_response(status, &answer);
     }
     let version = answer
-        .pointer("/result/protocolVersion")
+        .at("/result/protocolVersion")
         .and_then(Value::as_str)
         .unwrap_or_default()
         .to_owned();

@@ -13,6 +13,7 @@
 //! (`finish_reason: "length"`; `stop_reason: "max_tokens"` with the block left open;
 //! `status: "incomplete"` with `incomplete_details.reason = "max_output_tokens"`).
 
+use crate::strict_json::Lookup as _;
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
@@ -133,7 +134,7 @@ pub fn render(reply: &Reply, api: ApiShape, request: &Value, n: u64) -> Rendered
         (ApiShape::Chat, false) => json_body(r.chat_json()),
         (ApiShape::Chat, true) => {
             let usage = request
-                .pointer("/stream_options/include_usage")
+                .at("/stream_options/include_usage")
                 .and_then(Value::as_bool)
                 == Some(true);
             sse_body(r.chat_chunks(usage))
@@ -778,17 +779,17 @@ mod tests {
         let chunks = data(&r);
         let args: String = chunks
             .iter()
-            .filter_map(|c| c.pointer("/choices/0/delta/tool_calls/0/function/arguments"))
+            .filter_map(|c| c.at("/choices/0/delta/tool_calls/0/function/arguments"))
             .filter_map(Value::as_str)
             .collect();
         assert_eq!(args, r#"{"city":"Paris"}"#);
         assert_eq!(
-            chunks[0].pointer("/choices/0/delta/role"),
+            chunks[0].at("/choices/0/delta/role"),
             Some(&json!("assistant"))
         );
         assert!(chunks
             .iter()
-            .any(|c| c.pointer("/choices/0/finish_reason") == Some(&json!("tool_calls"))));
+            .any(|c| c.at("/choices/0/finish_reason") == Some(&json!("tool_calls"))));
         assert!(chunks.last().unwrap().get("usage").unwrap().is_object());
         assert_eq!(
             r.events.last().map(|b| b.as_ref()),
@@ -801,21 +802,15 @@ mod tests {
         let req = json!({"model": "m"});
         let chat = render(&call_reply(true), ApiShape::Chat, &req, 1);
         let body: Value = serde_json::from_slice(&chat.events[0]).unwrap();
+        assert_eq!(body.at("/choices/0/finish_reason"), Some(&json!("length")));
         assert_eq!(
-            body.pointer("/choices/0/finish_reason"),
-            Some(&json!("length"))
-        );
-        assert_eq!(
-            body.pointer("/choices/0/message/tool_calls/0/function/arguments"),
+            body.at("/choices/0/message/tool_calls/0/function/arguments"),
             Some(&json!(r#"{"city":"#))
         );
         let stream = json!({"model": "m", "stream": true});
         let msgs = data(&render(&call_reply(true), ApiShape::Messages, &stream, 1));
         let stop = msgs.iter().find(|e| e["type"] == "message_delta").unwrap();
-        assert_eq!(
-            stop.pointer("/delta/stop_reason"),
-            Some(&json!("max_tokens"))
-        );
+        assert_eq!(stop.at("/delta/stop_reason"), Some(&json!("max_tokens")));
         let stops = msgs
             .iter()
             .filter(|e| e["type"] == "content_block_stop")
@@ -825,7 +820,7 @@ mod tests {
         let last = resp.last().unwrap();
         assert_eq!(last["type"], "response.incomplete");
         assert_eq!(
-            last.pointer("/response/incomplete_details/reason"),
+            last.at("/response/incomplete_details/reason"),
             Some(&json!("max_output_tokens"))
         );
     }
@@ -856,7 +851,7 @@ mod tests {
         assert_eq!(done["output_index"], 2);
         let completed = events.last().unwrap();
         assert_eq!(completed["type"], "response.completed");
-        let output = completed.pointer("/response/output").unwrap();
+        let output = completed.at("/response/output").unwrap();
         assert_eq!(output[2]["type"], "custom_tool_call");
         assert_eq!(output[2]["namespace"], "functions");
         assert_eq!(output[1]["arguments"], r#"{"city":"Paris"}"#);
@@ -868,8 +863,8 @@ mod tests {
         reply.reasoning = Some("think".into());
         let r = render(&reply, ApiShape::Messages, &json!({"model": "m"}), 1);
         let body: Value = serde_json::from_slice(&r.events[0]).unwrap();
-        assert_eq!(body.pointer("/content/0/type"), Some(&json!("thinking")));
-        assert_eq!(body.pointer("/content/2/input/city"), Some(&json!("Paris")));
+        assert_eq!(body.at("/content/0/type"), Some(&json!("thinking")));
+        assert_eq!(body.at("/content/2/input/city"), Some(&json!("Paris")));
         assert_eq!(body["stop_reason"], "tool_use");
     }
 }

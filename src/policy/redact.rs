@@ -116,6 +116,25 @@ impl Redactor {
         })
     }
 
+    /// Whether [`Redactor::redact`] would change `args`: a pointer configured for `tool_id`
+    /// resolves in it, or one of its strings holds a secret. Reads only (no copy), so that a
+    /// call without secrets, the common case, is not copied to be redacted (admission stage 7).
+    pub fn finds(&self, tool_id: &str, args: &Value) -> bool {
+        self.pointers
+            .iter()
+            .any(|(tool, pointer)| tool == tool_id && args.pointer(pointer).is_some())
+            || self.holds_secret(args)
+    }
+
+    fn holds_secret(&self, v: &Value) -> bool {
+        match v {
+            Value::String(s) => self.redacted(s).is_some(),
+            Value::Array(a) => a.iter().any(|x| self.holds_secret(x)),
+            Value::Object(m) => m.values().any(|x| self.holds_secret(x)),
+            _ => false,
+        }
+    }
+
     /// A copy of `args` with every secret replaced; returns it and how many were found.
     pub fn redact(&self, tool_id: &str, args: &Value) -> (Value, usize) {
         let mut out = args.clone();

@@ -8,6 +8,7 @@
 //! plus a host-authored text block. `ping` and unchanged events keep their exact bytes
 //! (including the padding spaces newer captures carry).
 
+use crate::strict_json::Lookup as _;
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
@@ -324,10 +325,10 @@ enum Within {
 /// An `image` / `document` block: inline sources (`base64`, `text`, `content`) are the
 /// message's own; a `url` or `file` source is fetched or held by the provider.
 fn judge_source(turn: &mut Turn, block: &Value, at: &str) {
-    match block.pointer("/source/type").and_then(Value::as_str) {
+    match block.at("/source/type").and_then(Value::as_str) {
         Some("base64" | "text") => {}
         Some("content") => {
-            if let Some(Value::Array(inner)) = block.pointer("/source/content") {
+            if let Some(Value::Array(inner)) = block.at("/source/content") {
                 let at = format!("{at}.source.content");
                 // Inline content carries no tool results; one that does is not recognised.
                 let mut none = CallNames::default();
@@ -419,7 +420,7 @@ pub fn parse_response(body: &Value, ctx: &AnswerContext) -> Result<Vec<ChoiceEmi
         provider_output,
         completion: classify(
             body.get("stop_reason").and_then(Value::as_str),
-            body.pointer("/usage/output_tokens").and_then(Value::as_u64),
+            body.at("/usage/output_tokens").and_then(Value::as_u64),
             ctx.max_output_tokens,
         ),
         calls,
@@ -481,7 +482,7 @@ fn set(v: &mut Value, key: &str, value: Value) {
 /// earlier beta's top-level `output_format` of the same shape). The schema has no name on
 /// this API: the channel is named after the field.
 pub fn structured_schema(body: &Value) -> Option<(String, Value)> {
-    let (field, format) = match body.pointer("/output_config/format") {
+    let (field, format) = match body.at("/output_config/format") {
         Some(f) if !f.is_null() => ("output_config.format", f),
         _ => ("output_format", body.get("output_format")?),
     };
@@ -742,13 +743,10 @@ impl MessagesStream {
         if parsed.get("delta").is_some_and(|d| !d.is_object()) {
             return Err("a `message_delta` whose `delta` is not an object".into());
         }
-        if let Some(r) = parsed.pointer("/delta/stop_reason").and_then(Value::as_str) {
+        if let Some(r) = parsed.at("/delta/stop_reason").and_then(Value::as_str) {
             self.stop_reason = Some(r.to_owned());
         }
-        if let Some(t) = parsed
-            .pointer("/usage/output_tokens")
-            .and_then(Value::as_u64)
-        {
+        if let Some(t) = parsed.at("/usage/output_tokens").and_then(Value::as_u64) {
             self.output_tokens = Some(t);
         }
         self.delta_seen = true;
@@ -891,9 +889,7 @@ impl ProviderStream for MessagesStream {
                     b.stopped = true;
                 } else if let (Some(call), Some(p)) = (
                     b.call.as_mut(),
-                    parsed
-                        .pointer("/delta/partial_json")
-                        .and_then(Value::as_str),
+                    parsed.at("/delta/partial_json").and_then(Value::as_str),
                 ) {
                     call.arguments.push_str(p);
                 } else if let Some(delta) = parsed.get("delta") {
@@ -1118,10 +1114,10 @@ impl ProviderStream for MessagesStream {
     /// A `content_block_delta`'s `text_delta` text (wire-formats.md §3).
     fn answer_text<'a>(&'a self, event: &'a Event) -> Option<&'a str> {
         let v = event.json()?;
-        if v.pointer("/delta/type").and_then(Value::as_str) != Some("text_delta") {
+        if v.at("/delta/type").and_then(Value::as_str) != Some("text_delta") {
             return None;
         }
-        v.pointer("/delta/text").and_then(Value::as_str)
+        v.at("/delta/text").and_then(Value::as_str)
     }
 
     /// `message_stop` (by the data's `type`, which [`Self::push`] requires to agree with the

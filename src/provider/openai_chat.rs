@@ -8,6 +8,7 @@
 //! token limit and `include_usage`), then admitted and released or replaced. Chunks that no
 //! decision changes are re-emitted byte for byte.
 
+use crate::strict_json::Lookup as _;
 use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
@@ -163,7 +164,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
             .and_then(Value::as_u64)
             .or_else(|| obj.get("max_tokens").and_then(Value::as_u64)),
         include_usage: body
-            .pointer("/stream_options/include_usage")
+            .at("/stream_options/include_usage")
             .and_then(Value::as_bool)
             == Some(true),
         round_index: 0,
@@ -198,7 +199,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                     .flatten()
                     .enumerate()
                 {
-                    let name = c.pointer("/function/name").and_then(Value::as_str);
+                    let name = c.at("/function/name").and_then(Value::as_str);
                     if let Some(name) = name {
                         turn.prior_calls.push(name.to_owned());
                     }
@@ -245,11 +246,9 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                 );
             }
         }
-        judge_content(
-            &mut turn,
-            m.get("content"),
-            &format!("messages[{i}].content"),
-        );
+        judge_content(&mut turn, m.get("content"), || {
+            format!("messages[{i}].content")
+        });
     }
     Ok(turn)
 }
@@ -313,22 +312,22 @@ fn declared_tools(
 /// any other URL or a `file` by `file_id` is content the provider fetches or holds
 /// ([`UntrustedKind::ProviderFetched`]); a part type turnguard does not know is
 /// [`UntrustedKind::Unrecognised`].
-fn judge_content(turn: &mut Turn, content: Option<&Value>, at: &str) {
+fn judge_content(turn: &mut Turn, content: Option<&Value>, at: impl Fn() -> String) {
     let parts = match content {
         None | Some(Value::Null) | Some(Value::String(_)) => return,
         Some(Value::Array(parts)) => parts,
         Some(_) => {
-            turn.untrusted(UntrustedKind::Unrecognised, at.to_owned());
+            turn.untrusted(UntrustedKind::Unrecognised, at());
             return;
         }
     };
     for (k, p) in parts.iter().enumerate() {
-        let at = || format!("{at}[{k}]");
+        let at = || format!("{}[{k}]", at());
         match p.get("type").and_then(Value::as_str) {
             Some("text" | "refusal" | "input_audio") => {}
             Some("image_url") => {
                 let url = p
-                    .pointer("/image_url/url")
+                    .at("/image_url/url")
                     .or_else(|| p.get("image_url"))
                     .and_then(Value::as_str)
                     .unwrap_or_default();
@@ -337,11 +336,8 @@ fn judge_content(turn: &mut Turn, content: Option<&Value>, at: &str) {
                 }
             }
             Some("file") => {
-                let inline = p
-                    .pointer("/file/file_data")
-                    .and_then(Value::as_str)
-                    .is_some();
-                if !inline || p.pointer("/file/file_id").is_some() {
+                let inline = p.at("/file/file_data").and_then(Value::as_str).is_some();
+                if !inline || p.at("/file/file_id").is_some() {
                     turn.untrusted(UntrustedKind::ProviderFetched, at());
                 }
             }
@@ -443,7 +439,7 @@ pub fn prepare_upstream(body: &mut Value, turn: &mut Turn) -> bool {
 }
 
 fn call_from_message(c: &Value) -> ToolCall {
-    let arguments = match c.pointer("/function/arguments") {
+    let arguments = match c.at("/function/arguments") {
         Some(Value::String(s)) => s.clone(),
         Some(other) => other.to_string(),
         None => String::new(),
@@ -456,7 +452,7 @@ fn call_from_message(c: &Value) -> ToolCall {
             .unwrap_or_default()
             .to_owned(),
         name: c
-            .pointer("/function/name")
+            .at("/function/name")
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_owned(),
@@ -470,9 +466,7 @@ fn call_from_message(c: &Value) -> ToolCall {
 /// non-negative integer `index`, or two choices with one): a verdict could otherwise reach
 /// another choice's calls (DESIGN.md §9).
 pub fn parse_response(body: &Value, ctx: &AnswerContext) -> Result<Vec<ChoiceEmissions>, String> {
-    let used = body
-        .pointer("/usage/completion_tokens")
-        .and_then(Value::as_u64);
+    let used = body.at("/usage/completion_tokens").and_then(Value::as_u64);
     let mut out = Vec::new();
     for choice in body
         .get("choices")
@@ -708,7 +702,7 @@ impl ChatStream {
             if c.get("delta").is_some_and(|d| !d.is_object()) {
                 return Err(format!("a `delta` of choice {index} that is not an object"));
             }
-            if let Some(list) = c.pointer("/delta/tool_calls").filter(|l| !l.is_null()) {
+            if let Some(list) = c.at("/delta/tool_calls").filter(|l| !l.is_null()) {
                 let Some(list) = list.as_array() else {
                     return Err(format!(
                         "`tool_calls` of choice {index} that is not an array"
@@ -860,11 +854,10 @@ impl ProviderStream for ChatStream {
             return;
         };
         let has_calls = choices.iter().any(|c| {
-            c.pointer("/delta/tool_calls")
+            c.at("/delta/tool_calls")
                 .and_then(Value::as_array)
                 .is_some_and(|a| !a.is_empty())
-                || c.pointer("/delta/function_call")
-                    .is_some_and(|v| !v.is_null())
+                || c.at("/delta/function_call").is_some_and(|v| !v.is_null())
         });
         if self.decided && has_calls {
             // Fail closed: a call after the decision point is never released unadmitted.
@@ -1046,7 +1039,7 @@ impl ProviderStream for ChatStream {
                         };
                         changed |= slots.rewrite(list, &replace, &mut replaced_once);
                     }
-                    if c.pointer("/delta/function_call").is_some()
+                    if c.at("/delta/function_call").is_some()
                         && emitted.first().copied().flatten().is_none()
                     {
                         if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
@@ -1120,7 +1113,7 @@ impl ProviderStream for ChatStream {
             .filter_map(|h| h.json.as_ref())
             .filter_map(|j| j.get("choices").and_then(Value::as_array))
             .flatten()
-            .filter(|c| c.pointer("/delta/role").is_some_and(|r| !r.is_null()))
+            .filter(|c| c.at("/delta/role").is_some_and(|r| !r.is_null()))
             .filter_map(choice_index)
             .collect();
         self.held.clear();
@@ -1144,7 +1137,7 @@ impl ProviderStream for ChatStream {
     fn answer_text<'a>(&'a self, event: &'a Event) -> Option<&'a str> {
         event
             .json()?
-            .pointer("/choices/0/delta/content")
+            .at("/choices/0/delta/content")
             .and_then(Value::as_str)
     }
 
@@ -1171,16 +1164,16 @@ fn accumulate_choice(
     entries: &mut Vec<(usize, usize, usize)>,
 ) -> bool {
     let mut finishes_held_choice = false;
-    if c.pointer("/delta/role").is_some_and(|r| !r.is_null()) {
+    if c.at("/delta/role").is_some_and(|r| !r.is_null()) {
         acc.role_seen = true;
     }
-    if let Some(Value::String(r)) = c.pointer("/delta/refusal") {
+    if let Some(Value::String(r)) = c.at("/delta/refusal") {
         if !r.is_empty() {
             acc.refused = true;
         }
     }
     for (epos, e) in c
-        .pointer("/delta/tool_calls")
+        .at("/delta/tool_calls")
         .and_then(Value::as_array)
         .into_iter()
         .flatten()
@@ -1228,15 +1221,15 @@ fn accumulate_choice(
                 call.id = id.to_owned();
             }
         }
-        if let Some(n) = e.pointer("/function/name").and_then(Value::as_str) {
+        if let Some(n) = e.at("/function/name").and_then(Value::as_str) {
             call.name.push_str(n);
         }
-        if let Some(a) = e.pointer("/function/arguments").and_then(Value::as_str) {
+        if let Some(a) = e.at("/function/arguments").and_then(Value::as_str) {
             call.arguments.push_str(a);
         }
         entries.push((cpos, epos, slot));
     }
-    if let Some(fc) = c.pointer("/delta/function_call").filter(|v| v.is_object()) {
+    if let Some(fc) = c.at("/delta/function_call").filter(|v| v.is_object()) {
         // Legacy `function_call` streaming: one call per choice.
         if acc.calls.is_empty() {
             acc.calls.push(CallAcc {
@@ -1327,8 +1320,8 @@ fn carries_text(chunk: &Value) -> bool {
         .into_iter()
         .flatten()
         .any(|c| {
-            matches!(c.pointer("/delta/content"), Some(Value::String(s)) if !s.is_empty())
-                || matches!(c.pointer("/delta/refusal"), Some(Value::String(s)) if !s.is_empty())
+            matches!(c.at("/delta/content"), Some(Value::String(s)) if !s.is_empty())
+                || matches!(c.at("/delta/refusal"), Some(Value::String(s)) if !s.is_empty())
         })
 }
 

@@ -55,6 +55,7 @@
 //!   turnguard does not serve (it would release calls unadmitted): background polling fails
 //!   closed with 404; background *streaming* goes through this adapter like any stream.
 
+use crate::strict_json::Lookup as _;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use bytes::Bytes;
@@ -657,12 +658,10 @@ fn completion_of_response(response: &Value, refused: bool, max: Option<u64>) -> 
     classify(
         str_of(response, "status"),
         response
-            .pointer("/incomplete_details/reason")
+            .at("/incomplete_details/reason")
             .and_then(Value::as_str),
         refused || output_items(response).any(has_refusal_part),
-        response
-            .pointer("/usage/output_tokens")
-            .and_then(Value::as_u64),
+        response.at("/usage/output_tokens").and_then(Value::as_u64),
         max,
     )
 }
@@ -687,7 +686,7 @@ fn output_text(response: &Value) -> Option<String> {
 /// `text.format: {type: "json_schema", name, schema, strict}` (flat, unlike Chat's
 /// `response_format.json_schema`).
 pub fn structured_schema(body: &Value) -> Option<(String, Value)> {
-    let format = body.pointer("/text/format")?;
+    let format = body.at("/text/format")?;
     if str_of(format, "type") != Some("json_schema") {
         return None;
     }
@@ -1291,7 +1290,7 @@ impl ResponsesStream {
                 if self.response_id.is_none() =>
             {
                 self.response_id = j
-                    .pointer("/response/id")
+                    .at("/response/id")
                     .and_then(Value::as_str)
                     .map(str::to_owned);
             }
@@ -1335,7 +1334,7 @@ impl ResponsesStream {
             }
             "response.refusal.delta" | "response.refusal.done" => self.refused = true,
             "response.content_part.added" | "response.content_part.done"
-                if j.pointer("/part/type").and_then(Value::as_str) == Some("refusal") =>
+                if j.at("/part/type").and_then(Value::as_str) == Some("refusal") =>
             {
                 self.refused = true;
             }
@@ -1639,7 +1638,7 @@ impl ProviderStream for ResponsesStream {
         let dirty = self.splice.is_some();
         if self.splice.is_some() {
             // The provider's own id of this round, for the journal.
-            if let Some(id) = json.pointer("/response/id").and_then(Value::as_str) {
+            if let Some(id) = json.at("/response/id").and_then(Value::as_str) {
                 self.provider_response_id
                     .get_or_insert_with(|| id.to_owned());
             }

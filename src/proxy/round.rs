@@ -3,6 +3,7 @@
 //! insert-if-absent), `account` (metrics, per-run counters, `agent.tool-called` /
 //! `agent.tool-returned` events), and the repair bookkeeping (`repaired`, `count_repair`).
 
+use crate::strict_json::Lookup as _;
 use serde_json::{json, Value};
 
 use super::hex_sha256;
@@ -188,7 +189,7 @@ impl Session {
                 let key: Vec<Value> = tool
                     .business_key
                     .iter()
-                    .map(|p| args.pointer(p).cloned().unwrap_or(Value::Null))
+                    .map(|p| args.at(p).cloned().unwrap_or(Value::Null))
                     .collect();
                 let digest = hex_sha256(&admission::arguments::canonical(
                     &json!({"toolId": tool.descriptor.tool_id, "businessKey": key}),
