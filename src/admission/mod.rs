@@ -162,13 +162,11 @@ fn decide(
     // Redaction runs for every parsed call so that every record carries the redacted form;
     // it never decides an outcome (stage 7). Arguments without a secret are their own
     // redacted form: copied only when there is something to replace.
-    let redactor = &ctx.policy.redactor;
-    let tool_id = &tool.descriptor.tool_id;
-    let redacted = args
-        .as_ref()
-        .ok()
-        .filter(|a| redactor.finds(tool_id, a))
-        .map(|a| redactor.redact(tool_id, a));
+    let redacted = args.as_ref().ok().and_then(|a| {
+        ctx.policy
+            .redactor
+            .redacted_copy(&tool.descriptor.tool_id, a)
+    });
     let hash = match (&redacted, &args) {
         (Some((r, _)), _) | (None, Ok(r)) => Some(arguments::args_hash(r)),
         (None, Err(_)) => None,

@@ -6,6 +6,8 @@
 use regex::Regex;
 use serde_json::Value;
 
+use crate::strict_json::Lookup as _;
+
 use super::bundle::Redaction;
 use super::PolicyError;
 
@@ -116,13 +118,21 @@ impl Redactor {
         })
     }
 
-    /// Whether [`Redactor::redact`] would change `args`: a pointer configured for `tool_id`
-    /// resolves in it, or one of its strings holds a secret. Reads only (no copy), so that a
-    /// call without secrets, the common case, is not copied to be redacted (admission stage 7).
-    pub fn finds(&self, tool_id: &str, args: &Value) -> bool {
+    /// [`Redactor::redact`] when it would change `args`, `None` when it would not (no pointer
+    /// configured for `tool_id` resolves in them and none of their strings holds a secret):
+    /// then the arguments are their own redacted form, and a call without secrets, the
+    /// common case, is not copied (admission stage 7). The check only reads; a call with a
+    /// secret runs the patterns again while it is copied.
+    pub fn redacted_copy(&self, tool_id: &str, args: &Value) -> Option<(Value, usize)> {
+        self.finds(tool_id, args)
+            .then(|| self.redact(tool_id, args))
+    }
+
+    /// Whether [`Redactor::redact`] would change `args` (see [`Redactor::redacted_copy`]).
+    fn finds(&self, tool_id: &str, args: &Value) -> bool {
         self.pointers
             .iter()
-            .any(|(tool, pointer)| tool == tool_id && args.pointer(pointer).is_some())
+            .any(|(tool, pointer)| tool == tool_id && args.at(pointer).is_some())
             || self.holds_secret(args)
     }
 
@@ -243,6 +253,33 @@ fn prefilters(patterns: &[(String, Regex)]) -> (usize, Option<Regex>) {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// No copy exactly when redaction would change nothing: a clean call, a call with a
+    /// pointer configured for another tool; a copy equal to `redact`'s for a secret in a
+    /// string and for a configured pointer that resolves.
+    #[test]
+    fn a_copy_is_made_exactly_when_redaction_changes_something() {
+        let cfg = Redaction {
+            pointers: vec![crate::policy::bundle::RedactionPointer {
+                tool: "vault".into(),
+                pointer: "/auth/pin".into(),
+            }],
+            ..Redaction::default()
+        };
+        let r = Redactor::compile(&cfg, "t", "").unwrap();
+        let clean = json!({"city": "Lisbon", "ids": ["a1", 2], "auth": {"pin": "1234"}});
+        assert_eq!(r.redacted_copy("weather", &clean), None);
+        assert_eq!(r.redact("weather", &clean), (clean.clone(), 0));
+        let copy = r
+            .redacted_copy("vault", &clean)
+            .expect("the pointer resolves");
+        assert_eq!(copy, r.redact("vault", &clean));
+        assert_eq!(copy.0["auth"]["pin"], "[REDACTED:pointer]");
+        let secret = json!({"q": ["x", {"k": "sk-proj-abcdefghijklmnopqrstuvwxyz012345"}]});
+        let copy = r.redacted_copy("weather", &secret).expect("a secret");
+        assert_eq!(copy, r.redact("weather", &secret));
+        assert_eq!(copy.1, 1);
+    }
 
     #[test]
     fn builtins_catch_common_secrets() {
