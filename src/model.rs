@@ -569,7 +569,9 @@ pub struct Decision {
     /// Arguments to release instead of the model's (JSON text): the redacted form, when the
     /// bundle strips secrets from calls to egress tools (`redaction.strip_from_egress`).
     pub release_args: Option<String>,
-    /// Stage by stage, what admission found (for `policy explain`).
+    /// Stage by stage, what admission found (for `policy explain`): empty unless admission
+    /// was asked to explain ([`crate::admission::AdmitCtx::explain`]), except the notes an
+    /// approval's outcome adds.
     pub trace: Vec<(Stage, String)>,
 }
 

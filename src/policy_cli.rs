@@ -88,6 +88,7 @@ pub fn admit_pair(
         provider: api.as_str(),
         approved: &never,
         repairs_left: policy.settings.limits.repair_rounds,
+        explain: true,
     };
     let out = provider::adapter(api)
         .parse_response(response, &turn.answer_context())

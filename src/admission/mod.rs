@@ -54,6 +54,10 @@ pub struct AdmitCtx<'a> {
     pub approved: &'a (dyn Fn(&str) -> bool + Sync),
     /// Repair rounds left for this agent request.
     pub repairs_left: u32,
+    /// Whether each decision carries its stage-by-stage notes ([`Decision::trace`], read by
+    /// `turnguard policy explain`). The request path and the MCP front decide without them:
+    /// nothing there reads the notes, and formatting them was eight strings per call.
+    pub explain: bool,
 }
 
 /// Decides every call of one choice, in emission order, and how the withheld ones surface,
@@ -101,10 +105,12 @@ pub fn charge_rate(
             d.message = format!("the rate limit for this tool is spent; retry in {secs} s");
             d.retry_after_secs = Some(secs);
             d.enforced = ctx.policy.mode_for(tool) != Mode::Shadow;
-            d.trace.push((
-                Stage::Limits,
-                format!("refused: rate_limited — {}", d.message),
-            ));
+            if ctx.explain {
+                d.trace.push((
+                    Stage::Limits,
+                    format!("refused: rate_limited — {}", d.message),
+                ));
+            }
             changed = true;
         }
     }
@@ -222,27 +228,27 @@ impl CallCtx<'_> {
         if let Some(d) = completion::check(&self.choice.completion) {
             return Err(Box::new(d));
         }
-        let pass = format!("pass: {}", self.choice.completion.reason);
-        self.trace.push((Stage::Completion, pass));
+        let completion = &self.choice.completion;
+        self.note(Stage::Completion, || format!("pass: {}", completion.reason));
         // 2. name
         if let Some(d) = name::check(turn, call, ctx.policy) {
             return Err(Box::new(d));
         }
-        let pass = format!(
-            "pass: {} → {}",
-            sanitize_label(&call.name),
-            tool.descriptor.tool_id
-        );
-        self.trace.push((Stage::Name, pass));
+        self.note(Stage::Name, || {
+            format!(
+                "pass: {} → {}",
+                sanitize_label(&call.name),
+                tool.descriptor.tool_id
+            )
+        });
         // 3. arguments
         let catalog_schema = tool.input_validator(|s| ctx.schemas.compile(s));
         if let Some(d) = arguments::check(turn, call, args, catalog_schema, ctx.schemas) {
             return Err(Box::new(d));
         }
-        self.trace.push((
-            Stage::Arguments,
-            "pass: valid against the declared and catalog schemas".into(),
-        ));
+        self.note(Stage::Arguments, || {
+            "pass: valid against the declared and catalog schemas".into()
+        });
         let Ok(args) = args else {
             // Unreachable in practice: stage 3 refuses unparsable arguments.
             return Err(Box::new(Decision::new(
@@ -299,18 +305,19 @@ impl CallCtx<'_> {
         if let Some(d) = trust::check(turn_trust, tool, approved) {
             // Never ask a person to approve what authorization refuses anyway.
             if let Some(refused) = refused_even_if_approved(authorize(true)) {
-                self.trace
-                    .push((Stage::Trust, format!("held: {}", d.reason)));
+                self.note(Stage::Trust, || format!("held: {}", d.reason));
                 return Err(Box::new(refused));
             }
             return Err(Box::new(d));
         }
-        let pass = format!("pass: turn is {}", ctx.trust.as_str());
-        self.trace.push((Stage::Trust, pass));
+        self.note(Stage::Trust, || {
+            format!("pass: turn is {}", ctx.trust.as_str())
+        });
         match authorize(approved) {
             Authz::Permit(rules) => {
-                let permit = format!("permit: {}", rules.join(", "));
-                self.trace.push((Stage::Authorization, permit));
+                self.note(Stage::Authorization, || {
+                    format!("permit: {}", rules.join(", "))
+                });
                 Ok(())
             }
             Authz::Hold(rules) => {
@@ -403,7 +410,7 @@ impl CallCtx<'_> {
                 );
             }
         }
-        self.trace.push((Stage::Limits, "pass".into()));
+        self.note(Stage::Limits, || "pass".into());
         Ok(())
     }
 
@@ -412,10 +419,9 @@ impl CallCtx<'_> {
     fn redaction(&mut self) -> Result<bool, Ended> {
         let (ctx, turn, call, tool) = (self.ctx, self.turn, self.call, self.tool);
         let found = self.secrets;
-        self.trace.push((
-            Stage::Redaction,
-            format!("{found} secret(s) redacted from every record"),
-        ));
+        self.note(Stage::Redaction, || {
+            format!("{found} secret(s) redacted from every record")
+        });
         let strip = found > 0
             && ctx.policy.redactor.strip_from_egress
             && tool.descriptor.egress != Some(crate::policy::bundle::Egress::None);
@@ -442,13 +448,23 @@ impl CallCtx<'_> {
         d.args_hash = self.hash;
         d.redacted_args = self.redacted_args.or(args);
         d.trace = self.trace;
-        let note = if d.message.is_empty() {
-            format!("{}: {}", d.outcome.as_str(), d.reason)
-        } else {
-            format!("{}: {} — {}", d.outcome.as_str(), d.reason, d.message)
-        };
-        d.trace.push((d.stage, note));
+        if self.ctx.explain {
+            let note = if d.message.is_empty() {
+                format!("{}: {}", d.outcome.as_str(), d.reason)
+            } else {
+                format!("{}: {} — {}", d.outcome.as_str(), d.reason, d.message)
+            };
+            d.trace.push((d.stage, note));
+        }
         d
+    }
+
+    /// Adds the note of a stage the call passed to the trace, when the caller explains
+    /// ([`AdmitCtx::explain`]); `note` is not called otherwise.
+    fn note(&mut self, stage: Stage, note: impl FnOnce() -> String) {
+        if self.ctx.explain {
+            self.trace.push((stage, note()));
+        }
     }
 }
 

@@ -302,6 +302,7 @@ impl McpCall {
             provider: "mcp",
             approved: &approve,
             repairs_left: 0,
+            explain: false,
         };
         let mut decisions = admission::decide_choice(&ctx, &turn, &choice);
         // An MCP call goes out right after it is decided (no surfacing, no wait): this is its

@@ -553,11 +553,11 @@ pub(super) async fn finish_round(
         To::Held { events, claims, .. } => (std::mem::take(events), std::mem::take(claims)),
         To::Stream(_) => (Vec::new(), Vec::new()),
     };
-    let unit = RoundCommit {
+    let unit = Box::new(RoundCommit {
         round: Some(round_of(session, base, pipeline, state, error, secrets)),
         events,
         ..RoundCommit::default()
-    };
+    });
     if state != RoundState::Ok {
         if let Err(e) = super::record::commit_round(session, unit).await {
             tracing::error!(request_id = %session.ctx.request_id, error = %e, "round not journaled");

@@ -312,7 +312,10 @@ async fn model_rounds(mut session: Session) -> Result<(Response, bool), WireErro
         if is_event_stream(resp.headers()) {
             return Ok((stream::relay(session, base, resp, coding), true));
         }
-        match answer_json(&session, &base, resp, coding, sent).await? {
+        // Boxed: the answer phase's state (reading, judging and committing the round) is
+        // most of a request's future, and a request spends its wait for the upstream without
+        // it (issue 13: the handler future was ~14 KB for every request in flight).
+        match Box::pin(answer_json(&session, &base, resp, coding, sent)).await? {
             JsonRound::Respond(out) => return Ok((out, false)),
             JsonRound::Repair(next) => {
                 session.body = next;

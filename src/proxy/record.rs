@@ -4,6 +4,7 @@
 //! one unit of work (`commit_round`; `Session::commit_answer` adds what the agent receives:
 //! the served record of a run node, the claims it confirms).
 
+use std::future::Future;
 use std::sync::Arc;
 
 use crate::clock::now_ms;
@@ -91,7 +92,7 @@ impl Session {
     pub async fn commit_answer(
         &self,
         base: &RoundBase,
-        mut unit: RoundCommit,
+        mut unit: Box<RoundCommit>,
         status: u16,
         content_type: &str,
         body: impl FnOnce() -> Recorded,
@@ -281,8 +282,12 @@ pub fn round_record(
 /// like its body; a failure is counted and logged (the agent's response is already decided).
 /// A run node's round is committed durably before this returns (tool-turn contract §D); a
 /// chat turn's round is queued (replay and recovery do not apply to chat turns).
-pub async fn record_round(session: &Session, rec: RoundRecord) {
-    record_round_with(&session.state, &session.policy.redactor, rec).await;
+///
+/// The round is prepared and boxed when this is called, not when the future is first polled:
+/// the future holds the box, not the ~700-byte record (a future keeps every by-value argument
+/// for its whole life, so each caller's future would carry one more copy).
+pub fn record_round<'a>(session: &'a Session, rec: RoundRecord) -> impl Future<Output = ()> + 'a {
+    record_round_with(&session.state, &session.policy.redactor, rec)
 }
 
 /// A decided round's unit of work ([`RoundCommit`]) committed: its round prepared as
@@ -290,7 +295,7 @@ pub async fn record_round(session: &Session, rec: RoundRecord) {
 /// `journal_bodies = "all"`). Errors are the journal's ([`crate::journal::Journal::commit_round`]).
 pub async fn commit_round(
     session: &Session,
-    mut unit: RoundCommit,
+    mut unit: Box<RoundCommit>,
 ) -> Result<(), crate::journal::JournalError> {
     if let Some(rec) = &mut unit.round {
         rec.redact_text(&session.policy.redactor);
@@ -313,29 +318,32 @@ pub fn keeps_body(state: &AppState, run: &crate::journal::RunKey) -> bool {
 }
 
 /// [`record_round`] for a round decided outside a [`Session`] (the MCP front): its text
-/// fields redacted with `redactor` first.
-pub async fn record_round_with(
-    state: &AppState,
+/// fields redacted with `redactor` first (when this is called, like [`record_round`]).
+pub fn record_round_with<'a>(
+    state: &'a AppState,
     redactor: &crate::policy::Redactor,
     mut rec: RoundRecord,
-) {
+) -> impl Future<Output = ()> + 'a {
     rec.redact_text(redactor);
-    journal_round(state, rec).await;
+    journal_round(state, rec)
 }
 
-pub(super) async fn journal_round(state: &AppState, mut rec: RoundRecord) {
+/// The round kept as configured and boxed when this is called; the future commits it.
+pub(super) fn journal_round(
+    state: &AppState,
+    mut rec: RoundRecord,
+) -> impl Future<Output = ()> + '_ {
     keep_body_as_configured(state, &mut rec);
     let request_id = rec.request_id.clone();
-    // Durable for a run node's round (§D), queued for a chat turn's ([`RoundCommit`]).
-    let result = state
-        .journal
-        .commit_round(RoundCommit {
-            round: Some(rec),
-            ..RoundCommit::default()
-        })
-        .await;
-    if let Err(e) = result {
-        tracing::error!(request_id = %request_id, error = %e, "round not journaled");
+    let unit = Box::new(RoundCommit {
+        round: Some(rec),
+        ..RoundCommit::default()
+    });
+    async move {
+        // Durable for a run node's round (§D), queued for a chat turn's ([`RoundCommit`]).
+        if let Err(e) = state.journal.commit_round(unit).await {
+            tracing::error!(request_id = %request_id, error = %e, "round not journaled");
+        }
     }
 }
 

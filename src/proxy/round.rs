@@ -92,6 +92,7 @@ impl Session {
             } else {
                 self.repairs_left
             },
+            explain: false,
         };
         let mut verdicts = Vec::with_capacity(round.len());
         for choice in round {

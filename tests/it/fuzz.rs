@@ -220,8 +220,36 @@ fn policy() -> &'static CompiledPolicy {
     })
 }
 
-/// Admits `round` with the `policy-open` bundle (an undeclared tool is always withheld).
+/// Admits `round` with the `policy-open` bundle (an undeclared tool is always withheld), as
+/// the request path does (no stage notes) and checks that explaining (`policy explain`'s
+/// mode) decides the same: the notes are all that differs.
 fn admit(turn: &turnguard::model::Turn, round: &[ChoiceEmissions]) -> Vec<ChoiceVerdict> {
+    let verdicts = admit_explaining(turn, round, false);
+    let mut explained = admit_explaining(turn, round, true);
+    for d in explained.iter_mut().flat_map(|v| v.decisions.iter_mut()) {
+        assert!(
+            !d.trace.is_empty(),
+            "an explained decision has no notes: {d:?}"
+        );
+        d.trace.clear();
+    }
+    assert!(
+        verdicts
+            .iter()
+            .flat_map(|v| &v.decisions)
+            .all(|d| d.trace.is_empty()),
+        "the request path formatted stage notes"
+    );
+    assert_eq!(explained, verdicts, "explaining changed a decision");
+    verdicts
+}
+
+/// [`admit`] with or without the stage notes (`AdmitCtx::explain`).
+fn admit_explaining(
+    turn: &turnguard::model::Turn,
+    round: &[ChoiceEmissions],
+    explain: bool,
+) -> Vec<ChoiceVerdict> {
     let schemas = SchemaCache::default();
     let limits = LimitState::default();
     let never = |_: &str| false;
@@ -237,6 +265,7 @@ fn admit(turn: &turnguard::model::Turn, round: &[ChoiceEmissions]) -> Vec<Choice
         approved: &never,
         // With a repair left, `policy-open`'s `invalid = "end-turn"` applies.
         repairs_left: 1,
+        explain,
     };
     round.iter().map(|c| admit_choice(&ctx, turn, c)).collect()
 }

@@ -116,6 +116,8 @@ fn relay_with(
         provider: "test",
         approved: &never,
         repairs_left,
+        // As on the request path: no stage notes.
+        explain: false,
     };
     let admit = |round: &[ChoiceEmissions]| -> Vec<ChoiceVerdict> {
         round.iter().map(|c| admit_choice(&ctx, t, c)).collect()
