@@ -168,6 +168,10 @@ pub enum Payload {
     Done,
     /// A JSON object (the event).
     Json(Value),
+    /// A non-stream response body, whole, in the block's `raw` (no `data` field): what the
+    /// one-event machine of a JSON answer reads ([`crate::provider::block::Block`]), from the
+    /// bytes or through their tree. Never an event of a stream.
+    Body,
 }
 
 /// A block whose payload turnguard read: the only form in which an upstream block reaches a
@@ -218,7 +222,7 @@ impl Event {
     pub fn json(&self) -> Option<&Value> {
         match &self.payload {
             Payload::Json(v) => Some(v),
-            Payload::None | Payload::Done => None,
+            Payload::None | Payload::Done | Payload::Body => None,
         }
     }
 

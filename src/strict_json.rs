@@ -119,6 +119,96 @@ pub fn from_slice(raw: &[u8]) -> Result<Value, StrictJsonError> {
     })
 }
 
+/// Whether `raw` is one JSON object that `serde_json::from_slice::<Value>` reads, checked
+/// without building the tree: the same deserializer visits every value as serde_json's
+/// `Value` does (the grammar, string escapes and lone surrogates, the number range — `1e400`
+/// is refused — and the nesting limit of 128), keeping nothing. Repeated keys pass, as they
+/// do for serde_json (the last one wins there). A typed view skips what it does not read by
+/// syntax alone; this is the check that makes the skipping safe ([`crate::provider::view`]).
+pub fn is_readable_object(raw: &[u8]) -> bool {
+    let mut de = serde_json::Deserializer::from_slice(raw);
+    matches!(Readable.deserialize(&mut de), Ok(true)) && de.end().is_ok()
+}
+
+/// Visits one JSON value as serde_json's `Value` does and keeps nothing: `true` for an object.
+struct Readable;
+
+impl<'de> DeserializeSeed<'de> for Readable {
+    type Value = bool;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<bool, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Readable {
+    type Value = bool;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<bool, E> {
+        Ok(false)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<bool, E> {
+        Ok(false)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<bool, E> {
+        Ok(false)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<bool, E> {
+        Ok(false)
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<bool, E> {
+        Ok(false)
+    }
+
+    fn visit_unit<E>(self) -> Result<bool, E> {
+        Ok(false)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<bool, A::Error> {
+        while seq.next_element_seed(Readable)?.is_some() {}
+        Ok(false)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<bool, A::Error> {
+        // Keys are read as `Value` reads them: as strings (escapes checked).
+        while map.next_key_seed(ReadableKey)?.is_some() {
+            map.next_value_seed(Readable)?;
+        }
+        Ok(true)
+    }
+}
+
+/// An object key, read as a string and dropped.
+struct ReadableKey;
+
+impl<'de> DeserializeSeed<'de> for ReadableKey {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ReadableKey {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an object key")
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+}
+
 /// The marker of the duplicate-key error inside serde's custom error text.
 const DUPLICATE: &str = "\u{0}duplicate key ";
 const END: &str = "\u{0}";
@@ -204,6 +294,63 @@ impl<'de> Visitor<'de> for Unique {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_readable_object_is_exactly_what_serde_json_reads_into_an_object() {
+        let deep = |n: usize| format!("{{\"a\":{}1{}}}", "[".repeat(n), "]".repeat(n));
+        let cases: Vec<String> = [
+            r#"{}"#,
+            r#"{"a":1}"#,
+            r#"  {"a":[1,2,{"b":null}],"c":"x"}  "#,
+            r#"[]"#,
+            r#"1"#,
+            r#""s""#,
+            r#"null"#,
+            r#"{"a":1e400}"#,
+            r#"{"a":-1e400}"#,
+            r#"{"a":1.7976931348623157e308}"#,
+            r#"{"a":1e-400}"#,
+            r#"{"a":-0}"#,
+            r#"{"a":18446744073709551616}"#,
+            r#"{"a":-9223372036854775809}"#,
+            r#"{"a":NaN}"#,
+            r#"{"a":Infinity}"#,
+            r#"{"a":01}"#,
+            r#"{"a":1.}"#,
+            r#"{"a":"\ud800"}"#,
+            r#"{"\ud800":1}"#,
+            r#"{"a":"\ud83d\ude00"}"#,
+            r#"{"a":"\x"}"#,
+            r#"{"\u0061":1}"#,
+            r#"{"a":1,"a":2}"#,
+            r#"{"a":1,}"#,
+            r#"{"a":1} x"#,
+            r#"{"a":1}{}"#,
+            "{\"a\":\"tab\tin a string\"}",
+            "{\"a\":\"nul\u{0}in a string\"}",
+            r#"{1:2}"#,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([deep(126), deep(127), deep(128), deep(200)])
+        .collect();
+        for case in &cases {
+            let tree =
+                serde_json::from_slice::<Value>(case.as_bytes()).is_ok_and(|v| v.is_object());
+            assert_eq!(is_readable_object(case.as_bytes()), tree, "{case:.80}");
+        }
+        let not_utf8 = b"{\"a\":\"\xff\"}";
+        assert!(serde_json::from_slice::<Value>(not_utf8).is_err());
+        assert!(!is_readable_object(not_utf8));
+        // The cases that matter most: a view skipping these would pass what a tree refuses.
+        for refused in [r#"{"a":1e400}"#, r#"{"a":"\ud800"}"#, r#"{"a":1} x"#] {
+            assert!(!is_readable_object(refused.as_bytes()), "{refused}");
+        }
+        assert!(
+            is_readable_object(br#"{"a":1,"a":2}"#),
+            "serde_json keeps the last"
+        );
+    }
 
     #[test]
     fn lookup_answers_as_serde_json_pointer() {

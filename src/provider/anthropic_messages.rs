@@ -835,6 +835,7 @@ impl ProviderStream for MessagesStream {
                 return;
             }
             Payload::Json(v) => v,
+            Payload::Body => return self.violate("a whole body inside a stream".into()),
         };
         let Some(kind) = parsed
             .get("type")

@@ -5,9 +5,11 @@
 //!
 //! The one event is held when it carries calls (released with the verdicts applied, through
 //! [`Provider::rewrite_response`]) and forwarded as received when it does not; it is the
-//! answer's terminal event only then (a tool turn's text is not a channel's answer). Nothing
-//! of a block reaches the agent before its round is decided and committed: the engine sends
-//! a block's answer once its unit of work is in the journal.
+//! answer's terminal event only then (a tool turn's text is not a channel's answer). The body
+//! is read through the API's typed view of its bytes when it has one
+//! ([`Provider::parse_response_bytes`]), and its JSON tree is then built only to rewrite it.
+//! Nothing of a block reaches the agent before its round is decided and committed: the
+//! engine sends a block's answer once its unit of work is in the journal.
 
 use std::sync::OnceLock;
 
@@ -22,14 +24,31 @@ use crate::sse::{Event, Payload};
 pub struct Block {
     provider: &'static dyn Provider,
     ctx: AnswerContext,
-    /// The answer read on first look: every choice, or why it does not identify each choice
-    /// and call uniquely. A block has one event, so the first read is the read.
-    read: OnceLock<Result<Vec<ChoiceEmissions>, String>>,
-    /// The body, once pushed.
-    body: Option<(Value, Bytes)>,
+    /// The answer read on first look (a block has one event, so the first read is the read).
+    read: OnceLock<Read>,
+    /// The body's bytes, once pushed.
+    raw: Option<Bytes>,
     held: bool,
     done: bool,
     violation: Option<String>,
+}
+
+/// What a block's body said.
+struct Read {
+    /// Every choice, or why the body does not identify each choice and call uniquely, or
+    /// why it is not a body turnguard reads.
+    choices: Result<Vec<ChoiceEmissions>, Unread>,
+    /// The body's JSON tree, when reading needed it (the API has no typed view, or the view
+    /// refused the body) or a rewrite did since.
+    tree: Option<Value>,
+}
+
+/// Why a block's body gave no choices.
+enum Unread {
+    /// Not one JSON object serde_json reads.
+    NotAnObject,
+    /// [`Provider::parse_response`]'s refusal.
+    Ambiguous(String),
 }
 
 impl std::fmt::Debug for Block {
@@ -49,33 +68,66 @@ impl Block {
             provider,
             ctx,
             read: OnceLock::new(),
-            body: None,
+            raw: None,
             held: false,
             done: false,
             violation: None,
         }
     }
 
-    fn read(&self, json: &Value) -> &Result<Vec<ChoiceEmissions>, String> {
-        self.read
-            .get_or_init(|| self.provider.parse_response(json, &self.ctx))
+    /// Reads `event`'s body once: through the API's typed view when it has one and the view
+    /// reads the body, else through the tree. `None` for an event that is not a body.
+    fn read(&self, event: &Event) -> Option<&Read> {
+        if !matches!(event.payload, Payload::Body) {
+            return None;
+        }
+        let raw = &event.block.raw;
+        Some(self.read.get_or_init(|| {
+            if let Some(choices) = self.provider.parse_response_bytes(raw, &self.ctx) {
+                return Read {
+                    choices: choices.map_err(Unread::Ambiguous),
+                    tree: None,
+                };
+            }
+            match serde_json::from_slice::<Value>(raw) {
+                Ok(tree) if tree.is_object() => Read {
+                    choices: self
+                        .provider
+                        .parse_response(&tree, &self.ctx)
+                        .map_err(Unread::Ambiguous),
+                    tree: Some(tree),
+                },
+                _ => Read {
+                    choices: Err(Unread::NotAnObject),
+                    tree: None,
+                },
+            }
+        }))
     }
 
     fn choices(&self) -> &[ChoiceEmissions] {
         match self.read.get() {
-            Some(Ok(c)) => c,
+            Some(Read { choices: Ok(c), .. }) => c,
             _ => &[],
         }
     }
 
     fn has_calls(&self, event: &Event) -> Option<bool> {
-        match &event.payload {
-            Payload::Json(json) => match self.read(json) {
-                Ok(choices) => Some(choices.iter().any(|c| !c.calls.is_empty())),
-                Err(_) => None,
-            },
-            _ => None,
+        match &self.read(event)?.choices {
+            Ok(choices) => Some(choices.iter().any(|c| !c.calls.is_empty())),
+            Err(_) => None,
         }
+    }
+
+    /// The body's tree, read from the bytes now if reading did not need it. `None` only if
+    /// the bytes do not parse, which a view's reading ruled out
+    /// ([`crate::strict_json::is_readable_object`]).
+    fn tree(&mut self) -> Option<&mut Value> {
+        let read = self.read.get_mut()?;
+        if read.tree.is_none() {
+            read.tree = serde_json::from_slice(self.raw.as_ref()?).ok();
+        }
+        read.tree.as_mut()
     }
 }
 
@@ -97,16 +149,21 @@ impl ProviderStream for Block {
     /// Rules: exactly one event, a JSON body whose choices and calls are each identified
     /// uniquely ([`Provider::parse_response`]); anything else is a violation.
     fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
-        if self.body.is_some() {
+        if self.raw.is_some() {
             self.violation = Some("a non-stream answer is one body".into());
             return;
         }
-        let Payload::Json(json) = event.payload else {
+        let Some(read) = self.read(&event) else {
             self.violation = Some("the upstream answered 2xx with a body that is not JSON".into());
             return;
         };
-        match self.read(&json) {
-            Err(why) => {
+        match &read.choices {
+            Err(Unread::NotAnObject) => {
+                self.violation =
+                    Some("the upstream answered 2xx with a body that is not a JSON object".into());
+                return;
+            }
+            Err(Unread::Ambiguous(why)) => {
                 self.violation = Some(format!("the upstream response is ambiguous: {why}"));
                 return;
             }
@@ -116,7 +173,7 @@ impl ProviderStream for Block {
             out.push(event.block.raw.clone());
             self.done = true;
         }
-        self.body = Some((json, event.block.raw));
+        self.raw = Some(event.block.raw);
     }
 
     fn violation(&self) -> Option<&str> {
@@ -154,18 +211,32 @@ impl ProviderStream for Block {
             .collect()
     }
 
+    /// The body as received when no verdict changes it ([`Provider::rewrites`]), without
+    /// reading its tree; else the rewritten body. A body whose tree cannot be read (ruled out
+    /// when it was read) is a violation: nothing is forwarded.
     fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
         if !self.held {
             return;
         }
         self.held = false;
         self.done = true;
-        if let Some((json, raw)) = &mut self.body {
-            if self.provider.rewrite_response(json, verdicts) {
-                out.push(Bytes::from(crate::strict_json::to_text(json)));
-            } else {
-                out.push(raw.clone());
-            }
+        let Some(raw) = self.raw.clone() else {
+            return;
+        };
+        let provider = self.provider;
+        let has_tree = self.read.get().is_some_and(|r| r.tree.is_some());
+        if !has_tree && !provider.rewrites(verdicts) {
+            out.push(raw);
+            return;
+        }
+        let Some(tree) = self.tree() else {
+            self.violation = Some("the upstream response could not be read again".into());
+            return;
+        };
+        if provider.rewrite_response(tree, verdicts) {
+            out.push(Bytes::from(crate::strict_json::to_text(tree)));
+        } else {
+            out.push(raw);
         }
     }
 
@@ -185,9 +256,11 @@ impl ProviderStream for Block {
         Splice::new(Unspliced)
     }
 
+    /// From the tree; an API read through its typed view has no stored responses
+    /// ([`Provider::parse_response_bytes`]).
     fn response_link(&self) -> Option<ResponseLink> {
-        let (json, _) = self.body.as_ref()?;
-        self.provider.response_link(json, &self.ctx)
+        let tree = self.read.get()?.tree.as_ref()?;
+        self.provider.response_link(tree, &self.ctx)
     }
 
     fn answer_text<'a>(&'a self, event: &'a Event) -> Option<&'a str> {

@@ -14,6 +14,7 @@ pub mod anthropic_messages;
 pub mod block;
 pub mod openai_chat;
 pub mod openai_responses;
+pub mod view;
 
 use bytes::Bytes;
 use serde_json::Value;
@@ -109,6 +110,28 @@ pub trait Provider: Sync {
     /// Applies `verdicts` (one per choice with calls, in order) to a non-stream response body;
     /// `true` when the body changed (else the upstream bytes are served as received).
     fn rewrite_response(&self, body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool;
+
+    /// Whether [`Provider::rewrite_response`] could change a body under `verdicts`. `false`
+    /// promises it would change none, so the upstream bytes are served without reading the
+    /// body's tree. Default: `true` (the tree is read and the rewrite decides).
+    fn rewrites(&self, _verdicts: &[ChoiceVerdict]) -> bool {
+        true
+    }
+
+    /// [`Provider::parse_response`] read from a body's bytes through a typed view
+    /// ([`view`]), without building its JSON tree. `Some` is what `parse_response` answers
+    /// for the tree of `raw`, given only when a tree can be read from `raw`
+    /// ([`crate::strict_json::is_readable_object`], which a view checks first: it skips what
+    /// it does not read by syntax alone); `None` (the default: the API has no view, or the
+    /// view refuses this body) asks the caller to read the tree. An API with a view stores
+    /// no responses: its [`Provider::response_link`] is `None` whatever the body.
+    fn parse_response_bytes(
+        &self,
+        _raw: &[u8],
+        _ctx: &AnswerContext,
+    ) -> Option<Result<Vec<ChoiceEmissions>, String>> {
+        None
+    }
 
     /// Appends a repair turn to a request body: the withheld calls of `choice` as the
     /// assistant's turn and one host-authored result per item (tool-turn contract §B

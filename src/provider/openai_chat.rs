@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use bytes::Bytes;
 use serde_json::{json, Map, Value};
 
+use super::view::{Obj, Str};
 use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
     AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool,
@@ -55,6 +56,20 @@ impl Provider for OpenAiChat {
 
     fn rewrite_response(&self, body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
         rewrite_response(body, verdicts)
+    }
+
+    /// See [`rewrites`].
+    fn rewrites(&self, verdicts: &[ChoiceVerdict]) -> bool {
+        rewrites(verdicts)
+    }
+
+    /// See [`parse_response_bytes`].
+    fn parse_response_bytes(
+        &self,
+        raw: &[u8],
+        ctx: &AnswerContext,
+    ) -> Option<Result<Vec<ChoiceEmissions>, String>> {
+        parse_response_bytes(raw, ctx)
     }
 
     fn append_repair(&self, body: &mut Value, choice: &ChoiceEmissions, items: &[RepairItem]) {
@@ -511,6 +526,136 @@ pub fn parse_response(body: &Value, ctx: &AnswerContext) -> Result<Vec<ChoiceEmi
     Ok(out)
 }
 
+/// What [`parse_response`] reads of a response, as a typed view of its bytes
+/// ([`super::view`]): any field of another type, or repeated, and the view refuses the body.
+#[derive(serde::Deserialize)]
+struct ResponseView<'a> {
+    #[serde(borrow)]
+    choices: Option<Vec<Obj<ChoiceView<'a>>>>,
+    usage: Option<Obj<UsageView>>,
+}
+
+#[derive(serde::Deserialize)]
+struct ChoiceView<'a> {
+    index: Option<u64>,
+    #[serde(borrow)]
+    message: Option<Obj<MessageView<'a>>>,
+    #[serde(borrow)]
+    finish_reason: Option<Str<'a>>,
+}
+
+#[derive(serde::Deserialize)]
+struct MessageView<'a> {
+    #[serde(borrow)]
+    content: Option<Str<'a>>,
+    #[serde(borrow)]
+    tool_calls: Option<Vec<Obj<CallView<'a>>>>,
+    #[serde(borrow)]
+    function_call: Option<Obj<FunctionView<'a>>>,
+    #[serde(borrow)]
+    refusal: Option<Str<'a>>,
+}
+
+#[derive(serde::Deserialize)]
+struct CallView<'a> {
+    #[serde(borrow)]
+    id: Option<Str<'a>>,
+    #[serde(borrow)]
+    function: Option<Obj<FunctionView<'a>>>,
+}
+
+#[derive(serde::Deserialize)]
+struct FunctionView<'a> {
+    #[serde(borrow)]
+    name: Option<Str<'a>>,
+    /// Missing is no text, `null` the text `null` ([`call_from_message`]).
+    #[serde(borrow, default, deserialize_with = "super::view::present")]
+    arguments: Option<Option<Str<'a>>>,
+}
+
+#[derive(serde::Deserialize)]
+struct UsageView {
+    completion_tokens: Option<u64>,
+}
+
+impl FunctionView<'_> {
+    /// The call as [`call_from_message`] reads it (`id` set by the caller).
+    fn call(this: Option<Obj<Self>>, id: String) -> ToolCall {
+        let (name, arguments) = this.map_or((None, None), |Obj(f)| (f.name, f.arguments));
+        ToolCall {
+            input: crate::model::CallInput::Json,
+            id,
+            name: name.map(Str::into_owned).unwrap_or_default(),
+            arguments: match arguments {
+                None => String::new(),
+                Some(None) => "null".to_owned(),
+                Some(Some(text)) => text.into_owned(),
+            },
+        }
+    }
+}
+
+/// [`parse_response`] read from the body's bytes through a typed view, without building the
+/// JSON tree: `None` when no tree can be read from `raw`
+/// ([`crate::strict_json::is_readable_object`]) or the view refuses the body (a field it
+/// reads has another type, or comes twice), and the caller reads the tree instead.
+pub fn parse_response_bytes(
+    raw: &[u8],
+    ctx: &AnswerContext,
+) -> Option<Result<Vec<ChoiceEmissions>, String>> {
+    if !crate::strict_json::is_readable_object(raw) {
+        return None;
+    }
+    let Obj(view) = serde_json::from_slice::<Obj<ResponseView<'_>>>(raw).ok()?;
+    let used = view.usage.and_then(|Obj(u)| u.completion_tokens);
+    let mut out = Vec::new();
+    for Obj(choice) in view.choices.into_iter().flatten() {
+        let Some(index) = choice.index.and_then(|i| u32::try_from(i).ok()) else {
+            return Some(Err(
+                "a choice of the response has no non-negative integer `index`".into(),
+            ));
+        };
+        let message = choice.message.map(|Obj(m)| m);
+        let (text, refusal, tool_calls, function_call) = match message {
+            Some(m) => (m.content, m.refusal, m.tool_calls, m.function_call),
+            None => (None, None, None, None),
+        };
+        let mut calls: Vec<ToolCall> = tool_calls
+            .into_iter()
+            .flatten()
+            .map(|Obj(c)| {
+                FunctionView::call(c.function, c.id.map(Str::into_owned).unwrap_or_default())
+            })
+            .collect();
+        if function_call.is_some() {
+            calls.push(FunctionView::call(function_call, "function_call".into()));
+        }
+        let refused = refusal.is_some_and(|r| !r.as_str().is_empty());
+        out.push(ChoiceEmissions {
+            output: Vec::new(),
+            choice: index,
+            text: text.map(Str::into_owned),
+            provider_output: false,
+            completion: classify(
+                choice.finish_reason.as_ref().map(Str::as_str),
+                refused,
+                used,
+                ctx.max_output_tokens,
+            ),
+            calls,
+        });
+    }
+    Some(crate::model::check_identities(&out).map(|()| out))
+}
+
+/// Whether [`rewrite_response`] could change a response under `verdicts`: only a choice
+/// whose verdict withholds a call or replaces arguments is rewritten.
+pub fn rewrites(verdicts: &[ChoiceVerdict]) -> bool {
+    verdicts
+        .iter()
+        .any(|v| v.any_withheld() || v.any_replaced())
+}
+
 /// Applies verdicts to a non-stream response: withheld calls are removed; an ended turn also
 /// gains the host-authored text and finishes with `stop`. Returns whether anything changed.
 pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
@@ -526,7 +671,8 @@ pub fn rewrite_response(body: &mut Value, verdicts: &[ChoiceVerdict]) -> bool {
         let Some(verdict) = verdicts.iter().find(|v| v.choice == index) else {
             continue;
         };
-        if !verdict.any_withheld() && !verdict.any_replaced() {
+        // The predicate of [`rewrites`]: nothing else is changed.
+        if !rewrites(std::slice::from_ref(verdict)) {
             continue;
         }
         if let Some(message) = choice.get_mut("message").and_then(Value::as_object_mut) {
@@ -812,6 +958,7 @@ impl ProviderStream for ChatStream {
                 return;
             }
             Payload::Json(v) => v,
+            Payload::Body => return self.violate("a whole body inside a stream".into()),
         };
         if self.done_seen {
             return self.violate("an event after `[DONE]`".into());

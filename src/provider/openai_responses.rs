@@ -1615,6 +1615,7 @@ impl ProviderStream for ResponsesStream {
                 return;
             }
             Payload::Json(v) => v,
+            Payload::Body => return self.violate("a whole body inside a stream".into()),
         };
         self.event_lines = block.event.is_some();
         if json.get("sequence_number").is_some() {

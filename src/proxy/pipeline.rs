@@ -237,12 +237,7 @@ impl Pipeline {
                 }
             }
             self.adapter.push(event, out);
-            if let Some(why) = self.adapter.violation() {
-                self.broken = Some(if self.block.is_some() {
-                    why.to_owned()
-                } else {
-                    format!("the upstream stream broke its structure: {why}")
-                });
+            if self.break_on_violation() {
                 return None;
             }
             if self.adapter.ready() {
@@ -309,7 +304,23 @@ impl Pipeline {
         out: &mut Vec<Bytes>,
     ) {
         self.adapter.release(&verdicts, out);
+        // A block that could not apply the verdicts forwarded nothing: the round breaks, and
+        // finishing it answers with the error.
+        self.break_on_violation();
         self.decided.push((round, verdicts));
+    }
+
+    /// Breaks the round when the adapter found a violation; whether it did.
+    fn break_on_violation(&mut self) -> bool {
+        let Some(why) = self.adapter.violation() else {
+            return false;
+        };
+        self.broken = Some(if self.block.is_some() {
+            why.to_owned()
+        } else {
+            format!("the upstream stream broke its structure: {why}")
+        });
+        true
     }
 
     /// Drops the held events for a repair round; returns how to splice the next round.
@@ -427,23 +438,16 @@ impl Pipeline {
             self.broken = Some(why);
             return;
         }
-        let raw = std::mem::take(&mut block.buf).freeze();
-        match serde_json::from_slice::<serde_json::Value>(&raw) {
-            Ok(json) if json.is_object() => {
-                self.block_event = Some(Event {
-                    block: SseBlock {
-                        raw,
-                        event: None,
-                        data: None,
-                    },
-                    payload: Payload::Json(json),
-                });
-            }
-            _ => {
-                self.broken =
-                    Some("the upstream answered 2xx with a body that is not a JSON object".into());
-            }
-        }
+        // The adapter (a [`crate::provider::block::Block`]) reads the body: a body that is not
+        // one JSON object is its violation, and the round breaks at its push.
+        self.block_event = Some(Event {
+            block: SseBlock {
+                raw: std::mem::take(&mut block.buf).freeze(),
+                event: None,
+                data: None,
+            },
+            payload: Payload::Body,
+        });
     }
 
     /// Completion state of each choice, for the journal.

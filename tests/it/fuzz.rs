@@ -26,7 +26,8 @@ use proptest::test_runner::Config as ProptestConfig;
 use serde_json::{json, Map, Value};
 use turnguard::admission::{admit_choice, AdmitCtx, LimitState, SchemaCache};
 use turnguard::model::{
-    Api, ChoiceEmissions, ChoiceVerdict, Decision, Outcome, RepairItem, Stage, Surfacing,
+    AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Decision, Outcome, RepairItem, Stage,
+    Surfacing,
 };
 use turnguard::policy::bundle::ContentTrust;
 use turnguard::policy::{BundleSource, CompiledPolicy};
@@ -436,6 +437,93 @@ proptest! {
         let _ = turnguard::policy::compile(&src);
     }
 }
+
+proptest! {
+    #![proptest_config(config(256))]
+
+    /// The Chat API's typed view of a response body (`parse_response_bytes`, no JSON tree)
+    /// answers as the tree reader (`parse_response`) wherever it answers, on mutated
+    /// responses: any field replaced by any JSON, a field repeated, a key escaped, the legacy
+    /// `function_call` and `refusal` present or not, a field it skips holding a number no
+    /// tree reads (`1e400`); it answers for the template itself and never for a body no tree
+    /// reads (`is_readable_object` agrees with serde_json's tree). And when `rewrites` says
+    /// no verdict changes the body, the rewrite changes nothing.
+    #[test]
+    fn a_typed_view_reads_what_the_tree_reader_reads(
+        edits in proptest::collection::vec((any::<u16>(), json_value()), 0..4),
+        extras in 0u8..8,
+        repeat in proptest::option::of((0usize..VIEW_KEYS.len(), json_value())),
+        escape in any::<bool>(),
+        overflow in any::<bool>(),
+        max in proptest::option::of(0u64..10),
+        pattern in any::<u32>(),
+    ) {
+        let mut body = response_template(Api::OpenAiChat);
+        if let Some(message) = body.pointer_mut("/choices/0/message").and_then(Value::as_object_mut) {
+            if extras & 1 != 0 {
+                message.insert("function_call".into(), json!({"name": "get_weather", "arguments": "{\"a\":1}"}));
+            }
+            if extras & 2 != 0 {
+                message.insert("refusal".into(), json!(if extras & 4 != 0 { "no" } else { "" }));
+            }
+        }
+        let well_formed = edits.is_empty() && repeat.is_none();
+        for (at, v) in edits {
+            mutate_at(&mut body, at as usize, v);
+        }
+        let mut text = serde_json::to_string(&body).unwrap();
+        if let Some((k, v)) = &repeat {
+            // The key again, earlier in the same object: serde_json keeps the later one.
+            let key = format!("\"{}\":", VIEW_KEYS[*k]);
+            if let Some(at) = text.find(&key) {
+                text.insert_str(at, &format!("{key}{v},"));
+            }
+        }
+        if escape {
+            text = text.replacen("\"index\":", "\"\\u0069ndex\":", 1);
+        }
+        if overflow {
+            text = text.replacen('{', "{\"skipped\":1e400,", 1);
+        }
+        let adapter = turnguard::provider::adapter(Api::OpenAiChat);
+        let ctx = AnswerContext { max_output_tokens: max, previous_response_id: None };
+        let readable = turnguard::strict_json::is_readable_object(text.as_bytes());
+        let tree = serde_json::from_str::<Value>(&text).ok().filter(Value::is_object);
+        prop_assert_eq!(readable, tree.is_some());
+        let fast = adapter.parse_response_bytes(text.as_bytes(), &ctx);
+        let Some(mut tree) = tree else {
+            prop_assert!(fast.is_none(), "the view read a body no tree reads: {}", text);
+            return Ok(());
+        };
+        let slow = adapter.parse_response(&tree, &ctx);
+        match fast {
+            Some(fast) => prop_assert_eq!(fast, slow.clone()),
+            None => prop_assert!(!well_formed, "the view refused the template: {}", text),
+        }
+        if let Ok(round) = slow {
+            let verdicts: Vec<ChoiceVerdict> = round.iter().map(|c| verdict_for(c, pattern)).collect();
+            if !adapter.rewrites(&verdicts) {
+                prop_assert!(!adapter.rewrite_response(&mut tree, &verdicts));
+            }
+        }
+    }
+}
+
+/// The keys the Chat view reads.
+const VIEW_KEYS: [&str; 12] = [
+    "choices",
+    "usage",
+    "completion_tokens",
+    "index",
+    "message",
+    "finish_reason",
+    "content",
+    "tool_calls",
+    "refusal",
+    "id",
+    "name",
+    "arguments",
+];
 
 fn base_request(api: Api) -> Value {
     let tools = |api: Api| match api {
