@@ -136,6 +136,13 @@ for cell in "json 1" "json 16" "json 64" "jsonrun 64" "open 64" "openrun 64" "st
   for round in $(seq "$ROUNDS"); do
     for cfg in "${CONFIGS[@]}"; do run_cell "$1" "$2" "$cfg" "$round"; done
   done
+  # Which cell moves the peak: VmHWM and the thread count after every cell (rss-cells.jsonl).
+  for cfg in "${CONFIGS[@]}"; do
+    [ -n "${PID_OF[$cfg]:-}" ] || continue
+    hwm=$(awk '/^VmHWM/{print $2}' "/proc/${PID_OF[$cfg]}/status")
+    threads=$(ls "/proc/${PID_OF[$cfg]}/task" | wc -l)
+    echo "{\"config\":\"$cfg\",\"cell\":\"$1 c=$2\",\"peak_rss_kib\":$hwm,\"threads\":$threads}" >> "$OUT/rss-cells.jsonl"
+  done
   if [ "$1 $2" = "json 64" ]; then
     for cfg in "${CONFIGS[@]}"; do
       [ -n "${PID_OF[$cfg]:-}" ] || continue

@@ -74,6 +74,7 @@ impl McpReader {
         let (run, hash, names) = (run.to_owned(), args_hash.to_owned(), names.to_vec());
         match &self.0 {
             Backend::Sqlite(r) => {
+                let _slot = r.pool.slot().await?;
                 let r = Arc::clone(r);
                 tokio::task::spawn_blocking(move || r.tickets(&run, &hash, &names))
                     .await
@@ -88,6 +89,7 @@ impl McpReader {
         let id = effect_id.to_owned();
         match &self.0 {
             Backend::Sqlite(r) => {
+                let _slot = r.pool.slot().await?;
                 let r = Arc::clone(r);
                 tokio::task::spawn_blocking(move || r.effect_state(&id))
                     .await
@@ -107,6 +109,7 @@ impl McpReader {
         let (run, call) = (run.map(str::to_owned), call_id.to_owned());
         match &self.0 {
             Backend::Sqlite(r) => {
+                let _slot = r.pool.slot().await?;
                 let r = Arc::clone(r);
                 tokio::task::spawn_blocking(move || r.recorded(run.as_deref(), &call))
                     .await

@@ -87,6 +87,9 @@ pub const READ_CONNECTIONS: usize = 4;
 pub struct ReadPool {
     conns: Vec<Mutex<Connection>>,
     next: AtomicUsize,
+    /// One permit per connection, taken before a read goes to tokio's blocking pool
+    /// ([`ReadPool::slot`]).
+    slots: tokio::sync::Semaphore,
 }
 
 impl ReadPool {
@@ -107,10 +110,24 @@ impl ReadPool {
                 .map_err(err)?;
             conns.push(Mutex::new(conn));
         }
+        let slots = tokio::sync::Semaphore::new(conns.len());
         Ok(Self {
             conns,
             next: AtomicUsize::new(0),
+            slots,
         })
+    }
+
+    /// A turn to read, for a read about to run on tokio's blocking pool: at most one per
+    /// connection is handed out at a time, so a read waits here, as a task, rather than on a
+    /// busy connection's lock, as a blocking thread. Without it every read queued behind the
+    /// pool's connections held a thread of its own: at c=64 with a `Turnguard-Run` on each
+    /// request the blocking pool grew to ~280 threads, their stacks and malloc arenas ~10 MB
+    /// of resident memory (issue 13, bench/RESULTS.md run 9).
+    ///
+    /// Errors: [`JournalError::Closed`] only if the semaphore was closed (never, here).
+    pub async fn slot(&self) -> Result<tokio::sync::SemaphorePermit<'_>, JournalError> {
+        self.slots.acquire().await.map_err(|_| JournalError::Closed)
     }
 
     /// Runs `f` on a free connection (a poisoned one is never used: `Closed`).
@@ -581,6 +598,7 @@ macro_rules! dispatch {
     ($self:ident, |$r:ident| $sqlite:expr, |$p:ident| $pg:expr) => {
         match &$self.0 {
             Backend::Sqlite(r) => {
+                let _slot = r.pool.slot().await?;
                 let $r = Arc::clone(r);
                 tokio::task::spawn_blocking(move || $sqlite)
                     .await
@@ -788,6 +806,50 @@ mod pool_tests {
             .recv_timeout(std::time::Duration::from_secs(10))
             .expect("the second read ran while the first held its connection");
         assert_eq!(got.unwrap().unwrap(), 0);
+        drop(journal);
+        writer.join();
+    }
+    /// Reads that wait for a turn (`ReadPool::slot`) before going to the blocking pool keep at
+    /// most one blocking thread per connection busy, however many are asked for at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reads_hold_at_most_one_blocking_thread_per_connection() {
+        use std::sync::atomic::AtomicUsize;
+        use std::sync::Arc;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.db");
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let (journal, writer) = crate::journal::Journal::open_sqlite(&path, metrics).unwrap();
+        let pool = Arc::new(ReadPool::open(&path, 2).unwrap());
+        let (busy, peak) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let reads: Vec<_> = (0..16)
+            .map(|_| {
+                let (pool, busy, peak) = (Arc::clone(&pool), Arc::clone(&busy), Arc::clone(&peak));
+                tokio::spawn(async move {
+                    let _slot = pool.slot().await.unwrap();
+                    let pool = Arc::clone(&pool);
+                    tokio::task::spawn_blocking(move || {
+                        let now = busy.fetch_add(1, Ordering::SeqCst) + 1;
+                        peak.fetch_max(now, Ordering::SeqCst);
+                        let one =
+                            pool.with(|c| c.query_row("SELECT 1", [], |r| r.get::<_, i64>(0)));
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                        busy.fetch_sub(1, Ordering::SeqCst);
+                        one
+                    })
+                    .await
+                    .unwrap()
+                })
+            })
+            .collect();
+        for r in reads {
+            assert_eq!(r.await.unwrap().unwrap(), 1);
+        }
+        let peak = peak.load(Ordering::SeqCst);
+        assert!(
+            peak <= 2,
+            "{peak} reads held blocking threads at once, with 2 connections"
+        );
+        assert!(peak >= 1);
         drop(journal);
         writer.join();
     }
