@@ -74,11 +74,7 @@ impl McpReader {
         let (run, hash, names) = (run.to_owned(), args_hash.to_owned(), names.to_vec());
         match &self.0 {
             Backend::Sqlite(r) => {
-                let _slot = r.pool.slot().await?;
-                let r = Arc::clone(r);
-                tokio::task::spawn_blocking(move || r.tickets(&run, &hash, &names))
-                    .await
-                    .map_err(|_| JournalError::Closed)?
+                super::reader::read_blocking(r, move |r| r.tickets(&run, &hash, &names)).await
             }
             Backend::Postgres(p) => super::postgres::reader::tickets(p, &run, &hash, &names).await,
         }
@@ -89,11 +85,7 @@ impl McpReader {
         let id = effect_id.to_owned();
         match &self.0 {
             Backend::Sqlite(r) => {
-                let _slot = r.pool.slot().await?;
-                let r = Arc::clone(r);
-                tokio::task::spawn_blocking(move || r.effect_state(&id))
-                    .await
-                    .map_err(|_| JournalError::Closed)?
+                super::reader::read_blocking(r, move |r| r.effect_state(&id)).await
             }
             Backend::Postgres(p) => super::postgres::reader::effect_state(p, &id).await,
         }
@@ -109,11 +101,7 @@ impl McpReader {
         let (run, call) = (run.map(str::to_owned), call_id.to_owned());
         match &self.0 {
             Backend::Sqlite(r) => {
-                let _slot = r.pool.slot().await?;
-                let r = Arc::clone(r);
-                tokio::task::spawn_blocking(move || r.recorded(run.as_deref(), &call))
-                    .await
-                    .map_err(|_| JournalError::Closed)?
+                super::reader::read_blocking(r, move |r| r.recorded(run.as_deref(), &call)).await
             }
             Backend::Postgres(p) => {
                 super::postgres::reader::recorded(p, run.as_deref(), &call).await
@@ -125,6 +113,12 @@ impl McpReader {
 /// Read-only SQLite connections for the MCP front (a [`super::reader::ReadPool`]).
 struct SqliteMcpReader {
     pool: super::reader::ReadPool,
+}
+
+impl super::reader::Pooled for SqliteMcpReader {
+    fn pool(&self) -> &super::reader::ReadPool {
+        &self.pool
+    }
 }
 
 impl SqliteMcpReader {

@@ -148,6 +148,27 @@ impl ReadPool {
     }
 }
 
+/// A reader over a [`ReadPool`]: what [`read_blocking`] needs to take a turn.
+pub(super) trait Pooled: Send + Sync + 'static {
+    fn pool(&self) -> &ReadPool;
+}
+
+/// Runs `read` on tokio's blocking pool once `reader`'s pool gives it a turn
+/// ([`ReadPool::slot`]): the one way an async caller reads a SQLite journal, so no read holds
+/// a blocking thread while it waits for a connection.
+///
+/// Errors: `read`'s, or [`JournalError::Closed`] when the blocking task could not run.
+pub(super) async fn read_blocking<R: Pooled, T: Send + 'static>(
+    reader: &Arc<R>,
+    read: impl FnOnce(&R) -> Result<T, JournalError> + Send + 'static,
+) -> Result<T, JournalError> {
+    let _slot = reader.pool().slot().await?;
+    let reader = Arc::clone(reader);
+    tokio::task::spawn_blocking(move || read(&reader))
+        .await
+        .map_err(|_| JournalError::Closed)?
+}
+
 /// A read-only view of a SQLite journal (a [`ReadPool`] of [`READ_CONNECTIONS`]), read
 /// synchronously: the SQLite side of [`JournalReader`], and what offline tools use directly.
 pub struct SqliteReader {
@@ -158,6 +179,12 @@ fn err(e: rusqlite::Error) -> JournalError {
     match super::states::unknown_value(&e) {
         Some(v) => JournalError::Unreadable(v.clone()),
         None => JournalError::Write(e.to_string()),
+    }
+}
+
+impl Pooled for SqliteReader {
+    fn pool(&self) -> &ReadPool {
+        &self.pool
     }
 }
 
@@ -597,13 +624,7 @@ enum Backend {
 macro_rules! dispatch {
     ($self:ident, |$r:ident| $sqlite:expr, |$p:ident| $pg:expr) => {
         match &$self.0 {
-            Backend::Sqlite(r) => {
-                let _slot = r.pool.slot().await?;
-                let $r = Arc::clone(r);
-                tokio::task::spawn_blocking(move || $sqlite)
-                    .await
-                    .map_err(|_| JournalError::Closed)?
-            }
+            Backend::Sqlite(r) => read_blocking(r, move |$r| $sqlite).await,
             Backend::Postgres($p) => $pg.await,
         }
     };
@@ -809,35 +830,39 @@ mod pool_tests {
         drop(journal);
         writer.join();
     }
-    /// Reads that wait for a turn (`ReadPool::slot`) before going to the blocking pool keep at
-    /// most one blocking thread per connection busy, however many are asked for at once.
+    /// Reads through [`read_blocking`] keep at most one blocking thread per connection busy,
+    /// however many are asked for at once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn reads_hold_at_most_one_blocking_thread_per_connection() {
         use std::sync::atomic::AtomicUsize;
         use std::sync::Arc;
+        struct Two(ReadPool);
+        impl Pooled for Two {
+            fn pool(&self) -> &ReadPool {
+                &self.0
+            }
+        }
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("journal.db");
         let metrics = Arc::new(crate::metrics::Metrics::new());
         let (journal, writer) = crate::journal::Journal::open_sqlite(&path, metrics).unwrap();
-        let pool = Arc::new(ReadPool::open(&path, 2).unwrap());
+        let reader = Arc::new(Two(ReadPool::open(&path, 2).unwrap()));
         let (busy, peak) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let reads: Vec<_> = (0..16)
             .map(|_| {
-                let (pool, busy, peak) = (Arc::clone(&pool), Arc::clone(&busy), Arc::clone(&peak));
+                let (reader, busy, peak) =
+                    (Arc::clone(&reader), Arc::clone(&busy), Arc::clone(&peak));
                 tokio::spawn(async move {
-                    let _slot = pool.slot().await.unwrap();
-                    let pool = Arc::clone(&pool);
-                    tokio::task::spawn_blocking(move || {
+                    read_blocking(&reader, move |r| {
                         let now = busy.fetch_add(1, Ordering::SeqCst) + 1;
                         peak.fetch_max(now, Ordering::SeqCst);
                         let one =
-                            pool.with(|c| c.query_row("SELECT 1", [], |r| r.get::<_, i64>(0)));
+                            r.0.with(|c| c.query_row("SELECT 1", [], |r| r.get::<_, i64>(0)));
                         std::thread::sleep(std::time::Duration::from_millis(20));
                         busy.fetch_sub(1, Ordering::SeqCst);
                         one
                     })
                     .await
-                    .unwrap()
                 })
             })
             .collect();

@@ -224,8 +224,7 @@ impl ProviderStream for Block {
             return;
         };
         let provider = self.provider;
-        let has_tree = self.read.get().is_some_and(|r| r.tree.is_some());
-        if !has_tree && !provider.rewrites(verdicts) {
+        if !provider.rewrites(verdicts) {
             out.push(raw);
             return;
         }
