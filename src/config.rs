@@ -120,6 +120,11 @@ pub struct ServeArgs {
     /// Log format: `text` or `json` [default: text].
     #[arg(long, value_name = "FORMAT", env = "TURNGUARD_LOG_FORMAT")]
     pub log_format: Option<String>,
+    /// Longest a log line waits in turnguard's buffer before it is written to stderr,
+    /// milliseconds (0 = every line at once); warnings and errors are written at once
+    /// [default: 100].
+    #[arg(long, value_name = "MS", env = "TURNGUARD_LOG_FLUSH_MS", value_parser = parse::millis)]
+    pub log_flush_ms: Option<u64>,
     /// Which response bodies the journal keeps: `runs` (rounds of a run node, which
     /// recovery and replay serve; chat turns keep decisions and digests only) or `all`
     /// [default: runs].
@@ -849,6 +854,8 @@ pub struct Config {
     #[serde(deserialize_with = "check::positive")]
     pub upstream_idle_timeout_ms: u64,
     pub log_format: LogFormat,
+    /// Longest a log line waits in the buffer, milliseconds ([`crate::logs`]).
+    pub log_flush_ms: u64,
     /// Which response bodies the journal keeps ([`JournalBodies`]).
     pub journal_bodies: JournalBodies,
     /// Concurrency limit of the data plane; requests over it are shed (503, `Retry-After`).
@@ -950,6 +957,7 @@ impl Default for Config {
             upstream_response_timeout_ms: 600_000,
             upstream_idle_timeout_ms: 300_000,
             log_format: LogFormat::Text,
+            log_flush_ms: 100,
             journal_bodies: JournalBodies::Runs,
             max_concurrent_requests: 512,
             shed_retry_after_s: 1,
@@ -1242,6 +1250,7 @@ mod tests {
             ("--approval-timeout-ms", d.approval_timeout_ms),
             ("--approval-keepalive-ms", d.approval_keepalive_ms),
             ("--journal-retention-days", d.journal_retention_days),
+            ("--log-flush-ms", d.log_flush_ms),
         ]
         .into_iter()
         .collect();

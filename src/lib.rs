@@ -23,6 +23,7 @@
 //! | [`clock`] | wall-clock milliseconds and the agent's actor id (imports nothing) |
 //! | [`journal`] | the journal behind one store interface: SQLite (one writer thread, group commit) or PostgreSQL shared by replicas; insert-if-absent |
 //! | [`metrics`] | every Prometheus metric, in one registry handle |
+//! | [`logs`] | where log lines go: stderr through one buffer (warnings at once, the rest within `log_flush_ms`) |
 //! | [`identity`] | who acts: the verified person (JWT) on the data plane and the approver on the admin plane |
 //! | [`shutdown`] | graceful shutdown: readiness false, drain within a deadline, flush |
 //! | [`approvals`] | held calls wait for the acting person: approval interrupts, admin resolution |
@@ -48,6 +49,7 @@ pub mod error;
 pub mod identity;
 pub mod jcs;
 pub mod journal;
+pub mod logs;
 pub mod mcp;
 pub mod metrics;
 pub mod mock_mcp;

@@ -140,16 +140,27 @@ enum PolicyCommand {
     },
 }
 
-fn init_logs(format: LogFormat) {
+/// Installs the log subscriber: `format` lines on stderr through the buffered
+/// [`turnguard::logs::LogSink`] (a line waits at most `flush_after`; zero writes each at
+/// once). The guard writes what is left when dropped, and a panic writes it first.
+fn init_logs(format: LogFormat, flush_after: std::time::Duration) -> turnguard::logs::LogGuard {
     let filter =
         EnvFilter::try_from_env("TURNGUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let (sink, guard) = turnguard::logs::LogSink::new(Box::new(std::io::stderr()), flush_after);
+    let on_panic = sink.clone();
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        on_panic.flush_now();
+        previous(info);
+    }));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(sink);
     match format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
         LogFormat::Text => builder.init(),
     }
+    guard
 }
 
 // The global allocator: the system's unless built with `--features mimalloc` or
@@ -224,7 +235,10 @@ async fn run(cli: Cli, config: Option<Config>) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(_) => {
             let config = config.context("serve's configuration was not read")?;
-            init_logs(config.log_format);
+            let _logs = init_logs(
+                config.log_format,
+                std::time::Duration::from_millis(config.log_flush_ms),
+            );
             let running = turnguard::server::start(config)
                 .await
                 .context("turnguard could not start")?;
@@ -277,7 +291,7 @@ async fn run(cli: Cli, config: Option<Config>) -> anyhow::Result<()> {
             std::process::exit(report.code);
         }
         Command::MockProvider { listen, script } => {
-            init_logs(LogFormat::Text);
+            let _logs = init_logs(LogFormat::Text, std::time::Duration::ZERO);
             let script = match script {
                 Some(p) => turnguard::mock_provider::Script::load(&p)?,
                 None => turnguard::mock_provider::Script::default(),
@@ -292,7 +306,7 @@ async fn run(cli: Cli, config: Option<Config>) -> anyhow::Result<()> {
             Ok(())
         }
         Command::MockMcp { listen, script } => {
-            init_logs(LogFormat::Text);
+            let _logs = init_logs(LogFormat::Text, std::time::Duration::ZERO);
             let script = match script {
                 Some(p) => turnguard::mock_mcp::McpScript::load(&p)?,
                 None => turnguard::mock_mcp::McpScript::default(),

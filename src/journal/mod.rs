@@ -89,18 +89,18 @@ const MAX_BATCH: usize = 512;
 /// events) stays open for more records before it commits. SQLite's cost is per commit (the
 /// WAL frames of every page the transaction touched, and the checkpoints they bring), not
 /// per row, so a chat turn's records share commits with their neighbours'; a record someone
-/// waits for closes the batch at once. Longer is not better: at c=64 a 10 ms linger made 3.7×
-/// fewer commits (145 records each instead of 40) and no difference in CPU per request
-/// (bench/RESULTS.md, seventh session).
-const RELAXED_LINGER: Duration = Duration::from_millis(2);
+/// waits for closes the batch at once. The writer sleeps through the linger and relaxed
+/// records do not wake it ([`next_batch`]). 5 ms at c=64: 137 records a commit instead of
+/// 60 at 2 ms; 8 ms made 200 and held ~0.5 MiB more records in the queue for no CPU it
+/// could show (bench/RESULTS.md, issue 13 run 11). (Before the writer parked, it looked for
+/// records every 250 µs, and a 10 ms linger bought nothing: seventh session.)
+const RELAXED_LINGER: Duration = Duration::from_millis(5);
 /// The writer connection's page cache, KiB (`PRAGMA cache_size`; SQLite's default is 2,000
 /// KiB). The writer appends at the right edge of each B-tree, so what it reads again is
 /// those edges' root-to-leaf paths (about fifty 4 KiB pages over the tables and indexes a
 /// round writes); the default cache filled with pages it never read again, ~1.5 MiB of
 /// resident memory (bench/RESULTS.md, issue 13 run 5).
 const WRITER_CACHE_KIB: i64 = 512;
-/// How often a lingering batch looks for more records.
-const LINGER_STEP: Duration = Duration::from_micros(250);
 /// Schema digests the writer remembers having stored in `tool_schemas` (so the same declared
 /// schema is not serialized and re-inserted for every request); forgotten all at once when
 /// full, and after a prune.
@@ -757,6 +757,13 @@ struct Job {
     queued: Option<crate::metrics::GaugeGuard>,
 }
 
+impl Job {
+    /// Someone waits for this record's commit: its batch closes at once.
+    fn waited_for(&self) -> bool {
+        self.ack.is_some() || self.durable
+    }
+}
+
 /// Handle to the journal writer: the store interface the request path talks to, whichever
 /// backend is behind it (a SQLite file or a PostgreSQL database, [`JournalLocation`]). Every
 /// write is an [`Op`] queued to one writer per process (a thread for SQLite, a task for
@@ -773,7 +780,8 @@ pub struct Journal {
 /// What a [`Journal`] handle needs of its backend beyond the writer queue.
 #[derive(Clone)]
 enum Store {
-    Sqlite(PathBuf),
+    /// The file, and the writer thread (unparked for a record someone waits for).
+    Sqlite(PathBuf, std::thread::Thread),
     Postgres(postgres::Shared),
 }
 
@@ -847,7 +855,7 @@ impl Journal {
                 metrics,
                 location: JournalLocation::Sqlite(path.to_owned()),
                 health,
-                store: Store::Sqlite(path.to_owned()),
+                store: Store::Sqlite(path.to_owned(), handle.thread().clone()),
             },
             WriterThread(WriterKind::Thread(handle)),
         ))
@@ -864,7 +872,7 @@ impl Journal {
     /// Errors: [`JournalError::Open`] when the SQLite file cannot be opened read-only.
     pub fn reader(&self) -> Result<JournalReader, JournalError> {
         match &self.store {
-            Store::Sqlite(path) => Ok(JournalReader::sqlite(SqliteReader::open(path)?)),
+            Store::Sqlite(path, _) => Ok(JournalReader::sqlite(SqliteReader::open(path)?)),
             Store::Postgres(shared) => Ok(JournalReader::postgres(shared.pool())),
         }
     }
@@ -874,7 +882,7 @@ impl Journal {
     /// Errors: [`JournalError::Open`] when the SQLite file cannot be opened read-only.
     pub fn mcp_reader(&self) -> Result<McpReader, JournalError> {
         match &self.store {
-            Store::Sqlite(path) => McpReader::open(path),
+            Store::Sqlite(path, _) => McpReader::open(path),
             Store::Postgres(shared) => Ok(McpReader::postgres(shared.pool())),
         }
     }
@@ -886,7 +894,7 @@ impl Journal {
     /// completes: the in-process waiters ([`crate::approvals`]) are woken directly.
     pub async fn resolved_elsewhere(&self, interrupt_id: &str) -> InterruptState {
         match &self.store {
-            Store::Sqlite(_) => std::future::pending().await,
+            Store::Sqlite(..) => std::future::pending().await,
             Store::Postgres(shared) => shared.resolved(self, interrupt_id).await,
         }
     }
@@ -935,6 +943,10 @@ impl Journal {
                 &self.metrics.journal_queue_depth,
             )),
         });
+        // The SQLite writer may be lingering over relaxed records: this one is waited for.
+        if let Store::Sqlite(_, writer) = &self.store {
+            writer.unpark();
+        }
         done.await.unwrap_or(Err(JournalError::Closed))
     }
 
@@ -1146,30 +1158,34 @@ impl WriterThread {
 }
 
 /// Takes the next batch: the first record, whatever is queued behind it, and, while nobody
-/// waits for any record in it, what arrives within [`RELAXED_LINGER`] (looked for every
-/// [`LINGER_STEP`], so a record someone waits for that arrives meanwhile waits at most that
-/// long). `None` once the queue is closed and empty.
-fn next_batch(rx: &mut mpsc::Receiver<Job>) -> Option<Vec<Job>> {
+/// waits for any record in it, what arrives within [`RELAXED_LINGER`]. The writer sleeps
+/// through the linger (parked): a relaxed record does not wake it, and a record someone
+/// waits for does ([`Journal::enqueue`] unparks it), so that one never waits for the linger.
+/// `None` once the queue is closed and empty.
+fn next_batch(rx: &mut mpsc::Receiver<Job>, linger: Duration) -> Option<Vec<Job>> {
     let first = rx.blocking_recv()?;
-    let mut waited_for = first.ack.is_some() || first.durable;
+    let mut waited_for = first.waited_for();
     let mut batch = vec![first];
-    let deadline = Instant::now() + RELAXED_LINGER;
-    while batch.len() < MAX_BATCH {
-        match rx.try_recv() {
-            Ok(job) => {
-                waited_for |= job.ack.is_some() || job.durable;
-                batch.push(job);
-            }
-            Err(mpsc::error::TryRecvError::Disconnected) => break,
-            Err(mpsc::error::TryRecvError::Empty) => {
-                if waited_for || Instant::now() >= deadline {
-                    break;
+    let deadline = Instant::now() + linger;
+    loop {
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(job) => {
+                    waited_for |= job.waited_for();
+                    batch.push(job);
                 }
-                std::thread::sleep(LINGER_STEP);
+                Err(mpsc::error::TryRecvError::Disconnected) => return Some(batch),
+                Err(mpsc::error::TryRecvError::Empty) => break,
             }
         }
+        let now = Instant::now();
+        if waited_for || batch.len() >= MAX_BATCH || now >= deadline {
+            return Some(batch);
+        }
+        // An unpark that came before this park (a waited-for record sent after the queue
+        // was found empty) makes it return at once: nothing is missed.
+        std::thread::park_timeout(deadline - now);
     }
-    Some(batch)
 }
 
 fn writer(
@@ -1181,7 +1197,7 @@ fn writer(
     conn.set_prepared_statement_cache_capacity(64);
     let mut full = true;
     let mut known = KnownSchemas::default();
-    while let Some(mut batch) = next_batch(&mut rx) {
+    while let Some(mut batch) = next_batch(&mut rx, RELAXED_LINGER) {
         // Off the queue: each job's guard takes it out of the depth gauge.
         for job in &mut batch {
             job.queued = None;
@@ -1693,4 +1709,69 @@ fn insert_tool_result(
         insert_event(tx, &t.returned_event(released_at))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(waited_for: bool) -> Job {
+        Job {
+            op: Op::Probe,
+            ack: waited_for.then(|| oneshot::channel().0),
+            durable: false,
+            queued: None,
+        }
+    }
+
+    /// Runs `next_batch` on its own thread (the writer's), returning the batch's size and
+    /// how long the call took.
+    fn batch_on_thread(
+        mut rx: mpsc::Receiver<Job>,
+        linger: Duration,
+    ) -> (
+        std::thread::Thread,
+        std::sync::mpsc::Receiver<(usize, Duration)>,
+    ) {
+        let (done, seen) = std::sync::mpsc::channel();
+        let handle = std::thread::spawn(move || {
+            let start = Instant::now();
+            let batch = next_batch(&mut rx, linger).map_or(0, |b| b.len());
+            let _ = done.send((batch, start.elapsed()));
+        });
+        (handle.thread().clone(), seen)
+    }
+
+    #[test]
+    fn relaxed_records_wait_out_the_linger_together() {
+        let (tx, rx) = mpsc::channel(16);
+        tx.try_send(job(false)).ok().unwrap();
+        let (writer, seen) = batch_on_thread(rx, Duration::from_millis(300));
+        std::thread::sleep(Duration::from_millis(50));
+        tx.try_send(job(false)).ok().unwrap();
+        // A relaxed record's send does not end the linger, nor does a stray unpark.
+        writer.unpark();
+        let (n, took) = seen.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(n, 2, "both relaxed records share the batch");
+        assert!(
+            took >= Duration::from_millis(280),
+            "the batch closed early: {took:?}"
+        );
+    }
+
+    #[test]
+    fn a_record_someone_waits_for_ends_the_linger_at_once() {
+        let (tx, rx) = mpsc::channel(16);
+        tx.try_send(job(false)).ok().unwrap();
+        let (writer, seen) = batch_on_thread(rx, Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(50));
+        tx.try_send(job(true)).ok().unwrap();
+        writer.unpark();
+        let (n, took) = seen.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(n, 2);
+        assert!(
+            took < Duration::from_secs(5),
+            "the waited-for record waited out the linger"
+        );
+    }
 }

@@ -437,12 +437,16 @@ async fn a_scrape_after_traffic_shows_every_catalogued_metric_with_plausible_val
     );
 
     // The access log line and histograms are written when the body ends; the scrape waits
-    // for the relays to journal their rounds.
+    // for the relays to journal their rounds, and for the gauges to settle: a handler's
+    // in-flight guard drops just after its response is handed over, and a chat turn's
+    // records sit in the journal queue until the writer's linger ends (5 ms).
     let mut s = BTreeMap::new();
     for _ in 0..50 {
         let (_, scrape) = get(&format!("{}/metrics", h.admin_url())).await;
         s = samples(std::str::from_utf8(&scrape).unwrap());
-        let streams_done = value(&s, "turnguard_inflight_streams") == 0.0;
+        let streams_done = value(&s, "turnguard_inflight_streams") == 0.0
+            && value(&s, "turnguard_inflight_requests") == 0.0
+            && value(&s, "turnguard_journal_queue_depth_records") == 0.0;
         let durations: f64 = s["turnguard_request_duration_seconds"]
             .iter()
             .filter(|(n, _)| n.starts_with("turnguard_request_duration_seconds_count"))

@@ -1,0 +1,315 @@
+//! Where log lines go: stderr, through one buffer ([`LogSink`]).
+//!
+//! Every line used to be its own `write(2)`: with an access line per request that syscall
+//! alone was 2.9 % of turnguard's CPU at c=64 (bench/RESULTS.md, issue 13 run 11). Lines now
+//! gather in a buffer that is written out, in order, when
+//! - a line at `WARN` or `ERROR` arrives (it and everything before it are written at once),
+//! - the buffer holds [`LOG_BUFFER_BYTES`],
+//! - the oldest line in it has waited `log_flush_ms` (the `turnguard-logs` thread), or
+//! - the process ends ([`LogGuard`]'s drop, or a panic).
+//!
+//! This is nginx's `access_log … buffer= flush=`: an SRE sees every line, at most
+//! `log_flush_ms` late, and warnings at once. `log_flush_ms = 0` writes every line as it is
+//! made. A `SIGKILL` loses what the buffer held (at most `log_flush_ms` of lines).
+
+use std::io::Write;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tracing::Level;
+
+/// Bytes of lines the buffer holds before they are written without waiting for the flush
+/// interval: at c=64 that is about a hundred access lines a `write(2)`.
+pub const LOG_BUFFER_BYTES: usize = 32 << 10;
+
+/// The buffered log writer: a [`tracing_subscriber::fmt::MakeWriter`] whose writers append a
+/// formatted line to the shared buffer. Cheap to clone.
+#[derive(Clone)]
+pub struct LogSink {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    inner: Mutex<Inner>,
+    /// Signalled when a line lands in an empty buffer, and at close.
+    wake: Condvar,
+    /// Longest a line waits in the buffer.
+    flush_after: Duration,
+}
+
+struct Inner {
+    buf: Vec<u8>,
+    out: Box<dyn Write + Send>,
+    /// No flusher runs (the interval is zero, the thread could not start, or the guard was
+    /// dropped): every line is written as it is made.
+    unbuffered: bool,
+    /// The guard was dropped: the flusher ends.
+    closed: bool,
+}
+
+impl Inner {
+    /// Writes the buffer out and empties it. A failed write (stderr closed) drops the lines:
+    /// there is nowhere left to report it.
+    fn drain(&mut self) {
+        if !self.buf.is_empty() {
+            let _ = self.out.write_all(&self.buf);
+            let _ = self.out.flush();
+            self.buf.clear();
+        }
+    }
+}
+
+impl Shared {
+    /// The buffer, whoever panicked while holding it (its bytes are whole lines or a
+    /// prefix of one; writing them is still the right thing to do).
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Writes what the [`LogSink`] holds when dropped (keep it alive for as long as the process
+/// logs: `main` holds it).
+pub struct LogGuard {
+    shared: Arc<Shared>,
+}
+
+impl Drop for LogGuard {
+    fn drop(&mut self) {
+        let mut inner = self.shared.lock();
+        inner.closed = true;
+        inner.unbuffered = true;
+        inner.drain();
+        drop(inner);
+        self.shared.wake.notify_all();
+    }
+}
+
+impl LogSink {
+    /// A sink writing to `out`; lines wait at most `flush_after` (zero: none waits). Starts
+    /// the `turnguard-logs` flusher thread when `flush_after` is not zero; it ends when the
+    /// [`LogGuard`] is dropped. If the thread cannot be started, every line is written as it
+    /// is made.
+    pub fn new(out: Box<dyn Write + Send>, flush_after: Duration) -> (Self, LogGuard) {
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner {
+                buf: Vec::with_capacity(if flush_after.is_zero() {
+                    0
+                } else {
+                    LOG_BUFFER_BYTES
+                }),
+                out,
+                unbuffered: true,
+                closed: false,
+            }),
+            wake: Condvar::new(),
+            flush_after,
+        });
+        if !flush_after.is_zero() {
+            let flusher = shared.clone();
+            let started = std::thread::Builder::new()
+                .name("turnguard-logs".to_owned())
+                .spawn(move || flush_loop(&flusher));
+            shared.lock().unbuffered = started.is_err();
+        }
+        let sink = Self {
+            shared: shared.clone(),
+        };
+        (sink, LogGuard { shared })
+    }
+
+    /// Writes what the buffer holds now (the panic hook calls this; it never blocks on a
+    /// writer that holds the buffer).
+    pub fn flush_now(&self) {
+        if let Ok(mut inner) = self.shared.inner.try_lock() {
+            inner.drain();
+        }
+    }
+}
+
+/// The flusher: waits for a line in an empty buffer, lets it wait `flush_after` (more lines
+/// join it meanwhile), writes the buffer, and again, until the guard closes the sink.
+fn flush_loop(shared: &Shared) {
+    loop {
+        let mut inner = shared.lock();
+        while inner.buf.is_empty() && !inner.closed {
+            inner = shared.wake.wait(inner).unwrap_or_else(|p| p.into_inner());
+        }
+        if inner.closed {
+            inner.drain();
+            return;
+        }
+        drop(inner);
+        std::thread::sleep(shared.flush_after);
+        shared.lock().drain();
+    }
+}
+
+/// One line's writer ([`LogSink`]'s `MakeWriter`): tracing-subscriber's `fmt` layer formats
+/// an event into one buffer and hands it over in one `write_all`.
+pub struct LineWriter<'a> {
+    shared: &'a Shared,
+    /// A `WARN` or `ERROR` line: written at once, with everything before it.
+    urgent: bool,
+}
+
+impl Write for LineWriter<'_> {
+    fn write(&mut self, line: &[u8]) -> std::io::Result<usize> {
+        let mut inner = self.shared.lock();
+        // The buffer never grows past its capacity for a line that would not fit.
+        if inner.buf.len() + line.len() > LOG_BUFFER_BYTES {
+            inner.drain();
+        }
+        let was_empty = inner.buf.is_empty();
+        inner.buf.extend_from_slice(line);
+        if self.urgent || inner.unbuffered || inner.buf.len() >= LOG_BUFFER_BYTES {
+            inner.drain();
+        } else if was_empty {
+            self.shared.wake.notify_one();
+        }
+        Ok(line.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogSink {
+    type Writer = LineWriter<'a>;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        LineWriter {
+            shared: &self.shared,
+            urgent: true,
+        }
+    }
+
+    fn make_writer_for(&'a self, meta: &tracing::Metadata<'_>) -> Self::Writer {
+        LineWriter {
+            shared: &self.shared,
+            // tracing orders levels by verbosity: `WARN` and `ERROR` are the least verbose.
+            urgent: *meta.level() <= Level::WARN,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    /// An `out` the test can read.
+    #[derive(Clone, Default)]
+    struct Seen(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Seen {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Seen {
+        fn text(&self) -> String {
+            String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+        }
+    }
+
+    /// Emits one event at `level` through a fmt subscriber writing to `sink` (the way
+    /// `main` wires it).
+    fn line(sink: &LogSink, level: Level, text: &str) {
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(sink.clone())
+            .with_level(false)
+            .with_target(false)
+            .without_time()
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || match level {
+            Level::WARN => tracing::warn!("{text}"),
+            _ => tracing::info!("{text}"),
+        });
+    }
+
+    #[test]
+    fn an_info_line_waits_for_the_flush_interval_and_no_longer() {
+        let seen = Seen::default();
+        let (sink, _guard) = LogSink::new(Box::new(seen.clone()), Duration::from_millis(200));
+        let start = Instant::now();
+        line(&sink, Level::INFO, "one");
+        line(&sink, Level::INFO, "two");
+        assert_eq!(seen.text(), "", "an info line is buffered");
+        while seen.text().is_empty() {
+            assert!(start.elapsed() < Duration::from_secs(5), "never flushed");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(
+            start.elapsed() >= Duration::from_millis(150),
+            "flushed early"
+        );
+        assert_eq!(seen.text(), "one\ntwo\n");
+        // The flusher goes back to waiting: a later line is written too.
+        line(&sink, Level::INFO, "three");
+        while !seen.text().ends_with("three\n") {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "second line never flushed"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn a_warning_writes_itself_and_everything_before_it_at_once_in_order() {
+        let seen = Seen::default();
+        let (sink, _guard) = LogSink::new(Box::new(seen.clone()), Duration::from_secs(3600));
+        line(&sink, Level::INFO, "access");
+        line(&sink, Level::WARN, "journal slow");
+        assert_eq!(seen.text(), "access\njournal slow\n");
+    }
+
+    #[test]
+    fn a_full_buffer_is_written_without_waiting() {
+        let seen = Seen::default();
+        let (sink, _guard) = LogSink::new(Box::new(seen.clone()), Duration::from_secs(3600));
+        let text = "x".repeat(1023);
+        for _ in 0..LOG_BUFFER_BYTES / 1024 - 1 {
+            line(&sink, Level::INFO, &text);
+        }
+        assert_eq!(seen.text(), "", "under the cap nothing is written");
+        line(&sink, Level::INFO, &text);
+        assert_eq!(seen.text().len(), LOG_BUFFER_BYTES);
+        // A line that would not fit sends what is buffered first and waits in its place.
+        for _ in 0..LOG_BUFFER_BYTES / 1024 - 1 {
+            line(&sink, Level::INFO, &text);
+        }
+        line(&sink, Level::INFO, &"y".repeat(1999));
+        assert_eq!(seen.text().len(), 2 * LOG_BUFFER_BYTES - 1024);
+        assert!(
+            !seen.text().contains('y'),
+            "the line that did not fit waits"
+        );
+    }
+
+    #[test]
+    fn dropping_the_guard_writes_what_is_left_and_later_lines_go_straight_out() {
+        let seen = Seen::default();
+        let (sink, guard) = LogSink::new(Box::new(seen.clone()), Duration::from_secs(3600));
+        line(&sink, Level::INFO, "last words");
+        drop(guard);
+        assert_eq!(seen.text(), "last words\n");
+        line(&sink, Level::INFO, "after close");
+        assert_eq!(seen.text(), "last words\nafter close\n");
+    }
+
+    #[test]
+    fn a_zero_interval_writes_every_line_as_it_is_made() {
+        let seen = Seen::default();
+        let (sink, _guard) = LogSink::new(Box::new(seen.clone()), Duration::ZERO);
+        line(&sink, Level::INFO, "now");
+        assert_eq!(seen.text(), "now\n");
+    }
+}
