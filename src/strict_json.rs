@@ -124,14 +124,16 @@ pub fn from_slice(raw: &[u8]) -> Result<Value, StrictJsonError> {
 /// `Value` does (the grammar, string escapes and lone surrogates, the number range — `1e400`
 /// is refused — and the nesting limit of 128), keeping nothing. Repeated keys pass, as they
 /// do for serde_json (the last one wins there). A typed view skips what it does not read by
-/// syntax alone; this is the check that makes the skipping safe ([`crate::provider::view`]).
+/// syntax alone; a view instead reads each member it does not use with [`Readable`]
+/// ([`crate::provider::view::members`]), which makes the same check in the same pass.
 pub fn is_readable_object(raw: &[u8]) -> bool {
     let mut de = serde_json::Deserializer::from_slice(raw);
     matches!(Readable.deserialize(&mut de), Ok(true)) && de.end().is_ok()
 }
 
 /// Visits one JSON value as serde_json's `Value` does and keeps nothing: `true` for an object.
-struct Readable;
+/// A seed: `map.next_value_seed(Readable)` checks a member's value as a tree would read it.
+pub struct Readable;
 
 impl<'de> DeserializeSeed<'de> for Readable {
     type Value = bool;

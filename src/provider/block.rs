@@ -120,8 +120,8 @@ impl Block {
     }
 
     /// The body's tree, read from the bytes now if reading did not need it. `None` only if
-    /// the bytes do not parse, which a view's reading ruled out
-    /// ([`crate::strict_json::is_readable_object`]).
+    /// the bytes do not parse, which a view's reading ruled out (it checks every member it
+    /// skips: [`crate::provider::view::members`]).
     fn tree(&mut self) -> Option<&mut Value> {
         let read = self.read.get_mut()?;
         if read.tree.is_none() {

@@ -120,9 +120,9 @@ pub trait Provider: Sync {
 
     /// [`Provider::parse_response`] read from a body's bytes through a typed view
     /// ([`view`]), without building its JSON tree. `Some` is what `parse_response` answers
-    /// for the tree of `raw`, given only when a tree can be read from `raw`
-    /// ([`crate::strict_json::is_readable_object`], which a view checks first: it skips what
-    /// it does not read by syntax alone); `None` (the default: the API has no view, or the
+    /// for the tree of `raw`, given only when a tree can be read from `raw` (a view checks
+    /// every member it does not read as a tree would read it, in the same pass:
+    /// [`view::members`]); `None` (the default: the API has no view, or the
     /// view refuses this body) asks the caller to read the tree. An API with a view stores
     /// no responses: its [`Provider::response_link`] is `None` whatever the body.
     fn parse_response_bytes(

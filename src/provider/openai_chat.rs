@@ -14,13 +14,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use bytes::Bytes;
 use serde_json::{json, Map, Value};
 
-use super::view::{Obj, Str};
+use super::view::{members, once, Obj, ObjectView, Str};
 use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
     AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool,
     RepairItem, ResponseLink, ToolCall, ToolResultSeen, Turn, UntrustedKind,
 };
 use crate::sse::{self, Event, Payload};
+use serde::de::MapAccess;
 
 /// The Chat Completions adapter ([`crate::provider::adapter`] of [`Api::OpenAiChat`]).
 #[derive(Debug, Clone, Copy)]
@@ -527,55 +528,139 @@ pub fn parse_response(body: &Value, ctx: &AnswerContext) -> Result<Vec<ChoiceEmi
 }
 
 /// What [`parse_response`] reads of a response, as a typed view of its bytes
-/// ([`super::view`]): any field of another type, or repeated, and the view refuses the body.
-#[derive(serde::Deserialize)]
+/// ([`super::view`]): any field of another type, or repeated, and the view refuses the body;
+/// every other member is checked as a tree would read it, in the same pass.
 struct ResponseView<'a> {
-    #[serde(borrow)]
     choices: Option<Vec<Obj<ChoiceView<'a>>>>,
     usage: Option<Obj<UsageView>>,
 }
 
-#[derive(serde::Deserialize)]
 struct ChoiceView<'a> {
     index: Option<u64>,
-    #[serde(borrow)]
     message: Option<Obj<MessageView<'a>>>,
-    #[serde(borrow)]
     finish_reason: Option<Str<'a>>,
 }
 
-#[derive(serde::Deserialize)]
 struct MessageView<'a> {
-    #[serde(borrow)]
     content: Option<Str<'a>>,
-    #[serde(borrow)]
     tool_calls: Option<Vec<Obj<CallView<'a>>>>,
-    #[serde(borrow)]
     function_call: Option<Obj<FunctionView<'a>>>,
-    #[serde(borrow)]
     refusal: Option<Str<'a>>,
 }
 
-#[derive(serde::Deserialize)]
 struct CallView<'a> {
-    #[serde(borrow)]
     id: Option<Str<'a>>,
-    #[serde(borrow)]
     function: Option<Obj<FunctionView<'a>>>,
 }
 
-#[derive(serde::Deserialize)]
 struct FunctionView<'a> {
-    #[serde(borrow)]
     name: Option<Str<'a>>,
-    /// Missing is no text, `null` the text `null` ([`call_from_message`]).
-    #[serde(borrow, default, deserialize_with = "super::view::present")]
+    /// `None` when missing (no text), `Some(None)` when `null` (the text `null`,
+    /// [`call_from_message`]).
     arguments: Option<Option<Str<'a>>>,
 }
 
-#[derive(serde::Deserialize)]
 struct UsageView {
     completion_tokens: Option<u64>,
+}
+
+// Each view's slots are `Option<Option<_>>`: the outer `Some` once the member was read (a
+// second one is refused), the inner `None` for `null`, which a tree reader reads as missing.
+
+impl<'de: 'a, 'a> ObjectView<'de> for ResponseView<'a> {
+    fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
+        let (mut choices, mut usage) = (None, None);
+        members(map, |name, map| match name {
+            "choices" => once(map, &mut choices, "choices"),
+            "usage" => once(map, &mut usage, "usage"),
+            _ => Ok(false),
+        })?;
+        Ok(Self {
+            choices: choices.flatten(),
+            usage: usage.flatten(),
+        })
+    }
+}
+
+impl<'de: 'a, 'a> ObjectView<'de> for ChoiceView<'a> {
+    fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
+        let (mut index, mut message, mut finish_reason) = (None, None, None);
+        members(map, |name, map| match name {
+            "index" => once(map, &mut index, "index"),
+            "message" => once(map, &mut message, "message"),
+            "finish_reason" => once(map, &mut finish_reason, "finish_reason"),
+            _ => Ok(false),
+        })?;
+        Ok(Self {
+            index: index.flatten(),
+            message: message.flatten(),
+            finish_reason: finish_reason.flatten(),
+        })
+    }
+}
+
+impl<'de: 'a, 'a> ObjectView<'de> for MessageView<'a> {
+    fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
+        let (mut content, mut tool_calls, mut function_call, mut refusal) =
+            (None, None, None, None);
+        members(map, |name, map| match name {
+            "content" => once(map, &mut content, "content"),
+            "tool_calls" => once(map, &mut tool_calls, "tool_calls"),
+            "function_call" => once(map, &mut function_call, "function_call"),
+            "refusal" => once(map, &mut refusal, "refusal"),
+            _ => Ok(false),
+        })?;
+        Ok(Self {
+            content: content.flatten(),
+            tool_calls: tool_calls.flatten(),
+            function_call: function_call.flatten(),
+            refusal: refusal.flatten(),
+        })
+    }
+}
+
+impl<'de: 'a, 'a> ObjectView<'de> for CallView<'a> {
+    fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
+        let (mut id, mut function) = (None, None);
+        members(map, |name, map| match name {
+            "id" => once(map, &mut id, "id"),
+            "function" => once(map, &mut function, "function"),
+            _ => Ok(false),
+        })?;
+        Ok(Self {
+            id: id.flatten(),
+            function: function.flatten(),
+        })
+    }
+}
+
+impl<'de: 'a, 'a> ObjectView<'de> for FunctionView<'a> {
+    fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
+        let (mut name, mut arguments) = (None, None);
+        members(map, |member, map| match member {
+            "name" => once(map, &mut name, "name"),
+            // Kept as read: `null` is not missing here.
+            "arguments" => once(map, &mut arguments, "arguments"),
+            _ => Ok(false),
+        })?;
+        Ok(Self {
+            name: name.flatten(),
+            arguments,
+        })
+    }
+}
+
+impl<'de> ObjectView<'de> for UsageView {
+    fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
+        let mut completion_tokens = None;
+        members(map, |name, map| match name {
+            "completion_tokens" => once(map, &mut completion_tokens, "completion_tokens"),
+            _ => Ok(false),
+        })?;
+        Ok(Self {
+            completion_tokens: completion_tokens.flatten(),
+        })
+    }
 }
 
 impl FunctionView<'_> {
@@ -596,16 +681,13 @@ impl FunctionView<'_> {
 }
 
 /// [`parse_response`] read from the body's bytes through a typed view, without building the
-/// JSON tree: `None` when no tree can be read from `raw`
-/// ([`crate::strict_json::is_readable_object`]) or the view refuses the body (a field it
-/// reads has another type, or comes twice), and the caller reads the tree instead.
+/// JSON tree, in one pass: `None` when no tree can be read from `raw` (the view checks every
+/// member it skips, [`super::view::members`]) or the view refuses the body (a field it reads
+/// has another type, or comes twice), and the caller reads the tree instead.
 pub fn parse_response_bytes(
     raw: &[u8],
     ctx: &AnswerContext,
 ) -> Option<Result<Vec<ChoiceEmissions>, String>> {
-    if !crate::strict_json::is_readable_object(raw) {
-        return None;
-    }
     let Obj(view) = serde_json::from_slice::<Obj<ResponseView<'_>>>(raw).ok()?;
     let used = view.usage.and_then(|Obj(u)| u.completion_tokens);
     let mut out = Vec::new();

@@ -7,27 +7,37 @@
 //! the tree reader would have answered the same (checked against it in
 //! `tests/it/fuzz.rs`, `a_typed_view_reads_what_the_tree_reader_reads`).
 //!
-//! A view skips the fields it does not read by syntax alone (`serde::de::IgnoredAny`), which
-//! does not check number ranges the way a tree does: a view reads a body only after
-//! [`crate::strict_json::is_readable_object`] found it to be one object a tree can be read
-//! from (DESIGN.md §9: nothing passes that turnguard could not read).
+//! A view reads every member it does not use as serde_json's tree would read it and keeps
+//! nothing ([`members`], with [`crate::strict_json::Readable`]): the grammar, string escapes
+//! and lone surrogates, the number range (`1e400` is refused) and the nesting limit. So the
+//! one pass that reads the view also checks that a tree could be read from the body (DESIGN.md
+//! §9: nothing passes that turnguard could not read); a body that fails it is refused by the
+//! view, and its tree fails too.
 
 use std::borrow::Cow;
 use std::marker::PhantomData;
 
-use serde::de::value::MapAccessDeserializer;
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 
-/// A JSON object read as `T`. serde's derived structs also accept a JSON array (their fields
-/// by position), which a tree reader never reads as an object: this accepts objects only.
+/// A struct read from a JSON object by [`Obj`]: its members in one pass ([`members`]).
+pub trait ObjectView<'de>: Sized {
+    /// Reads the object's members from `map`.
+    ///
+    /// Errors: a member it reads has another type, or comes twice ([`once`]); a member it
+    /// does not read is not one serde_json's tree reads.
+    fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error>;
+}
+
+/// A JSON object read as `T`; anything else (an array, which serde's derived structs also
+/// accept field by field) is refused.
 #[derive(Debug)]
 pub struct Obj<T>(pub T);
 
-impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
+impl<'de, T: ObjectView<'de>> Deserialize<'de> for Obj<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct Only<T>(PhantomData<T>);
 
-        impl<'de, T: Deserialize<'de>> Visitor<'de> for Only<T> {
+        impl<'de, T: ObjectView<'de>> Visitor<'de> for Only<T> {
             type Value = T;
 
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -35,7 +45,7 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
             }
 
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
-                T::deserialize(MapAccessDeserializer::new(map))
+                T::read(map)
             }
         }
 
@@ -43,16 +53,42 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
     }
 }
 
-/// For `#[serde(default, deserialize_with = "view::present")]` on an `Option<Option<T>>`
-/// field: `None` when the field is missing, `Some(None)` when it is `null`, `Some(Some(_))`
-/// otherwise. serde reads a `null` `Option<T>` as a missing one; a reader that tells them
-/// apart (Chat's `arguments: null` is the text `null`) needs this.
-pub fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+/// Reads an object's members: `read` gets each member's name (escapes decoded, as a tree's
+/// key) with the map positioned at its value, reads the value and answers `true`, or answers
+/// `false` for a name it does not read; that value is then read as serde_json's tree reads
+/// it and dropped ([`crate::strict_json::Readable`]).
+///
+/// Errors: whatever `read` or the value's reading fails with.
+pub fn members<'de, A, F>(mut map: A, mut read: F) -> Result<(), A::Error>
 where
-    D: Deserializer<'de>,
+    A: MapAccess<'de>,
+    F: FnMut(&str, &mut A) -> Result<bool, A::Error>,
+{
+    while let Some(name) = map.next_key::<Str<'de>>()? {
+        if !read(name.as_str(), &mut map)? {
+            map.next_value_seed(crate::strict_json::Readable)?;
+        }
+    }
+    Ok(())
+}
+
+/// Reads member `name`'s value into `slot` (`Some` once read, even when the value is
+/// `null`): a member read twice is an error, so the view refuses a body with a repeated key
+/// it reads (a tree keeps the last one; the caller then reads the tree). Answers `true`.
+pub fn once<'de, A, T>(
+    map: &mut A,
+    slot: &mut Option<T>,
+    name: &'static str,
+) -> Result<bool, A::Error>
+where
+    A: MapAccess<'de>,
     T: Deserialize<'de>,
 {
-    Option::<T>::deserialize(d).map(Some)
+    if slot.is_some() {
+        return Err(serde::de::Error::duplicate_field(name));
+    }
+    *slot = Some(map.next_value()?);
+    Ok(true)
 }
 
 /// A JSON string, borrowed from the body when it has no escapes (a `Cow<str>` field is
