@@ -176,9 +176,10 @@ pub struct SchemaCache {
     limits: SchemaLimits,
     hasher: std::hash::RandomState,
     lru: Mutex<Lru>,
-    /// Fingerprints of schemas that passed [`SchemaCache::check_size`] and are not compiled
-    /// (a declared tool no call names is never compiled): the next request declaring the
-    /// same schema skips its RFC 8785 serialization.
+    /// Fingerprints of schemas that passed [`SchemaCache::check_size`], compiled or not (a
+    /// declared tool no call names is never compiled): the next request declaring the same
+    /// schema is neither serialized (RFC 8785) nor compared with a cached tree; an agent
+    /// declares every tool on every request, and only the called ones are compiled.
     sized: Mutex<hashlink::LruCache<u64, ()>>,
     bytes: prometheus_client::metrics::gauge::Gauge,
     evictions: prometheus_client::metrics::counter::Counter,
@@ -252,17 +253,16 @@ impl SchemaCache {
     /// so the compiled-memory bound never rests on the fingerprint).
     pub fn check_size(&self, schema: &Value) -> Result<u64, (usize, usize)> {
         let key = self.key(schema);
-        if self.cached(key, schema).is_some() {
-            return Ok(key);
-        }
         if let Ok(mut sized) = self.sized.lock() {
             if sized.get(&key).is_some() {
                 return Ok(key);
             }
         }
-        let n = canonical(schema).len();
-        if n > self.limits.max_schema_bytes {
-            return Err((n, self.limits.max_schema_bytes));
+        if self.cached(key, schema).is_none() {
+            let n = canonical(schema).len();
+            if n > self.limits.max_schema_bytes {
+                return Err((n, self.limits.max_schema_bytes));
+            }
         }
         if let Ok(mut sized) = self.sized.lock() {
             sized.insert(key, ());
