@@ -90,11 +90,13 @@ const MAX_BATCH: usize = 512;
 /// WAL frames of every page the transaction touched, and the checkpoints they bring), not
 /// per row, so a chat turn's records share commits with their neighbours'; a record someone
 /// waits for closes the batch at once. The writer sleeps through the linger and relaxed
-/// records do not wake it ([`next_batch`]). 5 ms at c=64: 137 records a commit instead of
-/// 60 at 2 ms; 8 ms made 200 and held ~0.5 MiB more records in the queue for no CPU it
-/// could show (bench/RESULTS.md, issue 13 run 11). (Before the writer parked, it looked for
-/// records every 250 µs, and a 10 ms linger bought nothing: seventh session.)
-const RELAXED_LINGER: Duration = Duration::from_millis(5);
+/// records do not wake it ([`next_batch`]). Longer is not better: the writer shares the
+/// proxy's CPU, and a longer linger makes each commit longer, which the request that arrives
+/// while it runs waits out. 5 ms made 137 records a commit at c=64 instead of 60 and raised
+/// the p99 at c=1 from 1.2 to 1.4–1.85 ms and the open-loop p99 with it, for a CPU gain
+/// inside the noise (bench/RESULTS.md, issue 13 run 11); 10 ms in the seventh session made
+/// no difference in CPU either.
+const RELAXED_LINGER: Duration = Duration::from_millis(2);
 /// The writer connection's page cache, KiB (`PRAGMA cache_size`; SQLite's default is 2,000
 /// KiB). The writer appends at the right edge of each B-tree, so what it reads again is
 /// those edges' root-to-leaf paths (about fifty 4 KiB pages over the tables and indexes a

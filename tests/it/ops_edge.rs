@@ -439,7 +439,7 @@ async fn a_scrape_after_traffic_shows_every_catalogued_metric_with_plausible_val
     // The access log line and histograms are written when the body ends; the scrape waits
     // for the relays to journal their rounds, and for the gauges to settle: a handler's
     // in-flight guard drops just after its response is handed over, and a chat turn's
-    // records sit in the journal queue until the writer's linger ends (5 ms).
+    // records sit in the journal queue until the writer's linger ends (2 ms).
     let mut s = BTreeMap::new();
     for _ in 0..50 {
         let (_, scrape) = get(&format!("{}/metrics", h.admin_url())).await;
