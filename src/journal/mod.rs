@@ -89,14 +89,15 @@ const MAX_BATCH: usize = 512;
 /// events) stays open for more records before it commits. SQLite's cost is per commit (the
 /// WAL frames of every page the transaction touched, and the checkpoints they bring), not
 /// per row, so a chat turn's records share commits with their neighbours'; a record someone
-/// waits for closes the batch at once. The writer sleeps through the linger and relaxed
-/// records do not wake it ([`next_batch`]). Longer is not better: the writer shares the
+/// waits for closes the batch at once ([`next_batch`]). Longer is not better: the writer shares the
 /// proxy's CPU, and a longer linger makes each commit longer, which the request that arrives
 /// while it runs waits out. 5 ms made 137 records a commit at c=64 instead of 60 and raised
 /// the p99 at c=1 from 1.2 to 1.4–1.85 ms and the open-loop p99 with it, for a CPU gain
 /// inside the noise (bench/RESULTS.md, issue 13 run 11); 10 ms in the seventh session made
 /// no difference in CPU either.
 const RELAXED_LINGER: Duration = Duration::from_millis(2);
+/// How often a lingering batch looks for more records.
+const LINGER_STEP: Duration = Duration::from_micros(250);
 /// The writer connection's page cache, KiB (`PRAGMA cache_size`; SQLite's default is 2,000
 /// KiB). The writer appends at the right edge of each B-tree, so what it reads again is
 /// those edges' root-to-leaf paths (about fifty 4 KiB pages over the tables and indexes a
@@ -782,8 +783,7 @@ pub struct Journal {
 /// What a [`Journal`] handle needs of its backend beyond the writer queue.
 #[derive(Clone)]
 enum Store {
-    /// The file, and the writer thread (unparked for a record someone waits for).
-    Sqlite(PathBuf, std::thread::Thread),
+    Sqlite(PathBuf),
     Postgres(postgres::Shared),
 }
 
@@ -857,7 +857,7 @@ impl Journal {
                 metrics,
                 location: JournalLocation::Sqlite(path.to_owned()),
                 health,
-                store: Store::Sqlite(path.to_owned(), handle.thread().clone()),
+                store: Store::Sqlite(path.to_owned()),
             },
             WriterThread(WriterKind::Thread(handle)),
         ))
@@ -874,7 +874,7 @@ impl Journal {
     /// Errors: [`JournalError::Open`] when the SQLite file cannot be opened read-only.
     pub fn reader(&self) -> Result<JournalReader, JournalError> {
         match &self.store {
-            Store::Sqlite(path, _) => Ok(JournalReader::sqlite(SqliteReader::open(path)?)),
+            Store::Sqlite(path) => Ok(JournalReader::sqlite(SqliteReader::open(path)?)),
             Store::Postgres(shared) => Ok(JournalReader::postgres(shared.pool())),
         }
     }
@@ -884,7 +884,7 @@ impl Journal {
     /// Errors: [`JournalError::Open`] when the SQLite file cannot be opened read-only.
     pub fn mcp_reader(&self) -> Result<McpReader, JournalError> {
         match &self.store {
-            Store::Sqlite(path, _) => McpReader::open(path),
+            Store::Sqlite(path) => McpReader::open(path),
             Store::Postgres(shared) => Ok(McpReader::postgres(shared.pool())),
         }
     }
@@ -896,7 +896,7 @@ impl Journal {
     /// completes: the in-process waiters ([`crate::approvals`]) are woken directly.
     pub async fn resolved_elsewhere(&self, interrupt_id: &str) -> InterruptState {
         match &self.store {
-            Store::Sqlite(..) => std::future::pending().await,
+            Store::Sqlite(_) => std::future::pending().await,
             Store::Postgres(shared) => shared.resolved(self, interrupt_id).await,
         }
     }
@@ -945,10 +945,6 @@ impl Journal {
                 &self.metrics.journal_queue_depth,
             )),
         });
-        // The SQLite writer may be lingering over relaxed records: this one is waited for.
-        if let Store::Sqlite(_, writer) = &self.store {
-            writer.unpark();
-        }
         done.await.unwrap_or(Err(JournalError::Closed))
     }
 
@@ -1160,34 +1156,35 @@ impl WriterThread {
 }
 
 /// Takes the next batch: the first record, whatever is queued behind it, and, while nobody
-/// waits for any record in it, what arrives within [`RELAXED_LINGER`]. The writer sleeps
-/// through the linger (parked): a relaxed record does not wake it, and a record someone
-/// waits for does ([`Journal::enqueue`] unparks it), so that one never waits for the linger.
-/// `None` once the queue is closed and empty.
+/// waits for any record in it, what arrives within `linger` ([`RELAXED_LINGER`]; looked for
+/// every [`LINGER_STEP`], so a record someone waits for that arrives meanwhile waits at most
+/// that long). `None` once the queue is closed and empty.
+///
+/// The writer polls rather than parks: a parked writer (woken only for a record someone waits
+/// for) saved no CPU at c=64 and let the core go idle between requests, and the open-loop
+/// service p99 rose by ~0.12 ms in 3 of 3 pairs on this VM (bench/RESULTS.md, issue 13
+/// run 12).
 fn next_batch(rx: &mut mpsc::Receiver<Job>, linger: Duration) -> Option<Vec<Job>> {
     let first = rx.blocking_recv()?;
     let mut waited_for = first.waited_for();
     let mut batch = vec![first];
     let deadline = Instant::now() + linger;
-    loop {
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(job) => {
-                    waited_for |= job.waited_for();
-                    batch.push(job);
+    while batch.len() < MAX_BATCH {
+        match rx.try_recv() {
+            Ok(job) => {
+                waited_for |= job.waited_for();
+                batch.push(job);
+            }
+            Err(mpsc::error::TryRecvError::Disconnected) => break,
+            Err(mpsc::error::TryRecvError::Empty) => {
+                if waited_for || Instant::now() >= deadline {
+                    break;
                 }
-                Err(mpsc::error::TryRecvError::Disconnected) => return Some(batch),
-                Err(mpsc::error::TryRecvError::Empty) => break,
+                std::thread::sleep(LINGER_STEP);
             }
         }
-        let now = Instant::now();
-        if waited_for || batch.len() >= MAX_BATCH || now >= deadline {
-            return Some(batch);
-        }
-        // An unpark that came before this park (a waited-for record sent after the queue
-        // was found empty) makes it return at once: nothing is missed.
-        std::thread::park_timeout(deadline - now);
     }
+    Some(batch)
 }
 
 fn writer(
@@ -1731,28 +1728,24 @@ mod tests {
     fn batch_on_thread(
         mut rx: mpsc::Receiver<Job>,
         linger: Duration,
-    ) -> (
-        std::thread::Thread,
-        std::sync::mpsc::Receiver<(usize, Duration)>,
-    ) {
+    ) -> std::sync::mpsc::Receiver<(usize, Duration)> {
         let (done, seen) = std::sync::mpsc::channel();
-        let handle = std::thread::spawn(move || {
+        std::thread::spawn(move || {
             let start = Instant::now();
             let batch = next_batch(&mut rx, linger).map_or(0, |b| b.len());
             let _ = done.send((batch, start.elapsed()));
         });
-        (handle.thread().clone(), seen)
+        seen
     }
 
     #[test]
     fn relaxed_records_wait_out_the_linger_together() {
         let (tx, rx) = mpsc::channel(16);
         tx.try_send(job(false)).ok().unwrap();
-        let (writer, seen) = batch_on_thread(rx, Duration::from_millis(300));
+        let seen = batch_on_thread(rx, Duration::from_millis(300));
         std::thread::sleep(Duration::from_millis(50));
         tx.try_send(job(false)).ok().unwrap();
-        // A relaxed record's send does not end the linger, nor does a stray unpark.
-        writer.unpark();
+        // A relaxed record does not end the linger.
         let (n, took) = seen.recv_timeout(Duration::from_secs(10)).unwrap();
         assert_eq!(n, 2, "both relaxed records share the batch");
         assert!(
@@ -1765,10 +1758,9 @@ mod tests {
     fn a_record_someone_waits_for_ends_the_linger_at_once() {
         let (tx, rx) = mpsc::channel(16);
         tx.try_send(job(false)).ok().unwrap();
-        let (writer, seen) = batch_on_thread(rx, Duration::from_secs(60));
+        let seen = batch_on_thread(rx, Duration::from_secs(60));
         std::thread::sleep(Duration::from_millis(50));
         tx.try_send(job(true)).ok().unwrap();
-        writer.unpark();
         let (n, took) = seen.recv_timeout(Duration::from_secs(10)).unwrap();
         assert_eq!(n, 2);
         assert!(
