@@ -1,10 +1,10 @@
 //! Where log lines go: stderr, through one buffer ([`LogSink`]).
 //!
 //! Every line used to be its own `write(2)`: with an access line per request that syscall
-//! alone was 2.9 % of turnguard's CPU at c=64 (bench/RESULTS.md, issue 13 run 11). Lines now
-//! gather in a buffer that is written out, in order, when
+//! alone was 2.9 % of turnguard's CPU at c=64 (the flame graph of bench/RESULTS.md's issue 13
+//! run 10). Lines now gather in a buffer that is written out, in order, when
 //! - a line at `WARN` or `ERROR` arrives (it and everything before it are written at once),
-//! - the buffer holds [`LOG_BUFFER_BYTES`],
+//! - the buffer holds [`LOG_BUFFER_BYTES`] (or the next line would not fit),
 //! - the oldest line in it has waited `log_flush_ms` (the `turnguard-logs` thread), or
 //! - the process ends ([`LogGuard`]'s drop, or a panic).
 //!

@@ -146,7 +146,15 @@ mod tests {
     /// `model` ↔ `admission` do: the decision vocabulary is one layer).
     pub(super) const LAYERS: &[&[&str]] = &[
         // Leaves: import nothing of the crate.
-        &["clock", "body", "sse", "reason", "strict_json", "jcs"],
+        &[
+            "clock",
+            "body",
+            "sse",
+            "reason",
+            "strict_json",
+            "jcs",
+            "logs",
+        ],
         // The pure policy engine.
         &["policy"],
         // The provider-neutral vocabulary and the pure admission order.
