@@ -123,9 +123,11 @@ pub fn from_slice(raw: &[u8]) -> Result<Value, StrictJsonError> {
 /// without building the tree: the same deserializer visits every value as serde_json's
 /// `Value` does (the grammar, string escapes and lone surrogates, the number range — `1e400`
 /// is refused — and the nesting limit of 128), keeping nothing. Repeated keys pass, as they
-/// do for serde_json (the last one wins there). A typed view skips what it does not read by
-/// syntax alone; a view instead reads each member it does not use with [`Readable`]
-/// ([`crate::provider::view::members`]), which makes the same check in the same pass.
+/// do for serde_json (the last one wins there). No request path calls this any more: a view
+/// reads each member it does not use with [`Readable`] ([`crate::provider::view::members`]),
+/// which makes the same check in the same pass. It stays as [`Readable`]'s statement, the
+/// oracle the tests hold against serde_json's tree (the lib test below and
+/// `tests/it/fuzz.rs`'s typed-view test).
 pub fn is_readable_object(raw: &[u8]) -> bool {
     let mut de = serde_json::Deserializer::from_slice(raw);
     matches!(Readable.deserialize(&mut de), Ok(true)) && de.end().is_ok()
