@@ -157,7 +157,11 @@ fn init_logs(format: LogFormat, flush_after: std::time::Duration) -> turnguard::
         .with_env_filter(filter)
         .with_writer(sink);
     match format {
-        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .event_format(turnguard::logs::JsonLines::default())
+            .init(),
         LogFormat::Text => builder.init(),
     }
     guard
