@@ -884,6 +884,145 @@ pub struct ChatStream {
 }
 
 impl ChatStream {
+    /// Releases the held chunks as `verdicts` say: withheld calls dropped, released calls
+    /// renumbered to their emitted index, replaced arguments carried by a call's first
+    /// fragment, an ended turn's text added before its finish chunk. A chunk nothing changed
+    /// in goes out as its own bytes.
+    fn rewrite_held(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
+        // Per choice: released flag per call, and the index each released call is emitted at.
+        let mut plan: BTreeMap<u32, (Vec<Option<u64>>, Option<&str>)> = BTreeMap::new();
+        // Calls whose arguments are replaced: the first delta carries them all, the rest go.
+        let mut replace: BTreeMap<(u32, usize), &str> = BTreeMap::new();
+        let mut replaced_once: std::collections::BTreeSet<(u32, usize)> = Default::default();
+        for v in verdicts {
+            for i in 0..v.decisions.len() {
+                if let Some(args) = v.release_args(i) {
+                    replace.insert((v.choice, i), args);
+                }
+            }
+        }
+        for v in verdicts {
+            let Some(acc) = self.choices.get(&v.choice) else {
+                continue;
+            };
+            let mut next = 0u64;
+            let emitted: Vec<Option<u64>> = acc
+                .calls
+                .iter()
+                .enumerate()
+                .map(|(i, _)| {
+                    if v.decisions.get(i).is_some_and(|d| d.released()) {
+                        next += 1;
+                        Some(next - 1)
+                    } else {
+                        None
+                    }
+                })
+                .collect();
+            plan.insert(v.choice, (emitted, v.end_turn()));
+        }
+        for held in std::mem::take(&mut self.held) {
+            let Some(mut chunk) = held.json else {
+                out.push(held.raw);
+                continue;
+            };
+            let mut changed = false;
+            // End-turn texts to insert before this chunk: (choice, text, with role).
+            let mut texts: Vec<(u32, &str, bool)> = Vec::new();
+            if let Some(choices) = chunk.get_mut("choices").and_then(Value::as_array_mut) {
+                let mut drop_positions = Vec::new();
+                for (cpos, c) in choices.iter_mut().enumerate() {
+                    // Every held chunk passed `check_structure`: its choices have indices.
+                    let Some(index) = choice_index(c) else {
+                        continue;
+                    };
+                    let (Some((emitted, end_turn)), Some(acc)) =
+                        (plan.get(&index), self.choices.get(&index))
+                    else {
+                        continue;
+                    };
+                    if let Some(list) = c
+                        .pointer_mut("/delta/tool_calls")
+                        .and_then(Value::as_array_mut)
+                    {
+                        let slots = Slots {
+                            cpos,
+                            entries: &held.entries,
+                            emitted,
+                            acc,
+                            index,
+                        };
+                        changed |= slots.rewrite(list, &replace, &mut replaced_once);
+                    }
+                    if c.at("/delta/function_call").is_some()
+                        && emitted.first().copied().flatten().is_none()
+                    {
+                        if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
+                            d.remove("function_call");
+                        }
+                        changed = true;
+                    }
+                    if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
+                        if d.get("tool_calls")
+                            .and_then(Value::as_array)
+                            .is_some_and(|a| a.is_empty())
+                        {
+                            d.remove("tool_calls");
+                        }
+                    }
+                    let has_finish = c.get("finish_reason").is_some_and(|f| !f.is_null());
+                    if has_finish {
+                        if let Some(text) = end_turn {
+                            texts.push((index, text, !acc.role_seen));
+                            set(c, "finish_reason", json!("stop"));
+                            changed = true;
+                        }
+                    } else if c
+                        .get("delta")
+                        .and_then(Value::as_object)
+                        .is_some_and(Map::is_empty)
+                        && changed
+                    {
+                        drop_positions.push(cpos);
+                    }
+                }
+                let had_choices = !choices.is_empty();
+                for p in drop_positions.into_iter().rev() {
+                    choices.remove(p);
+                }
+                if had_choices && choices.is_empty() && texts.is_empty() {
+                    continue; // nothing of this chunk is left to send
+                }
+            }
+            // The held chunk's envelope (`id`, `model` …) is the template of the added text.
+            for (index, text, with_role) in texts {
+                out.push(text_chunk(&chunk, index, text, with_role));
+            }
+            if changed {
+                out.push(encode(&chunk));
+            } else {
+                out.push(held.raw);
+            }
+        }
+    }
+
+    /// Releasing `verdicts` rewrites no held chunk: every call of every decided choice is
+    /// released with its own arguments at the `index` it came with (no call before it is
+    /// withheld, so none is renumbered), no turn is ended with added text, and no call is a
+    /// legacy `function_call` (its slot has no wire index). Then [`Self::release`] forwards
+    /// the held bytes as they came, without walking their trees
+    /// (`tests::an_unchanged_release_is_the_rewrite_of_nothing` holds the two paths equal).
+    fn releases_unchanged(&self, verdicts: &[ChoiceVerdict]) -> bool {
+        verdicts.iter().all(|v| {
+            v.end_turn().is_none()
+                && self.choices.get(&v.choice).is_none_or(|acc| {
+                    acc.calls.iter().enumerate().all(|(i, a)| {
+                        v.released(i) && v.release_args(i).is_none() && a.wire_index == i as u64
+                    })
+                })
+        })
+    }
+
     /// State for one response to `turn`.
     pub fn new(turn: &Turn) -> Self {
         Self {
@@ -1203,120 +1342,11 @@ impl ProviderStream for ChatStream {
     fn release(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
         self.decided = true;
         self.decided_tokens = self.usage_tokens;
-        // Per choice: released flag per call, and the index each released call is emitted at.
-        let mut plan: BTreeMap<u32, (Vec<Option<u64>>, Option<&str>)> = BTreeMap::new();
-        // Calls whose arguments are replaced: the first delta carries them all, the rest go.
-        let mut replace: BTreeMap<(u32, usize), &str> = BTreeMap::new();
-        let mut replaced_once: std::collections::BTreeSet<(u32, usize)> = Default::default();
-        for v in verdicts {
-            for i in 0..v.decisions.len() {
-                if let Some(args) = v.release_args(i) {
-                    replace.insert((v.choice, i), args);
-                }
-            }
-        }
-        for v in verdicts {
-            let Some(acc) = self.choices.get(&v.choice) else {
-                continue;
-            };
-            let mut next = 0u64;
-            let emitted: Vec<Option<u64>> = acc
-                .calls
-                .iter()
-                .enumerate()
-                .map(|(i, _)| {
-                    if v.decisions.get(i).is_some_and(|d| d.released()) {
-                        next += 1;
-                        Some(next - 1)
-                    } else {
-                        None
-                    }
-                })
-                .collect();
-            plan.insert(v.choice, (emitted, v.end_turn()));
-        }
-        for held in std::mem::take(&mut self.held) {
-            let Some(mut chunk) = held.json else {
-                out.push(held.raw);
-                continue;
-            };
-            let mut changed = false;
-            // End-turn texts to insert before this chunk: (choice, text, with role).
-            let mut texts: Vec<(u32, &str, bool)> = Vec::new();
-            if let Some(choices) = chunk.get_mut("choices").and_then(Value::as_array_mut) {
-                let mut drop_positions = Vec::new();
-                for (cpos, c) in choices.iter_mut().enumerate() {
-                    // Every held chunk passed `check_structure`: its choices have indices.
-                    let Some(index) = choice_index(c) else {
-                        continue;
-                    };
-                    let (Some((emitted, end_turn)), Some(acc)) =
-                        (plan.get(&index), self.choices.get(&index))
-                    else {
-                        continue;
-                    };
-                    if let Some(list) = c
-                        .pointer_mut("/delta/tool_calls")
-                        .and_then(Value::as_array_mut)
-                    {
-                        let slots = Slots {
-                            cpos,
-                            entries: &held.entries,
-                            emitted,
-                            acc,
-                            index,
-                        };
-                        changed |= slots.rewrite(list, &replace, &mut replaced_once);
-                    }
-                    if c.at("/delta/function_call").is_some()
-                        && emitted.first().copied().flatten().is_none()
-                    {
-                        if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
-                            d.remove("function_call");
-                        }
-                        changed = true;
-                    }
-                    if let Some(d) = c.get_mut("delta").and_then(Value::as_object_mut) {
-                        if d.get("tool_calls")
-                            .and_then(Value::as_array)
-                            .is_some_and(|a| a.is_empty())
-                        {
-                            d.remove("tool_calls");
-                        }
-                    }
-                    let has_finish = c.get("finish_reason").is_some_and(|f| !f.is_null());
-                    if has_finish {
-                        if let Some(text) = end_turn {
-                            texts.push((index, text, !acc.role_seen));
-                            set(c, "finish_reason", json!("stop"));
-                            changed = true;
-                        }
-                    } else if c
-                        .get("delta")
-                        .and_then(Value::as_object)
-                        .is_some_and(Map::is_empty)
-                        && changed
-                    {
-                        drop_positions.push(cpos);
-                    }
-                }
-                let had_choices = !choices.is_empty();
-                for p in drop_positions.into_iter().rev() {
-                    choices.remove(p);
-                }
-                if had_choices && choices.is_empty() && texts.is_empty() {
-                    continue; // nothing of this chunk is left to send
-                }
-            }
-            // The held chunk's envelope (`id`, `model` …) is the template of the added text.
-            for (index, text, with_role) in texts {
-                out.push(text_chunk(&chunk, index, text, with_role));
-            }
-            if changed {
-                out.push(encode(&chunk));
-            } else {
-                out.push(held.raw);
-            }
+        if self.releases_unchanged(verdicts) {
+            // What the rewrite would produce: every held chunk's own bytes.
+            out.extend(std::mem::take(&mut self.held).into_iter().map(|h| h.raw));
+        } else {
+            self.rewrite_held(verdicts, out);
         }
     }
 
@@ -1639,4 +1669,182 @@ fn text_chunk(template: &Value, index: u32, text: &str, with_role: bool) -> Byte
         json!([{ "index": index, "delta": delta, "finish_reason": null }]),
     );
     encode(&Value::Object(chunk))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Decision, Outcome, Stage, Surfacing};
+
+    /// A stream that read `chunks` (each one `data:` event) and holds a decided round.
+    fn holding(chunks: &[Value]) -> ChatStream {
+        let turn = parse_request(&json!({"model": "m", "stream": true, "messages": []})).unwrap();
+        let mut stream = ChatStream::new(&turn);
+        let mut framer = crate::sse::SseFramer::new(1 << 20);
+        let mut forwarded = Vec::new();
+        for c in chunks {
+            for block in framer
+                .push(&crate::sse::encode(None, &c.to_string()))
+                .unwrap()
+            {
+                stream.push(crate::sse::Event::classify(block).unwrap(), &mut forwarded);
+            }
+        }
+        assert!(stream.violation().is_none(), "{:?}", stream.violation());
+        assert!(stream.ready(), "the round is not complete");
+        stream
+    }
+
+    fn chunk(choices: Value) -> Value {
+        json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": choices})
+    }
+
+    fn delta(index: u32, calls: Value) -> Value {
+        chunk(json!([{"index": index, "delta": {"tool_calls": calls}, "finish_reason": null}]))
+    }
+
+    fn finish(index: u32) -> Value {
+        chunk(json!([{"index": index, "delta": {}, "finish_reason": "tool_calls"}]))
+    }
+
+    /// Per call of the round: released or not, and the arguments a release replaces.
+    type Plan = fn(u32, usize) -> (bool, Option<&'static str>, Surfacing);
+
+    fn verdicts(stream: &ChatStream, plan: Plan) -> Vec<ChoiceVerdict> {
+        stream
+            .round()
+            .iter()
+            .map(|c| {
+                let mut surfacing = Surfacing::Release;
+                let decisions = (0..c.calls.len())
+                    .map(|i| {
+                        let (released, args, s) = plan(c.choice, i);
+                        surfacing = s;
+                        let mut d = Decision::new(
+                            if released {
+                                Outcome::Executed
+                            } else {
+                                Outcome::Refused
+                            },
+                            Stage::Name,
+                            crate::reason::Reason::Released,
+                            String::new(),
+                        );
+                        d.release_args = args.map(str::to_owned);
+                        d
+                    })
+                    .collect();
+                ChoiceVerdict {
+                    choice: c.choice,
+                    decisions,
+                    surfacing,
+                    claims: Vec::new(),
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_unchanged_release_is_the_rewrite_of_nothing() {
+        let one_call = vec![
+            delta(
+                0,
+                json!([{"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]),
+            ),
+            delta(
+                0,
+                json!([{"index": 0, "function": {"arguments": "{\"location\":"}}]),
+            ),
+            delta(
+                0,
+                json!([{"index": 0, "function": {"arguments": "\"Paris\"}"}}]),
+            ),
+            finish(0),
+        ];
+        let two_calls = vec![
+            delta(
+                0,
+                json!([{"index": 0, "id": "call_a", "type": "function", "function": {"name": "a", "arguments": "{}"}}]),
+            ),
+            delta(
+                0,
+                json!([{"index": 1, "id": "call_b", "type": "function", "function": {"name": "b", "arguments": "{"}}]),
+            ),
+            delta(0, json!([{"index": 1, "function": {"arguments": "}"}}])),
+            finish(0),
+        ];
+        let text_alongside = vec![
+            chunk(
+                json!([{"index": 0, "delta": {"role": "assistant", "content": "Checking.", "tool_calls": [
+                {"index": 0, "id": "call_a", "type": "function", "function": {"name": "a", "arguments": "{}"}}
+            ]}, "finish_reason": null}]),
+            ),
+            finish(0),
+        ];
+        // Some compatible servers send parallel calls all on index 0: the second is renumbered.
+        let same_index = vec![
+            delta(
+                0,
+                json!([{"index": 0, "id": "call_a", "type": "function", "function": {"name": "a", "arguments": "{}"}}]),
+            ),
+            delta(
+                0,
+                json!([{"index": 0, "id": "call_b", "type": "function", "function": {"name": "b", "arguments": "{}"}}]),
+            ),
+            finish(0),
+        ];
+        let legacy = vec![
+            chunk(
+                json!([{"index": 0, "delta": {"function_call": {"name": "a", "arguments": "{}"}}, "finish_reason": null}]),
+            ),
+            chunk(json!([{"index": 0, "delta": {}, "finish_reason": "function_call"}])),
+        ];
+        let all: Plan = |_, _| (true, None, Surfacing::Release);
+        let second_withheld: Plan = |_, i| (i == 0, None, Surfacing::Drop);
+        let replaced: Plan = |_, _| (true, Some("{\"location\":\"Lyon\"}"), Surfacing::Release);
+        let ended: Plan = |_, _| {
+            (
+                false,
+                None,
+                Surfacing::EndTurn("[turnguard] withheld".into()),
+            )
+        };
+        let ended_releasing: Plan = |_, _| {
+            (
+                true,
+                None,
+                Surfacing::EndTurn("[turnguard] withheld".into()),
+            )
+        };
+        // (script, plan, whether the release takes the held bytes as they are)
+        let cases: Vec<(&str, &[Value], Plan, bool)> = vec![
+            ("one call", &one_call, all, true),
+            ("two calls", &two_calls, all, true),
+            ("text alongside", &text_alongside, all, true),
+            ("same index", &same_index, all, false),
+            ("legacy function_call", &legacy, all, false),
+            ("second withheld", &two_calls, second_withheld, false),
+            ("replaced arguments", &one_call, replaced, false),
+            ("ended turn", &one_call, ended, false),
+            (
+                "ended turn, calls released",
+                &one_call,
+                ended_releasing,
+                false,
+            ),
+        ];
+        for (name, script, plan, unchanged) in cases {
+            let (mut released, mut rewritten) = (holding(script), holding(script));
+            let v = verdicts(&released, plan);
+            assert_eq!(released.releases_unchanged(&v), unchanged, "{name}");
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            released.release(&v, &mut a);
+            rewritten.rewrite_held(&v, &mut b);
+            assert_eq!(a, b, "{name}: the release is not what the rewrite gives");
+            if unchanged {
+                let held: Vec<Bytes> = holding(script).held.into_iter().map(|h| h.raw).collect();
+                assert_eq!(a, held, "{name}");
+            }
+        }
+    }
 }
