@@ -1739,6 +1739,56 @@ mod tests {
     }
 
     #[test]
+    fn event_sequences_count_up_per_scope_across_batches() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        schema::migrate(&conn).unwrap();
+        let event = |request: &str, run: Option<&str>, kind: &'static str| EventRecord {
+            request_id: request.to_owned(),
+            run: RunKey {
+                run_id: run.map(str::to_owned),
+                node_id: run.map(|_| "node".to_owned()),
+                attempt: run.map(|_| 1),
+            },
+            at_ms: 1,
+            kind,
+            payload: serde_json::json!({"k": kind}),
+        };
+        for batch in [
+            vec![
+                event("r1", None, "a"),
+                event("r1", None, "b"),
+                event("r2", Some("run-1"), "c"),
+            ],
+            vec![event("r1", None, "d"), event("r3", Some("run-1"), "e")],
+        ] {
+            let tx = conn.transaction().unwrap();
+            for e in &batch {
+                insert_event(&tx, e).unwrap();
+            }
+            tx.commit().unwrap();
+        }
+        let rows: Vec<(String, i64, String)> = conn
+            .prepare("SELECT scope, sequence, type FROM events ORDER BY scope, sequence")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        let want = [
+            ("request:r1", 0, "a"),
+            ("request:r1", 1, "b"),
+            ("request:r1", 2, "d"),
+            ("run:run-1", 0, "c"),
+            ("run:run-1", 1, "e"),
+        ];
+        let got: Vec<(&str, i64, &str)> = rows
+            .iter()
+            .map(|(s, n, t)| (s.as_str(), *n, t.as_str()))
+            .collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
     fn relaxed_records_wait_out_the_linger_together() {
         let (tx, rx) = mpsc::channel(16);
         tx.try_send(job(false)).ok().unwrap();
