@@ -846,6 +846,10 @@ struct ChoiceAcc {
     /// Some chunk of this choice carried `delta.role`; it is always sent (held chunks keep
     /// it), so an added chunk must not repeat it (the SDK concatenates string deltas).
     role_seen: bool,
+    /// Some chunk of this choice carried `delta.tool_calls` entries.
+    tool_calls_seen: bool,
+    /// Some chunk of this choice carried a legacy `delta.function_call`.
+    function_call_seen: bool,
 }
 
 /// A held chunk: its raw bytes, its JSON, and for each `tool_calls` entry (choice position,
@@ -1152,9 +1156,11 @@ impl ProviderStream for ChatStream {
     /// Fails closed (sets [`Self::violation`], forwards nothing of the event) on a structure
     /// that does not identify each call uniquely or that contradicts what was decided: a
     /// choice without an integer `index` or twice in one chunk, a `tool_calls` entry without a
-    /// non-negative integer `index`, a `delta` that is not an object, a second `finish_reason`
-    /// for a choice, a usage that reports more tokens after the decision than the decision
-    /// read, or an event after `[DONE]`.
+    /// non-negative integer `index`, a `delta` that is not an object, a choice that streams
+    /// both `tool_calls` entries and a legacy `function_call` (the SDKs keep them apart, so no
+    /// one call carries what the two would be read as), a second `finish_reason` for a
+    /// choice, a usage that reports more tokens after the decision than the decision read,
+    /// or an event after `[DONE]`.
     fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
         if self.violation.is_some() {
             return;
@@ -1240,6 +1246,13 @@ impl ProviderStream for ChatStream {
             let index = choice_index(c).unwrap_or_default();
             let acc = self.choices.entry(index).or_default();
             finishes_held_choice |= accumulate_choice(acc, cpos, c, &mut entries);
+            if acc.tool_calls_seen && acc.function_call_seen {
+                // The SDKs keep the two apart, each with its own arguments; one call read
+                // from both would be judged on arguments no call the agent gets carries.
+                return self.violate(format!(
+                    "choice {index} streams both `tool_calls` and a legacy `function_call`"
+                ));
+            }
         }
         if has_calls || finishes_held_choice {
             // Split off text that rides along with call deltas so text is never delayed.
@@ -1438,6 +1451,7 @@ fn accumulate_choice(
         .flatten()
         .enumerate()
     {
+        acc.tool_calls_seen = true;
         let wire_index = e.get("index").and_then(Value::as_u64).unwrap_or_default();
         let id = e
             .get("id")
@@ -1490,6 +1504,7 @@ fn accumulate_choice(
     }
     if let Some(fc) = c.at("/delta/function_call").filter(|v| v.is_object()) {
         // Legacy `function_call` streaming: one call per choice.
+        acc.function_call_seen = true;
         if acc.calls.is_empty() {
             acc.calls.push(CallAcc {
                 wire_index: u64::MAX,

@@ -708,3 +708,45 @@ async fn a_json_answer_that_is_not_an_object_or_decodes_past_the_cap_is_refused(
     );
     h.stop().await;
 }
+
+/// Chat stream: one choice streams a `tool_calls` entry and a legacy `function_call`. An SDK
+/// keeps them apart (`tool_calls[0]` and `function_call`, each with its own arguments), so
+/// admission judging the two glued into one call would judge arguments no call carries (here
+/// `{"location":"Paris"` plus `,"dry_run":true}`: a JSON repairer on the agent's side runs
+/// the first alone). The turn fails closed instead, whichever field comes first.
+#[tokio::test]
+async fn a_choice_streaming_tool_calls_and_a_legacy_function_call_fails_closed() {
+    let h = support::start(Script::default()).await;
+    let tool_call = chunk(
+        json!([{"index": 0, "delta": {"role": "assistant", "tool_calls": [
+        {"index": 0, "id": "call_w", "type": "function", "function": {"name": "get_weather", "arguments": "{\"location\":\"Paris\""}}]},
+        "finish_reason": null}]),
+    );
+    let legacy = chunk(
+        json!([{"index": 0, "delta": {"function_call": {"arguments": ",\"dry_run\":true}"}},
+        "finish_reason": null}]),
+    );
+    for (what, order) in [
+        ("tool_calls first", [tool_call.clone(), legacy.clone()]),
+        ("function_call first", [legacy.clone(), tool_call.clone()]),
+    ] {
+        let step = json!({"sse": [
+            format!("data: {}", order[0]),
+            format!("data: {}", order[1]),
+            format!("data: {}", chat_finish("tool_calls")),
+            "data: [DONE]",
+        ]});
+        let (status, _, body) =
+            exchange(&h, "/v1/chat/completions", step, &chat_request(true)).await;
+        assert_eq!(status, 200, "{what}");
+        assert!(
+            !body.contains("dry_run") && !body.contains("call_w"),
+            "{what}: a call left the stream unadmitted:\n{body}"
+        );
+        assert!(
+            body.contains("turnguard") && body.contains("function_call"),
+            "{what}: the stream ends with an error naming the ambiguity:\n{body}"
+        );
+    }
+    h.stop().await;
+}
