@@ -196,12 +196,13 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogSink {
 /// The line format of `log_format = "json"`: one JSON object a line,
 /// `{"timestamp":…,"level":…,"message":…,<the event's fields, in order>,"target":…}`. That is
 /// tracing-subscriber's own JSON format with `flatten_event(true)`, byte for byte
-/// (`tests::json_lines_are_tracing_subscribers_json_lines`), at a fifth of the cost: its
-/// formatter serializes through an `io::Write`-to-`fmt::Write` adaptor that checks every piece
-/// of every value for UTF-8 again, and formats the time through `fmt::Display`. 23k
-/// instructions a line under callgrind, 4.7 % of a request at c=64 (bench/RESULTS.md, issue 13
-/// run 14). Here the same `tracing-serde` visitor serializes the fields with `serde_json`
-/// into one byte buffer, checked once.
+/// (`tests::json_lines_are_tracing_subscribers_json_lines`), at about a quarter of the cost:
+/// its formatter serializes through an `io::Write`-to-`fmt::Write` adaptor that checks every
+/// piece of every value for UTF-8 again, and formats the time through `fmt::Display`: 23k
+/// instructions an access line under callgrind, 4.7 % of the json cell's instructions per
+/// request; this one takes ~6k (bench/RESULTS.md, issue 13 run 14). Here the same
+/// `tracing-serde` visitor serializes the fields with `serde_json` into one byte buffer,
+/// checked once.
 ///
 /// An event inside a span (only `debug`-level dependency spans exist: turnguard opens none) is
 /// handed to tracing-subscriber's formatter, which also writes the `span` and `spans` members.
