@@ -1088,6 +1088,13 @@ impl ChatStream {
                     ));
                 }
             }
+            if c.at("/delta/function_call")
+                .is_some_and(|f| !f.is_null() && !f.is_object())
+            {
+                return Err(format!(
+                    "a `function_call` of choice {index} that is not an object"
+                ));
+            }
             match c.get("finish_reason") {
                 None | Some(Value::Null) => {}
                 Some(Value::String(_)) => {
@@ -1156,11 +1163,11 @@ impl ProviderStream for ChatStream {
     /// Fails closed (sets [`Self::violation`], forwards nothing of the event) on a structure
     /// that does not identify each call uniquely or that contradicts what was decided: a
     /// choice without an integer `index` or twice in one chunk, a `tool_calls` entry without a
-    /// non-negative integer `index`, a `delta` that is not an object, a choice that streams
-    /// both `tool_calls` entries and a legacy `function_call` (the SDKs keep them apart, so no
-    /// one call carries what the two would be read as), a second `finish_reason` for a
-    /// choice, a usage that reports more tokens after the decision than the decision read,
-    /// or an event after `[DONE]`.
+    /// non-negative integer `index`, a `delta` or a `function_call` that is not an object, a
+    /// choice that streams both `tool_calls` entries and a legacy `function_call` (the SDKs
+    /// keep them apart, so no one call carries what the two would be read as), a second
+    /// `finish_reason` for a choice, a usage that reports more tokens after the decision than
+    /// the decision read, or an event after `[DONE]`.
     fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
         if self.violation.is_some() {
             return;

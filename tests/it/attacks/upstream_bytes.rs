@@ -748,5 +748,29 @@ async fn a_choice_streaming_tool_calls_and_a_legacy_function_call_fails_closed()
             "{what}: the stream ends with an error naming the ambiguity:\n{body}"
         );
     }
+    // A `function_call` no SDK can read as a call is not passed along with a held call that
+    // admission releases (its arguments complete here).
+    let tool_call = chunk(
+        json!([{"index": 0, "delta": {"role": "assistant", "tool_calls": [
+        {"index": 0, "id": "call_w", "type": "function", "function": {"name": "get_weather", "arguments": "{\"location\":\"Paris\"}"}}]},
+        "finish_reason": null}]),
+    );
+    let not_an_object = chunk(
+        json!([{"index": 0, "delta": {"function_call": "exfiltrate({})"},
+        "finish_reason": null}]),
+    );
+    let step = json!({"sse": [
+        format!("data: {tool_call}"),
+        format!("data: {not_an_object}"),
+        format!("data: {}", chat_finish("tool_calls")),
+        "data: [DONE]",
+    ]});
+    let (status, _, body) = exchange(&h, "/v1/chat/completions", step, &chat_request(true)).await;
+    assert_eq!(status, 200);
+    assert!(
+        !body.contains("exfiltrate(") && !body.contains("call_w"),
+        "a function_call that is not an object left the stream:\n{body}"
+    );
+    assert!(body.contains("not an object"), "{body}");
     h.stop().await;
 }
