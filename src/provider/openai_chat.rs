@@ -564,75 +564,32 @@ struct UsageView {
     completion_tokens: Option<u64>,
 }
 
-// Each view's slots are `Option<Option<_>>`: the outer `Some` once the member was read (a
-// second one is refused), the inner `None` for `null`, which a tree reader reads as missing.
-
-impl<'de: 'a, 'a> ObjectView<'de> for ResponseView<'a> {
-    fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
-        let (mut choices, mut usage) = (None, None);
-        members(map, |name, map| match name {
-            "choices" => once(map, &mut choices, "choices"),
-            "usage" => once(map, &mut usage, "usage"),
-            _ => Ok(false),
-        })?;
-        Ok(Self {
-            choices: choices.flatten(),
-            usage: usage.flatten(),
-        })
-    }
+/// Implements [`ObjectView`] for a view whose every field is read from the member of the
+/// same name with [`once`] (a second one is refused) and flattened: a slot is
+/// `Option<Option<_>>`, the outer `Some` once the member was read, the inner `None` for
+/// `null`, which a tree reader reads as missing.
+macro_rules! object_view {
+    ($view:ident $(<$lt:lifetime>)? { $($field:ident),+ $(,)? }) => {
+        impl<'de $(: $lt, $lt)?> ObjectView<'de> for $view $(<$lt>)? {
+            fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
+                $(let mut $field = None;)+
+                members(map, |name, map| {
+                    $(if name == stringify!($field) {
+                        return once(map, &mut $field, stringify!($field));
+                    })+
+                    Ok(false)
+                })?;
+                Ok(Self { $($field: $field.flatten(),)+ })
+            }
+        }
+    };
 }
 
-impl<'de: 'a, 'a> ObjectView<'de> for ChoiceView<'a> {
-    fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
-        let (mut index, mut message, mut finish_reason) = (None, None, None);
-        members(map, |name, map| match name {
-            "index" => once(map, &mut index, "index"),
-            "message" => once(map, &mut message, "message"),
-            "finish_reason" => once(map, &mut finish_reason, "finish_reason"),
-            _ => Ok(false),
-        })?;
-        Ok(Self {
-            index: index.flatten(),
-            message: message.flatten(),
-            finish_reason: finish_reason.flatten(),
-        })
-    }
-}
-
-impl<'de: 'a, 'a> ObjectView<'de> for MessageView<'a> {
-    fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
-        let (mut content, mut tool_calls, mut function_call, mut refusal) =
-            (None, None, None, None);
-        members(map, |name, map| match name {
-            "content" => once(map, &mut content, "content"),
-            "tool_calls" => once(map, &mut tool_calls, "tool_calls"),
-            "function_call" => once(map, &mut function_call, "function_call"),
-            "refusal" => once(map, &mut refusal, "refusal"),
-            _ => Ok(false),
-        })?;
-        Ok(Self {
-            content: content.flatten(),
-            tool_calls: tool_calls.flatten(),
-            function_call: function_call.flatten(),
-            refusal: refusal.flatten(),
-        })
-    }
-}
-
-impl<'de: 'a, 'a> ObjectView<'de> for CallView<'a> {
-    fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
-        let (mut id, mut function) = (None, None);
-        members(map, |name, map| match name {
-            "id" => once(map, &mut id, "id"),
-            "function" => once(map, &mut function, "function"),
-            _ => Ok(false),
-        })?;
-        Ok(Self {
-            id: id.flatten(),
-            function: function.flatten(),
-        })
-    }
-}
+object_view!(ResponseView<'a> { choices, usage });
+object_view!(ChoiceView<'a> { index, message, finish_reason });
+object_view!(MessageView<'a> { content, tool_calls, function_call, refusal });
+object_view!(CallView<'a> { id, function });
+object_view!(UsageView { completion_tokens });
 
 impl<'de: 'a, 'a> ObjectView<'de> for FunctionView<'a> {
     fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
@@ -646,19 +603,6 @@ impl<'de: 'a, 'a> ObjectView<'de> for FunctionView<'a> {
         Ok(Self {
             name: name.flatten(),
             arguments,
-        })
-    }
-}
-
-impl<'de> ObjectView<'de> for UsageView {
-    fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
-        let mut completion_tokens = None;
-        members(map, |name, map| match name {
-            "completion_tokens" => once(map, &mut completion_tokens, "completion_tokens"),
-            _ => Ok(false),
-        })?;
-        Ok(Self {
-            completion_tokens: completion_tokens.flatten(),
         })
     }
 }
