@@ -10,7 +10,10 @@
 //! [`Event::classify`] is the one gate between framing and the provider adapters: a block
 //! reaches an adapter only as an [`Event`] whose payload turnguard read — no `data` (a
 //! comment or keep-alive), the `[DONE]` sentinel, or a JSON object — so nothing is ever
-//! forwarded that was not parsed (DESIGN.md §9, "upstream").
+//! forwarded that was not parsed (DESIGN.md §9, "upstream"). An adapter that reads a JSON
+//! object from its text in one pass (the Chat stream's typed view) gets it as
+//! [`Payload::Text`] from [`Event::classify_text`] instead, and is held to the same gate: it
+//! refuses what [`Event::classify`] refuses, and forwards nothing it did not read.
 
 use bytes::{Bytes, BytesMut};
 use serde_json::Value;
@@ -168,6 +171,12 @@ pub enum Payload {
     Done,
     /// A JSON object (the event).
     Json(Value),
+    /// A JSON object's text, in the block's `data`, not read yet: made only by
+    /// [`Event::classify_text`], for an adapter that reads the text itself in one pass
+    /// instead of through a tree ([`crate::provider::ProviderStream::reads_text`]). That
+    /// adapter refuses, as [`Event::classify`] would ([`read_object`]), a text that is not a
+    /// JSON object serde_json reads, and forwards nothing of it.
+    Text,
     /// A non-stream response body, whole, in the block's `raw` (no `data` field): what the
     /// one-event machine of a JSON answer reads ([`crate::provider::block::Block`]), from the
     /// bytes or through their tree. Never an event of a stream.
@@ -198,31 +207,39 @@ impl Event {
     ///
     /// Errors: [`Unreadable`], naming what was wrong (never the bytes).
     pub fn classify(block: SseBlock) -> Result<Self, Unreadable> {
+        Self::read(block, |data| read_object(data).map(Payload::Json))
+    }
+
+    /// [`Self::classify`], but a JSON object's text is left for the adapter to read
+    /// ([`Payload::Text`]): the block must be UTF-8, and its `data` is `[DONE]`, missing, or
+    /// the text the adapter reads.
+    ///
+    /// Errors: [`Unreadable`] for bytes that are not UTF-8.
+    pub fn classify_text(block: SseBlock) -> Result<Self, Unreadable> {
+        Self::read(block, |_| Ok(Payload::Text))
+    }
+
+    /// A UTF-8 block's payload: none, `[DONE]`, or what `object` makes of any other `data`.
+    fn read(
+        block: SseBlock,
+        object: impl FnOnce(&str) -> Result<Payload, Unreadable>,
+    ) -> Result<Self, Unreadable> {
         if std::str::from_utf8(&block.raw).is_err() {
             return Err(Unreadable("an event that is not UTF-8".into()));
         }
         let payload = match block.data.as_deref() {
             None => Payload::None,
             Some(d) if d.starts_with("[DONE]") => Payload::Done,
-            Some(d) => match serde_json::from_str::<Value>(d) {
-                Ok(v) if v.is_object() => Payload::Json(v),
-                Ok(_) => return Err(Unreadable("event data that is not a JSON object".into())),
-                Err(e) => {
-                    return Err(Unreadable(format!(
-                        "event data that is not JSON turnguard can parse ({})",
-                        json_error_kind(&e)
-                    )))
-                }
-            },
+            Some(d) => object(d)?,
         };
         Ok(Self { block, payload })
     }
 
-    /// The event's JSON, when it has one.
+    /// The event's JSON, when it has one (never for [`Payload::Text`], which is not read).
     pub fn json(&self) -> Option<&Value> {
         match &self.payload {
             Payload::Json(v) => Some(v),
-            Payload::None | Payload::Done | Payload::Body => None,
+            Payload::None | Payload::Done | Payload::Body | Payload::Text => None,
         }
     }
 
@@ -246,6 +263,29 @@ impl Event {
             payload: Payload::Json(json),
         }
     }
+}
+
+/// Reads an event's `data` as a JSON object's tree, as [`Event::classify`] does.
+///
+/// Errors: [`Unreadable`], for data that serde_json does not read (`NaN`, `1e400`, a lone
+/// surrogate, nesting past 128 levels) or that is not an object.
+pub fn read_object(data: &str) -> Result<Value, Unreadable> {
+    match serde_json::from_str::<Value>(data) {
+        Ok(v) if v.is_object() => Ok(v),
+        Ok(_) => Err(Unreadable("event data that is not a JSON object".into())),
+        Err(e) => Err(Unreadable(format!(
+            "event data that is not JSON turnguard can parse ({})",
+            json_error_kind(&e)
+        ))),
+    }
+}
+
+/// Reads a [`Payload::Text`] block's `data` as [`read_object`] does (a block without `data`
+/// has no object to read).
+///
+/// Errors: [`Unreadable`], as [`read_object`].
+pub fn read_text(block: &SseBlock) -> Result<Value, Unreadable> {
+    read_object(block.data.as_deref().unwrap_or_default())
 }
 
 /// A short, content-free description of a JSON parse error.

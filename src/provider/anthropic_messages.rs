@@ -835,6 +835,10 @@ impl ProviderStream for MessagesStream {
                 return;
             }
             Payload::Json(v) => v,
+            Payload::Text => match sse::read_text(&block) {
+                Ok(v) => v,
+                Err(e) => return self.violate(e.to_string()),
+            },
             Payload::Body => return self.violate("a whole body inside a stream".into()),
         };
         let Some(kind) = parsed

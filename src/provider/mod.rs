@@ -12,6 +12,7 @@
 
 pub mod anthropic_messages;
 pub mod block;
+mod chat_chunk;
 pub mod openai_chat;
 pub mod openai_responses;
 pub mod view;
@@ -158,6 +159,15 @@ pub trait Provider: Sync {
 pub trait ProviderStream: std::fmt::Debug + Send + Sync {
     /// Takes one classified event; what may be forwarded now is appended to `out`.
     fn push(&mut self, event: Event, out: &mut Vec<Bytes>);
+
+    /// The adapter reads an event's JSON from its text itself ([`Event::classify_text`],
+    /// [`crate::sse::Payload::Text`]), and refuses a text that is not a JSON object
+    /// serde_json reads as [`Event::classify`] would. Only where no one else reads the
+    /// event's tree (no splice, no channel check): then the pipeline classifies with
+    /// [`Event::classify`].
+    fn reads_text(&self) -> bool {
+        false
+    }
 
     /// The stream broke its structure in a way that does not identify each call uniquely or
     /// contradicts what was decided (each adapter's `push` lists its rules): nothing more is

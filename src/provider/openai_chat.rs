@@ -14,7 +14,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use bytes::Bytes;
 use serde_json::{json, Map, Value};
 
-use super::view::{members, once, Obj, ObjectView, Str};
+use super::chat_chunk::{Chunk, DeltaChoice, FunctionDelta};
+use super::view::{members, object_view, once, Obj, ObjectView, Str};
 use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
     AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool,
@@ -560,29 +561,9 @@ struct FunctionView<'a> {
     arguments: Option<Option<Str<'a>>>,
 }
 
-struct UsageView {
-    completion_tokens: Option<u64>,
-}
-
-/// Implements [`ObjectView`] for a view whose every field is read from the member of the
-/// same name with [`once`] (a second one is refused) and flattened: a slot is
-/// `Option<Option<_>>`, the outer `Some` once the member was read, the inner `None` for
-/// `null`, which a tree reader reads as missing.
-macro_rules! object_view {
-    ($view:ident $(<$lt:lifetime>)? { $($field:ident),+ $(,)? }) => {
-        impl<'de $(: $lt, $lt)?> ObjectView<'de> for $view $(<$lt>)? {
-            fn read<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
-                $(let mut $field = None;)+
-                members(map, |name, map| {
-                    $(if name == stringify!($field) {
-                        return once(map, &mut $field, stringify!($field));
-                    })+
-                    Ok(false)
-                })?;
-                Ok(Self { $($field: $field.flatten(),)+ })
-            }
-        }
-    };
+/// A `usage` object: what a response and a stream chunk read of it.
+pub(super) struct UsageView {
+    pub(super) completion_tokens: Option<u64>,
 }
 
 object_view!(ResponseView<'a> { choices, usage });
@@ -796,14 +777,69 @@ struct ChoiceAcc {
     function_call_seen: bool,
 }
 
-/// A held chunk: its raw bytes, its JSON, and for each `tool_calls` entry (choice position,
-/// entry position) the call it belongs to.
+/// A held chunk: its raw bytes, its JSON (`None` for `[DONE]` and the chunks held only to
+/// keep their place), for each `tool_calls` entry (choice position, entry position) the call
+/// it belongs to, and the choices whose `delta.role` it carries.
 #[derive(Debug)]
 struct Held {
     raw: Bytes,
-    json: Option<Value>,
+    json: Option<Json>,
     entries: Vec<(usize, usize, usize)>,
+    roles: Vec<u32>,
 }
+
+impl Held {
+    /// A chunk held only to keep its place behind held calls: released as it came.
+    fn in_place(raw: Bytes) -> Self {
+        Self {
+            raw,
+            json: None,
+            entries: Vec::new(),
+            roles: Vec::new(),
+        }
+    }
+}
+
+/// A chunk's JSON: its tree, or its text (read by the typed view) until a rewrite needs the
+/// tree.
+#[derive(Debug)]
+enum Json {
+    Tree(Value),
+    Text(String),
+}
+
+impl Json {
+    /// The tree, read from the text if need be.
+    ///
+    /// Errors: the text is not a JSON object serde_json reads ([`sse::read_object`]); never
+    /// for a text the typed view read ([`Chunk::of_text`]).
+    fn into_tree(self) -> Result<Value, sse::Unreadable> {
+        match self {
+            Self::Tree(v) => Ok(v),
+            Self::Text(t) => sse::read_object(&t),
+        }
+    }
+}
+
+/// What [`ChatStream::push`] does with a chunk it read.
+enum Place {
+    /// Forward it now, or hold it in place behind a held finish.
+    Other,
+    /// A call after the decision point: forwarded without its calls.
+    Strip,
+    /// Hold it with the calls it carries; `split`: text rides along, forwarded now apart.
+    Hold {
+        entries: Vec<(usize, usize, usize)>,
+        roles: Vec<u32>,
+        split: bool,
+    },
+}
+
+/// Per decided choice: the index each of its calls is emitted at (`None`: withheld), and the
+/// text its ended turn adds.
+type ReleasePlan<'v> = BTreeMap<u32, (Vec<Option<u64>>, Option<&'v str>)>;
+/// Replaced arguments per (choice, call slot).
+type Replaced<'v> = BTreeMap<(u32, usize), &'v str>;
 
 /// The Chat stream state machine (see the module docs).
 #[derive(Debug)]
@@ -837,42 +873,20 @@ impl ChatStream {
     /// fragment, an ended turn's text added before its finish chunk. A chunk nothing changed
     /// in goes out as its own bytes.
     fn rewrite_held(&mut self, verdicts: &[ChoiceVerdict], out: &mut Vec<Bytes>) {
-        // Per choice: released flag per call, and the index each released call is emitted at.
-        let mut plan: BTreeMap<u32, (Vec<Option<u64>>, Option<&str>)> = BTreeMap::new();
-        // Calls whose arguments are replaced: the first delta carries them all, the rest go.
-        let mut replace: BTreeMap<(u32, usize), &str> = BTreeMap::new();
+        let (plan, replace) = self.release_plan(verdicts);
         let mut replaced_once: std::collections::BTreeSet<(u32, usize)> = Default::default();
-        for v in verdicts {
-            for i in 0..v.decisions.len() {
-                if let Some(args) = v.release_args(i) {
-                    replace.insert((v.choice, i), args);
-                }
-            }
-        }
-        for v in verdicts {
-            let Some(acc) = self.choices.get(&v.choice) else {
-                continue;
-            };
-            let mut next = 0u64;
-            let emitted: Vec<Option<u64>> = acc
-                .calls
-                .iter()
-                .enumerate()
-                .map(|(i, _)| {
-                    if v.decisions.get(i).is_some_and(|d| d.released()) {
-                        next += 1;
-                        Some(next - 1)
-                    } else {
-                        None
-                    }
-                })
-                .collect();
-            plan.insert(v.choice, (emitted, v.end_turn()));
-        }
         for held in std::mem::take(&mut self.held) {
-            let Some(mut chunk) = held.json else {
+            let Some(json) = held.json else {
                 out.push(held.raw);
                 continue;
+            };
+            let mut chunk = match json.into_tree() {
+                Ok(tree) => tree,
+                Err(e) => {
+                    // Never for a text the view read; fail closed all the same.
+                    self.violation.get_or_insert(e.to_string());
+                    continue;
+                }
             };
             let mut changed = false;
             // End-turn texts to insert before this chunk: (choice, text, with role).
@@ -954,6 +968,42 @@ impl ChatStream {
         }
     }
 
+    /// How releasing `verdicts` rewrites the held chunks: per decided choice, the index each
+    /// of its calls is emitted at (`None`: withheld) and the text of an ended turn; and the
+    /// calls whose arguments are replaced (the first fragment carries them all, the rest go).
+    fn release_plan<'v>(&self, verdicts: &'v [ChoiceVerdict]) -> (ReleasePlan<'v>, Replaced<'v>) {
+        let mut plan = ReleasePlan::new();
+        let mut replace = Replaced::new();
+        for v in verdicts {
+            for i in 0..v.decisions.len() {
+                if let Some(args) = v.release_args(i) {
+                    replace.insert((v.choice, i), args);
+                }
+            }
+        }
+        for v in verdicts {
+            let Some(acc) = self.choices.get(&v.choice) else {
+                continue;
+            };
+            let mut next = 0u64;
+            let emitted: Vec<Option<u64>> = acc
+                .calls
+                .iter()
+                .enumerate()
+                .map(|(i, _)| {
+                    if v.decisions.get(i).is_some_and(|d| d.released()) {
+                        next += 1;
+                        Some(next - 1)
+                    } else {
+                        None
+                    }
+                })
+                .collect();
+            plan.insert(v.choice, (emitted, v.end_turn()));
+        }
+        (plan, replace)
+    }
+
     /// Releasing `verdicts` rewrites no held chunk: every call of every decided choice is
     /// released with its own arguments at the `index` it came with (no call before it is
     /// withheld, so none is renumbered), no turn is ended with added text, and no call is a
@@ -998,8 +1048,9 @@ impl ChatStream {
         self.violation.get_or_insert(why);
     }
 
-    /// The structural rules of one chunk (see [`Self::push`]).
-    fn check_structure(&self, chunk: &Value) -> Result<(), String> {
+    /// The structural rules of one chunk's tree (see [`Self::push`]) but the one that needs
+    /// the stream's state ([`Self::read`] checks it for both readings).
+    fn check_structure(chunk: &Value) -> Result<(), String> {
         let Some(choices) = chunk.get("choices") else {
             return Ok(());
         };
@@ -1039,25 +1090,158 @@ impl ChatStream {
                     "a `function_call` of choice {index} that is not an object"
                 ));
             }
-            match c.get("finish_reason") {
-                None | Some(Value::Null) => {}
-                Some(Value::String(_)) => {
-                    if self
-                        .choices
-                        .get(&index)
-                        .is_some_and(|a| a.finish_reason.is_some())
-                    {
-                        return Err(format!("a second `finish_reason` for choice {index}"));
-                    }
-                }
-                Some(_) => {
-                    return Err(format!(
-                        "a `finish_reason` of choice {index} that is not a string"
-                    ))
-                }
+            if c.get("finish_reason")
+                .is_some_and(|f| !f.is_null() && !f.is_string())
+            {
+                return Err(format!(
+                    "a `finish_reason` of choice {index} that is not a string"
+                ));
             }
         }
         Ok(())
+    }
+
+    /// A chunk read as a tree ([`Payload::Json`], or a text the typed view did not answer
+    /// for): a provider error is forwarded and ends the stream, a chunk that breaks the
+    /// structure rules fails it, any other is read like a text ([`Self::read`]).
+    fn push_tree(&mut self, raw: Bytes, tree: Value, out: &mut Vec<Bytes>) {
+        if self.done_seen {
+            return self.violate("an event after `[DONE]`".into());
+        }
+        if tree.get("error").is_some_and(|e| !e.is_null()) {
+            // A provider error mid-stream: nothing held is released.
+            self.failed = true;
+            self.held.clear();
+            out.push(raw);
+            return;
+        }
+        if let Err(why) = Self::check_structure(&tree) {
+            return self.violate(why);
+        }
+        let place = self.read(&Chunk::of_tree(&tree));
+        if let Some(place) = place {
+            self.place(raw, Json::Tree(tree), place, out);
+        }
+    }
+
+    /// Reads a chunk into the stream's state (usage, each choice's calls, role, refusal and
+    /// finish) and says where it goes; `None` when nothing of it goes anywhere (a violation,
+    /// or the usage chunk turnguard asked for itself).
+    fn read(&mut self, chunk: &Chunk<'_>) -> Option<Place> {
+        if self.done_seen {
+            self.violate("an event after `[DONE]`".into());
+            return None;
+        }
+        for c in chunk.choices.iter().flatten() {
+            if c.finish_reason.is_some()
+                && self
+                    .choices
+                    .get(&c.index)
+                    .is_some_and(|a| a.finish_reason.is_some())
+            {
+                self.violate(format!("a second `finish_reason` for choice {}", c.index));
+                return None;
+            }
+        }
+        if let Some(tokens) = chunk.usage {
+            // Usage decides only when the request set a limit; then the decision waited for
+            // the usage chunk (or `[DONE]`), so a later, larger count contradicts it.
+            if self.decided && self.needs_usage && tokens > self.decided_tokens {
+                self.violate(
+                    "a usage after the decision point reports more tokens than the decision read"
+                        .into(),
+                );
+                return None;
+            }
+            self.usage_seen = true;
+            self.usage_tokens = self.usage_tokens.max(tokens);
+            if chunk.choices.as_ref().is_some_and(Vec::is_empty) {
+                self.usage_final = true;
+                if self.own_usage {
+                    return None; // turnguard asked for it; the agent did not
+                }
+            }
+        }
+        let Some(choices) = chunk.choices.as_deref() else {
+            return Some(Place::Other);
+        };
+        let has_calls = choices.iter().any(DeltaChoice::has_calls);
+        if self.decided && has_calls {
+            // Fail closed: a call after the decision point is never released unadmitted.
+            return Some(Place::Strip);
+        }
+        let mut entries = Vec::new();
+        let mut finishes_held_choice = false;
+        for (cpos, c) in choices.iter().enumerate() {
+            let acc = self.choices.entry(c.index).or_default();
+            finishes_held_choice |= accumulate_choice(acc, cpos, c, &mut entries);
+            if acc.tool_calls_seen && acc.function_call_seen {
+                // The SDKs keep the two apart, each with its own arguments; one call read
+                // from both would be judged on arguments no call the agent gets carries.
+                self.violate(format!(
+                    "choice {} streams both `tool_calls` and a legacy `function_call`",
+                    c.index
+                ));
+                return None;
+            }
+        }
+        if !has_calls && !finishes_held_choice {
+            return Some(Place::Other);
+        }
+        // Text that rides along with call deltas is split off so text is never delayed; the
+        // held part then carries no role.
+        let split = has_calls && choices.iter().any(DeltaChoice::carries_text);
+        let roles = if split {
+            Vec::new()
+        } else {
+            choices.iter().filter(|c| c.role).map(|c| c.index).collect()
+        };
+        Some(Place::Hold {
+            entries,
+            roles,
+            split,
+        })
+    }
+
+    /// Forwards, holds or rewrites a chunk where [`Self::read`] placed it.
+    fn place(&mut self, raw: Bytes, json: Json, place: Place, out: &mut Vec<Bytes>) {
+        let (entries, split) = match place {
+            Place::Other => return self.push_other(raw, out),
+            Place::Hold {
+                entries,
+                roles,
+                split: false,
+            } => {
+                return self.held.push(Held {
+                    raw,
+                    json: Some(json),
+                    entries,
+                    roles,
+                })
+            }
+            Place::Hold { entries, .. } => (entries, true),
+            Place::Strip => (Vec::new(), false),
+        };
+        let mut chunk = match json.into_tree() {
+            Ok(tree) => tree,
+            Err(e) => return self.violate(e.to_string()),
+        };
+        if split {
+            let mut text_only = chunk.clone();
+            strip_calls(&mut text_only);
+            remove_finish(&mut text_only);
+            out.push(encode(&text_only));
+            keep_only_calls_and_finish(&mut chunk);
+            self.held.push(Held {
+                raw: encode(&chunk),
+                json: Some(Json::Tree(chunk)),
+                entries,
+                roles: Vec::new(),
+            });
+        } else {
+            strip_calls(&mut chunk);
+            out.push(encode(&chunk));
+        }
     }
 
     /// A chunk with nothing to admit: forwarded now, unless it belongs after a held finish
@@ -1065,11 +1249,7 @@ impl ChatStream {
     fn push_other(&mut self, raw: Bytes, out: &mut Vec<Bytes>) {
         let finish_pending = self.choices.values().any(|c| c.finish_held);
         if self.holding() && finish_pending {
-            self.held.push(Held {
-                raw,
-                json: None,
-                entries: Vec::new(),
-            });
+            self.held.push(Held::in_place(raw));
         } else {
             out.push(raw);
         }
@@ -1090,6 +1270,11 @@ impl ProviderStream for ChatStream {
     /// The provider reported an error in the stream.
     fn failed(&self) -> bool {
         self.failed
+    }
+
+    /// Chunks are read from their text through a typed view ([`Chunk::of_text`]).
+    fn reads_text(&self) -> bool {
+        true
     }
 
     /// Calls are held and not yet decided.
@@ -1116,117 +1301,35 @@ impl ProviderStream for ChatStream {
         if self.violation.is_some() {
             return;
         }
-        let raw = event.block.raw;
-        let mut chunk = match event.payload {
-            Payload::None => {
-                out.push(raw); // comment / keep-alive
-                return;
-            }
+        let Event { block, payload } = event;
+        let raw = block.raw;
+        match payload {
+            Payload::None => out.push(raw), // comment / keep-alive
             Payload::Done => {
                 self.done_seen = true;
                 if self.holding() {
-                    self.held.push(Held {
-                        raw,
-                        json: None,
-                        entries: Vec::new(),
-                    });
+                    self.held.push(Held::in_place(raw));
                 } else {
                     out.push(raw);
                 }
-                return;
             }
-            Payload::Json(v) => v,
-            Payload::Body => return self.violate("a whole body inside a stream".into()),
-        };
-        if self.done_seen {
-            return self.violate("an event after `[DONE]`".into());
-        }
-        if chunk.get("error").is_some_and(|e| !e.is_null()) {
-            // A provider error mid-stream: nothing held is released.
-            self.failed = true;
-            self.held.clear();
-            out.push(raw);
-            return;
-        }
-        if let Err(why) = self.check_structure(&chunk) {
-            return self.violate(why);
-        }
-        let usage_only = chunk
-            .get("choices")
-            .and_then(Value::as_array)
-            .is_some_and(Vec::is_empty);
-        if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
-            let tokens = u.get("completion_tokens").and_then(Value::as_u64);
-            // Usage decides only when the request set a limit; then the decision waited for
-            // the usage chunk (or `[DONE]`), so a later, larger count contradicts it.
-            if self.decided && self.needs_usage && tokens > self.decided_tokens {
-                return self.violate(
-                    "a usage after the decision point reports more tokens than the decision read"
-                        .into(),
-                );
-            }
-            self.usage_seen = true;
-            self.usage_tokens = self.usage_tokens.max(tokens);
-            if usage_only {
-                self.usage_final = true;
-                if self.own_usage {
-                    return; // turnguard asked for it; the agent did not
+            Payload::Json(tree) => self.push_tree(raw, tree, out),
+            Payload::Text => {
+                let text = block.data.unwrap_or_default();
+                let place = match Chunk::of_text(&text) {
+                    Some(chunk) => self.read(&chunk),
+                    None => {
+                        return match sse::read_object(&text) {
+                            Ok(tree) => self.push_tree(raw, tree, out),
+                            Err(e) => self.violate(e.to_string()),
+                        }
+                    }
+                };
+                if let Some(place) = place {
+                    self.place(raw, Json::Text(text), place, out);
                 }
             }
-        }
-        let Some(choices) = chunk.get("choices").and_then(Value::as_array) else {
-            self.push_other(raw, out);
-            return;
-        };
-        let has_calls = choices.iter().any(|c| {
-            c.at("/delta/tool_calls")
-                .and_then(Value::as_array)
-                .is_some_and(|a| !a.is_empty())
-                || c.at("/delta/function_call").is_some_and(|v| !v.is_null())
-        });
-        if self.decided && has_calls {
-            // Fail closed: a call after the decision point is never released unadmitted.
-            strip_calls(&mut chunk);
-            out.push(encode(&chunk));
-            return;
-        }
-        // Accumulate.
-        let mut entries = Vec::new();
-        let mut finishes_held_choice = false;
-        for (cpos, c) in choices.iter().enumerate() {
-            let index = choice_index(c).unwrap_or_default();
-            let acc = self.choices.entry(index).or_default();
-            finishes_held_choice |= accumulate_choice(acc, cpos, c, &mut entries);
-            if acc.tool_calls_seen && acc.function_call_seen {
-                // The SDKs keep the two apart, each with its own arguments; one call read
-                // from both would be judged on arguments no call the agent gets carries.
-                return self.violate(format!(
-                    "choice {index} streams both `tool_calls` and a legacy `function_call`"
-                ));
-            }
-        }
-        if has_calls || finishes_held_choice {
-            // Split off text that rides along with call deltas so text is never delayed.
-            if has_calls && carries_text(&chunk) {
-                let mut text_only = chunk.clone();
-                strip_calls(&mut text_only);
-                remove_finish(&mut text_only);
-                out.push(encode(&text_only));
-                keep_only_calls_and_finish(&mut chunk);
-                self.held.push(Held {
-                    raw: encode(&chunk),
-                    json: Some(chunk),
-                    entries,
-                });
-            } else {
-                self.held.push(Held {
-                    raw,
-                    json: Some(chunk),
-                    entries,
-                });
-            }
-        } else {
-            self.push_other(raw, out);
+            Payload::Body => self.violate("a whole body inside a stream".into()),
         }
     }
 
@@ -1333,11 +1436,7 @@ impl ProviderStream for ChatStream {
         let owed = self
             .held
             .iter()
-            .filter_map(|h| h.json.as_ref())
-            .filter_map(|j| j.get("choices").and_then(Value::as_array))
-            .flatten()
-            .filter(|c| c.at("/delta/role").is_some_and(|r| !r.is_null()))
-            .filter_map(choice_index)
+            .flat_map(|h| h.roles.iter().copied())
             .collect();
         self.held.clear();
         self.decided = true;
@@ -1371,7 +1470,7 @@ impl ProviderStream for ChatStream {
 }
 
 /// A choice's `index`, when it is a non-negative integer that fits a choice number.
-fn choice_index(c: &Value) -> Option<u32> {
+pub(super) fn choice_index(c: &Value) -> Option<u32> {
     c.get("index")
         .and_then(Value::as_u64)
         .and_then(|i| u32::try_from(i).ok())
@@ -1383,31 +1482,16 @@ fn choice_index(c: &Value) -> Option<u32> {
 fn accumulate_choice(
     acc: &mut ChoiceAcc,
     cpos: usize,
-    c: &Value,
+    c: &DeltaChoice<'_>,
     entries: &mut Vec<(usize, usize, usize)>,
 ) -> bool {
     let mut finishes_held_choice = false;
-    if c.at("/delta/role").is_some_and(|r| !r.is_null()) {
-        acc.role_seen = true;
-    }
-    if let Some(Value::String(r)) = c.at("/delta/refusal") {
-        if !r.is_empty() {
-            acc.refused = true;
-        }
-    }
-    for (epos, e) in c
-        .at("/delta/tool_calls")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .enumerate()
-    {
+    acc.role_seen |= c.role;
+    acc.refused |= c.refusal;
+    for (epos, e) in c.tool_calls.iter().enumerate() {
         acc.tool_calls_seen = true;
-        let wire_index = e.get("index").and_then(Value::as_u64).unwrap_or_default();
-        let id = e
-            .get("id")
-            .and_then(Value::as_str)
-            .filter(|s| !s.is_empty());
+        let wire_index = e.index;
+        let id = e.id.as_deref();
         let current = acc.calls.iter().rposition(|a| a.wire_index == wire_index);
         // A new id on an index already in use is a new call (some compatible servers
         // send parallel calls all on index 0): keep them apart, never glue them.
@@ -1445,15 +1529,10 @@ fn accumulate_choice(
                 call.id = id.to_owned();
             }
         }
-        if let Some(n) = e.at("/function/name").and_then(Value::as_str) {
-            call.name.push_str(n);
-        }
-        if let Some(a) = e.at("/function/arguments").and_then(Value::as_str) {
-            call.arguments.push_str(a);
-        }
+        append(call, &e.function);
         entries.push((cpos, epos, slot));
     }
-    if let Some(fc) = c.at("/delta/function_call").filter(|v| v.is_object()) {
+    if let Some(fc) = &c.function_call {
         // Legacy `function_call` streaming: one call per choice.
         acc.function_call_seen = true;
         if acc.calls.is_empty() {
@@ -1468,22 +1547,27 @@ fn accumulate_choice(
             });
         }
         if let Some(CallAcc { call, .. }) = acc.calls.first_mut() {
-            if let Some(n) = fc.get("name").and_then(Value::as_str) {
-                call.name.push_str(n);
-            }
-            if let Some(a) = fc.get("arguments").and_then(Value::as_str) {
-                call.arguments.push_str(a);
-            }
+            append(call, fc);
         }
     }
-    if let Some(r) = c.get("finish_reason").and_then(Value::as_str) {
-        acc.finish_reason = Some(r.to_owned());
+    if let Some(r) = &c.finish_reason {
+        acc.finish_reason = Some(r.clone().into_owned());
         if !acc.calls.is_empty() {
             acc.finish_held = true;
             finishes_held_choice = true;
         }
     }
     finishes_held_choice
+}
+
+/// Appends a fragment's name and arguments to the call they continue.
+fn append(call: &mut ToolCall, f: &FunctionDelta<'_>) {
+    if let Some(n) = &f.name {
+        call.name.push_str(n);
+    }
+    if let Some(a) = &f.arguments {
+        call.arguments.push_str(a);
+    }
 }
 
 /// Where one held choice's calls go when released: the chunk's choice position, the held
@@ -1536,18 +1620,6 @@ impl Slots<'_> {
         *list = keep;
         changed
     }
-}
-
-fn carries_text(chunk: &Value) -> bool {
-    chunk
-        .get("choices")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .any(|c| {
-            matches!(c.at("/delta/content"), Some(Value::String(s)) if !s.is_empty())
-                || matches!(c.at("/delta/refusal"), Some(Value::String(s)) if !s.is_empty())
-        })
 }
 
 /// The `choices` entries of a chunk (none when it has no `choices` array).

@@ -1615,6 +1615,10 @@ impl ProviderStream for ResponsesStream {
                 return;
             }
             Payload::Json(v) => v,
+            Payload::Text => match sse::read_text(&block) {
+                Ok(v) => v,
+                Err(e) => return self.violate(e.to_string()),
+            },
             Payload::Body => return self.violate("a whole body inside a stream".into()),
         };
         self.event_lines = block.event.is_some();

@@ -135,3 +135,51 @@ impl Str<'_> {
         self.0.into_owned()
     }
 }
+
+/// Implements [`ObjectView`] for a view whose every field is read from the member of the same
+/// name with [`once`] (a second one is refused). A field is `Option<_>`, read as
+/// `Option<Option<_>>` and flattened: `null` reads as missing, as a tree reader reads it;
+/// the fields listed after `keep_null` refuse `null` instead (the caller refuses that
+/// structure), and a member named after `refuse` makes the view refuse the object (the caller
+/// reads it from the tree).
+///
+/// `object_view!(View<'a> { field, … } keep_null { field, … } refuse { "name", … });`, the last
+/// two parts optional.
+macro_rules! object_view {
+    ($view:ident $(<$lt:lifetime>)? { $($field:ident),* $(,)? }
+        $(keep_null { $($strict:ident),+ })? $(refuse { $($refused:literal),+ })?) => {
+        impl<'de $(: $lt, $lt)?> $crate::provider::view::ObjectView<'de> for $view $(<$lt>)? {
+            fn read<A: ::serde::de::MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
+                use $crate::provider::view::once;
+                $(let mut $field = None;)*
+                $($(let mut $strict = None;)+)?
+                $crate::provider::view::members(map, |name, map| {
+                    $(if name == stringify!($field) {
+                        return once(map, &mut $field, stringify!($field));
+                    })*
+                    $($(if name == stringify!($strict) {
+                        return once(map, &mut $strict, stringify!($strict));
+                    })+)?
+                    $($(if name == $refused {
+                        return Err(::serde::de::Error::custom(concat!(
+                            "`", $refused, "` is read from the tree"
+                        )));
+                    })+)?
+                    Ok(false)
+                })?;
+                Ok(Self {
+                    $($field: $field.flatten(),)*
+                    $($($strict: match $strict {
+                        Some(None) => {
+                            return Err(::serde::de::Error::custom(concat!(
+                                "`", stringify!($strict), "` is null"
+                            )))
+                        }
+                        other => other.flatten(),
+                    },)+)?
+                })
+            }
+        }
+    };
+}
+pub(crate) use object_view;

@@ -214,7 +214,7 @@ impl Pipeline {
         while self.broken.is_none() {
             let event = match self.block_event.take() {
                 Some(e) => e,
-                None => match Event::classify(self.queue.pop_front()?) {
+                None => match self.classify_next()? {
                     Ok(e) => e,
                     Err(e) => {
                         self.broken = Some(e.to_string());
@@ -250,6 +250,20 @@ impl Pipeline {
             }
         }
         None
+    }
+
+    /// Reads a block for the adapter: its JSON left as text when the adapter reads the text
+    /// itself and nothing else here reads the event's tree (a splice rewrites it, a channel
+    /// check reads its answer text).
+    fn classify_next(&mut self) -> Option<Result<Event, crate::sse::Unreadable>> {
+        let block = self.queue.pop_front()?;
+        Some(
+            if self.splice.is_none() && self.channel.is_none() && self.adapter.reads_text() {
+                Event::classify_text(block)
+            } else {
+                Event::classify(block)
+            },
+        )
     }
 
     /// Checks the held-back terminal event's text answer: releases the terminal event

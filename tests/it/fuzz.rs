@@ -512,6 +512,123 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(config(256))]
+
+    /// A Chat stream reads a chunk's text through its typed view (`Event::classify_text`,
+    /// what the relay does when nothing else reads the tree) exactly as it reads the chunk's
+    /// tree (`Event::classify`): fed the same mutated stream (any field replaced by any JSON,
+    /// a field the view reads repeated, a key escaped, a member no tree reads, an `error`, a
+    /// `null` where the stream refuses one, a choice twice or a second choice), the two streams forward the same bytes after
+    /// every event, break on the same event (an unreadable one with the message the tree
+    /// reading gives), hold, decide and report the same, and release the same bytes under
+    /// the same verdicts, before and after the decision.
+    #[test]
+    fn a_chat_stream_reads_text_as_it_reads_trees(
+        mutations in proptest::collection::vec(
+            (0usize..9, proptest::option::of((any::<u16>(), json_value())), 0u8..10, json_value()),
+            0..4,
+        ),
+        pattern in any::<u32>(),
+        max in proptest::option::of(0u64..12),
+    ) {
+        let mut events: Vec<String> = template(Api::OpenAiChat, pattern % 5 == 0)
+            .into_iter()
+            .map(|(_, v)| match v {
+                Value::String(s) => s,
+                v => serde_json::to_string(&v).unwrap(),
+            })
+            .collect();
+        for (at, edit, text_edit, v) in mutations {
+            let Some(text) = events.get_mut(at % 9) else { continue };
+            if let Some((node, value)) = edit {
+                if let Ok(mut tree) = serde_json::from_str::<Value>(text) {
+                    mutate_at(&mut tree, node as usize, value);
+                    *text = serde_json::to_string(&tree).unwrap();
+                }
+            }
+            let insert_after = |text: &mut String, needle: &str, what: &str| {
+                if let Some(i) = text.find(needle) {
+                    text.insert_str(i + needle.len(), what);
+                }
+            };
+            match text_edit {
+                // A key the view reads, again, earlier in its object (the tree keeps the later).
+                0 => {
+                    let key = ["\"index\":", "\"arguments\":", "\"finish_reason\":", "\"choices\":"][(pattern % 4) as usize];
+                    if let Some(i) = text.find(key) {
+                        text.insert_str(i, &format!("{key}{v},"));
+                    }
+                }
+                1 => *text = text.replacen("\"index\":", "\"\\u0069ndex\":", 1),
+                2 => insert_after(text, "{", "\"skipped\":1e400,"),
+                3 => insert_after(text, "{", &format!("\"error\":{v},")),
+                4 => *text = text.replacen("\"delta\":{", "\"delta\":null,\"x\":{", 1),
+                5 => insert_after(text, "\"delta\":{", &format!("\"role\":{v},")),
+                // The first choice again, on its own index (refused) or the next one.
+                6 | 7 => {
+                    if let Ok(mut tree) = serde_json::from_str::<Value>(text) {
+                        if let Some(list) = tree.get_mut("choices").and_then(Value::as_array_mut) {
+                            if let Some(mut again) = list.first().cloned() {
+                                if let Some(c) = again.as_object_mut().filter(|_| text_edit == 7) {
+                                    c.insert("index".into(), json!(1));
+                                }
+                                list.push(again);
+                            }
+                        }
+                        *text = serde_json::to_string(&tree).unwrap();
+                    }
+                }
+                _ => {}
+            }
+        }
+        let mut request = base_request(Api::OpenAiChat);
+        if let Some(m) = max {
+            request["max_tokens"] = json!(m);
+        }
+        let turn = turnguard::provider::adapter(Api::OpenAiChat).parse_request(&request).unwrap();
+        let adapter = turnguard::provider::adapter(Api::OpenAiChat);
+        let (mut by_tree, mut by_text) = (adapter.stream(&turn, None), adapter.stream(&turn, None));
+        let mut framer = SseFramer::new(usize::MAX);
+        for text in &events {
+            let block = framer.push(format!("data: {text}\n\n").as_bytes()).unwrap().pop().unwrap();
+            let (mut tree_out, mut text_out) = (Vec::new(), Vec::new());
+            by_text.push(Event::classify_text(block.clone()).unwrap(), &mut text_out);
+            match Event::classify(block) {
+                Ok(event) => by_tree.push(event, &mut tree_out),
+                Err(e) => {
+                    // The relay breaks on an unreadable block; the text reading refuses it.
+                    let why = e.to_string();
+                    prop_assert_eq!(by_text.violation(), Some(why.as_str()), "{}", text);
+                    prop_assert!(text_out.is_empty());
+                    return Ok(());
+                }
+            }
+            prop_assert_eq!(&tree_out, &text_out, "forwarded bytes differ after {}", text);
+            prop_assert_eq!(by_tree.violation(), by_text.violation(), "{}", text);
+            if by_tree.violation().is_some() {
+                return Ok(());
+            }
+            prop_assert_eq!(
+                (by_tree.ready(), by_tree.pending(), by_tree.failed(), by_tree.finished()),
+                (by_text.ready(), by_text.pending(), by_text.failed(), by_text.finished()),
+                "{}", text
+            );
+            prop_assert_eq!(by_tree.completions(), by_text.completions());
+            if by_tree.ready() {
+                let round = by_tree.round();
+                prop_assert_eq!(&round, &by_text.round());
+                let verdicts: Vec<ChoiceVerdict> = round.iter().map(|c| verdict_for(c, pattern)).collect();
+                let (mut tree_out, mut text_out) = (Vec::new(), Vec::new());
+                by_tree.release(&verdicts, &mut tree_out);
+                by_text.release(&verdicts, &mut text_out);
+                prop_assert_eq!(&tree_out, &text_out, "released bytes differ");
+                prop_assert_eq!(by_tree.violation(), by_text.violation());
+            }
+        }
+    }
+}
+
 /// The keys the Chat view reads.
 const VIEW_KEYS: [&str; 12] = [
     "choices",
