@@ -32,7 +32,7 @@ impl DeclaredCounts {
     /// and stores each schema not yet known to be in `tool_schemas`.
     pub(super) fn add(
         &mut self,
-        tx: &rusqlite::Transaction<'_>,
+        tx: &rusqlite::Connection,
         d: &DeclaredToolsRecord,
         known: &mut KnownSchemas,
     ) -> rusqlite::Result<()> {
@@ -74,7 +74,7 @@ impl DeclaredCounts {
     }
 
     /// Adds the batch's counts to `declared_tool_counts`, one upsert per row, in key order.
-    pub(super) fn flush(self, tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
+    pub(super) fn flush(self, tx: &rusqlite::Connection) -> rusqlite::Result<()> {
         for ((name, digest, api), s) in self.0 {
             exec(
                 tx,

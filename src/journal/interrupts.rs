@@ -295,7 +295,7 @@ fn row_of(r: &rusqlite::Row<'_>) -> rusqlite::Result<InterruptRow> {
     })
 }
 
-fn by_id(tx: &rusqlite::Transaction<'_>, id: &str) -> rusqlite::Result<Option<InterruptRow>> {
+fn by_id(tx: &rusqlite::Connection, id: &str) -> rusqlite::Result<Option<InterruptRow>> {
     tx.query_row(
         &format!("SELECT {COLUMNS} FROM interrupts WHERE interrupt_id = ?1"),
         params![id],
@@ -344,7 +344,7 @@ fn guarded<T>(read: rusqlite::Result<T>) -> rusqlite::Result<Answer<T>> {
 }
 
 pub(super) fn apply(
-    tx: &rusqlite::Transaction<'_>,
+    tx: &rusqlite::Connection,
     op: &mut Op,
     replies: &mut Replies,
 ) -> rusqlite::Result<()> {
@@ -410,7 +410,7 @@ pub(super) fn apply(
 }
 
 /// Insert-if-absent on the key, with its `interrupt.requested` event when inserted.
-fn raise(tx: &rusqlite::Transaction<'_>, rec: &InterruptRecord) -> rusqlite::Result<InterruptRow> {
+fn raise(tx: &rusqlite::Connection, rec: &InterruptRecord) -> rusqlite::Result<InterruptRow> {
     let inserted = tx.execute(
         "INSERT INTO interrupts (interrupt_id, key, kind, run_id, node_id, attempt,
             request_id, principal, policy_revision, payload, calls, requested_at_ms,
@@ -452,7 +452,7 @@ fn raise(tx: &rusqlite::Transaction<'_>, rec: &InterruptRecord) -> rusqlite::Res
 }
 
 /// The compare-and-set from `pending`, with its `interrupt.resolved` event when it won.
-fn resolve(tx: &rusqlite::Transaction<'_>, r: &Resolution) -> rusqlite::Result<Resolved> {
+fn resolve(tx: &rusqlite::Connection, r: &Resolution) -> rusqlite::Result<Resolved> {
     let held_by_agent = match &r.by_token {
         Some(fp) => {
             tx.query_row(
@@ -541,7 +541,7 @@ fn resolve(tx: &rusqlite::Transaction<'_>, r: &Resolution) -> rusqlite::Result<R
 
 /// Pending, unexpired interrupts bound to `principal`, oldest first (at most 500).
 fn pending(
-    tx: &rusqlite::Transaction<'_>,
+    tx: &rusqlite::Connection,
     principal: &str,
     now_ms: i64,
 ) -> rusqlite::Result<Vec<InterruptRow>> {

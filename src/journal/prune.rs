@@ -42,7 +42,7 @@ fn first_kept_sql(table: &str) -> String {
 /// Deletes what is older than `t` (ms since the epoch) from every table that ages out; see
 /// the module docs.
 pub(super) fn prune(
-    tx: &rusqlite::Transaction<'_>,
+    tx: &rusqlite::Connection,
     t: i64,
     known: &mut KnownSchemas,
 ) -> rusqlite::Result<()> {
