@@ -1272,7 +1272,7 @@ impl ProviderStream for ChatStream {
         self.failed
     }
 
-    /// Chunks are read from their text through a typed view ([`Chunk::of_text`]).
+    /// Chunks are read from their text through a typed view (`provider::chat_chunk`).
     fn reads_text(&self) -> bool {
         true
     }
@@ -1296,7 +1296,9 @@ impl ProviderStream for ChatStream {
     /// choice that streams both `tool_calls` entries and a legacy `function_call` (the SDKs
     /// keep them apart, so no one call carries what the two would be read as), a second
     /// `finish_reason` for a choice, a usage that reports more tokens after the decision than
-    /// the decision read, or an event after `[DONE]`.
+    /// the decision read, an event after `[DONE]`, or ([`Payload::Text`]) a text that is not
+    /// a JSON object serde_json reads. A text is read through the typed view of
+    /// `provider::chat_chunk`, or through its tree where the view does not answer.
     fn push(&mut self, event: Event, out: &mut Vec<Bytes>) {
         if self.violation.is_some() {
             return;
