@@ -87,6 +87,51 @@ impl DeclaredTool {
             fingerprint: None,
         }
     }
+
+    /// A tool with JSON arguments whose schema, when it declares one, is read from the
+    /// request's tree through `schemas` (a tree the process already holds for an equal
+    /// schema, or a copy).
+    pub fn declared(
+        name: impl Into<String>,
+        schema: Option<&Value>,
+        schemas: &dyn DeclaredSchemas,
+    ) -> Self {
+        let (schema, fingerprint) = match schema {
+            Some(s) => {
+                let (tree, fingerprint) = schemas.share(s);
+                (Some(tree), fingerprint)
+            }
+            None => (None, None),
+        };
+        Self {
+            name: name.into(),
+            schema,
+            freeform: None,
+            fingerprint,
+        }
+    }
+}
+
+/// Where the schemas a request declares are kept once it is parsed. An agent declares the
+/// same tools on every request, so the process keeps one tree per schema it has seen
+/// ([`crate::admission::arguments::SchemaCache`]) and each request shares it, instead of
+/// copying the schema out of its own body every time (issue 13: the copy was 17 of a chat
+/// turn's ~300 allocations, and it grows with the declared tools).
+pub trait DeclaredSchemas {
+    /// A tree equal to `schema`, shared, and its fingerprint in this process's schema cache
+    /// when it has one (`None`: the size check computes it). Never a tree that differs from
+    /// `schema`: a kept tree is compared with it before it is shared.
+    fn share(&self, schema: &Value) -> (std::sync::Arc<Value>, Option<u64>);
+}
+
+/// Each schema copied out of the request, with no fingerprint: for a request read outside
+/// the proxy (the policy tools, tests).
+pub struct CopiedSchemas;
+
+impl DeclaredSchemas for CopiedSchemas {
+    fn share(&self, schema: &Value) -> (std::sync::Arc<Value>, Option<u64>) {
+        (std::sync::Arc::new(schema.clone()), None)
+    }
 }
 
 /// The identity of a tool declared inside a namespace (Responses `type: "namespace"`): a call

@@ -176,18 +176,55 @@ pub struct SchemaCache {
     limits: SchemaLimits,
     hasher: std::hash::RandomState,
     lru: Mutex<Lru>,
-    /// Fingerprints of schemas that passed [`SchemaCache::check_size`], compiled or not (a
-    /// declared tool no call names is never compiled): the next request declaring the same
-    /// schema is neither serialized (RFC 8785) nor compared with a cached tree; an agent
-    /// declares every tool on every request, and only the called ones are compiled.
-    sized: Mutex<hashlink::LruCache<u64, ()>>,
+    /// Schemas that passed [`SchemaCache::check_size`], compiled or not (a declared tool no
+    /// call names is never compiled), by fingerprint, each with the tree requests share
+    /// ([`crate::model::DeclaredSchemas::share`]): the next request declaring the same schema neither
+    /// copies it out of its body nor serializes it (RFC 8785); an agent declares every tool
+    /// on every request, and only the called ones are compiled.
+    sized: Mutex<Sized>,
     bytes: prometheus_client::metrics::gauge::Gauge,
     evictions: prometheus_client::metrics::counter::Counter,
 }
 
 /// Fingerprints [`SchemaCache`] remembers as within the size cap (8 bytes each and the LRU's
-/// links: ~200 KiB when full).
+/// links: ~200 KiB when full, besides the trees).
 const SIZED_FINGERPRINTS: usize = 4096;
+
+/// Estimated memory of the declared schema trees [`SchemaCache`] keeps to share, bytes
+/// ([`SCHEMA_TREE_BYTES_PER_JSON_BYTE`] × each one's RFC 8785 size). One tree over an eighth
+/// of it is remembered by fingerprint only, and each request copies it as before.
+pub const SHARED_TREE_BYTES: usize = 4 << 20;
+
+/// The schemas that passed the size check: oldest use first, each with its tree and that
+/// tree's estimated bytes, or `None` when it is remembered by fingerprint only.
+#[derive(Default)]
+struct Sized {
+    map: hashlink::LinkedHashMap<u64, Option<(Arc<Value>, usize)>>,
+    /// Estimated memory of the trees in `map`, bytes.
+    tree_bytes: usize,
+}
+
+impl Sized {
+    /// Remembers `key` as within the size cap, with `tree` to share when it fits the budget;
+    /// the least recently used go first past [`SIZED_FINGERPRINTS`] or [`SHARED_TREE_BYTES`].
+    fn remember(&mut self, key: u64, tree: Option<&Arc<Value>>, json_len: usize) {
+        let cost = json_len.saturating_mul(SCHEMA_TREE_BYTES_PER_JSON_BYTE);
+        let kept = tree
+            .filter(|_| cost <= SHARED_TREE_BYTES / 8)
+            .map(|t| (Arc::clone(t), cost));
+        self.tree_bytes += kept.as_ref().map_or(0, |(_, c)| *c);
+        // A different schema under the same key (a hash collision) is replaced.
+        if let Some(Some((_, old))) = self.map.insert(key, kept) {
+            self.tree_bytes -= old;
+        }
+        while self.map.len() > SIZED_FINGERPRINTS || self.tree_bytes > SHARED_TREE_BYTES {
+            let Some((_, old)) = self.map.pop_front() else {
+                break;
+            };
+            self.tree_bytes -= old.map_or(0, |(_, c)| c);
+        }
+    }
+}
 
 /// A cached schema: its tree, its validator, its estimated memory in bytes.
 struct Entry {
@@ -225,7 +262,7 @@ impl SchemaCache {
             limits,
             hasher: std::hash::RandomState::new(),
             lru: Mutex::new(Lru::default()),
-            sized: Mutex::new(hashlink::LruCache::new(SIZED_FINGERPRINTS)),
+            sized: Mutex::new(Sized::default()),
             bytes,
             evictions,
         }
@@ -247,25 +284,54 @@ impl SchemaCache {
 
     /// `Err((bytes, limit))` when `schema` is larger than `max_schema_bytes` (its RFC 8785
     /// JSON): turnguard refuses to compile it; `Ok(fingerprint)` otherwise (the journal's
-    /// writer keys the schema's digest by it). A cached schema passed when it was compiled;
-    /// one whose fingerprint passed before is taken as passing again (a collision needs the
-    /// process's hash key, and [`SchemaCache::get`] checks the size again before it compiles,
-    /// so the compiled-memory bound never rests on the fingerprint).
+    /// writer keys the schema's digest by it). A schema that passed before (the same tree, or
+    /// one remembered by fingerprint only) passes again without being serialized (a collision
+    /// needs the process's hash key, and [`SchemaCache::get`] checks the size again before it
+    /// compiles, so the compiled-memory bound never rests on the fingerprint).
     pub fn check_size(&self, schema: &Value) -> Result<u64, (usize, usize)> {
-        let key = self.key(schema);
-        if let Ok(mut sized) = self.sized.lock() {
-            if sized.get(&key).is_some() {
-                return Ok(key);
-            }
+        self.check(schema, None, None)
+    }
+
+    /// [`SchemaCache::check_size`] of a declared tool's schema, with the fingerprint
+    /// [`crate::model::DeclaredSchemas::share`] gave it (`None`: computed). The tree that passes is kept for
+    /// the next request declaring it to share.
+    pub fn check_declared(
+        &self,
+        schema: &Arc<Value>,
+        fingerprint: Option<u64>,
+    ) -> Result<u64, (usize, usize)> {
+        self.check(schema, Some(schema), fingerprint)
+    }
+
+    fn check(
+        &self,
+        schema: &Value,
+        shared: Option<&Arc<Value>>,
+        fingerprint: Option<u64>,
+    ) -> Result<u64, (usize, usize)> {
+        let key = fingerprint.unwrap_or_else(|| self.key(schema));
+        let known = self
+            .sized
+            .lock()
+            .ok()
+            .and_then(|mut sized| sized.map.to_back(&key).map(|e| e.clone()));
+        match known {
+            // Remembered by fingerprint only, or the very tree that passed.
+            Some(None) => return Ok(key),
+            Some(Some((tree, _))) => match shared {
+                None => return Ok(key),
+                Some(s) if Arc::ptr_eq(s, &tree) || *tree == *schema => return Ok(key),
+                // Another tree under this fingerprint: sized, and kept, in its place.
+                Some(_) => {}
+            },
+            None => {}
         }
-        if self.cached(key, schema).is_none() {
-            let n = canonical(schema).len();
-            if n > self.limits.max_schema_bytes {
-                return Err((n, self.limits.max_schema_bytes));
-            }
+        let n = canonical(schema).len();
+        if n > self.limits.max_schema_bytes {
+            return Err((n, self.limits.max_schema_bytes));
         }
         if let Ok(mut sized) = self.sized.lock() {
-            sized.insert(key, ());
+            sized.remember(key, shared, n);
         }
         Ok(key)
     }
@@ -364,6 +430,24 @@ impl SchemaCache {
     /// Estimated memory held, bytes.
     pub fn bytes(&self) -> usize {
         self.lru.lock().map(|m| m.bytes).unwrap_or(0)
+    }
+}
+
+/// A request's declared schemas are shared with the trees of [`SchemaCache::check_declared`]:
+/// a kept tree equal to the request's is handed out (compared first, so a fingerprint
+/// collision copies instead); any other schema is copied out of the request.
+impl crate::model::DeclaredSchemas for SchemaCache {
+    fn share(&self, schema: &Value) -> (Arc<Value>, Option<u64>) {
+        let key = self.key(schema);
+        let kept = self
+            .sized
+            .lock()
+            .ok()
+            .and_then(|sized| sized.map.get(&key).cloned().flatten());
+        match kept {
+            Some((tree, _)) if *tree == *schema => (tree, Some(key)),
+            _ => (Arc::new(schema.clone()), Some(key)),
+        }
     }
 }
 
@@ -654,13 +738,72 @@ mod cache_tests {
         // cache's key; a larger one is still refused, every time.
         let small = schema(10, 7);
         assert_eq!(cache.check_size(&small), Ok(cache.key(&small)));
-        assert!(cache.sized.lock().unwrap().contains_key(&cache.key(&small)));
+        assert!(cache
+            .sized
+            .lock()
+            .unwrap()
+            .map
+            .contains_key(&cache.key(&small)));
         assert_eq!(cache.check_size(&small), Ok(cache.key(&small)));
         assert!(cache.check_size(&too_big).is_err());
         assert!(!cache
             .sized
             .lock()
             .unwrap()
+            .map
             .contains_key(&cache.key(&too_big)));
+    }
+
+    /// A declared schema that passed the size check is shared with the next request that
+    /// declares an equal one (the same tree, not a copy, with its fingerprint); a different
+    /// schema under the same fingerprint (a collision) gets a copy of its own, and its size
+    /// is checked; a tree over the sharing budget is remembered by fingerprint only.
+    #[test]
+    fn declared_schemas_are_shared_only_when_equal() {
+        use crate::model::DeclaredSchemas as _;
+        let cache = SchemaCache::new(
+            SchemaLimits {
+                max_schema_bytes: 1 << 20,
+                budget_bytes: 1 << 20,
+            },
+            Default::default(),
+            Default::default(),
+        );
+        let first = schema(3, 1);
+        // Nothing kept yet: a copy.
+        let (copy, key) = cache.share(&first);
+        assert_eq!((*copy == first, key), (true, Some(cache.key(&first))));
+        assert_eq!(cache.check_declared(&copy, key), Ok(cache.key(&first)));
+        // Kept: the next request's equal schema is that very tree.
+        let (shared, key2) = cache.share(&first.clone());
+        assert!(Arc::ptr_eq(&shared, &copy));
+        assert_eq!(key2, key);
+        assert_eq!(cache.check_declared(&shared, key2), Ok(cache.key(&first)));
+
+        // A collision: another tree kept under `first`'s fingerprint is never handed out
+        // for `first`; `first` gets a copy, passes its own size check and takes the place.
+        let other = Arc::new(schema(3, 2));
+        cache
+            .sized
+            .lock()
+            .unwrap()
+            .remember(cache.key(&first), Some(&other), 10);
+        let (copy2, key3) = cache.share(&first);
+        assert!(!Arc::ptr_eq(&copy2, &other));
+        assert_eq!(*copy2, first);
+        assert_eq!(cache.check_declared(&copy2, key3), Ok(cache.key(&first)));
+        let (again, _) = cache.share(&first);
+        assert!(Arc::ptr_eq(&again, &copy2));
+
+        // Over an eighth of the budget: remembered as sized, never kept to share.
+        let big = Arc::new(schema(9000, 3));
+        let big_key = cache.check_declared(&big, None).unwrap();
+        assert!(matches!(
+            cache.sized.lock().unwrap().map.get(&big_key),
+            Some(None)
+        ));
+        let (big_copy, _) = cache.share(&big);
+        assert!(!Arc::ptr_eq(&big_copy, &big));
+        assert!(cache.sized.lock().unwrap().tree_bytes <= SHARED_TREE_BYTES);
     }
 }

@@ -16,8 +16,9 @@ use serde_json::{json, Map, Value};
 
 use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
-    AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool,
-    RepairItem, ResponseLink, ToolCall, ToolResultSeen, Turn, UntrustedKind,
+    AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState,
+    DeclaredSchemas, DeclaredTool, RepairItem, ResponseLink, ToolCall, ToolResultSeen, Turn,
+    UntrustedKind,
 };
 use crate::sse::{self, Event, Payload};
 
@@ -26,8 +27,12 @@ use crate::sse::{self, Event, Payload};
 pub struct AnthropicMessages;
 
 impl Provider for AnthropicMessages {
-    fn parse_request(&self, body: &Value) -> Result<Turn, String> {
-        parse_request(body)
+    fn parse_request_with(
+        &self,
+        body: &Value,
+        schemas: &dyn DeclaredSchemas,
+    ) -> Result<Turn, String> {
+        parse_request(body, schemas)
     }
 
     fn parse_response(
@@ -126,7 +131,7 @@ const CLIENT_TOOL_PREFIXES: [&str; 4] = ["bash_", "text_editor_", "computer_", "
 /// Reads a Messages request body.
 ///
 /// Errors: a human-readable reason naming the offending field.
-pub fn parse_request(body: &Value) -> Result<Turn, String> {
+pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn, String> {
     let obj = body.as_object().ok_or("the body must be a JSON object")?;
     let messages = obj
         .get("messages")
@@ -168,12 +173,8 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
                 .get("name")
                 .and_then(Value::as_str)
                 .ok_or_else(|| format!("`tools[{i}].name` must be a string"))?;
-            turn.tools.push(DeclaredTool {
-                freeform: None,
-                name: name.to_owned(),
-                schema: t.get("input_schema").cloned().map(std::sync::Arc::new),
-                fingerprint: None,
-            });
+            turn.tools
+                .push(DeclaredTool::declared(name, t.get("input_schema"), schemas));
         }
     }
     // §F: MCP servers the provider calls itself, in this very turn: their output is untrusted

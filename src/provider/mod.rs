@@ -79,10 +79,22 @@ pub fn block(turn: &Turn) -> Box<dyn ProviderStream> {
 /// bodies into the neutral model and back, and its stream state machine. Wire facts are from
 /// `shared/reference/wire-formats.md` (each module names its section).
 pub trait Provider: Sync {
-    /// Reads a request body into a [`Turn`].
+    /// Reads a request body into a [`Turn`], each declared schema copied out of `body`.
     ///
     /// Errors: a reason naming the field that is not what the API expects.
-    fn parse_request(&self, body: &Value) -> Result<Turn, String>;
+    fn parse_request(&self, body: &Value) -> Result<Turn, String> {
+        self.parse_request_with(body, &crate::model::CopiedSchemas)
+    }
+
+    /// [`Provider::parse_request`], each declared schema taken through `schemas` (the proxy
+    /// passes its schema cache, which shares the tree it keeps for an equal schema).
+    ///
+    /// Errors: as [`Provider::parse_request`].
+    fn parse_request_with(
+        &self,
+        body: &Value,
+        schemas: &dyn crate::model::DeclaredSchemas,
+    ) -> Result<Turn, String>;
 
     /// Reads a non-stream response body into one [`ChoiceEmissions`] per choice.
     ///

@@ -18,8 +18,9 @@ use super::chat_chunk::{Chunk, DeltaChoice, FunctionDelta};
 use super::view::{members, object_view, once, Obj, ObjectView, Str};
 use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
-    AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState, DeclaredTool,
-    RepairItem, ResponseLink, ToolCall, ToolResultSeen, Turn, UntrustedKind,
+    AnswerContext, Api, ChoiceEmissions, ChoiceVerdict, Completion, CompletionState,
+    DeclaredSchemas, DeclaredTool, RepairItem, ResponseLink, ToolCall, ToolResultSeen, Turn,
+    UntrustedKind,
 };
 use crate::sse::{self, Event, Payload};
 use serde::de::MapAccess;
@@ -29,8 +30,12 @@ use serde::de::MapAccess;
 pub struct OpenAiChat;
 
 impl Provider for OpenAiChat {
-    fn parse_request(&self, body: &Value) -> Result<Turn, String> {
-        parse_request(body)
+    fn parse_request_with(
+        &self,
+        body: &Value,
+        schemas: &dyn DeclaredSchemas,
+    ) -> Result<Turn, String> {
+        parse_request(body, schemas)
     }
 
     fn parse_response(
@@ -162,13 +167,13 @@ impl SpliceState for ChatSplice {
 /// Reads a Chat Completions request body.
 ///
 /// Errors: a human-readable reason naming the offending field.
-pub fn parse_request(body: &Value) -> Result<Turn, String> {
+pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn, String> {
     let obj = body.as_object().ok_or("the body must be a JSON object")?;
     let messages = obj
         .get("messages")
         .and_then(Value::as_array)
         .ok_or("`messages` must be an array")?;
-    let (tools, unknown_tools) = declared_tools(obj)?;
+    let (tools, unknown_tools) = declared_tools(obj, schemas)?;
     let mut turn = Turn {
         item_references: Vec::new(),
         api: Api::OpenAiChat,
@@ -278,6 +283,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
 /// Errors: `tools` not an array, or a function tool without `function` or `function.name`.
 fn declared_tools(
     obj: &serde_json::Map<String, Value>,
+    schemas: &dyn DeclaredSchemas,
 ) -> Result<(Vec<DeclaredTool>, Vec<usize>), String> {
     let mut tools = Vec::new();
     let mut unknown_tools = Vec::new();
@@ -301,23 +307,13 @@ fn declared_tools(
                 .get("name")
                 .and_then(Value::as_str)
                 .ok_or_else(|| format!("`tools[{i}].function.name` must be a string"))?;
-            tools.push(DeclaredTool {
-                freeform: None,
-                name: name.to_owned(),
-                schema: f.get("parameters").cloned().map(std::sync::Arc::new),
-                fingerprint: None,
-            });
+            tools.push(DeclaredTool::declared(name, f.get("parameters"), schemas));
         }
     }
     if let Some(list) = obj.get("functions").and_then(Value::as_array) {
         for f in list {
             if let Some(name) = f.get("name").and_then(Value::as_str) {
-                tools.push(DeclaredTool {
-                    freeform: None,
-                    name: name.to_owned(),
-                    schema: f.get("parameters").cloned().map(std::sync::Arc::new),
-                    fingerprint: None,
-                });
+                tools.push(DeclaredTool::declared(name, f.get("parameters"), schemas));
             }
         }
     }
@@ -1718,7 +1714,11 @@ mod tests {
 
     /// A stream that read `chunks` (each one `data:` event) and holds a decided round.
     fn holding(chunks: &[Value]) -> ChatStream {
-        let turn = parse_request(&json!({"model": "m", "stream": true, "messages": []})).unwrap();
+        let turn = parse_request(
+            &json!({"model": "m", "stream": true, "messages": []}),
+            &crate::model::CopiedSchemas,
+        )
+        .unwrap();
         let mut stream = ChatStream::new(&turn);
         let mut framer = crate::sse::SseFramer::new(1 << 20);
         let mut forwarded = Vec::new();

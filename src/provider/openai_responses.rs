@@ -65,8 +65,8 @@ use sha2::{Digest, Sha256};
 use super::{CallNames, Provider, ProviderStream, Splice, SpliceState};
 use crate::model::{
     qualified_name, AnswerContext, Api, CallInput, ChoiceEmissions, ChoiceVerdict, Completion,
-    CompletionState, DeclaredTool, FreeformFormat, RepairItem, ResponseLink, ToolCall,
-    ToolResultSeen, Turn, UntrustedKind,
+    CompletionState, DeclaredSchemas, DeclaredTool, FreeformFormat, RepairItem, ResponseLink,
+    ToolCall, ToolResultSeen, Turn, UntrustedKind,
 };
 use crate::sse::{self, Event, Payload};
 
@@ -75,8 +75,12 @@ use crate::sse::{self, Event, Payload};
 pub struct OpenAiResponses;
 
 impl Provider for OpenAiResponses {
-    fn parse_request(&self, body: &Value) -> Result<Turn, String> {
-        parse_request(body)
+    fn parse_request_with(
+        &self,
+        body: &Value,
+        schemas: &dyn DeclaredSchemas,
+    ) -> Result<Turn, String> {
+        parse_request(body, schemas)
     }
 
     fn parse_response(
@@ -226,7 +230,7 @@ const MAX_ITEM_ID: usize = 256;
 /// Reads a Responses request body.
 ///
 /// Errors: a human-readable reason naming the offending field.
-pub fn parse_request(body: &Value) -> Result<Turn, String> {
+pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn, String> {
     let obj = body.as_object().ok_or("the body must be a JSON object")?;
     let items: &[Value] = match obj.get("input") {
         None | Some(Value::Null) | Some(Value::String(_)) => &[],
@@ -260,7 +264,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
     };
     if let Some(list) = obj.get("tools").filter(|v| !v.is_null()) {
         let list = list.as_array().ok_or("`tools` must be an array")?;
-        declare_tools(&mut turn, list, None, "tools")?;
+        declare_tools(&mut turn, list, None, "tools", schemas)?;
     }
     // The provider holds the turns before `previous_response_id`, which this request does not
     // show: the trust stage judges them from turnguard's journal of that response chain
@@ -291,7 +295,7 @@ pub fn parse_request(body: &Value) -> Result<Turn, String> {
             turn.round_index = turn.round_index.saturating_add(1);
         }
         in_model_turn = from_model;
-        read_item(&mut turn, &mut calls, i, item, ty)?;
+        read_item(&mut turn, &mut calls, i, item, ty, schemas)?;
     }
     Ok(turn)
 }
@@ -308,6 +312,7 @@ fn read_item(
     i: usize,
     item: &Value,
     ty: &str,
+    schemas: &dyn DeclaredSchemas,
 ) -> Result<(), String> {
     let at = || format!("input[{i}]");
     match ty {
@@ -332,7 +337,7 @@ fn read_item(
                 .get("tools")
                 .and_then(Value::as_array)
                 .ok_or_else(|| format!("`input[{i}].tools` must be an array"))?;
-            declare_tools(turn, list, None, &format!("input[{i}].tools"))?;
+            declare_tools(turn, list, None, &format!("input[{i}].tools"), schemas)?;
         }
         // The result of a tool search the agent ran: the tools it loaded, which the
         // agent (host) supplies; declared like `tools`.
@@ -353,7 +358,7 @@ fn read_item(
                 .get("tools")
                 .and_then(Value::as_array)
                 .ok_or_else(|| format!("`input[{i}].tools` must be an array"))?;
-            declare_tools(turn, list, None, &format!("input[{i}].tools"))?;
+            declare_tools(turn, list, None, &format!("input[{i}].tools"), schemas)?;
         }
         _ if item_kind(item) == Kind::Call => {
             let name = call_name(item);
@@ -436,14 +441,16 @@ fn declare_tools(
     list: &[Value],
     namespace: Option<&str>,
     at: &str,
+    schemas: &dyn DeclaredSchemas,
 ) -> Result<(), String> {
     for (i, t) in list.iter().enumerate() {
         let ty = str_of(t, "type").unwrap_or_default();
         let name = || str_of(t, "name").ok_or_else(|| format!("`{at}[{i}].name` must be a string"));
         match ty {
-            "function" => turn.declare(DeclaredTool::json(
+            "function" => turn.declare(DeclaredTool::declared(
                 qualified_name(namespace, name()?),
-                t.get("parameters").filter(|p| !p.is_null()).cloned(),
+                t.get("parameters").filter(|p| !p.is_null()),
+                schemas,
             )),
             "custom" => turn.declare(DeclaredTool {
                 name: qualified_name(namespace, name()?),
@@ -457,7 +464,7 @@ fn declare_tools(
                     .get("tools")
                     .and_then(Value::as_array)
                     .ok_or_else(|| format!("`{at}[{i}].tools` must be an array"))?;
-                declare_tools(turn, nested, Some(ns), &format!("{at}[{i}].tools"))?;
+                declare_tools(turn, nested, Some(ns), &format!("{at}[{i}].tools"), schemas)?;
             }
             "namespace" => {
                 return Err(format!(
@@ -465,9 +472,10 @@ fn declare_tools(
                 ))
             }
             "tool_search" if str_of(t, "execution") == Some("client") => {
-                turn.declare(DeclaredTool::json(
+                turn.declare(DeclaredTool::declared(
                     qualified_name(namespace, "tool_search"),
-                    t.get("parameters").filter(|p| !p.is_null()).cloned(),
+                    t.get("parameters").filter(|p| !p.is_null()),
+                    schemas,
                 ))
             }
             _ => {
@@ -2056,7 +2064,7 @@ mod tests {
                 {"type": "custom_tool_call_output", "call_id": "call_9", "output": [{"type": "input_text", "text": "x"}]}
             ]
         });
-        let t = parse_request(&body).unwrap();
+        let t = parse_request(&body, &crate::model::CopiedSchemas).unwrap();
         assert_eq!(t.api, Api::OpenAiResponses);
         assert_eq!(t.tools.len(), 1);
         assert_eq!(t.tools[0].name, "get_capital");
@@ -2090,14 +2098,25 @@ mod tests {
                 ("call_9", None, "[{\"type\":\"input_text\",\"text\":\"x\"}]")
             ]
         );
-        let plain = parse_request(&json!({"model": "m", "input": "hi"})).unwrap();
+        let plain = parse_request(
+            &json!({"model": "m", "input": "hi"}),
+            &crate::model::CopiedSchemas,
+        )
+        .unwrap();
         assert_eq!((plain.round_index, plain.tool_results.len()), (0, 0));
         // A stored chain is judged by the trust stage from the journal, not here; a
         // conversation's history is never journaled, so it is provider-held and untrusted.
-        let chained = parse_request(&json!({"input": "hi", "previous_response_id": "resp_1"}));
+        let chained = parse_request(
+            &json!({"input": "hi", "previous_response_id": "resp_1"}),
+            &crate::model::CopiedSchemas,
+        );
         assert!(chained.unwrap().untrusted_inputs.is_empty());
         for conversation in [json!("conv_1"), json!({"id": "conv_1"})] {
-            let t = parse_request(&json!({"input": "hi", "conversation": conversation})).unwrap();
+            let t = parse_request(
+                &json!({"input": "hi", "conversation": conversation}),
+                &crate::model::CopiedSchemas,
+            )
+            .unwrap();
             assert!(!t.untrusted_inputs.is_empty());
         }
     }
@@ -2120,7 +2139,7 @@ mod tests {
                 {"role": "user", "content": "go"}
             ]
         });
-        let t = parse_request(&body).unwrap();
+        let t = parse_request(&body, &crate::model::CopiedSchemas).unwrap();
         let tools: Vec<(&str, Option<&FreeformFormat>)> = t
             .tools
             .iter()
@@ -2142,7 +2161,7 @@ mod tests {
         let nested = json!({"input": [{"type": "additional_tools", "tools": [
             {"type": "namespace", "name": "a", "tools": [{"type": "namespace", "name": "b", "tools": []}]}
         ]}]});
-        assert!(parse_request(&nested).is_err());
+        assert!(parse_request(&nested, &crate::model::CopiedSchemas).is_err());
         assert_eq!(
             freeform_format(Some(&json!({"type": "grammar", "syntax": "ebnf"}))),
             FreeformFormat::Unknown("grammar/ebnf".into())
@@ -2160,7 +2179,7 @@ mod tests {
                 {"type": "custom_tool_call", "id": "ctc_1", "call_id": "call_2", "name": "sql", "input": "SELECT 1"}
             ]
         });
-        let turn = parse_request(&json!({"input": "x"})).unwrap();
+        let turn = parse_request(&json!({"input": "x"}), &crate::model::CopiedSchemas).unwrap();
         let round = parse_response(&body, &turn.answer_context()).unwrap();
         let calls: Vec<(&str, &str, &str)> = round[0]
             .calls

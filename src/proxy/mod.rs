@@ -144,7 +144,7 @@ async fn turn(
     let raw = read_request(state, &parts, body).await?;
     let json = parse_json(&raw)?;
     let mut turn = provider::adapter(api)
-        .parse_request(&json)
+        .parse_request_with(&json, &*state.schemas)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
     check_schema_sizes(state, &mut turn)?;
     refuse_provider_delegation(ctx, &turn)?;
@@ -406,7 +406,7 @@ fn check_schema_sizes(state: &AppState, turn: &mut Turn) -> Result<(), WireError
         let Some(schema) = &tool.schema else { continue };
         let fingerprint = state
             .schemas
-            .check_size(schema)
+            .check_declared(schema, tool.fingerprint)
             .map_err(|(bytes, limit_bytes)| WireError::SchemaTooLarge {
                 what: format!(
                     "declared schema of tool `{}`",

@@ -1222,6 +1222,45 @@ async fn a_remembered_size_pass_never_admits_a_larger_schema() {
     h.stop().await;
 }
 
+/// A declared schema the process already holds is shared with the next request that declares
+/// an equal one, never with one that differs: the same tool declared alternately with a schema
+/// its call meets and with one that requires a field the call lacks is released, withheld,
+/// released, withheld (each request is checked against its own declaration).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shared_schema_is_always_the_requests_own() {
+    let h = support::start(Script::default()).await;
+    let answer = json!({"id": "chatcmpl-s", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null,
+            "tool_calls": [{"id": "call_s", "type": "function", "function": {"name": "lookup", "arguments": "{\"city\":\"Paris\"}"}}]}}]});
+    h.script(&json!({"responses": [{"json": answer}], "repeat": true}))
+        .await;
+    let request = |strict: bool| {
+        let mut schema = json!({"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}}});
+        if strict {
+            schema["required"] = json!(["country"]);
+        }
+        json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "lookup", "parameters": schema}}]})
+    };
+    for (strict, released) in [
+        (false, true),
+        (true, false),
+        (false, true),
+        (true, false),
+        (false, true),
+    ] {
+        let (status, resp) = post_json(&chat_url(&h), &request(strict), &[]).await;
+        let text = String::from_utf8_lossy(&resp);
+        let v: Value = serde_json::from_slice(&resp).unwrap_or(Value::Null);
+        let calls = v
+            .pointer("/choices/0/message/tool_calls")
+            .and_then(Value::as_array);
+        let out = status == 200 && calls.is_some_and(|c| c.iter().any(|c| c["id"] == "call_s"));
+        assert_eq!(out, released, "required country: {strict}; {status} {text}");
+    }
+    h.stop().await;
+}
+
 /// Distinct large schemas do not grow the compiled-schema cache past its byte budget: least
 /// recently used ones are evicted.
 #[tokio::test(flavor = "multi_thread")]
