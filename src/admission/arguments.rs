@@ -269,10 +269,15 @@ impl SchemaCache {
     }
 
     /// The schema's fingerprint in this process: SipHash-1-3 of the tree under a key drawn at
-    /// start ([`std::hash::RandomState`]), so nobody outside can aim at a collision.
+    /// start ([`std::hash::RandomState`]), so nobody outside can aim at a collision. Equal
+    /// trees have equal fingerprints whatever their members' order (the trees' equality
+    /// ignores it): an object's members are hashed each under the key and summed, which
+    /// needs no sorted copy of its keys (`Value`'s own `Hash` sorts one for every object).
     fn key(&self, schema: &Value) -> u64 {
-        use std::hash::BuildHasher;
-        self.hasher.hash_one(schema)
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = self.hasher.build_hasher();
+        fingerprint(&self.hasher, schema, &mut h);
+        h.finish()
     }
 
     /// The cached validator of `schema` (now the most recently used), if it is cached.
@@ -430,6 +435,46 @@ impl SchemaCache {
     /// Estimated memory held, bytes.
     pub fn bytes(&self) -> usize {
         self.lru.lock().map(|m| m.bytes).unwrap_or(0)
+    }
+}
+
+/// Feeds `v` to `h` for [`SchemaCache::key`]: a tag per kind, then the value (an array's
+/// items in order; an object's members as the wrapping sum of each member's own hash under
+/// `keys`, so member order does not count).
+fn fingerprint(keys: &std::hash::RandomState, v: &Value, h: &mut impl std::hash::Hasher) {
+    use std::hash::{BuildHasher, Hash, Hasher};
+    match v {
+        Value::Null => h.write_u8(0),
+        Value::Bool(b) => {
+            h.write_u8(1);
+            b.hash(h);
+        }
+        Value::Number(n) => {
+            h.write_u8(2);
+            n.hash(h);
+        }
+        Value::String(s) => {
+            h.write_u8(3);
+            s.hash(h);
+        }
+        Value::Array(items) => {
+            h.write_u8(4);
+            h.write_usize(items.len());
+            for item in items {
+                fingerprint(keys, item, h);
+            }
+        }
+        Value::Object(members) => {
+            h.write_u8(5);
+            h.write_usize(members.len());
+            let sum = members.iter().fold(0u64, |sum, (k, v)| {
+                let mut member = keys.build_hasher();
+                k.hash(&mut member);
+                fingerprint(keys, v, &mut member);
+                sum.wrapping_add(member.finish())
+            });
+            h.write_u64(sum);
+        }
     }
 }
 
@@ -752,6 +797,34 @@ mod cache_tests {
             .unwrap()
             .map
             .contains_key(&cache.key(&too_big)));
+    }
+
+    /// Equal trees have one fingerprint whatever their members' order; a changed value, a
+    /// moved member or a reordered array has another.
+    #[test]
+    fn fingerprints_follow_tree_equality() {
+        let cache = SchemaCache::default();
+        let a: Value = serde_json::from_str(
+            r#"{"type":"object","properties":{"a":{"type":"string"},"b":{"enum":[1,2]}},"required":["a"]}"#,
+        )
+        .unwrap();
+        let reordered: Value = serde_json::from_str(
+            r#"{"required":["a"],"properties":{"b":{"enum":[1,2]},"a":{"type":"string"}},"type":"object"}"#,
+        )
+        .unwrap();
+        assert_eq!(a, reordered);
+        assert_eq!(cache.key(&a), cache.key(&reordered));
+        for other in [
+            r#"{"type":"object","properties":{"a":{"type":"string"},"b":{"enum":[2,1]}},"required":["a"]}"#,
+            r#"{"type":"object","properties":{"a":{"type":"string"},"b":{"enum":[1,2.0]}},"required":["a"]}"#,
+            r#"{"type":"object","properties":{"a":{"type":"string"}},"b":{"enum":[1,2]},"required":["a"]}"#,
+            r#"{"type":"object","properties":{"a":{"type":"string"},"b":{"enum":[1,2]}},"required":"a"}"#,
+            r#"{"type":"object","properties":{"b":{"type":"string"},"a":{"enum":[1,2]}},"required":["a"]}"#,
+        ] {
+            let other: Value = serde_json::from_str(other).unwrap();
+            assert_ne!(a, other);
+            assert_ne!(cache.key(&a), cache.key(&other), "{other}");
+        }
     }
 
     /// A declared schema that passed the size check is shared with the next request that
