@@ -178,10 +178,10 @@ pub struct SchemaCache {
     lru: Mutex<Lru>,
     /// Schemas that passed [`SchemaCache::check_size`], compiled or not (a declared tool no
     /// call names is never compiled), by fingerprint, each with the tree requests share
-    /// ([`crate::model::DeclaredSchemas::share`]): the next request declaring the same schema neither
-    /// copies it out of its body nor serializes it (RFC 8785); an agent declares every tool
-    /// on every request, and only the called ones are compiled.
-    sized: Mutex<Sized>,
+    /// ([`crate::model::DeclaredSchemas::share`]): the next request declaring the same
+    /// schema neither copies it out of its body nor serializes it (RFC 8785); an agent
+    /// declares every tool on every request, and only the called ones are compiled.
+    sized: Mutex<SizedSchemas>,
     bytes: prometheus_client::metrics::gauge::Gauge,
     evictions: prometheus_client::metrics::counter::Counter,
 }
@@ -198,13 +198,13 @@ pub const SHARED_TREE_BYTES: usize = 4 << 20;
 /// The schemas that passed the size check: oldest use first, each with its tree and that
 /// tree's estimated bytes, or `None` when it is remembered by fingerprint only.
 #[derive(Default)]
-struct Sized {
+struct SizedSchemas {
     map: hashlink::LinkedHashMap<u64, Option<(Arc<Value>, usize)>>,
     /// Estimated memory of the trees in `map`, bytes.
     tree_bytes: usize,
 }
 
-impl Sized {
+impl SizedSchemas {
     /// Remembers `key` as within the size cap, with `tree` to share when it fits the budget;
     /// the least recently used go first past [`SIZED_FINGERPRINTS`] or [`SHARED_TREE_BYTES`].
     fn remember(&mut self, key: u64, tree: Option<&Arc<Value>>, json_len: usize) {
@@ -262,7 +262,7 @@ impl SchemaCache {
             limits,
             hasher: std::hash::RandomState::new(),
             lru: Mutex::new(Lru::default()),
-            sized: Mutex::new(Sized::default()),
+            sized: Mutex::new(SizedSchemas::default()),
             bytes,
             evictions,
         }
@@ -298,8 +298,8 @@ impl SchemaCache {
     }
 
     /// [`SchemaCache::check_size`] of a declared tool's schema, with the fingerprint
-    /// [`crate::model::DeclaredSchemas::share`] gave it (`None`: computed). The tree that passes is kept for
-    /// the next request declaring it to share.
+    /// [`crate::model::DeclaredSchemas::share`] gave it (`None`: computed). The tree that
+    /// passes is kept for the next request declaring it to share.
     pub fn check_declared(
         &self,
         schema: &Arc<Value>,
