@@ -96,15 +96,16 @@ impl DeclaredTool {
         schema: Option<&Value>,
         schemas: &dyn DeclaredSchemas,
     ) -> Self {
+        let name = name.into();
         let (schema, fingerprint) = match schema {
             Some(s) => {
-                let (tree, fingerprint) = schemas.share(s);
+                let (tree, fingerprint) = schemas.share(&name, s);
                 (Some(tree), fingerprint)
             }
             None => (None, None),
         };
         Self {
-            name: name.into(),
+            name,
             schema,
             freeform: None,
             fingerprint,
@@ -118,10 +119,11 @@ impl DeclaredTool {
 /// copying the schema out of its own body every time (issue 13: the copy was 17 of a chat
 /// turn's ~300 allocations, and it grows with the declared tools).
 pub trait DeclaredSchemas {
-    /// A tree equal to `schema`, shared, and its fingerprint in this process's schema cache
-    /// when it has one (`None`: the size check computes it). Never a tree that differs from
-    /// `schema`: a kept tree is compared with it before it is shared.
-    fn share(&self, schema: &Value) -> (std::sync::Arc<Value>, Option<u64>);
+    /// A tree equal to `schema`, the declared schema of the tool `name`, shared, and its
+    /// fingerprint in this process's schema cache when it has one (`None`: the size check
+    /// computes it). Never a tree that differs from `schema`: a kept tree is compared with it
+    /// before it is shared.
+    fn share(&self, name: &str, schema: &Value) -> (std::sync::Arc<Value>, Option<u64>);
 }
 
 /// Each schema copied out of the request, with no fingerprint: for a request read outside
@@ -129,7 +131,7 @@ pub trait DeclaredSchemas {
 pub struct CopiedSchemas;
 
 impl DeclaredSchemas for CopiedSchemas {
-    fn share(&self, schema: &Value) -> (std::sync::Arc<Value>, Option<u64>) {
+    fn share(&self, _name: &str, schema: &Value) -> (std::sync::Arc<Value>, Option<u64>) {
         (std::sync::Arc::new(schema.clone()), None)
     }
 }

@@ -190,6 +190,11 @@ pub struct SchemaCache {
 /// links: ~200 KiB when full, besides the trees).
 const SIZED_FINGERPRINTS: usize = 4096;
 
+/// Longest tool name whose last schema [`SchemaCache`] remembers (a provider's tool names are
+/// at most 64 characters; a longer one is looked up by fingerprint only, so the names kept
+/// stay within [`SIZED_FINGERPRINTS`] × this many bytes).
+const MAX_HINTED_NAME_BYTES: usize = 128;
+
 /// Estimated memory of the declared schema trees [`SchemaCache`] keeps to share, bytes
 /// ([`SCHEMA_TREE_BYTES_PER_JSON_BYTE`] × each one's RFC 8785 size). One tree over an eighth
 /// of it is remembered by fingerprint only, and each request copies it as before.
@@ -197,11 +202,24 @@ pub const SHARED_TREE_BYTES: usize = 4 << 20;
 
 /// The schemas that passed the size check: oldest use first, each with its tree and that
 /// tree's estimated bytes, or `None` when it is remembered by fingerprint only.
-#[derive(Default)]
 struct SizedSchemas {
     map: hashlink::LinkedHashMap<u64, Option<(Arc<Value>, usize)>>,
     /// Estimated memory of the trees in `map`, bytes.
     tree_bytes: usize,
+    /// The fingerprint of the schema each tool name was last declared with: a request that
+    /// declares a tool as before finds the kept tree by its name and compares it, without
+    /// fingerprinting its own schema (a hint only; the comparison decides).
+    by_name: hashlink::LruCache<String, u64>,
+}
+
+impl Default for SizedSchemas {
+    fn default() -> Self {
+        Self {
+            map: hashlink::LinkedHashMap::new(),
+            tree_bytes: 0,
+            by_name: hashlink::LruCache::new(SIZED_FINGERPRINTS),
+        }
+    }
 }
 
 impl SizedSchemas {
@@ -482,17 +500,57 @@ fn fingerprint(keys: &std::hash::RandomState, v: &Value, h: &mut impl std::hash:
 /// a kept tree equal to the request's is handed out (compared first, so a fingerprint
 /// collision copies instead); any other schema is copied out of the request.
 impl crate::model::DeclaredSchemas for SchemaCache {
-    fn share(&self, schema: &Value) -> (Arc<Value>, Option<u64>) {
-        let key = self.key(schema);
-        let kept = self
+    fn share(&self, name: &str, schema: &Value) -> (Arc<Value>, Option<u64>) {
+        let kept = |key: u64| {
+            let sized = self.sized.lock().ok()?;
+            sized.map.get(&key).cloned().flatten().map(|(tree, _)| tree)
+        };
+        // The schema this name was declared with last time, when it still is.
+        let hinted = self
             .sized
             .lock()
             .ok()
-            .and_then(|sized| sized.map.get(&key).cloned().flatten());
-        match kept {
-            Some((tree, _)) if *tree == *schema => (tree, Some(key)),
+            .and_then(|mut sized| sized.by_name.get(name).copied());
+        if let Some(key) = hinted {
+            if let Some(tree) = kept(key).filter(|t| same_tree(t, schema)) {
+                return (tree, Some(key));
+            }
+        }
+        let key = self.key(schema);
+        if name.len() <= MAX_HINTED_NAME_BYTES {
+            if let Ok(mut sized) = self.sized.lock() {
+                sized.by_name.insert(name.to_owned(), key);
+            }
+        }
+        match kept(key) {
+            Some(tree) if same_tree(&tree, schema) => (tree, Some(key)),
             _ => (Arc::new(schema.clone()), Some(key)),
         }
+    }
+}
+
+/// `a == b`, trying the members of every object in the order they were sent first: an agent
+/// sends the same schema the same way every time, and that walk hashes no keys (a
+/// `serde_json` map's equality looks each member up in the other map). When that walk finds
+/// a difference the trees are compared by `==` once, from the top, so the answer is always
+/// tree equality and the cost at most two walks.
+fn same_tree(a: &Value, b: &Value) -> bool {
+    same_in_order(a, b) || a == b
+}
+
+/// Whether `a` and `b` are equal with every object's members in the same order.
+fn same_in_order(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .zip(y.iter())
+                    .all(|((ka, va), (kb, vb))| ka == kb && same_in_order(va, vb))
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| same_in_order(p, q))
+        }
+        _ => a == b,
     }
 }
 
@@ -827,6 +885,43 @@ mod cache_tests {
         }
     }
 
+    /// Tree equality whatever the member order, and a different tree under a tool's name is
+    /// never taken for its schema: the name only says where to look first.
+    #[test]
+    fn a_tools_last_schema_is_shared_only_when_equal() {
+        use crate::model::DeclaredSchemas as _;
+        let a: Value = serde_json::from_str(
+            r#"{"type":"object","properties":{"x":{"type":"string"},"y":{"type":"integer"}}}"#,
+        )
+        .unwrap();
+        let reordered: Value = serde_json::from_str(
+            r#"{"properties":{"y":{"type":"integer"},"x":{"type":"string"}},"type":"object"}"#,
+        )
+        .unwrap();
+        let changed: Value = serde_json::from_str(
+            r#"{"type":"object","properties":{"x":{"type":"string"},"y":{"type":"number"}}}"#,
+        )
+        .unwrap();
+        assert!(same_tree(&a, &reordered) && !same_in_order(&a, &reordered));
+        assert!(!same_tree(&a, &changed));
+        let cache = SchemaCache::default();
+        let (first, key) = cache.share("t", &a);
+        cache.check_declared(&first, key).unwrap();
+        // Declared again under the same name: the kept tree, found by name.
+        let (again, key2) = cache.share("t", &reordered);
+        assert!(Arc::ptr_eq(&again, &first));
+        assert_eq!(key2, key);
+        // The same name with another schema: its own copy and its own fingerprint.
+        let (other, key3) = cache.share("t", &changed);
+        assert!(!Arc::ptr_eq(&other, &first));
+        assert_eq!(*other, changed);
+        assert_eq!(key3, Some(cache.key(&changed)));
+        assert_ne!(key3, key);
+        // Another name with the first schema: the kept tree, found by fingerprint.
+        let (by_key, _) = cache.share("u", &a);
+        assert!(Arc::ptr_eq(&by_key, &first));
+    }
+
     /// A declared schema that passed the size check is shared with the next request that
     /// declares an equal one (the same tree, not a copy, with its fingerprint); a different
     /// schema under the same fingerprint (a collision) gets a copy of its own, and its size
@@ -844,11 +939,11 @@ mod cache_tests {
         );
         let first = schema(3, 1);
         // Nothing kept yet: a copy.
-        let (copy, key) = cache.share(&first);
+        let (copy, key) = cache.share("lookup", &first);
         assert_eq!((*copy == first, key), (true, Some(cache.key(&first))));
         assert_eq!(cache.check_declared(&copy, key), Ok(cache.key(&first)));
         // Kept: the next request's equal schema is that very tree.
-        let (shared, key2) = cache.share(&first.clone());
+        let (shared, key2) = cache.share("lookup", &first.clone());
         assert!(Arc::ptr_eq(&shared, &copy));
         assert_eq!(key2, key);
         assert_eq!(cache.check_declared(&shared, key2), Ok(cache.key(&first)));
@@ -861,11 +956,11 @@ mod cache_tests {
             .lock()
             .unwrap()
             .remember(cache.key(&first), Some(&other), 10);
-        let (copy2, key3) = cache.share(&first);
+        let (copy2, key3) = cache.share("lookup", &first);
         assert!(!Arc::ptr_eq(&copy2, &other));
         assert_eq!(*copy2, first);
         assert_eq!(cache.check_declared(&copy2, key3), Ok(cache.key(&first)));
-        let (again, _) = cache.share(&first);
+        let (again, _) = cache.share("lookup", &first);
         assert!(Arc::ptr_eq(&again, &copy2));
 
         // Over an eighth of the budget: remembered as sized, never kept to share.
@@ -875,7 +970,7 @@ mod cache_tests {
             cache.sized.lock().unwrap().map.get(&big_key),
             Some(None)
         ));
-        let (big_copy, _) = cache.share(&big);
+        let (big_copy, _) = cache.share("big", &big);
         assert!(!Arc::ptr_eq(&big_copy, &big));
         assert!(cache.sized.lock().unwrap().tree_bytes <= SHARED_TREE_BYTES);
     }
