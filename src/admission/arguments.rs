@@ -302,7 +302,7 @@ impl SchemaCache {
     fn cached(&self, key: u64, schema: &Value) -> Option<Compiled> {
         let mut lru = self.lru.lock().ok()?;
         let entry = lru.map.to_back(&key)?;
-        (entry.schema == *schema).then(|| Arc::clone(&entry.compiled))
+        same_tree(&entry.schema, schema).then(|| Arc::clone(&entry.compiled))
     }
 
     /// `Err((bytes, limit))` when `schema` is larger than `max_schema_bytes` (its RFC 8785
@@ -501,28 +501,25 @@ fn fingerprint(keys: &std::hash::RandomState, v: &Value, h: &mut impl std::hash:
 /// collision copies instead); any other schema is copied out of the request.
 impl crate::model::DeclaredSchemas for SchemaCache {
     fn share(&self, name: &str, schema: &Value) -> (Arc<Value>, Option<u64>) {
-        let kept = |key: u64| {
-            let sized = self.sized.lock().ok()?;
+        let kept = |sized: &SizedSchemas, key: u64| {
             sized.map.get(&key).cloned().flatten().map(|(tree, _)| tree)
         };
         // The schema this name was declared with last time, when it still is.
-        let hinted = self
-            .sized
-            .lock()
-            .ok()
-            .and_then(|mut sized| sized.by_name.get(name).copied());
-        if let Some(key) = hinted {
-            if let Some(tree) = kept(key).filter(|t| same_tree(t, schema)) {
-                return (tree, Some(key));
-            }
+        let hinted = self.sized.lock().ok().and_then(|mut sized| {
+            let key = sized.by_name.get(name).copied()?;
+            Some((key, kept(&sized, key)?))
+        });
+        if let Some((key, tree)) = hinted.filter(|(_, t)| same_tree(t, schema)) {
+            return (tree, Some(key));
         }
         let key = self.key(schema);
-        if name.len() <= MAX_HINTED_NAME_BYTES {
-            if let Ok(mut sized) = self.sized.lock() {
+        let found = self.sized.lock().ok().and_then(|mut sized| {
+            if name.len() <= MAX_HINTED_NAME_BYTES {
                 sized.by_name.insert(name.to_owned(), key);
             }
-        }
-        match kept(key) {
+            kept(&sized, key)
+        });
+        match found {
             Some(tree) if same_tree(&tree, schema) => (tree, Some(key)),
             _ => (Arc::new(schema.clone()), Some(key)),
         }
