@@ -22,3 +22,14 @@ bench_tool() {
     echo "$CARGO_TARGET_DIR/release/examples/benchtool"
   fi
 }
+
+# allocator_features NAME: the cargo flags of a turnguard build with global allocator NAME
+# (`jemalloc`, the default build; `mimalloc`; `system`, the C library's malloc).
+allocator_features() {
+  case "$1" in
+    jemalloc) ;;
+    mimalloc) echo --features mimalloc ;;
+    system) echo --no-default-features ;;
+    *) echo "unknown allocator $1 (jemalloc, mimalloc or system)" >&2; return 1 ;;
+  esac
+}

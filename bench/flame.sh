@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A CPU flame graph of turnguard in the bench's c=64 non-stream cell (issue 13): the release
-# build (ALLOCATOR: system, mimalloc or jemalloc), the acme example bundle, journal on, alone
+# build (ALLOCATOR: jemalloc, the default build; mimalloc; or system), the acme example bundle, journal on, alone
 # on CPU 1; wrk and the mock on CPU 0. perf samples turnguard's threads at 999 Hz for
 # PROFILE_SECONDS (default 10) with DWARF call stacks; inferno folds and draws them.
 #
@@ -13,14 +13,14 @@ cd "$(dirname "$0")/.."
 # Not `SECONDS`: bash sets that one itself (seconds since the shell started), so it is never
 # unset and a default for it never applies.
 SECS=${PROFILE_SECONDS:-10}
-ALLOCATOR=${ALLOCATOR:-system}
+ALLOCATOR=${ALLOCATOR:-jemalloc}
 OUT=${OUT:-bench/out-flame}
 SVG=${SVG:-bench/flame-c64.svg}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 for t in perf wrk inferno-collapse-perf inferno-flamegraph; do
   command -v "$t" >/dev/null || { echo "$t is missing (see the header of $0)" >&2; exit 1; }
 done
-if [ "$ALLOCATOR" = system ]; then features=(); else features=(--features "$ALLOCATOR"); fi
+features=($(allocator_features "$ALLOCATOR"))
 cargo build --release --locked --example benchtool 2>&1 | tail -1
 cargo build --release --locked --bin turnguard "${features[@]}" 2>&1 | tail -1
 TG=$CARGO_TARGET_DIR/release/turnguard

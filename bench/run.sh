@@ -5,7 +5,7 @@
 #
 #   bench/run.sh                 # needs: wrk, nginx (apt-get install wrk nginx), python3
 #   ROUNDS=1 SECONDS_PER_RUN=3 bench/run.sh   # a quick smoke run
-#   ALLOCATORS="system mimalloc jemalloc" bench/run.sh   # one turnguard per global allocator
+#   ALLOCATORS="jemalloc mimalloc system" bench/run.sh   # one turnguard per global allocator
 #   JOURNALS="sqlite postgres" bench/run.sh   # + a turnguard on a PostgreSQL journal (a
 #                                # throwaway cluster from .ci/postgres.sh, or BENCH_PG_URL)
 set -euo pipefail
@@ -19,9 +19,9 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 # Load generator and mock on CPU 0, the proxy under test (nginx or turnguard) alone on CPU 1.
 LOADGEN_CPU=${LOADGEN_CPU:-0}
 PROXY_CPU=${PROXY_CPU:-1}
-# One turnguard build per global allocator (`system` = no feature; `mimalloc`, `jemalloc`:
-# the cargo features of the same name), all measured in the same interleaved run.
-ALLOCATORS=${ALLOCATORS:-system}
+# One turnguard build per global allocator (`jemalloc` = the default build; `mimalloc` = its
+# cargo feature; `system` = `--no-default-features`), all measured in the same interleaved run.
+ALLOCATORS=${ALLOCATORS:-jemalloc}
 OPEN_RATE=${OPEN_RATE:-1000}
 # Journal backends: `sqlite` (a file, the embedded default) and/or `postgres` (config names get
 # a `-pg` suffix). PostgreSQL runs on the load generator's CPU, so the proxy's core stays its
@@ -37,7 +37,7 @@ echo "== build (release)"
 cargo build --release --locked --example benchtool 2>&1 | tail -1
 TOOL=$CARGO_TARGET_DIR/release/examples/benchtool
 for a in $ALLOCATORS; do
-  if [ "$a" = system ]; then features=(); else features=(--features "$a"); fi
+  features=($(allocator_features "$a"))
   cargo build --release --locked --bin turnguard "${features[@]}" 2>&1 | tail -1
   cp "$CARGO_TARGET_DIR/release/turnguard" "$WORK/turnguard-$a"
 done
