@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A CPU flame graph of turnguard in the bench's c=64 non-stream cell (issue 13): the release
-# build (ALLOCATOR: jemalloc, the default build; mimalloc; or system), the acme example bundle, journal on, alone
-# on CPU 1; wrk and the mock on CPU 0. perf samples turnguard's threads at 999 Hz for
-# PROFILE_SECONDS (default 10) with DWARF call stacks; inferno folds and draws them.
+# build (ALLOCATOR: jemalloc, the default build; mimalloc; or system), the acme example
+# bundle, journal on, alone on CPU 1; wrk and the mock on CPU 0. perf samples turnguard's
+# threads at 999 Hz for PROFILE_SECONDS (default 10) with DWARF call stacks; inferno folds and
+# draws them.
 #
 #   apt-get install linux-perf wrk; cargo install inferno
 #   bench/flame.sh                      # writes bench/flame-c64.svg (+ bench/out-flame/)
