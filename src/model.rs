@@ -611,6 +611,10 @@ pub struct Decision {
     pub retry_after_secs: Option<u64>,
     /// The arguments after redaction (safe to journal and log), when they parsed.
     pub redacted_args: Option<serde_json::Value>,
+    /// The call's arguments text when `redacted_args` is exactly its parse (JSON arguments,
+    /// nothing redacted): the journal stores this text rather than serializing the tree again.
+    /// `None` whenever `redacted_args` came from anywhere else.
+    pub args_text: Option<String>,
     /// How many secrets redaction found in the arguments.
     pub secrets: usize,
     /// Arguments to release instead of the model's (JSON text): the redacted form, when the
@@ -642,6 +646,7 @@ impl Decision {
             rules: Vec::new(),
             retry_after_secs: None,
             redacted_args: None,
+            args_text: None,
             secrets: 0,
             release_args: None,
             trace: Vec::new(),

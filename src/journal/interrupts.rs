@@ -315,7 +315,7 @@ pub(super) fn event(
         run: row.record.run.clone(),
         at_ms,
         kind,
-        payload,
+        payload: crate::strict_json::to_text(&payload),
     }
 }
 

@@ -503,7 +503,7 @@ impl ToolResultRecord {
             run: self.run.clone(),
             at_ms: self.at_ms,
             kind: "agent.tool-returned",
-            payload: serde_json::Value::Object(payload),
+            payload: crate::strict_json::to_text(&serde_json::Value::Object(payload)),
         }
     }
 }
@@ -573,8 +573,9 @@ pub struct EventRecord {
     pub at_ms: i64,
     /// The v2 event type.
     pub kind: &'static str,
-    /// The payload (closed shape per `run-event-payloads`), never raw write-tool arguments.
-    pub payload: serde_json::Value,
+    /// The payload as JSON text (closed shape per `run-event-payloads`), never raw write-tool
+    /// arguments: serialized where the event is made, so the writer thread only stores it.
+    pub payload: String,
 }
 
 /// An effect claim (OpenWOP idempotency.md): insert-if-absent on the effect id.
@@ -1570,7 +1571,7 @@ fn insert_event(tx: &rusqlite::Connection, e: &EventRecord) -> rusqlite::Result<
             e.request_id,
             next,
             e.kind,
-            crate::strict_json::to_text(&e.payload),
+            e.payload,
             e.at_ms
         ],
     )?;
@@ -1785,7 +1786,7 @@ mod tests {
             },
             at_ms: 1,
             kind,
-            payload: serde_json::json!({"k": kind}),
+            payload: serde_json::json!({"k": kind}).to_string(),
         };
         for batch in [
             vec![
@@ -1840,7 +1841,7 @@ mod tests {
                 run: RunKey::default(),
                 at_ms: 1,
                 kind,
-                payload: serde_json::json!({}),
+                payload: "{}".to_owned(),
             }]),
             ack: None,
             durable: false,

@@ -253,6 +253,7 @@ impl McpCall {
         d.tool_name = admission::sanitize_label(&self.name);
         d.args_hash = self.args_hash.clone();
         d.redacted_args = self.redacted.clone();
+        d.args_text = None;
         d
     }
 
@@ -535,7 +536,7 @@ impl McpCall {
             run: self.inbound.ctx.run.clone(),
             at_ms: now_ms(),
             kind,
-            payload,
+            payload: crate::strict_json::to_text(&payload),
         }
     }
 

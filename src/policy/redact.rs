@@ -168,6 +168,14 @@ impl Redactor {
         found
     }
 
+    /// `text` with its secrets replaced, borrowed when it holds none: what
+    /// [`Redactor::redact_in_place`] does to one string of a tree (an event payload built
+    /// without one).
+    pub fn redact_str<'a>(&self, text: &'a str) -> std::borrow::Cow<'a, str> {
+        self.redacted(text)
+            .map_or(std::borrow::Cow::Borrowed(text), std::borrow::Cow::Owned)
+    }
+
     /// Redacts secrets inside free text (log lines, tool results).
     pub fn redact_text(&self, text: &str) -> String {
         self.redacted(text).unwrap_or_else(|| text.to_owned())

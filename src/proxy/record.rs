@@ -173,6 +173,16 @@ impl CallIds {
 /// The journal row of call `call_id` (tool `name`) and its decision `d`: the first call of
 /// the first choice, outside a run (the LLM path sets its position, the MCP front keeps it).
 pub fn call_record(call_id: &str, name: &str, d: &crate::model::Decision) -> CallRecord {
+    call_row(call_id, name, d, journaled_args(d))
+}
+
+/// [`call_record`] with the arguments text already chosen.
+fn call_row(
+    call_id: &str,
+    name: &str,
+    d: &crate::model::Decision,
+    redacted_args: Option<String>,
+) -> CallRecord {
     CallRecord {
         logical_invocation_id: None,
         node_ordinal: 0,
@@ -187,8 +197,18 @@ pub fn call_record(call_id: &str, name: &str, d: &crate::model::Decision) -> Cal
         tool_id: d.tool_id.clone(),
         enforced: d.enforced,
         rules: (!d.rules.is_empty()).then(|| d.rules.join(",")),
-        redacted_args: d.redacted_args.as_ref().map(crate::strict_json::to_text),
+        redacted_args,
     }
+}
+
+/// The arguments text a call's journal row keeps: the text admission parsed when redaction
+/// found nothing in it (`Decision::args_text`: the same document, not serialized again; issue
+/// 13, no parse-and-serialize round trip), otherwise the redacted copy serialized. `None`
+/// when the arguments did not parse.
+fn journaled_args(d: &crate::model::Decision) -> Option<String> {
+    d.args_text
+        .clone()
+        .or_else(|| d.redacted_args.as_ref().map(crate::strict_json::to_text))
 }
 
 /// The journal rows of each call and its decision.
@@ -206,7 +226,7 @@ pub fn call_records(
                 node_ordinal,
                 choice: choice.choice,
                 ordinal: ordinal as u32,
-                ..call_record(&call.id, &call.name, d)
+                ..call_row(&call.id, &call.name, d, journaled_args(d))
             });
         }
     }

@@ -5,6 +5,7 @@
 
 use crate::strict_json::Lookup as _;
 use serde_json::{json, Value};
+use std::borrow::Cow;
 
 use super::hex_sha256;
 use crate::admission::{self, AdmitCtx};
@@ -279,7 +280,6 @@ impl Session {
         verdicts: &[ChoiceVerdict],
     ) -> Vec<EventRecord> {
         let mut events = Vec::new();
-        let principal = self.person.as_deref().unwrap_or(AGENT_ID);
         for (choice, verdict) in round.iter().zip(verdicts) {
             for (call, d) in choice.calls.iter().zip(&verdict.decisions) {
                 self.state.metrics.count_call(
@@ -311,14 +311,7 @@ impl Session {
                 } else {
                     call.id.clone()
                 };
-                let mut called = json!({
-                    "agentId": AGENT_ID, "toolName": tool_name, "callId": call_id,
-                    "principal": principal, "transport": "native"
-                });
-                if let (Some(h), Some(o)) = (&d.args_hash, called.as_object_mut()) {
-                    o.insert("argsHash".into(), json!(h));
-                }
-                events.push(self.event("agent.tool-called", called));
+                events.push(self.tool_called(&tool_name, &call_id, d.args_hash.as_deref()));
                 // The reason says how a call that does not run returns (`Reason::event_status`);
                 // an executed or held call's result event follows from its run.
                 let status = match d.outcome {
@@ -367,7 +360,29 @@ impl Session {
             run: self.ctx.run.clone(),
             at_ms: now_ms(),
             kind,
-            payload,
+            payload: crate::strict_json::to_text(&payload),
+        }
+    }
+
+    /// `agent.tool-called` of a call of this request: the payload serialized from its fields
+    /// (no tree), each string redacted as [`Session::event`] redacts a tree's.
+    fn tool_called(&self, tool_name: &str, call_id: &str, args_hash: Option<&str>) -> EventRecord {
+        let r = |s| self.policy.redactor.redact_str(s);
+        let payload = ToolCalled {
+            agent_id: r(AGENT_ID),
+            tool_name: r(tool_name),
+            call_id: r(call_id),
+            principal: r(self.person.as_deref().unwrap_or(AGENT_ID)),
+            transport: r("native"),
+            args_hash: args_hash.map(r),
+        };
+        EventRecord {
+            request_id: self.ctx.journal_id.clone(),
+            run: self.ctx.run.clone(),
+            at_ms: now_ms(),
+            kind: "agent.tool-called",
+            // Serializing strings cannot fail; an empty object is the fallback all the same.
+            payload: serde_json::to_string(&payload).unwrap_or_else(|_| "{}".to_owned()),
         }
     }
 
@@ -402,4 +417,18 @@ pub(super) fn surfacing_label(s: &Surfacing) -> &'static str {
         Surfacing::Error(_) => "error",
         Surfacing::Wait => "wait",
     }
+}
+
+/// `agent.tool-called`'s payload (OpenWOP `run-event-payloads`), its fields in the order the
+/// journal has always stored them.
+#[derive(serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ToolCalled<'a> {
+    agent_id: Cow<'a, str>,
+    tool_name: Cow<'a, str>,
+    call_id: Cow<'a, str>,
+    principal: Cow<'a, str>,
+    transport: Cow<'a, str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    args_hash: Option<Cow<'a, str>>,
 }

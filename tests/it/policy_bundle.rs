@@ -965,6 +965,47 @@ async fn a_bearer_token_in_rfc6750_form_is_redacted() {
     );
 }
 
+/// Arguments without a secret are journaled as the model wrote them (its whitespace, key
+/// order and escapes: the text admission parsed, not a serialization of its tree), and the
+/// same round's secret-bearing call is journaled redacted.
+#[tokio::test(flavor = "multi_thread")]
+async fn clean_arguments_are_journaled_as_the_model_wrote_them() {
+    let h = support::start_with_policy(Script::default(), "policy-redaction").await;
+    let clean = "{ \"headers\": {},\n  \"endpoint\": \"https://api.example.com/caf\\u00e9\", \"apiKey\": \"none\" }";
+    let secret = json!({"endpoint": "https://api.example.com", "apiKey": "none",
+        "headers": {"Authorization": "Bearer mF_9.B5f-4.1JqM_example_token"}});
+    let call = |id: &str, args: String| json!({"id": id, "type": "function", "function": {"name": "call_api", "arguments": args}});
+    h.script(&json!({"responses": [{"json": {"id": "c", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null,
+            "tool_calls": [call("call_clean", clean.to_owned()), call("call_secret", secret.to_string())]}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}}]}))
+    .await;
+    let request = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Call it."}], "tools": [api_tool()]});
+    let (status, _, _) = post_raw(
+        &format!("{}/v1/chat/completions", h.url()),
+        request.to_string().into(),
+        &[("x-request-id", "clean-args")],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let journal = h.journal();
+    let _dir = h.stop().await;
+    let db = support::journal(&journal);
+    let key = support::round_key(&db, "clean-args");
+    let row = |call: &str| -> String {
+        db.query_row(
+            "SELECT redacted_args FROM tool_calls WHERE request_id = ?1 AND call_id = ?2",
+            [key.as_str(), call],
+            |r| r.get(0),
+        )
+        .unwrap()
+    };
+    assert_eq!(row("call_clean"), clean);
+    let redacted = row("call_secret");
+    assert!(!redacted.contains("mF_9"), "{redacted}");
+    assert!(redacted.contains("REDACTED"), "{redacted}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Committed schemas, and the default catalog against the OpenWOP ToolDescriptor schema
 

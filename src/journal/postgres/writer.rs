@@ -817,7 +817,7 @@ fn plan_event<'a>(out: &mut Vec<Stmt<'a>>, e: &'a EventRecord) {
         .arg(&e.run.node_id)
         .arg(&e.request_id)
         .arg(e.kind)
-        .arg(crate::strict_json::to_text(&e.payload))
+        .arg(&e.payload)
         .arg(e.at_ms),
     );
 }
