@@ -29,6 +29,9 @@ pub enum Reason {
     UnknownTool,
     // ---- 3. arguments ---------------------------------------------------------------------
     ArgumentsNotJson,
+    /// The arguments name an object key twice (at any depth): parsers disagree on which value
+    /// counts, so what admission validated and what the tool reads could differ.
+    ArgumentsDuplicateKey,
     ArgumentsNotObject,
     SchemaUncompilable,
     SchemaViolation,
@@ -118,6 +121,7 @@ impl Reason {
             Self::UndeclaredTool => "undeclared_tool",
             Self::UnknownTool => "unknown_tool",
             Self::ArgumentsNotJson => "arguments_not_json",
+            Self::ArgumentsDuplicateKey => "arguments_duplicate_key",
             Self::ArgumentsNotObject => "arguments_not_object",
             Self::SchemaUncompilable => "schema_uncompilable",
             Self::SchemaViolation => "schema_violation",
@@ -187,6 +191,7 @@ impl Reason {
                 | Self::StreamCut
                 | Self::UndeclaredTool
                 | Self::ArgumentsNotJson
+                | Self::ArgumentsDuplicateKey
                 | Self::ArgumentsNotObject
                 | Self::SchemaUncompilable
                 | Self::SchemaViolation

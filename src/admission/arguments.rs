@@ -46,19 +46,27 @@ pub const MAX_CACHED_SCHEMAS: usize = 1024;
 pub enum ArgsError {
     /// Not JSON at all.
     NotJson,
+    /// JSON with an object key twice ([`crate::strict_json`]: refused, as in request bodies).
+    DuplicateKey,
     /// JSON, but not an object.
     NotObject,
 }
 
 /// Parses the arguments as emitted. An empty string is read as `{}` (OpenAI sends `""` for
-/// a call without arguments); it is then validated like any other arguments.
+/// a call without arguments); it is then validated like any other arguments. Parsed like a
+/// request body ([`crate::strict_json::from_slice`]): a key twice in one object, at any depth,
+/// is refused, because the agent receives these bytes as the model wrote them and its parser
+/// may take the first value where admission read the last.
 pub fn parse(text: &str) -> Result<Value, ArgsError> {
     if text.trim().is_empty() {
         return Ok(Value::Object(Default::default()));
     }
-    match serde_json::from_str::<Value>(text) {
+    match crate::strict_json::from_slice(text.as_bytes()) {
         Ok(v @ Value::Object(_)) => Ok(v),
         Ok(_) => Err(ArgsError::NotObject),
+        Err(crate::strict_json::StrictJsonError::DuplicateKey { .. }) => {
+            Err(ArgsError::DuplicateKey)
+        }
         Err(_) => Err(ArgsError::NotJson),
     }
 }
@@ -598,6 +606,12 @@ pub fn check(
             return invalid(
                 crate::reason::Reason::ArgumentsNotJson,
                 "the arguments are not valid JSON".into(),
+            )
+        }
+        Err(ArgsError::DuplicateKey) => {
+            return invalid(
+                crate::reason::Reason::ArgumentsDuplicateKey,
+                "the arguments name an object key twice (duplicate keys are refused: parsers disagree on which one counts)".into(),
             )
         }
         Err(ArgsError::NotObject) => {

@@ -310,12 +310,19 @@ async fn read_message(
             return Err(json_response(status, &wire_error(&Value::Null, &e)));
         }
     };
-    let message: Value = match serde_json::from_slice(&raw) {
+    // Strict: a key twice is refused (`strict_json`), so what turnguard decides on and what
+    // the server reads from the same bytes cannot differ.
+    let message: Value = match crate::strict_json::from_slice(&raw) {
         Ok(v) => v,
-        Err(_) => {
+        Err(e) => {
             return Err(json_response(
                 StatusCode::BAD_REQUEST,
-                &rpc_error(&Value::Null, code::PARSE_ERROR, "Parse error", None),
+                &rpc_error(
+                    &Value::Null,
+                    code::PARSE_ERROR,
+                    &format!("Parse error: {e}"),
+                    None,
+                ),
             ))
         }
     };

@@ -802,6 +802,50 @@ async fn raw_call(url: &str, run: &str, id: u64, params: &Value) -> Result<(u16,
     Ok((status, v))
 }
 
+/// A message naming a key twice (`"name"` in `params`, or inside `arguments`) is read two
+/// ways: serde_json keeps the last value, another server's parser the first, so turnguard
+/// could admit one tool and the server run another. The front refuses it as a JSON-RPC parse
+/// error naming the key, and the server never sees it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_with_a_key_twice_is_a_parse_error_and_never_reaches_the_server() {
+    let t = start().await;
+    // The `open` server: inside a run, a call needs no ticket, so without the refusal the
+    // serde_json reading (the last `name`) would be forwarded.
+    let url = format!("{}/mcp/open", t.h.url());
+    let meta = modern_meta(false);
+    for body in [
+        format!(
+            r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"delete_repo","arguments":{{"title":"x"}},"_meta":{meta},"name":"create_issue"}}}}"#
+        ),
+        format!(
+            r#"{{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{{"name":"create_issue","arguments":{{"title":"x","title":"y"}},"_meta":{meta}}}}}"#
+        ),
+    ] {
+        let req = http::Request::post(&url)
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .header("mcp-protocol-version", "2026-07-28")
+            .header("mcp-method", "tools/call")
+            .header("mcp-name", "create_issue")
+            .header("turnguard-run", "run-dup")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+        let resp = client.request(req).await.unwrap();
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["code"], -32700, "{v}");
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("appears twice"), "{v}");
+    }
+    assert!(
+        t.tool_calls_seen().await.is_empty(),
+        "nothing was forwarded"
+    );
+}
+
 // ---- must-show: kill -9 between forwarding and recording -------------------------------------
 
 fn free_port() -> u16 {

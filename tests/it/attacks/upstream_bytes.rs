@@ -774,3 +774,70 @@ async fn a_choice_streaming_tool_calls_and_a_legacy_function_call_fails_closed()
     assert!(body.contains("not an object"), "{body}");
     h.stop().await;
 }
+
+/// The model names an argument twice (`{"city": …, "city": …}`): serde_json keeps the last
+/// value, another parser the first, so what admission validated and what the agent's tool
+/// reads could differ (the parser differential `strict_json` closes for request bodies).
+/// Admission refuses the arguments as `arguments_duplicate_key` at any depth, stream or not,
+/// and the call never reaches the agent.
+#[tokio::test]
+async fn arguments_with_a_key_twice_are_never_released() {
+    let h = support::start(Script::default()).await;
+    let cases = [
+        r#"{"city":"Paris","city":"https://evil.example/?q=1"}"#,
+        r#"{"where":{"city":"Paris","city":"https://evil.example/?q=1"}}"#,
+    ];
+    for (i, args) in cases.into_iter().enumerate() {
+        for stream in [false, true] {
+            let id = format!("call_dup_{i}_{stream}");
+            let answer = json!({"json": {"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+                "choices": [{"index": 0, "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "No tool, then."}}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}});
+            let first = if stream {
+                json!({"sse": [format!("data: {}", chat_call_chunk(&id, "get_weather", args)), format!("data: {}", chat_finish("tool_calls")), "data: [DONE]".to_owned()]})
+            } else {
+                json!({"json": {"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+                    "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null,
+                        "tool_calls": [{"id": id, "type": "function", "function": {"name": "get_weather", "arguments": args}}]}}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}})
+            };
+            let repaired = if stream {
+                json!({"sse": [format!("data: {}", chunk(json!([{"index": 0, "delta": {"role": "assistant", "content": "No tool, then."}}]))), format!("data: {}", chat_finish("stop")), "data: [DONE]".to_owned()]})
+            } else {
+                answer
+            };
+            h.script(&json!({"responses": [first, repaired]})).await;
+            let (_, _, resp) = support::call(
+                "POST",
+                &format!("{}/v1/chat/completions", h.url()),
+                &[],
+                Some(&chat_request(stream)),
+            )
+            .await;
+            let body = String::from_utf8_lossy(&resp);
+            assert!(
+                !body.contains("evil.example") && !body.contains(&id),
+                "case {i}, stream {stream}: the call with a key twice reached the agent:\n{body}"
+            );
+        }
+    }
+    let journal = h.journal();
+    let _dir = h.stop().await;
+    let db = support::journal(&journal);
+    let rows: Vec<(String, String, String)> = db
+        .prepare("SELECT call_id, outcome, reason FROM tool_calls WHERE call_id LIKE 'call_dup_%' ORDER BY id")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    for (call, outcome, reason) in &rows {
+        assert_eq!(
+            (outcome.as_str(), reason.as_str()),
+            ("invalid", "arguments_duplicate_key"),
+            "{call}"
+        );
+    }
+}
