@@ -268,14 +268,19 @@ impl Event {
 /// Reads an event's `data` as a JSON object's tree, as [`Event::classify`] does.
 ///
 /// Errors: [`Unreadable`], for data that serde_json does not read (`NaN`, `1e400`, a lone
-/// surrogate, nesting past 128 levels) or that is not an object.
+/// surrogate, nesting past 128 levels), that names an object key twice, or that is not an
+/// object.
 pub fn read_object(data: &str) -> Result<Value, Unreadable> {
-    match serde_json::from_str::<Value>(data) {
+    // Strict (`strict_json`): an event the agent may receive as it is must read one way.
+    match crate::strict_json::from_slice(data.as_bytes()) {
         Ok(v) if v.is_object() => Ok(v),
         Ok(_) => Err(Unreadable("event data that is not a JSON object".into())),
+        Err(crate::strict_json::StrictJsonError::DuplicateKey { .. }) => Err(Unreadable(
+            "event data that names an object key twice (duplicate keys are refused: parsers disagree on which one counts)".into(),
+        )),
         Err(e) => Err(Unreadable(format!(
             "event data that is not JSON turnguard can parse ({})",
-            json_error_kind(&e)
+            json_error_kind(&e.to_string())
         ))),
     }
 }
@@ -289,9 +294,8 @@ pub fn read_text(block: &SseBlock) -> Result<Value, Unreadable> {
 }
 
 /// A short, content-free description of a JSON parse error.
-fn json_error_kind(e: &serde_json::Error) -> String {
-    let text = e.to_string();
-    // serde_json's messages name the problem and the position, never the input.
+fn json_error_kind(text: &str) -> String {
+    // The parser's messages name the problem and the position, never the input.
     text.chars().take(120).collect()
 }
 

@@ -47,6 +47,8 @@ struct Read {
 enum Unread {
     /// Not one JSON object serde_json reads.
     NotAnObject,
+    /// JSON with an object key twice ([`crate::strict_json`]).
+    DuplicateKey,
     /// [`Provider::parse_response`]'s refusal.
     Ambiguous(String),
 }
@@ -89,13 +91,20 @@ impl Block {
                     tree: None,
                 };
             }
-            match serde_json::from_slice::<Value>(raw) {
+            // Strict: the agent gets these bytes as they are when nothing in them is
+            // withheld, so a key twice (read here as the last, elsewhere as the first) is
+            // refused like any body turnguard cannot read one way.
+            match crate::strict_json::from_slice(raw) {
                 Ok(tree) if tree.is_object() => Read {
                     choices: self
                         .provider
                         .parse_response(&tree, &self.ctx)
                         .map_err(Unread::Ambiguous),
                     tree: Some(tree),
+                },
+                Err(crate::strict_json::StrictJsonError::DuplicateKey { .. }) => Read {
+                    choices: Err(Unread::DuplicateKey),
+                    tree: None,
                 },
                 _ => Read {
                     choices: Err(Unread::NotAnObject),
@@ -125,7 +134,7 @@ impl Block {
     fn tree(&mut self) -> Option<&mut Value> {
         let read = self.read.get_mut()?;
         if read.tree.is_none() {
-            read.tree = serde_json::from_slice(self.raw.as_ref()?).ok();
+            read.tree = crate::strict_json::from_slice(self.raw.as_ref()?).ok();
         }
         read.tree.as_mut()
     }
@@ -161,6 +170,12 @@ impl ProviderStream for Block {
             Err(Unread::NotAnObject) => {
                 self.violation =
                     Some("the upstream answered 2xx with a body that is not a JSON object".into());
+                return;
+            }
+            Err(Unread::DuplicateKey) => {
+                self.violation = Some(
+                    "the upstream answered 2xx with a body that names an object key twice (duplicate keys are refused: parsers disagree on which one counts)".into(),
+                );
                 return;
             }
             Err(Unread::Ambiguous(why)) => {
