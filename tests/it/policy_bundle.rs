@@ -929,29 +929,43 @@ async fn secrets_in_arguments_never_reach_the_journal_events_or_logs() {
     );
 }
 
-/// RFC 6750's own example token (`mF_9.B5f-4.1JqM`, §2.1) uses `_`, which its `b64token`
-/// grammar allows; a bearer token in that form must be redacted too.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_bearer_token_in_rfc6750_form_is_redacted() {
+/// One Chat round on the `policy-redaction` bundle: the model calls `call_api` once per
+/// `(call id, arguments text)`, the agent's request carries `x-request-id: client`; then
+/// turnguard stops and its journal is opened (the directory kept alive beside it).
+async fn call_api_round(
+    calls: &[(&str, String)],
+    client: &str,
+) -> (support::Db, tempfile::TempDir) {
     let h = support::start_with_policy(Script::default(), "policy-redaction").await;
-    let token = "mF_9.B5f-4.1JqM_example_token";
-    let args = json!({"endpoint": "https://api.example.com", "apiKey": "none", "headers": {"Authorization": format!("Bearer {token}")}});
+    let calls: Vec<Value> = calls
+        .iter()
+        .map(|(id, args)| json!({"id": id, "type": "function", "function": {"name": "call_api", "arguments": args}}))
+        .collect();
     h.script(&json!({"responses": [{"json": {"id": "c", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
         "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null,
-            "tool_calls": [{"id": "call_rfc", "type": "function", "function": {"name": "call_api", "arguments": args.to_string()}}]}}],
+            "tool_calls": calls}}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}}]}))
     .await;
     let request = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Call it."}], "tools": [api_tool()]});
     let (status, _, _) = post_raw(
         &format!("{}/v1/chat/completions", h.url()),
         request.to_string().into(),
-        &[("x-request-id", "rfc6750")],
+        &[("x-request-id", client)],
     )
     .await;
     assert_eq!(status, 200);
     let journal = h.journal();
-    let _dir = h.stop().await;
-    let db = support::journal(&journal);
+    let dir = h.stop().await;
+    (support::journal(&journal), dir)
+}
+
+/// RFC 6750's own example token (`mF_9.B5f-4.1JqM`, §2.1) uses `_`, which its `b64token`
+/// grammar allows; a bearer token in that form must be redacted too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bearer_token_in_rfc6750_form_is_redacted() {
+    let token = "mF_9.B5f-4.1JqM_example_token";
+    let args = json!({"endpoint": "https://api.example.com", "apiKey": "none", "headers": {"Authorization": format!("Bearer {token}")}});
+    let (db, _dir) = call_api_round(&[("call_rfc", args.to_string())], "rfc6750").await;
     let redacted: String = db
         .query_row(
             "SELECT redacted_args FROM tool_calls WHERE request_id = ?1",
@@ -970,27 +984,17 @@ async fn a_bearer_token_in_rfc6750_form_is_redacted() {
 /// same round's secret-bearing call is journaled redacted.
 #[tokio::test(flavor = "multi_thread")]
 async fn clean_arguments_are_journaled_as_the_model_wrote_them() {
-    let h = support::start_with_policy(Script::default(), "policy-redaction").await;
     let clean = "{ \"headers\": {},\n  \"endpoint\": \"https://api.example.com/caf\\u00e9\", \"apiKey\": \"none\" }";
     let secret = json!({"endpoint": "https://api.example.com", "apiKey": "none",
         "headers": {"Authorization": "Bearer mF_9.B5f-4.1JqM_example_token"}});
-    let call = |id: &str, args: String| json!({"id": id, "type": "function", "function": {"name": "call_api", "arguments": args}});
-    h.script(&json!({"responses": [{"json": {"id": "c", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
-        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null,
-            "tool_calls": [call("call_clean", clean.to_owned()), call("call_secret", secret.to_string())]}}],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}}]}))
-    .await;
-    let request = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Call it."}], "tools": [api_tool()]});
-    let (status, _, _) = post_raw(
-        &format!("{}/v1/chat/completions", h.url()),
-        request.to_string().into(),
-        &[("x-request-id", "clean-args")],
+    let (db, _dir) = call_api_round(
+        &[
+            ("call_clean", clean.to_owned()),
+            ("call_secret", secret.to_string()),
+        ],
+        "clean-args",
     )
     .await;
-    assert_eq!(status, 200);
-    let journal = h.journal();
-    let _dir = h.stop().await;
-    let db = support::journal(&journal);
     let key = support::round_key(&db, "clean-args");
     let row = |call: &str| -> String {
         db.query_row(
