@@ -446,10 +446,13 @@ impl CallCtx<'_> {
         d.tool_id = self.tool.descriptor.tool_id.clone();
         d.tool_name = sanitize_label(&self.call.name);
         d.args_hash = self.hash;
+        // Blank arguments parse as `{}` (`arguments::parse`); their text is not JSON, so the
+        // tree is what the journal keeps for them.
         d.args_text = (self.redacted_args.is_none()
             && args.is_some()
-            && self.call.input == crate::model::CallInput::Json)
-            .then(|| self.call.arguments.clone());
+            && self.call.input == crate::model::CallInput::Json
+            && !self.call.arguments.trim().is_empty())
+        .then(|| self.call.arguments.clone());
         d.redacted_args = self.redacted_args.or(args);
         d.trace = self.trace;
         if self.ctx.explain {

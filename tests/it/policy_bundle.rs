@@ -1010,6 +1010,38 @@ async fn clean_arguments_are_journaled_as_the_model_wrote_them() {
     assert!(redacted.contains("REDACTED"), "{redacted}");
 }
 
+/// Blank arguments (OpenAI sends `""` for a call without any) are read as `{}`; their text
+/// is not JSON, so the journal keeps `{}`, not the blank text.
+#[tokio::test(flavor = "multi_thread")]
+async fn blank_arguments_are_journaled_as_an_empty_object() {
+    let h = support::start(Script::default()).await;
+    h.script(&json!({"responses": [{"json": {"id": "c", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null,
+            "tool_calls": [{"id": "call_blank", "type": "function", "function": {"name": "get_weather", "arguments": "  "}}]}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}}]}))
+    .await;
+    let request = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]});
+    let (status, _, body) = post_raw(
+        &format!("{}/v1/chat/completions", h.url()),
+        request.to_string().into(),
+        &[("x-request-id", "blank-args")],
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let journal = h.journal();
+    let _dir = h.stop().await;
+    let db = support::journal(&journal);
+    let (outcome, args): (String, String) = db
+        .query_row(
+            "SELECT outcome, redacted_args FROM tool_calls WHERE request_id = ?1",
+            [support::round_key(&db, "blank-args")],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!((outcome.as_str(), args.as_str()), ("executed", "{}"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Committed schemas, and the default catalog against the OpenWOP ToolDescriptor schema
 
