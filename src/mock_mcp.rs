@@ -10,9 +10,11 @@
 //!
 //! A script is JSON: `{"tools": [TOOL, …], "sessions": true}`. A TOOL is
 //! `{"name", "description"?, "inputSchema"?, "outputSchema"?, "annotations"?, "result"?,
-//! "sse"?, "gate"?, "delay_ms"?}`: `result` is the `CallToolResult` to answer with (default: one
-//! text block `ok`), `sse` answers as an SSE stream with a `notifications/progress` before the
-//! result, `gate` holds the answer until one `POST /_mock/step`, `delay_ms` waits first.
+//! "raw_result"?, "sse"?, "gate"?, "delay_ms"?}`: `result` is the `CallToolResult` to answer
+//! with (default: one text block `ok`); `raw_result` is its JSON text, served as written (bytes
+//! a `Value` cannot hold: a key twice, malformed JSON) and preferred to `result`; `sse` answers
+//! as an SSE stream with a `notifications/progress` before the result, `gate` holds the answer
+//! until one `POST /_mock/step`, `delay_ms` waits first.
 //! `sessions: false` mints no `Mcp-Session-Id`.
 //!
 //! Control endpoints: `GET /_mock/calls` (`{"executions": {tool: n}, "requests": [...]}`: every
@@ -88,6 +90,9 @@ pub struct MockTool {
     /// The `CallToolResult` answered.
     #[serde(default)]
     pub result: Option<Value>,
+    /// The `CallToolResult`'s JSON text, served as written (wins over `result`).
+    #[serde(default)]
+    pub raw_result: Option<String>,
     /// Answer as SSE, with a progress notification first.
     #[serde(default)]
     pub sse: bool,
@@ -401,9 +406,17 @@ async fn serve(State(m): State<Arc<Mock>>, req: Request<Body>) -> Response {
                 .result
                 .clone()
                 .unwrap_or_else(|| json!({"content": [{"type": "text", "text": "ok"}]}));
-            let answer = complete(result);
+            let answer = match &tool.raw_result {
+                Some(raw) => format!(r#"{{"jsonrpc":"2.0","id":{id},"result":{raw}}}"#),
+                None => complete(result).to_string(),
+            };
             if !tool.sse {
-                return json_response(StatusCode::OK, &answer);
+                let mut r = (StatusCode::OK, answer).into_response();
+                r.headers_mut().insert(
+                    http::header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                );
+                return r;
             }
             let token = params
                 .at("/_meta/progressToken")

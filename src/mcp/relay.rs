@@ -172,8 +172,12 @@ pub async fn read_answer(
         .await
         .map_err(|e| unavailable("", format!("response body: {e}")))?;
     if !sse {
-        return serde_json::from_slice(&body)
-            .map_err(|_| unavailable("", "the MCP server answered with bytes that are not JSON"));
+        return crate::strict_json::from_slice(&body).map_err(|_| {
+            unavailable(
+                "",
+                "the MCP server answered with bytes that are not JSON turnguard reads one way",
+            )
+        });
     }
     let mut framer = crate::sse::SseFramer::new(front.state.config.max_event_bytes);
     let mut blocks = framer
@@ -183,7 +187,7 @@ pub async fn read_answer(
     blocks
         .iter()
         .filter_map(|b| b.data.as_deref())
-        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|d| crate::strict_json::from_slice(d.as_bytes()).ok())
         .find(|v| is_response_to(v, id))
         .ok_or_else(|| unavailable("", "the SSE stream ended without the response"))
 }
@@ -240,7 +244,8 @@ pub async fn respond(
             );
         }
     };
-    let parsed = serde_json::from_slice::<Value>(&body)
+    // Strict (`strict_json`): a key twice would read one way here and another in the agent.
+    let parsed = crate::strict_json::from_slice(&body)
         .ok()
         .filter(|v| is_response_to(v, &id));
     let answer = match parsed {
@@ -316,10 +321,24 @@ fn relay_sse(
                 }
             };
             for block in blocks {
-                let parsed = block
-                    .data
-                    .as_deref()
-                    .and_then(|d| serde_json::from_str::<Value>(d).ok());
+                // Every event with data is read (strictly) before it is relayed: one turnguard
+                // cannot read ends the stream with the error, never passes raw (it could be
+                // the response itself in a form the agent's parser reads another way).
+                let parsed = match block.data.as_deref() {
+                    None => None,
+                    Some(d) => match crate::strict_json::from_slice(d.as_bytes()) {
+                        Ok(v) => Some(v),
+                        Err(e) => {
+                            failure = Some(match e {
+                                crate::strict_json::StrictJsonError::DuplicateKey { .. } => {
+                                    "an event that names an object key twice".into()
+                                }
+                                _ => "an event that is not JSON turnguard reads".into(),
+                            });
+                            break 'read;
+                        }
+                    },
+                };
                 if let Some(v) = parsed.filter(|v| is_response_to(v, &id)) {
                     if let Some(h) = hook.take() {
                         let out = match h(Ok(v)).await {

@@ -821,20 +821,8 @@ async fn a_message_with_a_key_twice_is_a_parse_error_and_never_reaches_the_serve
             r#"{{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{{"name":"create_issue","arguments":{{"title":"x","title":"y"}},"_meta":{meta}}}}}"#
         ),
     ] {
-        let req = http::Request::post(&url)
-            .header("content-type", "application/json")
-            .header("accept", "application/json, text/event-stream")
-            .header("mcp-protocol-version", "2026-07-28")
-            .header("mcp-method", "tools/call")
-            .header("mcp-name", "create_issue")
-            .header("turnguard-run", "run-dup")
-            .body(Full::new(Bytes::from(body)))
-            .unwrap();
-        let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-        let resp = client.request(req).await.unwrap();
-        let status = resp.status().as_u16();
-        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        let (status, text) = post_text(&url, "run-dup", body).await;
+        let v: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(status, 400, "{v}");
         assert_eq!(v["error"]["code"], -32700, "{v}");
         let message = v["error"]["message"].as_str().unwrap_or_default();
@@ -843,6 +831,68 @@ async fn a_message_with_a_key_twice_is_a_parse_error_and_never_reaches_the_serve
     assert!(
         t.tool_calls_seen().await.is_empty(),
         "nothing was forwarded"
+    );
+}
+
+/// POSTs a `tools/call` message's text (as written: it may name a key twice) to the front
+/// at `url` inside run `run`; returns the status and the body's text.
+async fn post_text(url: &str, run: &str, body: String) -> (u16, String) {
+    let req = http::Request::post(url)
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .header("mcp-protocol-version", "2026-07-28")
+        .header("mcp-method", "tools/call")
+        .header("mcp-name", "create_issue")
+        .header("turnguard-run", run)
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let resp = client.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// The MCP server answers a call with a result turnguard cannot read one way (`content`
+/// twice, the evil text first) or cannot read at all, as JSON or as an SSE event. Neither
+/// reaches the agent: turnguard reads every event strictly before relaying it, and the agent
+/// gets the error instead (before, the SSE event was relayed as it came).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_server_answer_turnguard_cannot_read_one_way_is_never_relayed() {
+    let t = start().await;
+    let url = format!("{}/mcp/open", t.h.url());
+    let meta = modern_meta(false);
+    let twice = r#"{"content":[{"type":"text","text":"EVIL first"}],"content":[{"type":"text","text":"fine"}]}"#;
+    let unreadable = r#"{"content":[{"type":"text","text":"EVIL unreadable"}],}"#;
+    let cases = [(twice, false), (twice, true), (unreadable, true)];
+    for (i, (raw, sse)) in cases.into_iter().enumerate() {
+        let mut tools = tools();
+        tools[0]["raw_result"] = json!(raw);
+        tools[0]["sse"] = json!(sse);
+        let (s, _) = post_json(
+            &format!("{}/_mock/script", t.mcp_url()),
+            &json!({"tools": tools}),
+            &[],
+        )
+        .await;
+        assert_eq!(s, 200);
+        let body = format!(
+            r#"{{"jsonrpc":"2.0","id":{i},"method":"tools/call","params":{{"name":"create_issue","arguments":{{"title":"t{i}"}},"_meta":{meta}}}}}"#
+        );
+        let (_, text) = post_text(&url, &format!("run-unreadable-{i}"), body).await;
+        assert!(
+            !text.contains("EVIL"),
+            "case {i}: the server's answer was relayed:\n{text}"
+        );
+        assert!(
+            text.contains("\"error\""),
+            "case {i}: the agent gets an error:\n{text}"
+        );
+    }
+    assert_eq!(
+        t.executions("create_issue").await,
+        3,
+        "each call reached the server once"
     );
 }
 
