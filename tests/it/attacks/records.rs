@@ -891,3 +891,57 @@ async fn a_nul_in_a_name_does_not_cost_the_record_of_the_round() {
     assert!(kept(&name, "lookup\u{0}order"), "{name:?}");
     assert_eq!(served, 1, "the served record is written too");
 }
+
+/// The model puts a key where turnguard copies model text into its own records: a call's id
+/// and a call's name. The `agent.tool-called` events (their payload is serialized from its
+/// fields, each string redacted) hold neither in clear, on a chat turn; the name is in
+/// clear nowhere in the journal. (A call id stays as sent in `tool_calls.call_id`: it is the
+/// provider-assigned key results and claims are matched by, ARCHITECTURE.md.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_in_a_call_id_or_name_never_reaches_the_events_in_clear() {
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    let in_id = "sk-proj-CIDSaaaaaaaaaaaaaaaaaaaaaaaa0031";
+    let in_name = "sk-proj-NAMEbbbbbbbbbbbbbbbbbbbbbbbb0032";
+    let calls = vec![
+        call(in_id, "lookup_order", json!({"orderId": "o-1"})),
+        call("call_n1", in_name, json!({})),
+    ];
+    h.script(&json!({"responses": [
+        {"json": answer_calls("chatcmpl-k0", calls)},
+        {"json": answer_text("chatcmpl-k1", "Done.")},
+        {"json": answer_text("chatcmpl-k2", "Done.")},
+    ]}))
+    .await;
+    let body = json!({"model": "gpt-test", "messages": [{"role": "user", "content": "Look up o-1."}],
+        "tools": declared_tools()});
+    let (status, _, bytes) = support::call(
+        "POST",
+        &format!("{}/v1/chat/completions", h.url()),
+        &[],
+        Some(&body),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    let dir = h.stop().await;
+    let db = support::journal(&dir.path().join("journal.db"));
+    let called: Vec<String> = db
+        .prepare("SELECT payload FROM events WHERE type = 'agent.tool-called'")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        called.len(),
+        2,
+        "one agent.tool-called per call: {called:?}"
+    );
+    assert!(
+        called
+            .iter()
+            .all(|p| p.contains("REDACTED") && !p.contains(in_id) && !p.contains(in_name)),
+        "each event's key was replaced: {called:?}"
+    );
+    drop(db);
+    assert_journal_free_of(dir.path(), in_name, "a key as a call's name");
+}
