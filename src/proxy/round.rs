@@ -355,12 +355,17 @@ impl Session {
     /// An event of this request; its payload redacted (model-chosen names and ids included).
     pub(super) fn event(&self, kind: &'static str, mut payload: Value) -> EventRecord {
         self.policy.redactor.redact_in_place("", &mut payload);
+        self.event_text(kind, crate::strict_json::to_text(&payload))
+    }
+
+    /// An event of this request whose payload is already redacted JSON text.
+    fn event_text(&self, kind: &'static str, payload: String) -> EventRecord {
         EventRecord {
             request_id: self.ctx.journal_id.clone(),
             run: self.ctx.run.clone(),
             at_ms: now_ms(),
             kind,
-            payload: crate::strict_json::to_text(&payload),
+            payload,
         }
     }
 
@@ -376,14 +381,9 @@ impl Session {
             transport: r("native"),
             args_hash: args_hash.map(r),
         };
-        EventRecord {
-            request_id: self.ctx.journal_id.clone(),
-            run: self.ctx.run.clone(),
-            at_ms: now_ms(),
-            kind: "agent.tool-called",
-            // Serializing strings cannot fail; an empty object is the fallback all the same.
-            payload: serde_json::to_string(&payload).unwrap_or_else(|_| "{}".to_owned()),
-        }
+        // Serializing strings cannot fail; an empty object is the fallback all the same.
+        let text = serde_json::to_string(&payload).unwrap_or_else(|_| "{}".to_owned());
+        self.event_text("agent.tool-called", text)
     }
 
     /// The request body for a repair round: the choice's withheld calls as an assistant turn,
