@@ -706,13 +706,14 @@ pub struct McpServer {
 
 /// Which upstream response bodies the journal keeps (`journal_bodies`). Tool-turn contract
 /// §D scopes chat turns (no `Turnguard-Run`) out of replay and recovery, so by default their
-/// rounds keep the decisions, calls and the body's digest and size, not the body.
+/// rounds keep the decisions, calls and the body's digest and size, not the body, and their
+/// calls keep `argsHash`, not the arguments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum JournalBodies {
     /// Bodies of run rounds only (what recovery and replay serve).
     Runs,
-    /// Every round's body, chat turns too (redacted as always).
+    /// Every round's body and its calls' arguments, chat turns too (redacted as always).
     All,
 }
 

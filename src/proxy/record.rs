@@ -324,11 +324,16 @@ pub async fn commit_round(
     session.state.journal.commit_round(unit).await
 }
 
-/// A chat turn is out of replay (§D): its round keeps decisions and the body's digest, not
-/// the body, unless `journal_bodies = "all"`.
+/// A chat turn is out of replay (§D): its round keeps the decisions and digests — the body's
+/// digest and size, each call's `argsHash` — not the body, and not its calls' arguments (they
+/// are the body's content: a coding agent's write call carries whole files), unless
+/// `journal_bodies = "all"`. A run node's round keeps both (replay and approvals read them).
 fn keep_body_as_configured(state: &AppState, rec: &mut RoundRecord) {
     if !keeps_body(state, &rec.run) {
         rec.response.keep_digest_only();
+        for c in &mut rec.calls {
+            c.redacted_args = None;
+        }
     }
 }
 

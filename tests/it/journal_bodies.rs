@@ -2,6 +2,8 @@
 //! `Turnguard-Run`) is out of replay and recovery (tool-turn contract §D), so by default its
 //! round keeps the decisions and the body's digest and size, not the body; a run's round keeps
 //! its (redacted) body, which recovery and replay serve; `journal_bodies = "all"` keeps both.
+//! The same for a call's arguments: a chat turn's calls keep their `argsHash`, a run's calls
+//! their (redacted) arguments too.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)] // test code
 
 use serde_json::{json, Value};
@@ -67,4 +69,66 @@ async fn journal_bodies_all_keeps_chat_turn_bodies_too() {
         "journal_bodies = all keeps the chat turn's body"
     );
     assert!(run.0 > 0);
+}
+
+/// A chat turn (`chat-call`) and a run's turn (`run-call`) that each call `get_weather` with
+/// the same arguments; returns (argsHash, arguments kept) of each call.
+async fn calls(bodies: JournalBodies) -> [(String, Option<String>); 2] {
+    let h = support::start_with(Script::default(), move |c| c.journal_bodies = bodies).await;
+    let call = |id: &str| {
+        json!({"json": {
+            "id": "chatcmpl-call", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null,
+                "tool_calls": [{"id": id, "type": "function", "function": {"name": "get_weather", "arguments": ARGS}}]}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+        }})
+    };
+    h.script(&json!({"responses": [call("call_chat"), call("call_run")]}))
+        .await;
+    let url = format!("{}/v1/chat/completions", h.url());
+    let body = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]});
+    for headers in [
+        vec![("x-request-id", "chat-call".to_owned())],
+        vec![
+            ("x-request-id", "run-call".to_owned()),
+            ("turnguard-run", "run-calls".to_owned()),
+        ],
+    ] {
+        let (status, _, resp) = support::call("POST", &url, &headers, Some(&body)).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
+    }
+    let dir = h.stop().await;
+    let db = support::journal(&dir.path().join("journal.db"));
+    ["chat-call", "run-call"].map(|client| {
+        db.query_row(
+            "SELECT c.args_hash, c.redacted_args FROM tool_calls c JOIN rounds r USING (request_id)
+             WHERE r.client_request_id = ?1",
+            [client],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap()
+    })
+}
+
+const ARGS: &str = r#"{"location": "Paris", "units": "c"}"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_chat_turn_keeps_its_calls_args_hash_not_their_arguments_by_default() {
+    let [chat, run] = calls(JournalBodies::Runs).await;
+    assert_eq!(chat.0.len(), 64, "the chat turn's call keeps its argsHash");
+    assert_eq!(chat.0, run.0, "the same arguments, the same argsHash");
+    assert_eq!(chat.1, None, "a chat turn's arguments are not kept");
+    assert_eq!(
+        run.1.as_deref(),
+        Some(ARGS),
+        "a run's call keeps its arguments"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn journal_bodies_all_keeps_chat_turn_arguments_too() {
+    let [chat, run] = calls(JournalBodies::All).await;
+    assert_eq!(chat.1.as_deref(), Some(ARGS));
+    assert_eq!(run.1.as_deref(), Some(ARGS));
 }

@@ -687,6 +687,8 @@ impl Served {
             .arg(format!("openai={mock}"))
             .arg("--upstream")
             .arg(format!("anthropic={mock}"))
+            // Chat turns' bodies and arguments kept too: every record a secret could reach.
+            .args(["--journal-bodies", "all"])
             .env("TURNGUARD_LOG", "debug")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
@@ -929,14 +931,20 @@ async fn secrets_in_arguments_never_reach_the_journal_events_or_logs() {
     );
 }
 
-/// One Chat round on the `policy-redaction` bundle: the model calls `call_api` once per
-/// `(call id, arguments text)`, the agent's request carries `x-request-id: client`; then
-/// turnguard stops and its journal is opened (the directory kept alive beside it).
+/// One Chat round on the `policy-redaction` bundle with `journal_bodies = "all"` (a chat
+/// turn's arguments kept, redacted): the model calls `call_api` once per `(call id, arguments
+/// text)`, the agent's request carries `x-request-id: client`; then turnguard stops and its
+/// journal is opened (the directory kept alive beside it).
 async fn call_api_round(
     calls: &[(&str, String)],
     client: &str,
 ) -> (support::Db, tempfile::TempDir) {
-    let h = support::start_with_policy(Script::default(), "policy-redaction").await;
+    let policy = support::own_fixtures().join("policy-redaction");
+    let h = support::start_with(Script::default(), move |c| {
+        c.policy = policy;
+        c.journal_bodies = turnguard::config::JournalBodies::All;
+    })
+    .await;
     let calls: Vec<Value> = calls
         .iter()
         .map(|(id, args)| json!({"id": id, "type": "function", "function": {"name": "call_api", "arguments": args}}))
@@ -1011,10 +1019,14 @@ async fn clean_arguments_are_journaled_as_the_model_wrote_them() {
 }
 
 /// Blank arguments (OpenAI sends `""` for a call without any) are read as `{}`; their text
-/// is not JSON, so the journal keeps `{}`, not the blank text.
+/// is not JSON, so the journal keeps `{}`, not the blank text (`journal_bodies = "all"`, so
+/// a chat turn's arguments are kept).
 #[tokio::test(flavor = "multi_thread")]
 async fn blank_arguments_are_journaled_as_an_empty_object() {
-    let h = support::start(Script::default()).await;
+    let h = support::start_with(Script::default(), |c| {
+        c.journal_bodies = turnguard::config::JournalBodies::All;
+    })
+    .await;
     h.script(&json!({"responses": [{"json": {"id": "c", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
         "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null,
             "tool_calls": [{"id": "call_blank", "type": "function", "function": {"name": "get_weather", "arguments": "  "}}]}}],
