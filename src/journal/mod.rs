@@ -96,8 +96,6 @@ const MAX_BATCH: usize = 512;
 /// inside the noise (bench/RESULTS.md, issue 13 run 11); 10 ms in the seventh session made
 /// no difference in CPU either.
 const RELAXED_LINGER: Duration = Duration::from_millis(2);
-/// How often a lingering batch looks for more records.
-const LINGER_STEP: Duration = Duration::from_micros(250);
 /// The writer connection's page cache, KiB (`PRAGMA cache_size`; SQLite's default is 2,000
 /// KiB). The writer appends at the right edge of each B-tree, so what it reads again is
 /// those edges' root-to-leaf paths (about fifty 4 KiB pages over the tables and indexes a
@@ -775,6 +773,8 @@ impl Job {
 #[derive(Clone)]
 pub struct Journal {
     tx: mpsc::Sender<Job>,
+    /// Wakes the SQLite writer from its linger when a record someone waits for is queued.
+    wake: WriterWake,
     metrics: Arc<Metrics>,
     location: JournalLocation,
     health: Arc<JournalHealth>,
@@ -845,9 +845,14 @@ impl Journal {
         let m = Arc::clone(&metrics);
         let health = Arc::new(JournalHealth::default());
         let h = Arc::clone(&health);
+        let wake = WriterWake::default();
+        let writer_wake = wake.clone();
         let handle = std::thread::Builder::new()
             .name("turnguard-journal".into())
-            .spawn(move || writer(conn, rx, &m, &h))
+            .spawn(move || {
+                writer_wake.register();
+                writer(conn, rx, &m, &h)
+            })
             .map_err(|e| JournalError::Open {
                 path: path.to_owned(),
                 reason: e.to_string(),
@@ -855,6 +860,7 @@ impl Journal {
         Ok((
             Self {
                 tx,
+                wake,
                 metrics,
                 location: JournalLocation::Sqlite(path.to_owned()),
                 health,
@@ -946,6 +952,8 @@ impl Journal {
                 &self.metrics.journal_queue_depth,
             )),
         });
+        // A lingering batch closes now ([`next_batch`]); relaxed records never wake it.
+        self.wake.wake();
         done.await.unwrap_or(Err(JournalError::Closed))
     }
 
@@ -1156,10 +1164,34 @@ impl WriterThread {
     }
 }
 
+/// The SQLite writer thread as its queue's senders see it: a record someone waits for wakes
+/// it from a linger ([`next_batch`]). Unset for the PostgreSQL writer (a task, which lingers
+/// on its own terms), where waking is a no-op.
+#[derive(Clone, Default)]
+struct WriterWake(Arc<std::sync::OnceLock<std::thread::Thread>>);
+
+impl WriterWake {
+    /// Makes the calling thread the one [`WriterWake::wake`] wakes (the first call wins).
+    fn register(&self) {
+        let _ = self.0.set(std::thread::current());
+    }
+
+    /// Unparks the writer thread, if one registered (a wake before it parks is kept: its
+    /// next park returns at once).
+    fn wake(&self) {
+        if let Some(t) = self.0.get() {
+            t.unpark();
+        }
+    }
+}
+
 /// Takes the next batch: the first record, whatever is queued behind it, and, while nobody
-/// waits for any record in it, what arrives within `linger` ([`RELAXED_LINGER`]; looked for
-/// every [`LINGER_STEP`], so a record someone waits for that arrives meanwhile waits at most
-/// that long). `None` once the queue is closed and empty.
+/// waits for any record in it, what arrives within `linger` ([`RELAXED_LINGER`]). The writer
+/// sleeps through the linger in one park: a record someone waits for unparks it
+/// ([`WriterWake`], from [`Journal::enqueue`]) and closes the batch at once, a relaxed record
+/// does not wake it (it is taken when the linger ends). Polling instead (every 250 µs) woke
+/// the writer eight times a batch on the request path's core. `None` once the queue is
+/// closed and empty.
 ///
 /// The writer polls rather than parks: a parked writer (woken only for a record someone waits
 /// for) saved no CPU at c=64 and let the core go idle between requests, and the open-loop
@@ -1178,10 +1210,13 @@ fn next_batch(rx: &mut mpsc::Receiver<Job>, linger: Duration) -> Option<Vec<Job>
             }
             Err(mpsc::error::TryRecvError::Disconnected) => break,
             Err(mpsc::error::TryRecvError::Empty) => {
-                if waited_for || Instant::now() >= deadline {
+                let now = Instant::now();
+                if waited_for || now >= deadline {
                     break;
                 }
-                std::thread::sleep(LINGER_STEP);
+                // Returns at the deadline, on a wake, or spuriously: the queue is looked at
+                // again either way.
+                std::thread::park_timeout(deadline - now);
             }
         }
     }
@@ -1763,14 +1798,17 @@ mod tests {
     fn batch_on_thread(
         mut rx: mpsc::Receiver<Job>,
         linger: Duration,
-    ) -> std::sync::mpsc::Receiver<(usize, Duration)> {
+    ) -> (std::sync::mpsc::Receiver<(usize, Duration)>, WriterWake) {
         let (done, seen) = std::sync::mpsc::channel();
+        let wake = WriterWake::default();
+        let writer_wake = wake.clone();
         std::thread::spawn(move || {
+            writer_wake.register();
             let start = Instant::now();
             let batch = next_batch(&mut rx, linger).map_or(0, |b| b.len());
             let _ = done.send((batch, start.elapsed()));
         });
-        seen
+        (seen, wake)
     }
 
     #[test]
@@ -1869,10 +1907,12 @@ mod tests {
     fn relaxed_records_wait_out_the_linger_together() {
         let (tx, rx) = mpsc::channel(16);
         tx.try_send(job(false)).ok().unwrap();
-        let seen = batch_on_thread(rx, Duration::from_millis(300));
+        let (seen, wake) = batch_on_thread(rx, Duration::from_millis(300));
         std::thread::sleep(Duration::from_millis(50));
         tx.try_send(job(false)).ok().unwrap();
-        // A relaxed record does not end the linger.
+        // A relaxed record does not end the linger, nor does a wake that finds only relaxed
+        // records (a spurious one, or one whose record was taken already).
+        wake.wake();
         let (n, took) = seen.recv_timeout(Duration::from_secs(10)).unwrap();
         assert_eq!(n, 2, "both relaxed records share the batch");
         assert!(
@@ -1885,9 +1925,10 @@ mod tests {
     fn a_record_someone_waits_for_ends_the_linger_at_once() {
         let (tx, rx) = mpsc::channel(16);
         tx.try_send(job(false)).ok().unwrap();
-        let seen = batch_on_thread(rx, Duration::from_secs(60));
+        let (seen, wake) = batch_on_thread(rx, Duration::from_secs(60));
         std::thread::sleep(Duration::from_millis(50));
         tx.try_send(job(true)).ok().unwrap();
+        wake.wake();
         let (n, took) = seen.recv_timeout(Duration::from_secs(10)).unwrap();
         assert_eq!(n, 2);
         assert!(

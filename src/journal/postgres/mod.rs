@@ -282,6 +282,8 @@ pub(super) async fn open(
     Ok((
         Journal {
             tx,
+            // The writer is a task: nothing to unpark.
+            wake: super::WriterWake::default(),
             metrics,
             location: location.clone(),
             health,
