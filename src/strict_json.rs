@@ -8,7 +8,10 @@
 //! meaning to the implementation; turnguard refuses them, at every depth, before anything
 //! else reads the body.
 
-use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
+use std::borrow::Cow;
+use std::collections::HashSet;
+
+use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 
 /// Why a body is not JSON turnguard accepts.
@@ -122,8 +125,8 @@ pub fn from_slice(raw: &[u8]) -> Result<Value, StrictJsonError> {
 /// Whether `raw` is one JSON object that `serde_json::from_slice::<Value>` reads, checked
 /// without building the tree: the same deserializer visits every value as serde_json's
 /// `Value` does (the grammar, string escapes and lone surrogates, the number range — `1e400`
-/// is refused — and the nesting limit of 128), keeping nothing. Repeated keys pass, as they
-/// do for serde_json (the last one wins there). No request path calls this any more: a view
+/// is refused — and the nesting limit of 128), keeping nothing, and refusing an object that
+/// names a key twice at any depth, as [`from_slice`] does. No request path calls this any more: a view
 /// reads each member it does not use with [`Readable`] ([`crate::provider::view::members`]),
 /// which makes the same check in the same pass. It stays as [`Readable`]'s statement, the
 /// oracle the tests hold against serde_json's tree (the lib test below and
@@ -134,7 +137,9 @@ pub fn is_readable_object(raw: &[u8]) -> bool {
 }
 
 /// Visits one JSON value as serde_json's `Value` does and keeps nothing: `true` for an object.
-/// A seed: `map.next_value_seed(Readable)` checks a member's value as a tree would read it.
+/// A seed: `map.next_value_seed(Readable)` checks a member's value as [`from_slice`] would
+/// read it, a key twice in any object included (a view that skips a member forwards its
+/// bytes as they came, so a repeat there would reach the agent read two ways).
 pub struct Readable;
 
 impl<'de> DeserializeSeed<'de> for Readable {
@@ -182,35 +187,94 @@ impl<'de> Visitor<'de> for Readable {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<bool, A::Error> {
-        // Keys are read as `Value` reads them: as strings (escapes checked).
-        while map.next_key_seed(ReadableKey)?.is_some() {
+        // Keys are read as `Value` reads them: as strings (escapes checked and decoded, so
+        // `"\u0061"` repeats `"a"`).
+        let mut keys = KeySet::default();
+        while let Some(key) = map.next_key_seed(ReadableKey)? {
+            if keys.contains(&key) {
+                return Err(duplicate(&key));
+            }
+            keys.insert(key);
             map.next_value_seed(Readable)?;
         }
         Ok(true)
     }
 }
 
-/// An object key, read as a string and dropped.
+/// An object key, read as a string (borrowed from the input when it has no escapes).
 struct ReadableKey;
 
 impl<'de> DeserializeSeed<'de> for ReadableKey {
-    type Value = ();
+    type Value = Cow<'de, str>;
 
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Cow<'de, str>, D::Error> {
         d.deserialize_str(self)
     }
 }
 
 impl<'de> Visitor<'de> for ReadableKey {
-    type Value = ();
+    type Value = Cow<'de, str>;
 
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("an object key")
     }
 
-    fn visit_str<E>(self, _: &str) -> Result<(), E> {
-        Ok(())
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Cow<'de, str>, E> {
+        Ok(Cow::Borrowed(v))
     }
+
+    fn visit_str<E>(self, v: &str) -> Result<Cow<'de, str>, E> {
+        Ok(Cow::Owned(v.to_owned()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Cow<'de, str>, E> {
+        Ok(Cow::Owned(v))
+    }
+}
+
+/// Keys of one JSON object seen so far, to refuse a repeat while reading without a tree
+/// ([`Readable`], [`crate::provider::view::members`]). A short list searched in order while
+/// the object is small (most are), a hash set beyond [`KeySet::LIST_MAX`] keys, so an object
+/// with many keys costs linear time, not quadratic.
+#[derive(Default)]
+pub struct KeySet<'de> {
+    list: Vec<Cow<'de, str>>,
+    set: Option<HashSet<Cow<'de, str>>>,
+}
+
+impl<'de> KeySet<'de> {
+    /// Keys kept in the list before they move to a hash set.
+    const LIST_MAX: usize = 16;
+
+    /// Whether `key` was inserted before.
+    pub fn contains(&self, key: &str) -> bool {
+        match &self.set {
+            Some(set) => set.contains(key),
+            None => self.list.iter().any(|k| k == key),
+        }
+    }
+
+    /// Remembers `key`.
+    pub fn insert(&mut self, key: Cow<'de, str>) {
+        match &mut self.set {
+            Some(set) => {
+                set.insert(key);
+            }
+            None => {
+                self.list.push(key);
+                if self.list.len() > Self::LIST_MAX {
+                    self.set = Some(self.list.drain(..).collect());
+                }
+            }
+        }
+    }
+}
+
+/// The error for an object that names `key` twice: the same text [`from_slice`] reads as
+/// [`StrictJsonError::DuplicateKey`].
+pub fn duplicate<E: serde::de::Error>(key: &str) -> E {
+    let shown: String = key.chars().take(MAX_KEY_SHOWN).collect();
+    E::custom(format!("{DUPLICATE}{}{END}", Value::String(shown)))
 }
 
 /// The marker of the duplicate-key error inside serde's custom error text.
@@ -279,13 +343,7 @@ impl<'de> Visitor<'de> for Unique {
         while let Some(key) = map.next_key::<String>()? {
             // One lookup per key: the entry both finds a repeat and holds the slot.
             match out.entry(key) {
-                serde_json::map::Entry::Occupied(seen) => {
-                    let shown: String = seen.key().chars().take(MAX_KEY_SHOWN).collect();
-                    return Err(A::Error::custom(format!(
-                        "{DUPLICATE}{}{END}",
-                        Value::String(shown)
-                    )));
-                }
+                serde_json::map::Entry::Occupied(seen) => return Err(duplicate(seen.key())),
                 serde_json::map::Entry::Vacant(slot) => {
                     slot.insert(map.next_value_seed(Unique)?);
                 }
@@ -300,7 +358,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_readable_object_is_exactly_what_serde_json_reads_into_an_object() {
+    fn a_readable_object_is_exactly_what_from_slice_reads_into_an_object() {
         let deep = |n: usize| format!("{{\"a\":{}1{}}}", "[".repeat(n), "]".repeat(n));
         let cases: Vec<String> = [
             r#"{}"#,
@@ -339,8 +397,7 @@ mod tests {
         .chain([deep(126), deep(127), deep(128), deep(200)])
         .collect();
         for case in &cases {
-            let tree =
-                serde_json::from_slice::<Value>(case.as_bytes()).is_ok_and(|v| v.is_object());
+            let tree = from_slice(case.as_bytes()).is_ok_and(|v| v.is_object());
             assert_eq!(is_readable_object(case.as_bytes()), tree, "{case:.80}");
         }
         let not_utf8 = b"{\"a\":\"\xff\"}";
@@ -350,10 +407,21 @@ mod tests {
         for refused in [r#"{"a":1e400}"#, r#"{"a":"\ud800"}"#, r#"{"a":1} x"#] {
             assert!(!is_readable_object(refused.as_bytes()), "{refused}");
         }
-        assert!(
-            is_readable_object(br#"{"a":1,"a":2}"#),
-            "serde_json keeps the last"
-        );
+        // A key twice, at any depth and however it is spelled, is refused as `from_slice`
+        // refuses it (serde_json alone would keep the last).
+        for twice in [
+            r#"{"a":1,"a":2}"#,
+            r#"{"a":1,"\u0061":2}"#,
+            r#"{"x":[{"b":{"c":1,"c":1}}]}"#,
+        ] {
+            assert!(!is_readable_object(twice.as_bytes()), "{twice}");
+            assert!(from_slice(twice.as_bytes()).is_err(), "{twice}");
+        }
+        let many: String = (0..40).map(|i| format!("\"k{i}\":{i},")).collect();
+        assert!(is_readable_object(format!("{{{many}\"z\":0}}").as_bytes()));
+        assert!(!is_readable_object(
+            format!("{{{many}\"k3\":0}}").as_bytes()
+        ));
     }
 
     #[test]

@@ -7,9 +7,10 @@
 //! the tree reader would have answered the same (checked against it in
 //! `tests/it/fuzz.rs`, `a_typed_view_reads_what_the_tree_reader_reads`).
 //!
-//! A view reads every member it does not use as serde_json's tree would read it and keeps
-//! nothing ([`members`], with [`crate::strict_json::Readable`]): the grammar, string escapes
-//! and lone surrogates, the number range (`1e400` is refused) and the nesting limit. So the
+//! A view reads every member it does not use as the strict tree reader
+//! ([`crate::strict_json::from_slice`]) would read it and keeps nothing ([`members`], with
+//! [`crate::strict_json::Readable`]): the grammar, string escapes and lone surrogates, the
+//! number range (`1e400` is refused), the nesting limit, and no key twice in any object. So the
 //! one pass that reads the view also checks that a tree could be read from the body (DESIGN.md
 //! §9: nothing passes that turnguard could not read); a body that fails it is refused by the
 //! view, and its tree fails too.
@@ -55,19 +56,26 @@ impl<'de, T: ObjectView<'de>> Deserialize<'de> for Obj<T> {
 
 /// Reads an object's members: `read` gets each member's name (escapes decoded, as a tree's
 /// key) with the map positioned at its value, reads the value and answers `true`, or answers
-/// `false` for a name it does not read; that value is then read as serde_json's tree reads
-/// it and dropped ([`crate::strict_json::Readable`]).
+/// `false` for a name it does not read; that value is then read as
+/// [`crate::strict_json::from_slice`] reads it and dropped ([`crate::strict_json::Readable`]).
 ///
-/// Errors: whatever `read` or the value's reading fails with.
+/// Errors: whatever `read` or the value's reading fails with, and a name that comes twice,
+/// read or not (a skipped member is forwarded as it came, so a repeat there would reach the
+/// agent read two ways; the strict tree refuses it too).
 pub fn members<'de, A, F>(mut map: A, mut read: F) -> Result<(), A::Error>
 where
     A: MapAccess<'de>,
     F: FnMut(&str, &mut A) -> Result<bool, A::Error>,
 {
-    while let Some(name) = map.next_key::<Str<'de>>()? {
-        if !read(name.as_str(), &mut map)? {
+    let mut names = crate::strict_json::KeySet::default();
+    while let Some(Str(name)) = map.next_key::<Str<'de>>()? {
+        if names.contains(&name) {
+            return Err(crate::strict_json::duplicate(&name));
+        }
+        if !read(&name, &mut map)? {
             map.next_value_seed(crate::strict_json::Readable)?;
         }
+        names.insert(name);
     }
     Ok(())
 }

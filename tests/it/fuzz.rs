@@ -446,7 +446,8 @@ proptest! {
     /// responses: any field replaced by any JSON, a field repeated, a key escaped, the legacy
     /// `function_call` and `refusal` present or not, a field it skips holding a number no
     /// tree reads (`1e400`, in any of the first eight objects); it answers for the template itself and never for a body no tree
-    /// reads (`is_readable_object` agrees with serde_json's tree). And when `rewrites` says
+    /// reads (`is_readable_object` agrees with the strict tree, `strict_json::from_slice`:
+    /// a key twice anywhere is refused by both). And when `rewrites` says
     /// no verdict changes the body, the rewrite changes nothing.
     #[test]
     fn a_typed_view_reads_what_the_tree_reader_reads(
@@ -491,7 +492,7 @@ proptest! {
         let adapter = turnguard::provider::adapter(Api::OpenAiChat);
         let ctx = AnswerContext { max_output_tokens: max, previous_response_id: None };
         let readable = turnguard::strict_json::is_readable_object(text.as_bytes());
-        let tree = serde_json::from_str::<Value>(&text).ok().filter(Value::is_object);
+        let tree = turnguard::strict_json::from_slice(text.as_bytes()).ok().filter(Value::is_object);
         prop_assert_eq!(readable, tree.is_some());
         let fast = adapter.parse_response_bytes(text.as_bytes(), &ctx);
         let Some(mut tree) = tree else {

@@ -842,6 +842,38 @@ async fn arguments_with_a_key_twice_are_never_released() {
     }
 }
 
+/// A key named twice where turnguard reads nothing is refused too: its typed views skip
+/// members they do not use, and a skipped member is forwarded as it came. Here the usage the
+/// agent bills by (`prompt_tokens` twice in a JSON answer) and a chunk's
+/// `system_fingerprint` (twice in a text-only Chat chunk): serde_json keeps the last, a
+/// first-wins parser the first. Neither leaves turnguard; each ends with the error.
+#[tokio::test]
+async fn a_key_twice_in_a_member_turnguard_skips_is_never_forwarded() {
+    let h = support::start(Script::default()).await;
+    let body = r#"{"id":"c","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"Sunny."}}],"usage":{"prompt_tokens":987654,"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("usage-twice.json");
+    std::fs::write(&file, body).unwrap();
+    let (status, _, resp) = exchange(
+        &h,
+        "/v1/chat/completions",
+        json!({"file": file}),
+        &chat_request(false),
+    )
+    .await;
+    assert!(!resp.contains("987654"), "{resp}");
+    assert!(resp.contains("key twice"), "{resp}");
+    assert_eq!(status, 502, "{resp}");
+
+    let chunk_text = r#"{"id":"x","object":"chat.completion.chunk","created":1,"model":"m","system_fingerprint":"fp_first","system_fingerprint":"fp_last","choices":[{"index":0,"delta":{"role":"assistant","content":"Sunny."},"finish_reason":null}]}"#;
+    let step = json!({"sse": [format!("data: {chunk_text}"), format!("data: {}", chat_finish("stop")), "data: [DONE]"]});
+    let (_, _, resp) = exchange(&h, "/v1/chat/completions", step, &chat_request(true)).await;
+    assert!(!resp.contains("fp_first"), "{resp}");
+    assert!(resp.contains("key twice"), "{resp}");
+    assert_withheld_with_error(&resp, "a Chat chunk naming system_fingerprint twice");
+    h.stop().await;
+}
+
 /// The upstream names a key twice so that serde_json (the last value) sees a harmless answer
 /// and a first-wins parser the evil call: a non-stream body, a Chat chunk and a Messages
 /// event. turnguard reads upstream JSON strictly (`strict_json`), so none of them is
