@@ -17,6 +17,14 @@
 //! 3. **Text.** Whatever the structure passes left (non-JSON lines, object keys, a body that is
 //!    not UTF-8 or not JSON) is redacted as text.
 //!
+//! JSON that names a key twice reads two ways, and the structure pass would see only the
+//! value serde_json keeps (the last): a secret in the first, spelt with escapes the text pass
+//! does not decode, would be kept. So documents are parsed strictly
+//! ([`crate::strict_json::from_slice`]): a body or stream event that names a key twice is
+//! [`Redacted::Withheld`], and a string holding such a document is replaced whole by
+//! [`TWO_WAYS`]. turnguard never forwards such JSON either (it ends the turn); this is about
+//! the record of what arrived.
+//!
 //! A redacted body is an audit record, never an answer: replay and recovery treat it as a
 //! miss, like a body kept only as a digest.
 
@@ -48,6 +56,19 @@ const STREAMED_FIELDS: &[&str] = &[
 /// Top-level event fields that tell the pieces of one streamed field from another's.
 const PIECE_KEYS: &[&str] = &["type", "index", "output_index", "content_index", "item_id"];
 
+/// What a string holding a JSON document that names a key twice is journaled as.
+pub const TWO_WAYS: &str = "[REDACTED:duplicate-key]";
+
+/// `text` as one JSON document read one way: `Ok(None)` when it is not JSON, `Err(())` when
+/// it names a key twice (see the module docs).
+fn parse_one_way(text: &str) -> Result<Option<Value>, ()> {
+    match crate::strict_json::from_slice(text.as_bytes()) {
+        Ok(v) => Ok(Some(v)),
+        Err(crate::strict_json::StrictJsonError::DuplicateKey { .. }) => Err(()),
+        Err(crate::strict_json::StrictJsonError::Malformed { .. }) => Ok(None),
+    }
+}
+
 /// What redaction made of a body.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Redacted {
@@ -70,20 +91,21 @@ pub fn redact_body(redactor: &Redactor, body: &[u8]) -> Redacted {
             Redacted::Withheld
         };
     };
-    let structured = match serde_json::from_str::<Value>(text) {
-        Ok(mut doc) => {
+    let structured = match parse_one_way(text) {
+        Err(()) => return Redacted::Withheld,
+        Ok(Some(mut doc)) => {
             if redact_value(redactor, &mut doc, 0) {
                 Some(doc.to_string())
             } else {
                 None
             }
         }
-        Err(_) if looks_like_sse(text) => match redact_sse(redactor, text) {
+        Ok(None) if looks_like_sse(text) => match redact_sse(redactor, text) {
             Some(Sse::Withheld) => return Redacted::Withheld,
             Some(Sse::Changed(s)) => Some(s),
             None => None,
         },
-        Err(_) => None,
+        Ok(None) => None,
     };
     let after = structured.as_deref().unwrap_or(text);
     let textual = redactor.redact_text(after);
@@ -117,10 +139,17 @@ fn redact_string(redactor: &Redactor, s: &mut String, depth: usize) -> bool {
     let mut changed = false;
     let trimmed = s.trim_start();
     if trimmed.starts_with('{') || trimmed.starts_with('[') {
-        if let Ok(mut inner) = serde_json::from_str::<Value>(s) {
-            if redact_value(redactor, &mut inner, depth + 1) {
-                *s = inner.to_string();
-                changed = true;
+        match parse_one_way(s) {
+            Ok(Some(mut inner)) => {
+                if redact_value(redactor, &mut inner, depth + 1) {
+                    *s = inner.to_string();
+                    changed = true;
+                }
+            }
+            Ok(None) => {}
+            Err(()) => {
+                *s = TWO_WAYS.to_owned();
+                return true;
             }
         }
     }
@@ -153,9 +182,14 @@ fn redact_sse(redactor: &Redactor, text: &str) -> Option<Sse> {
             .filter_map(|l| l.strip_prefix("data:"))
             .map(|d| d.strip_prefix(' ').unwrap_or(d))
             .collect();
-        let parsed = (!data.is_empty())
-            .then(|| serde_json::from_str::<Value>(&data.join("\n")).ok())
-            .flatten();
+        let parsed = if data.is_empty() {
+            None
+        } else {
+            match parse_one_way(&data.join("\n")) {
+                Ok(doc) => doc,
+                Err(()) => return Some(Sse::Withheld),
+            }
+        };
         let Some(mut doc) = parsed else {
             out.push_str(event);
             continue;
@@ -199,9 +233,12 @@ fn nested_secret(redactor: &Redactor, joined: &str) -> bool {
     if !(t.starts_with('{') || t.starts_with('[')) {
         return false;
     }
-    serde_json::from_str::<Value>(joined)
-        .map(|mut v| redact_value(redactor, &mut v, 0))
-        .unwrap_or(false)
+    match parse_one_way(joined) {
+        Ok(Some(mut v)) => redact_value(redactor, &mut v, 0),
+        Ok(None) => false,
+        // Joined pieces that read two ways cannot be shown safe.
+        Err(()) => true,
+    }
 }
 
 /// The events of an SSE text, each with its terminating blank line.
@@ -295,6 +332,35 @@ mod tests {
     }
 
     const KEY: &str = "sk-proj-abcdefghijklmnopqrstuvwxyz012345";
+
+    /// A key twice hides its first value from the structure pass (serde_json keeps the last):
+    /// with the secret spelt in escapes the text pass does not decode, only strict reading
+    /// keeps it out of the record.
+    #[test]
+    fn json_that_names_a_key_twice_is_never_kept_as_it_came() {
+        let r = redactor();
+        let escaped = format!("\\u0073{}", KEY.strip_prefix('s').unwrap());
+        let body = format!(r#"{{"text": "key {escaped}", "text": "nothing"}}"#);
+        assert_eq!(redact_body(&r, body.as_bytes()), Redacted::Withheld);
+        let sse = format!("data: {body}\n\ndata: [DONE]\n\n");
+        assert_eq!(redact_body(&r, sse.as_bytes()), Redacted::Withheld);
+        let inner = format!(r#"{{"k": "{escaped}", "k": 1}}"#);
+        let nested = serde_json::json!({"arguments": inner, "other": "kept"});
+        let Redacted::Replaced(out) = redact_body(&r, nested.to_string().as_bytes()) else {
+            panic!("a document inside a string that reads two ways is replaced")
+        };
+        let out = String::from_utf8(out).unwrap();
+        assert!(
+            out.contains(TWO_WAYS) && !out.contains("abcdefghij") && out.contains("kept"),
+            "{out}"
+        );
+        // The same documents with the key once are read and redacted as before.
+        let once = format!(r#"{{"text": "key {escaped}"}}"#);
+        assert!(matches!(
+            redact_body(&r, once.as_bytes()),
+            Redacted::Replaced(_)
+        ));
+    }
 
     #[test]
     fn json_bodies_are_redacted_after_unescaping() {

@@ -856,6 +856,31 @@ async fn a_compressed_answer_is_journaled_decoded_and_redacted() {
     }
 }
 
+/// The model spells a key with JSON escapes (`\u0073k-…`) in the first of two `content`
+/// members: serde_json keeps the second, so a redactor that read the body as serde_json does
+/// would find nothing and keep the bytes, and the text pass does not decode escapes. The
+/// agent gets the error (the body reads two ways); the run round's record keeps none of the
+/// body, so the key's text is nowhere in the journal.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_hidden_in_a_repeated_member_is_never_journaled() {
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    let tail = "k-proj-TWOWAYSgggggggggggggggggggg0009";
+    let body = format!(
+        r#"{{"id":"c","object":"chat.completion","created":1,"model":"m","choices":[{{"index":0,"finish_reason":"stop","message":{{"role":"assistant","content":"the key \u0073{tail}","content":"Sunny."}}}}],"usage":{{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}}}"#
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("twice.json");
+    std::fs::write(&file, &body).unwrap();
+    h.script(&json!({"responses": [{"file": file}]})).await;
+    let agent = Agent::new(&h, "run-twice", "Tell me.");
+    let r = agent.send().await;
+    assert_eq!(r.status, 502, "{}", r.text_body());
+    assert!(!r.text_body().contains(tail), "{}", r.text_body());
+    wait_rounds(&h, "run-twice", 1);
+    let journal = h.stop().await;
+    assert_journal_free_of(journal.path(), tail, "a key in a member named twice");
+}
+
 /// A NUL in a model-chosen value (a tool name, a call id) or an agent-chosen one (the model
 /// name) does not cost the record of the round: PostgreSQL text cannot hold U+0000, and its
 /// refusal used to fail the round's whole unit of work, so a hostile model could keep its own
