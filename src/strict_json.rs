@@ -233,39 +233,43 @@ impl<'de> Visitor<'de> for ReadableKey {
 }
 
 /// Keys of one JSON object seen so far, to refuse a repeat while reading without a tree
-/// ([`Readable`], [`crate::provider::view::members`]). A short list searched in order while
-/// the object is small (most are), a hash set beyond [`KeySet::LIST_MAX`] keys, so an object
-/// with many keys costs linear time, not quadratic.
+/// ([`Readable`], [`crate::provider::view::members`]). The first [`KeySet::INLINE`] keys are
+/// kept inline and searched in order (most objects are that small, and reading one then
+/// allocates nothing); past that, in a hash set, so an object with many keys costs linear
+/// time, not quadratic.
 #[derive(Default)]
 pub struct KeySet<'de> {
-    list: Vec<Cow<'de, str>>,
+    inline: [Option<Cow<'de, str>>; KeySet::INLINE],
+    len: usize,
     set: Option<HashSet<Cow<'de, str>>>,
 }
 
 impl<'de> KeySet<'de> {
-    /// Keys kept in the list before they move to a hash set.
-    const LIST_MAX: usize = 16;
+    /// Keys kept inline before they move to a hash set.
+    const INLINE: usize = 16;
 
     /// Whether `key` was inserted before.
     pub fn contains(&self, key: &str) -> bool {
         match &self.set {
             Some(set) => set.contains(key),
-            None => self.list.iter().any(|k| k == key),
+            None => self.inline[..self.len]
+                .iter()
+                .any(|k| k.as_deref() == Some(key)),
         }
     }
 
     /// Remembers `key`.
     pub fn insert(&mut self, key: Cow<'de, str>) {
-        match &mut self.set {
-            Some(set) => {
-                set.insert(key);
-            }
-            None => {
-                self.list.push(key);
-                if self.list.len() > Self::LIST_MAX {
-                    self.set = Some(self.list.drain(..).collect());
-                }
-            }
+        if let Some(set) = &mut self.set {
+            set.insert(key);
+        } else if self.len < Self::INLINE {
+            self.inline[self.len] = Some(key);
+            self.len += 1;
+        } else {
+            let mut set: HashSet<Cow<'de, str>> =
+                self.inline.iter_mut().filter_map(Option::take).collect();
+            set.insert(key);
+            self.set = Some(set);
         }
     }
 }
