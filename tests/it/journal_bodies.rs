@@ -20,26 +20,37 @@ fn answer(text: &str) -> Value {
     }})
 }
 
+/// Sends `body` as a chat turn (`x-request-id: chat`) and as a run's turn (`run`, in run
+/// `run-id`), then stops turnguard and opens its journal.
+async fn chat_then_run(
+    h: support::Harness,
+    body: &Value,
+    [chat, run]: [&str; 2],
+    run_id: &str,
+) -> (support::Db, tempfile::TempDir) {
+    let url = format!("{}/v1/chat/completions", h.url());
+    for headers in [
+        vec![("x-request-id", chat.to_owned())],
+        vec![
+            ("x-request-id", run.to_owned()),
+            ("turnguard-run", run_id.to_owned()),
+        ],
+    ] {
+        let (status, _, resp) = support::call("POST", &url, &headers, Some(body)).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
+    }
+    let dir = h.stop().await;
+    (support::journal(&dir.path().join("journal.db")), dir)
+}
+
 /// Sends a chat turn (`x-request-id: chat-1`) and a run's turn (`run-1`), stops turnguard and
 /// returns (bytes kept, digest) of each round's response.
 async fn rounds(bodies: JournalBodies) -> [(i64, String); 2] {
     let h = support::start_with(Script::default(), move |c| c.journal_bodies = bodies).await;
     h.script(&json!({"responses": [answer("hello from a chat turn"), answer("hello from a run")]}))
         .await;
-    let url = format!("{}/v1/chat/completions", h.url());
     let body = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]});
-    for headers in [
-        vec![("x-request-id", "chat-1".to_owned())],
-        vec![
-            ("x-request-id", "run-1".to_owned()),
-            ("turnguard-run", "run-bodies".to_owned()),
-        ],
-    ] {
-        let (status, _, resp) = support::call("POST", &url, &headers, Some(&body)).await;
-        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
-    }
-    let dir = h.stop().await;
-    let db = support::journal(&dir.path().join("journal.db"));
+    let (db, _dir) = chat_then_run(h, &body, ["chat-1", "run-1"], "run-bodies").await;
     ["chat-1", "run-1"].map(|client| {
         db.query_row(
             "SELECT coalesce(length(response), 0), response_digest FROM rounds WHERE client_request_id = ?1",
@@ -85,21 +96,9 @@ async fn calls(bodies: JournalBodies) -> [(String, Option<String>); 2] {
     };
     h.script(&json!({"responses": [call("call_chat"), call("call_run")]}))
         .await;
-    let url = format!("{}/v1/chat/completions", h.url());
     let body = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Weather?"}],
         "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]});
-    for headers in [
-        vec![("x-request-id", "chat-call".to_owned())],
-        vec![
-            ("x-request-id", "run-call".to_owned()),
-            ("turnguard-run", "run-calls".to_owned()),
-        ],
-    ] {
-        let (status, _, resp) = support::call("POST", &url, &headers, Some(&body)).await;
-        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
-    }
-    let dir = h.stop().await;
-    let db = support::journal(&dir.path().join("journal.db"));
+    let (db, _dir) = chat_then_run(h, &body, ["chat-call", "run-call"], "run-calls").await;
     ["chat-call", "run-call"].map(|client| {
         db.query_row(
             "SELECT c.args_hash, c.redacted_args FROM tool_calls c JOIN rounds r USING (request_id)

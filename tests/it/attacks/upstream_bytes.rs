@@ -113,6 +113,21 @@ async fn exchange(
     (status, headers, String::from_utf8_lossy(&resp).into_owned())
 }
 
+/// [`exchange`] with the mock serving `bytes` exactly as given (a body serde could not write:
+/// a key twice, a stream cut mid-event), from file `name` in a directory of its own (the mock
+/// serves a `.sse` file as an event stream).
+async fn exchange_bytes(
+    h: &Harness,
+    path: &str,
+    (name, bytes): (&str, impl AsRef<[u8]>),
+    body: &Value,
+) -> (u16, http::HeaderMap, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join(name);
+    std::fs::write(&file, bytes).unwrap();
+    exchange(h, path, json!({"file": file}), body).await
+}
+
 /// A tool-call structure naming the evil tool (the end-turn explanation may name it).
 fn carries_call(body: &str) -> bool {
     body.contains(&format!("\"name\":\"{EVIL}\""))
@@ -250,7 +265,6 @@ async fn a_compressed_upstream_body_is_decoded_or_refused() {
 #[tokio::test]
 async fn nothing_unclassified_follows_the_terminal_event() {
     let h = support::start(Script::default()).await;
-    let dir = tempfile::tempdir().unwrap();
     // Anthropic: a complete text message, then a tool_use block ended by a lone `\r` that only
     // the end of the input completes. The SDK reads on after `message_stop` and would add it.
     let mut events = vec![
@@ -270,12 +284,10 @@ async fn nothing_unclassified_follows_the_terminal_event() {
     bytes.push_str("\n\n");
     bytes.push_str(&tool_use_start(json!(1), "toolu_evil", EVIL).replace('\n', "\r"));
     bytes.push_str("\r\r");
-    let file = dir.path().join("tail.sse");
-    std::fs::write(&file, bytes).unwrap();
-    let (status, _, body) = exchange(
+    let (status, _, body) = exchange_bytes(
         &h,
         "/v1/messages",
-        json!({"file": file}),
+        ("tail.sse", bytes),
         &messages_request(true),
     )
     .await;
@@ -851,13 +863,10 @@ async fn arguments_with_a_key_twice_are_never_released() {
 async fn a_key_twice_in_a_member_turnguard_skips_is_never_forwarded() {
     let h = support::start(Script::default()).await;
     let body = r#"{"id":"c","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"Sunny."}}],"usage":{"prompt_tokens":987654,"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("usage-twice.json");
-    std::fs::write(&file, body).unwrap();
-    let (status, _, resp) = exchange(
+    let (status, _, resp) = exchange_bytes(
         &h,
         "/v1/chat/completions",
-        json!({"file": file}),
+        ("usage-twice.json", body),
         &chat_request(false),
     )
     .await;
@@ -887,13 +896,10 @@ async fn an_upstream_key_named_twice_is_never_forwarded() {
     let body = format!(
         r#"{{"id":"c","object":"chat.completion","created":1,"model":"m","choices":[{{"index":0,"finish_reason":"stop","message":{evil},"message":{benign}}}],"usage":{{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}}}"#
     );
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("twice.json");
-    std::fs::write(&file, &body).unwrap();
-    let (status, _, resp) = exchange(
+    let (status, _, resp) = exchange_bytes(
         &h,
         "/v1/chat/completions",
-        json!({"file": file}),
+        ("twice.json", &body),
         &chat_request(false),
     )
     .await;
