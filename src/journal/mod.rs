@@ -1193,10 +1193,11 @@ impl WriterWake {
 /// the writer eight times a batch on the request path's core. `None` once the queue is
 /// closed and empty.
 ///
-/// The writer polls rather than parks: a parked writer (woken only for a record someone waits
-/// for) saved no CPU at c=64 and let the core go idle between requests, and the open-loop
-/// service p99 rose by ~0.12 ms in 3 of 3 pairs on this VM (bench/RESULTS.md, issue 13
-/// run 12).
+/// The same park was tried in issue 13 run 12, when a request cost ~136 µs: it saved no CPU
+/// then and the open-loop service p99 rose by ~0.12 ms, so the poll came back. At ~54 µs a
+/// request the poll's wake-ups were 0.2 context switches a request and ~4 µs of system time
+/// (4 of 4 pairs), and with the park the open-loop service p99 of run 21 (696 / 647 / 400 µs)
+/// sits with the polling runs 19–20's (593–1,283 µs) (bench/RESULTS.md, run 21).
 fn next_batch(rx: &mut mpsc::Receiver<Job>, linger: Duration) -> Option<Vec<Job>> {
     let first = rx.blocking_recv()?;
     let mut waited_for = first.waited_for();
