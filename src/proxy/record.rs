@@ -173,16 +173,6 @@ impl CallIds {
 /// The journal row of call `call_id` (tool `name`) and its decision `d`: the first call of
 /// the first choice, outside a run (the LLM path sets its position, the MCP front keeps it).
 pub fn call_record(call_id: &str, name: &str, d: &crate::model::Decision) -> CallRecord {
-    call_row(call_id, name, d, journaled_args(d))
-}
-
-/// [`call_record`] with the arguments text already chosen.
-fn call_row(
-    call_id: &str,
-    name: &str,
-    d: &crate::model::Decision,
-    redacted_args: Option<String>,
-) -> CallRecord {
     CallRecord {
         logical_invocation_id: None,
         node_ordinal: 0,
@@ -197,7 +187,7 @@ fn call_row(
         tool_id: d.tool_id.clone(),
         enforced: d.enforced,
         rules: (!d.rules.is_empty()).then(|| d.rules.join(",")),
-        redacted_args,
+        redacted_args: journaled_args(d),
     }
 }
 
@@ -226,7 +216,7 @@ pub fn call_records(
                 node_ordinal,
                 choice: choice.choice,
                 ordinal: ordinal as u32,
-                ..call_row(&call.id, &call.name, d, journaled_args(d))
+                ..call_record(&call.id, &call.name, d)
             });
         }
     }

@@ -1342,13 +1342,7 @@ async fn edit_before_approve_readmits_the_edited_call() {
         .unwrap();
     assert_eq!((hash.as_str(), outcome.as_str()), (edited_hash, "executed"));
     assert_eq!(serde_json::from_str::<Value>(&args).unwrap(), released);
-    let events: Vec<String> = db
-        .prepare("SELECT payload FROM events WHERE type LIKE 'interrupt.%'")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+    let events: Vec<String> = db.column("SELECT payload FROM events WHERE type LIKE 'interrupt.%'");
     assert!(
         events.iter().all(|e| !e.contains("Only the summary")),
         "no arguments in events"

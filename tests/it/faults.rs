@@ -949,13 +949,7 @@ async fn a_full_disk_fails_durable_requests_and_readiness_recovers() {
     h.stop().await;
     let db = support::journal(&journal);
     assert_eq!(db.check_integrity(), "ok");
-    let ids: Vec<String> = db
-        .prepare("SELECT tool_call_id FROM tool_results ORDER BY id")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+    let ids: Vec<String> = db.column("SELECT tool_call_id FROM tool_results ORDER BY id");
     assert_eq!(
         ids,
         ["call_f0", "call_f2"],

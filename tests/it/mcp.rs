@@ -360,25 +360,14 @@ async fn an_admitted_emission_executes_once_and_the_same_call_again_gets_the_rec
         (key.as_str(), "completed")
     );
     let outcomes: Vec<String> = db
-        .prepare("SELECT c.outcome FROM tool_calls c JOIN rounds r ON r.request_id = c.request_id WHERE r.run_id = 'run-once' AND r.api = 'mcp' ORDER BY c.id")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+        .column("SELECT c.outcome FROM tool_calls c JOIN rounds r ON r.request_id = c.request_id WHERE r.run_id = 'run-once' AND r.api = 'mcp' ORDER BY c.id");
     assert_eq!(
         outcomes,
         ["executed", "suppressed-repeat", "suppressed-repeat"]
     );
-    let events: Vec<String> = db
-        .prepare(
-            "SELECT payload FROM events WHERE run_id = 'run-once' AND type = 'agent.tool-called'",
-        )
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+    let events: Vec<String> = db.column(
+        "SELECT payload FROM events WHERE run_id = 'run-once' AND type = 'agent.tool-called'",
+    );
     assert!(
         events.iter().any(|p| p.contains("\"transport\":\"mcp\"")),
         "{events:?}"

@@ -344,7 +344,7 @@ async fn a_stream_cut_mid_call_releases_nothing_and_ends_with_an_error_event() {
             |r| r.get(0),
         )
         .unwrap();
-    let rows: Vec<String> = conn.prepare("SELECT r.api || coalesce(c.outcome,'-') || coalesce(c.reason,'-') || r.state || coalesce(r.error, '') FROM rounds r LEFT JOIN tool_calls c USING (request_id)").unwrap().query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect();
+    let rows: Vec<String> = conn.column("SELECT r.api || coalesce(c.outcome,'-') || coalesce(c.reason,'-') || r.state || coalesce(r.error, '') FROM rounds r LEFT JOIN tool_calls c USING (request_id)");
     assert_eq!(withheld, 2, "{rows:?}");
 }
 

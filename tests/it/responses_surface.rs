@@ -661,13 +661,7 @@ async fn an_invalid_call_is_repaired_and_the_repair_round_continues_the_agents_s
         ]
     );
     // The repair round's own response is in the chain under the provider's id.
-    let ids: Vec<String> = db
-        .prepare("SELECT response_id FROM responses ORDER BY response_id")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+    let ids: Vec<String> = db.column("SELECT response_id FROM responses ORDER BY response_id");
     assert_eq!(
         ids,
         vec![

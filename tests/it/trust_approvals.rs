@@ -498,13 +498,7 @@ async fn trusted_turn_releases_and_provider_output_is_untrusted() {
 
     let dir = h.stop().await;
     let conn = support::journal(&dir.path().join("journal.db"));
-    let sticky: Vec<String> = conn
-        .prepare("SELECT run_id FROM run_trust ORDER BY run_id")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+    let sticky: Vec<String> = conn.column("SELECT run_id FROM run_trust ORDER BY run_id");
     assert_eq!(sticky, ["run-d", "run-s", "run-w"]);
 }
 

@@ -415,13 +415,7 @@ async fn an_approval_is_not_spent_by_a_stream_whose_agent_left() {
     );
     let dir = h.stop().await;
     let conn = support::journal(&dir.path().join("journal.db"));
-    let consumed: Vec<Option<String>> = conn
-        .prepare("SELECT consumed_by FROM interrupts")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+    let consumed: Vec<Option<String>> = conn.column("SELECT consumed_by FROM interrupts");
     assert_eq!(consumed.len(), 1);
     assert!(consumed[0].is_some(), "used once, by the delivered stream");
 }

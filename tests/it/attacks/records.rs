@@ -94,6 +94,18 @@ async fn start_with_identity(bundle: Option<&Path>) -> (Harness, tempfile::TempD
 }
 
 /// Waits until the relay of a streamed round has journaled it (the relay records after the
+/// Sends `body` as a chat turn (no `Turnguard-Run`); it must answer 200.
+async fn chat_turn(h: &Harness, body: &Value) {
+    let (status, _, bytes) = support::call(
+        "POST",
+        &format!("{}/v1/chat/completions", h.url()),
+        &[],
+        Some(body),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+}
+
 /// agent's stream ended).
 fn wait_rounds(h: &Harness, run: &str, n: i64) {
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -318,14 +330,7 @@ async fn a_declared_tool_carries_no_secret_into_the_journal() {
     body["tools"] = tools;
     let r = agent.send_body(&body).await;
     assert_eq!(r.status, 200, "{}", r.text_body());
-    let (status, _, bytes) = support::call(
-        "POST",
-        &format!("{}/v1/chat/completions", h.url()),
-        &[],
-        Some(&body),
-    )
-    .await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    chat_turn(&h, &body).await;
     let dir = h.stop().await;
     for (needle, what) in [
         (in_name, "a key as a declared tool's name"),
@@ -410,12 +415,7 @@ async fn a_reused_request_id_loses_no_round() {
     let dir = h.stop().await;
     let db = support::journal(&dir.path().join("journal.db"));
     let calls: Vec<String> = db
-        .prepare("SELECT c.call_id FROM tool_calls c JOIN rounds r USING (request_id) WHERE r.run_id = 'run-reqid' ORDER BY c.id")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+        .column("SELECT c.call_id FROM tool_calls c JOIN rounds r USING (request_id) WHERE r.run_id = 'run-reqid' ORDER BY c.id");
     assert_eq!(
         calls,
         ["call_i0", "call_i1"],
@@ -939,23 +939,11 @@ async fn a_key_in_a_call_id_or_name_never_reaches_the_events_in_clear() {
     .await;
     let body = json!({"model": "gpt-test", "messages": [{"role": "user", "content": "Look up o-1."}],
         "tools": declared_tools()});
-    let (status, _, bytes) = support::call(
-        "POST",
-        &format!("{}/v1/chat/completions", h.url()),
-        &[],
-        Some(&body),
-    )
-    .await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    chat_turn(&h, &body).await;
     let dir = h.stop().await;
     let db = support::journal(&dir.path().join("journal.db"));
-    let called: Vec<String> = db
-        .prepare("SELECT payload FROM events WHERE type = 'agent.tool-called'")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+    let called: Vec<String> =
+        db.column("SELECT payload FROM events WHERE type = 'agent.tool-called'");
     assert_eq!(
         called.len(),
         2,

@@ -435,6 +435,15 @@ impl Db {
         f(rows.first().ok_or(DbError::NoRows)?)
     }
 
+    /// The first column of every row of `sql` (a query without parameters), each read as `T`;
+    /// panics, naming the query, when it fails or a value is not a `T` (test code).
+    pub fn column<T: FromDb>(&self, sql: &str) -> Vec<T> {
+        let rows = self.rows(sql, []).unwrap_or_else(|e| panic!("{sql}: {e}"));
+        rows.iter()
+            .map(|r| r.get(0).unwrap_or_else(|e| panic!("{sql}: {e}")))
+            .collect()
+    }
+
     /// A statement to run with [`Statement::query_map`].
     pub fn prepare(&self, sql: &str) -> Result<Statement<'_>, DbError> {
         Ok(Statement {
