@@ -23,6 +23,12 @@
 //!   causes, no coordinated omission) and of the service time from the actual send. Timer
 //!   granularity (tokio's 1 ms wheel) delays sends alike in every configuration; compare the
 //!   configurations, not the absolute numbers.
+//! - `benchtool relay --listen ADDR --upstream URL`: a pass-through proxy on turnguard's stack
+//!   and nothing else — an axum router on hyper's HTTP/1 server, the body read whole, sent
+//!   with hyper-util's legacy client, the answer read whole and returned — on a current-thread
+//!   runtime, as turnguard runs on one CPU. No parsing, no admission, no journal, no log: the
+//!   floor any proxy built from these crates pays on the host, for reading turnguard's cells
+//!   (`bench/RESULTS.md`). Not one of `run.sh`'s cells.
 //! - `--run-prefix P` (`stream` and `open`): every request carries `Turnguard-Run: P-<n>`, a
 //!   run of its own (run journaling: durable records), for the `*-run` cells.
 //! - `benchtool soak --url URL --admin URL --concurrency N --seconds S --secret-file F
@@ -73,6 +79,20 @@ fn arg(args: &[String], name: &str) -> Option<String> {
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
+        Some("relay") => {
+            let listen: SocketAddr = arg(&args, "--listen").unwrap().parse().unwrap();
+            let upstream = arg(&args, "--upstream").unwrap();
+            // The relay polls everything on this thread, as turnguard's one-worker runtime.
+            std::thread::spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(relay(listen, upstream));
+            })
+            .join()
+            .unwrap();
+        }
         Some("mock") => {
             let listen: SocketAddr = arg(&args, "--listen").unwrap().parse().unwrap();
             let delay: u64 = arg(&args, "--event-delay-us")
@@ -102,10 +122,54 @@ async fn main() {
         }
         Some("soak") => soak::run(&args).await,
         _ => {
-            eprintln!("usage: benchtool mock --listen ADDR [--event-delay-us N] | stream --url URL --concurrency N --seconds S [--run-prefix P] | open --url URL --rate R --connections C --seconds S [--run-prefix P] | soak (see the module docs)");
+            eprintln!("usage: benchtool mock --listen ADDR [--event-delay-us N] | relay --listen ADDR --upstream URL | stream --url URL --concurrency N --seconds S [--run-prefix P] | open --url URL --rate R --connections C --seconds S [--run-prefix P] | soak (see the module docs)");
             std::process::exit(2);
         }
     }
+}
+
+// ---- the pass-through relay ---------------------------------------------------------------
+
+struct RelayState {
+    client: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+    upstream: String,
+}
+
+async fn relay(listen: SocketAddr, upstream: String) {
+    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    connector.set_nodelay(true);
+    let state = Arc::new(RelayState {
+        client: Client::builder(TokioExecutor::new()).build(connector),
+        upstream,
+    });
+    let router = Router::new().fallback(relay_one).with_state(state);
+    let listener = tokio::net::TcpListener::bind(listen).await.unwrap();
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    axum::serve(listener, router).await.unwrap();
+}
+
+async fn relay_one(State(r): State<Arc<RelayState>>, req: Request<Body>) -> Response {
+    let (parts, body) = req.into_parts();
+    let body = turnguard::body::read_capped(body, 1 << 20).await.unwrap();
+    let mut up =
+        Request::builder()
+            .method(parts.method)
+            .uri(format!("{}{}", r.upstream, parts.uri.path()));
+    for (k, v) in &parts.headers {
+        if k != http::header::HOST {
+            up = up.header(k, v);
+        }
+    }
+    let resp = r
+        .client
+        .request(up.body(Full::new(body)).unwrap())
+        .await
+        .unwrap();
+    let (parts, body) = resp.into_parts();
+    let body = turnguard::body::read_capped(body, 1 << 20).await.unwrap();
+    Response::from_parts(parts, Body::from(body))
 }
 
 // ---- the mock upstream ---------------------------------------------------------------------

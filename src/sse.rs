@@ -9,7 +9,8 @@
 //!
 //! [`Event::classify`] is the one gate between framing and the provider adapters: a block
 //! reaches an adapter only as an [`Event`] whose payload turnguard read — no `data` (a
-//! comment or keep-alive), the `[DONE]` sentinel, or a JSON object — so nothing is ever
+//! comment or keep-alive), the `[DONE]` sentinel, or a JSON object — and whose every line is
+//! a comment or a field it knows (`event`, `data`, `id`, `retry`), so nothing is ever
 //! forwarded that was not parsed (DESIGN.md §9, "upstream"). An adapter that reads a JSON
 //! object from its text in one pass (the Chat stream's typed view) gets it as
 //! [`Payload::Text`] from [`Event::classify_text`] instead, and is held to the same gate: it
@@ -27,6 +28,12 @@ pub struct SseBlock {
     pub event: Option<String>,
     /// The `data:` lines joined with `\n`; `None` for a comment-only block (keep-alive).
     pub data: Option<String>,
+    /// A line names a field other than `event`, `data`, `id` and `retry`. The standard has a
+    /// client ignore it, but clients differ on what a field name is: the official Node SDKs
+    /// decode each line with a `TextDecoder`, which drops a leading byte-order mark, so
+    /// `U+FEFF data: …` is a `data` line to them and an unknown field to a reader that keeps
+    /// the mark. A block that reads two ways is refused ([`Event::classify`]).
+    pub unknown_field: bool,
 }
 
 /// The framer met a block larger than its cap.
@@ -137,6 +144,7 @@ fn parse_block(raw: Bytes) -> SseBlock {
     let text = String::from_utf8_lossy(&raw);
     let mut event = None;
     let mut data: Option<String> = None;
+    let mut unknown_field = false;
     for line in text.split(['\n', '\r']) {
         if line.is_empty() || line.starts_with(':') {
             continue;
@@ -154,10 +162,16 @@ fn parse_block(raw: Bytes) -> SseBlock {
                 }
                 None => data = Some(value.to_owned()),
             },
-            _ => {}
+            "id" | "retry" => {}
+            _ => unknown_field = true,
         }
     }
-    SseBlock { raw, event, data }
+    SseBlock {
+        raw,
+        event,
+        data,
+        unknown_field,
+    }
 }
 
 /// What a block carries, as turnguard read it.
@@ -201,7 +215,8 @@ pub struct Unreadable(pub String);
 
 impl Event {
     /// Reads a block: its bytes must be UTF-8 (what a client decodes is what turnguard read),
-    /// and its `data`, when there is one, must be `[DONE]` or a JSON object that serde_json
+    /// each line a comment or one of the fields `event`, `data`, `id` and `retry`
+    /// ([`SseBlock::unknown_field`]), and its `data`, when there is one, must be `[DONE]` or a JSON object that serde_json
     /// accepts. JSON that other parsers accept but serde_json refuses (`NaN`, `1e400`, a lone
     /// surrogate, nesting past 128 levels) is unreadable, never passed through as "not JSON".
     ///
@@ -211,10 +226,10 @@ impl Event {
     }
 
     /// [`Self::classify`], but a JSON object's text is left for the adapter to read
-    /// ([`Payload::Text`]): the block must be UTF-8, and its `data` is `[DONE]`, missing, or
-    /// the text the adapter reads.
+    /// ([`Payload::Text`]): the block must be UTF-8 with only known fields, and its `data` is
+    /// `[DONE]`, missing, or the text the adapter reads.
     ///
-    /// Errors: [`Unreadable`] for bytes that are not UTF-8.
+    /// Errors: [`Unreadable`] for bytes that are not UTF-8 or a field turnguard does not know.
     pub fn classify_text(block: SseBlock) -> Result<Self, Unreadable> {
         Self::read(block, |_| Ok(Payload::Text))
     }
@@ -226,6 +241,11 @@ impl Event {
     ) -> Result<Self, Unreadable> {
         if std::str::from_utf8(&block.raw).is_err() {
             return Err(Unreadable("an event that is not UTF-8".into()));
+        }
+        if block.unknown_field {
+            return Err(Unreadable(
+                "an event with a field other than `event`, `data`, `id` and `retry` (clients disagree on such a line: some drop a byte-order mark before `data:` and read it)".into(),
+            ));
         }
         let payload = match block.data.as_deref() {
             None => Payload::None,
@@ -259,6 +279,7 @@ impl Event {
                 raw,
                 event: self.block.event,
                 data: Some(data),
+                unknown_field: false,
             },
             payload: Payload::Json(json),
         }
@@ -344,6 +365,37 @@ mod tests {
         assert!(rest.is_empty());
         let joined: Vec<u8> = blocks.iter().flat_map(|b| b.raw.to_vec()).collect();
         assert_eq!(&joined[..], &input[..]);
+    }
+
+    #[test]
+    fn only_comments_and_the_four_fields_are_readable() {
+        let read = |raw: &'static [u8]| {
+            let (blocks, _) = frame_all(&[raw]);
+            Event::classify(blocks.into_iter().next().unwrap())
+        };
+        for ok in [
+            &b": keep-alive\n\n"[..],
+            b"event: ping\nid: 7\nretry: 10\n\n",
+            b"data: {}\n\n",
+            b"data:{}\n\n",
+        ] {
+            assert!(read(ok).is_ok(), "{}", String::from_utf8_lossy(ok));
+        }
+        // A byte-order mark before `data:` (some clients drop it and read the line), a field
+        // with a space before its colon, a field nobody defines.
+        for two_ways in [
+            &b"\xEF\xBB\xBFdata: {}\n\n"[..],
+            b"data : {}\n\n",
+            b"data: {}\nx-note: 1\n\n",
+        ] {
+            let (blocks, _) = frame_all(&[two_ways]);
+            assert!(blocks[0].unknown_field);
+            assert!(
+                read(two_ways).is_err(),
+                "{}",
+                String::from_utf8_lossy(two_ways)
+            );
+        }
     }
 
     #[test]

@@ -910,6 +910,19 @@ impl ProviderStream for MessagesStream {
             "message_start" if !self.blocks.is_empty() || self.delta_seen => {
                 return self.violate("a second `message_start`".into());
             }
+            // The API opens the message empty (`content: []`) and streams its blocks as
+            // `content_block_*` events, the only ones turnguard reads calls from; the SDKs
+            // start their message from this one, so a block in it would reach the agent
+            // undecided.
+            "message_start"
+                if parsed
+                    .at("/message/content")
+                    .is_some_and(|c| c.as_array().is_none_or(|a| !a.is_empty())) =>
+            {
+                return self.violate(
+                    "a `message_start` whose message already holds content (its blocks must come as `content_block_*` events)".into(),
+                );
+            }
             "message_stop" => self.stop_seen = true,
             _ => {}
         }

@@ -1294,6 +1294,18 @@ impl ResponsesStream {
     /// Updates the state from one event; `false` when the event must be dropped.
     fn observe(&mut self, kind: &str, j: &Value) -> bool {
         match kind {
+            // The API opens a response empty (`output: []`) and streams its items as
+            // `response.output_item.*` events, which are what turnguard reads calls from;
+            // the SDKs start their snapshot from this response, so an item in it would reach
+            // the agent undecided.
+            "response.created" | "response.queued" | "response.in_progress"
+                if j.at("/response/output")
+                    .is_some_and(|o| o.as_array().is_none_or(|a| !a.is_empty())) =>
+            {
+                self.violate(format!(
+                    "a `{kind}` whose response already holds output (its items must come as `response.output_item.*` events)"
+                ));
+            }
             "response.created" | "response.queued" | "response.in_progress"
                 if self.response_id.is_none() =>
             {

@@ -459,6 +459,7 @@ impl Pipeline {
                 raw: std::mem::take(&mut block.buf).freeze(),
                 event: None,
                 data: None,
+                unknown_field: false,
             },
             payload: Payload::Body,
         });

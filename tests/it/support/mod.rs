@@ -302,6 +302,31 @@ pub async fn run_sdk_script(
         .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python.display(), path.display()))
 }
 
+/// Runs `tests/compat/node/<script>` with `node` (the official Node SDKs of the
+/// compatibility suite, installed by `npm ci` there) and `args`, killed if it runs past
+/// `limit`; returns its output.
+pub async fn run_node_script(
+    script: &str,
+    args: &[std::ffi::OsString],
+    limit: Duration,
+) -> std::process::Output {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/compat/node");
+    assert!(
+        dir.join("node_modules/.package-lock.json").exists(),
+        "the Node SDK tests need tests/compat/node's packages: run `npm ci` there (README, 'Tests')"
+    );
+    let run = tokio::process::Command::new("node")
+        .arg(dir.join(script))
+        .args(args)
+        .current_dir(&dir)
+        .kill_on_drop(true)
+        .output();
+    tokio::time::timeout(limit, run)
+        .await
+        .unwrap_or_else(|_| panic!("{script} did not finish within {} s", limit.as_secs()))
+        .unwrap_or_else(|e| panic!("cannot run node {script}: {e}"))
+}
+
 /// Opens the journal of a harness directory (`DIR/journal.db`) for reading, on whichever
 /// backend the suite runs ([`db`]).
 pub fn journal(path: &Path) -> Db {
