@@ -112,10 +112,10 @@ impl<T: Send> AgentEnd for tokio::sync::mpsc::Sender<T> {
 pub enum Approval<'a> {
     /// No approval in hand: held calls are held.
     Pending,
-    /// The acting person approved exactly these `argsHash`es (once); the calls they edited
+    /// The acting person approved exactly these calls (once); the calls they edited
     /// (`edit-accept`) carry the edited arguments in the round being decided and are released
     /// with them, or refused when the edit is not admitted.
-    Accepted(&'a BTreeSet<String>, &'a [Edited]),
+    Accepted(&'a BTreeSet<BoundCall>, &'a [Edited]),
     /// No approval was given: held calls are refused with this reason and explanation.
     Refused(crate::reason::Reason, &'a str),
 }
@@ -125,23 +125,59 @@ const MAX_RESOLVE_BODY: usize = 64 << 10;
 /// Longest `feedback` kept, characters.
 const MAX_FEEDBACK_CHARS: usize = 4000;
 
+/// A call an accepted approval covers: its choice, its position in the choice, and the
+/// `argsHash` the person approved (the edited arguments' for an `edit-accept`). A call is
+/// approved only at its place with its hash: the same arguments elsewhere in a round, or a
+/// second call with them, are not ([`Approval::Accepted`]).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct BoundCall {
+    pub choice: u32,
+    pub index: usize,
+    pub args_hash: String,
+}
+
+/// A held call as the interrupt key binds it.
+struct KeyedCall<'r> {
+    choice: u32,
+    index: usize,
+    /// The tool name as the model sent it (the interrupt shows a sanitized label).
+    name: &'r str,
+    args_hash: &'r str,
+    /// The arguments held a secret, so `argsHash` (taken over the redacted form) does not
+    /// tell two values of it apart.
+    secrets: bool,
+}
+
 /// The deterministic interrupt key: `<run>:<node>:<attempt>:<round>:<digest>` (chat turns:
 /// `chat:<journal-id>:<round>:<digest>`, turnguard's own id of the request), where the digest
-/// covers the person and the held calls' `argsHash`es — so a re-sent request meets the same
-/// interrupt, and a changed argument makes a new one. Over 256 characters, `sha256:<hex>` of
-/// it.
-pub fn interrupt_key(
+/// covers the person and the held calls in order — each call's choice, position, exact tool
+/// name and `argsHash` — so a re-sent request that holds the same calls meets the same
+/// interrupt, and another tool, another argument or one more call makes a new one. When a
+/// held call's arguments held a secret, its `argsHash` (taken over the redacted form) cannot
+/// tell a changed secret apart, so the digest covers the request too (turnguard's journal
+/// id): the approval is good for the request that showed the call, and a re-send asks again.
+/// Over 256 characters, `sha256:<hex>` of it.
+fn interrupt_key(
     session: &Session,
     round: u32,
     person: Option<&str>,
-    hashes: &BTreeSet<String>,
+    calls: &[KeyedCall<'_>],
 ) -> String {
+    // Each field length-prefixed: no field's bytes can stand for another's.
+    fn field(h: &mut Sha256, bytes: &[u8]) {
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    }
     let mut h = Sha256::new();
-    h.update(person.unwrap_or("").as_bytes());
-    h.update([0u8]);
-    for x in hashes {
-        h.update(x.as_bytes());
-        h.update(b",");
+    field(&mut h, person.unwrap_or("").as_bytes());
+    for c in calls {
+        field(&mut h, &c.choice.to_le_bytes());
+        field(&mut h, &(c.index as u64).to_le_bytes());
+        field(&mut h, c.name.as_bytes());
+        field(&mut h, c.args_hash.as_bytes());
+    }
+    if calls.iter().any(|c| c.secrets) {
+        field(&mut h, session.ctx.journal_id.as_bytes());
     }
     let digest = hex::encode(h.finalize());
     let run = &session.ctx.run;
@@ -171,11 +207,11 @@ pub fn interrupt_id(key: &str) -> String {
 /// was held, and whether the person may edit it (`approval_edit`; never when the adapter
 /// cannot rewrite the answer's arguments, [`crate::model::Turn::arguments_fixed`]: a
 /// Responses stream).
-fn held_calls(
+fn held_calls<'r>(
     session: &Session,
-    round: &[ChoiceEmissions],
-    verdicts: &[ChoiceVerdict],
-) -> Vec<Value> {
+    round: &'r [ChoiceEmissions],
+    verdicts: &'r [ChoiceVerdict],
+) -> Vec<(Value, KeyedCall<'r>)> {
     let rewritable = !session.turn.arguments_fixed;
     let mut calls = Vec::new();
     for (choice, verdict) in round.iter().zip(verdicts) {
@@ -208,7 +244,14 @@ fn held_calls(
                     o.insert("providerOutput".into(), json!(true));
                 }
             }
-            calls.push(held);
+            let keyed = KeyedCall {
+                choice: choice.choice,
+                index,
+                name: &call.name,
+                args_hash: d.args_hash.as_deref().unwrap_or_default(),
+                secrets: d.secrets > 0,
+            };
+            calls.push((held, keyed));
         }
     }
     calls
@@ -312,9 +355,9 @@ pub fn edited_outcomes(
 /// it (`Session::admit`, in the request path); this module never decides a round itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Settled {
-    /// Accepted and used by this request: exactly these `argsHash`es are approved (once),
-    /// with the calls the person edited (`edit-accept`) carrying the edited arguments.
-    Accepted(BTreeSet<String>, Vec<Edited>),
+    /// Accepted and used by this request: exactly these calls are approved (once), with the
+    /// calls the person edited (`edit-accept`) carrying the edited arguments.
+    Accepted(BTreeSet<BoundCall>, Vec<Edited>),
     /// Not approved: held calls are refused with this reason (one that
     /// [`crate::reason::Reason::is_approval_refusal`]) and explanation.
     Refused(crate::reason::Reason, String),
@@ -357,20 +400,16 @@ pub async fn settle(
 ) -> Settled {
     let state = &session.state;
     let redactor = &session.policy.redactor;
-    let calls: Vec<Value> = held_calls(session, round, verdicts)
+    let (calls, keyed): (Vec<Value>, Vec<KeyedCall<'_>>) = held_calls(session, round, verdicts)
         .into_iter()
-        .map(|mut c| {
+        .map(|(mut c, k)| {
             redactor.redact_in_place("", &mut c);
-            c
+            (c, k)
         })
-        .collect();
-    let hashes: BTreeSet<String> = calls
-        .iter()
-        .filter_map(|c| c.get("argsHash").and_then(Value::as_str).map(str::to_owned))
-        .collect();
+        .unzip();
     let person = session.person.as_deref();
     let round_index = session.turn.round_index + session.rounds.saturating_sub(1);
-    let key = interrupt_key(session, round_index, person, &hashes);
+    let key = interrupt_key(session, round_index, person, &keyed);
     let id = interrupt_id(&key);
     let now = now_ms();
     let timeout_ms = state.config.approval_timeout_ms;
@@ -522,7 +561,7 @@ async fn use_approval(session: &Session, id: &str, resolved: &InterruptRow) -> S
         .consume_approval(id, &session.ctx.journal_id)
         .await
     {
-        Ok(true) => Settled::Accepted(bound_hashes(resolved), edits_of(resolved)),
+        Ok(true) => Settled::Accepted(bound_calls(resolved), edits_of(resolved)),
         Ok(false) => Settled::Refused(
             crate::reason::Reason::ApprovalAlreadyUsed,
             "this approval was already used by another request; an approval is single-use".into(),
@@ -544,9 +583,10 @@ fn agent_gone(session: &Session, id: &str) -> Settled {
     Settled::Refused(crate::reason::Reason::AgentGone, "the agent left before the held call(s) could be delivered; an approval is used only by a request that receives its calls".into())
 }
 
-/// The `argsHash`es an interrupt binds: each held call's, or for a call the person edited
-/// (`edit-accept`), the edited arguments' — the model's arguments are then not approved.
-fn bound_hashes(row: &InterruptRow) -> BTreeSet<String> {
+/// The calls an interrupt binds, each at its place: each held call's `argsHash`, or for a
+/// call the person edited (`edit-accept`), the edited arguments' — the model's arguments are
+/// then not approved. A stored call without its place binds nothing.
+fn bound_calls(row: &InterruptRow) -> BTreeSet<BoundCall> {
     let edits = edits_of(row);
     row.record
         .calls
@@ -554,17 +594,20 @@ fn bound_hashes(row: &InterruptRow) -> BTreeSet<String> {
         .into_iter()
         .flatten()
         .filter_map(|c| {
-            let at = (
-                c.get("choice").and_then(Value::as_u64),
-                c.get("index").and_then(Value::as_u64),
-            );
+            let choice = u32::try_from(c.get("choice").and_then(Value::as_u64)?).ok()?;
+            let index = usize::try_from(c.get("index").and_then(Value::as_u64)?).ok()?;
             let edited = edits
                 .iter()
-                .find(|e| at == (Some(u64::from(e.choice)), Some(e.index as u64)));
-            match edited {
-                Some(e) => Some(e.args_hash.clone()),
-                None => c.get("argsHash").and_then(Value::as_str).map(str::to_owned),
-            }
+                .find(|e| (e.choice, e.index) == (choice, index));
+            let args_hash = match edited {
+                Some(e) => e.args_hash.clone(),
+                None => c.get("argsHash").and_then(Value::as_str)?.to_owned(),
+            };
+            Some(BoundCall {
+                choice,
+                index,
+                args_hash,
+            })
         })
         .collect()
 }

@@ -720,6 +720,8 @@ pub struct StoredItemRow {
     /// That response's recorded `contentTrust` (a stored value outside the vocabulary fails
     /// the read).
     pub content_trust: Option<crate::policy::bundle::ContentTrust>,
+    /// The item's `type` as it was output (`message`, `reasoning`, `function_call` …).
+    pub item_type: String,
 }
 
 /// One stored response of a `previous_response_id` chain as turnguard's journal has it

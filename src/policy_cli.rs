@@ -76,7 +76,7 @@ pub fn admit_pair(
     let trust = admission::trust::of_turn(&turn, policy, &[]);
     let schemas = SchemaCache::default();
     let limits = LimitState::default();
-    let never = |_: &str| false;
+    let never = |_: u32, _: usize, _: &str| false;
     let ctx = AdmitCtx {
         policy,
         schemas: &schemas,

@@ -39,6 +39,10 @@ pub struct RequestCtx {
     pub at_ms: i64,
 }
 
+/// What a run header given more than once reads as: a value no run id matches
+/// (`proxy::check_run_ids` refuses it).
+pub(crate) const SEVERAL_VALUES: &str = "(several values)";
+
 impl RequestCtx {
     /// The request id and run identity of a request's headers.
     pub(crate) fn new(headers: &HeaderMap) -> Self {
@@ -50,13 +54,27 @@ impl RequestCtx {
                 .filter(|v| !v.is_empty() && v.len() <= 200)
                 .map(str::to_owned)
         };
+        // A run header is never dropped because turnguard cannot read it: it would run the
+        // request as a chat turn, outside its run's sticky trust (§C) and durable records
+        // (§D). A value that is not text, is longer than allowed or comes twice is kept as a
+        // value `proxy::check_run_ids` refuses (400).
+        let run_header = |name: &str| {
+            let mut values = headers.get_all(name).iter();
+            let first = values.next()?;
+            if values.next().is_some() {
+                return Some(SEVERAL_VALUES.to_owned());
+            }
+            let text = String::from_utf8_lossy(first.as_bytes());
+            let text = text.trim();
+            (!text.is_empty()).then(|| text.to_owned())
+        };
         let request_id =
             crate::edge::sane_request_id(headers).unwrap_or_else(crate::edge::fresh_request_id);
-        let run_id = header("turnguard-run");
+        let run_id = run_header("turnguard-run");
         let run = RunKey {
             node_id: run_id
                 .as_ref()
-                .map(|_| header("turnguard-node").unwrap_or_else(|| "default".into())),
+                .map(|_| run_header("turnguard-node").unwrap_or_else(|| "default".into())),
             attempt: run_id.as_ref().map(|_| {
                 header("turnguard-attempt")
                     .and_then(|a| a.parse().ok())

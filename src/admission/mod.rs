@@ -50,8 +50,10 @@ pub struct AdmitCtx<'a> {
     pub run: Option<&'a str>,
     /// Provider API label.
     pub provider: &'a str,
-    /// An approval covers this `argsHash`.
-    pub approved: &'a (dyn Fn(&str) -> bool + Sync),
+    /// An approval covers the call at (choice, position in the choice) with this `argsHash`:
+    /// an approval binds the calls it showed the person, each at its place (tool-turn
+    /// contract §C), so the same arguments elsewhere in the round are not approved.
+    pub approved: &'a (dyn Fn(u32, usize, &str) -> bool + Sync),
     /// Repair rounds left for this agent request.
     pub repairs_left: u32,
     /// Whether each decision carries its stage-by-stage notes ([`Decision::trace`], read by
@@ -125,8 +127,8 @@ pub fn decide_choice(ctx: &AdmitCtx<'_>, turn: &Turn, choice: &ChoiceEmissions) 
     let mut reached_limits = 0u32;
     let mut released = 0u32;
     let mut asked = false;
-    for call in &choice.calls {
-        let mut d = decide(ctx, turn, choice, call, &mut reached_limits, released);
+    for (index, call) in choice.calls.iter().enumerate() {
+        let mut d = decide(ctx, turn, choice, index, &mut reached_limits, released);
         if asked {
             // §E: a clarification ends the turn; every call after it is dropped, whatever
             // admission found (it is still decided and journaled).
@@ -159,10 +161,11 @@ fn decide(
     ctx: &AdmitCtx<'_>,
     turn: &Turn,
     choice: &ChoiceEmissions,
-    call: &crate::model::ToolCall,
+    index: usize,
     reached_limits: &mut u32,
     released_before: u32,
 ) -> Decision {
+    let call = &choice.calls[index];
     let tool = ctx.policy.tool(&call.name);
     let args = arguments::parse_call(call);
     // Redaction runs for every parsed call so that every record carries the redacted form;
@@ -181,6 +184,7 @@ fn decide(
         ctx,
         turn,
         choice,
+        index,
         call,
         tool,
         hash,
@@ -205,6 +209,8 @@ struct CallCtx<'a> {
     ctx: &'a AdmitCtx<'a>,
     turn: &'a Turn,
     choice: &'a ChoiceEmissions,
+    /// The call's position in the choice.
+    index: usize,
     call: &'a crate::model::ToolCall,
     tool: &'a crate::policy::catalog::CatalogTool,
     hash: Option<String>,
@@ -282,7 +288,10 @@ impl CallCtx<'_> {
     /// once when an approval could not release it either.
     fn trust_and_authorization(&mut self, args: &Value) -> Result<(), Ended> {
         let (ctx, turn, tool) = (self.ctx, self.turn, self.tool);
-        let approved = self.hash.as_deref().is_some_and(|h| (ctx.approved)(h));
+        let approved = self
+            .hash
+            .as_deref()
+            .is_some_and(|h| (ctx.approved)(self.choice.choice, self.index, h));
         // Provider-executed output in this very response is untrusted input to its calls.
         let turn_trust = if self.choice.provider_output {
             ContentTrust::Untrusted

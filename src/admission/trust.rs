@@ -190,10 +190,18 @@ pub fn chain_fault(previous: &str, links: &[ChainLink]) -> Option<ChainFault> {
 /// must be one turnguard itself relayed and journaled, not executed by the provider, in a
 /// response that completed (or stopped `incomplete`) and was recorded trusted — the rule
 /// [`chain_fault`] applies to each response of a `previous_response_id` chain. A reference
-/// the journal does not hold stays untrusted (the caller never lifts it).
+/// the journal does not hold stays untrusted (the caller never lifts it). Only items that
+/// carry no call are lifted (`message`, `reasoning`): a referenced call puts a call id into
+/// the model's transcript that turnguard did not journal, so which call a result in the
+/// request answers — and which tool's trust it takes — cannot be told (a request could name
+/// the referenced `read_email` call's id again as `get_weather`'s, and its result would read
+/// as trusted).
 pub fn reference_fault(row: &crate::model::StoredItemRow) -> Option<&'static str> {
     if row.provider_executed {
         return Some("provider_executed");
+    }
+    if !matches!(row.item_type.as_str(), "message" | "reasoning") {
+        return Some("not_message_or_reasoning");
     }
     if row.content_trust != Some(ContentTrust::Trusted) {
         return Some("untrusted_turn");

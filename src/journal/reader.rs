@@ -301,7 +301,7 @@ impl SqliteReader {
     pub fn stored_items(&self, ids: &[String]) -> Result<Vec<StoredItemRow>, JournalError> {
         self.with(|c| {
             let mut st = c.prepare_cached(
-                "SELECT i.response_id, i.provider_executed, r.status, r.content_trust
+                "SELECT i.response_id, i.provider_executed, r.status, r.content_trust, i.item_type
                  FROM response_items i JOIN responses r ON r.response_id = i.response_id
                  WHERE i.item_id = ?1",
             )?;
@@ -315,6 +315,7 @@ impl SqliteReader {
                             provider_executed: r.get(1)?,
                             status: r.get(2)?,
                             content_trust: r.get(3)?,
+                            item_type: r.get(4)?,
                         })
                     })
                     .optional()?;

@@ -291,7 +291,10 @@ impl McpCall {
             output: Vec::new(),
         };
         let ticket_hash = self.args_hash.clone().filter(|_| approved);
-        let approve = move |h: &str| ticket_hash.as_deref() == Some(h);
+        // The one call of the one choice.
+        let approve = move |choice: u32, index: usize, h: &str| {
+            (choice, index) == (0, 0) && ticket_hash.as_deref() == Some(h)
+        };
         let ctx = AdmitCtx {
             policy: &self.policy,
             schemas: &self.front.state.schemas,

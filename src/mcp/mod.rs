@@ -236,14 +236,11 @@ async fn post_inner(front: &Arc<McpFront>, name: &str, req: Request<Body>) -> Re
         .get("method")
         .and_then(Value::as_str)
         .map(str::to_owned);
-    let person = match front.state.identity.person_of(&parts.headers) {
-        Ok(p) => p.map(|p| p.sub),
-        Err(e) => {
-            let e = WireError::Unauthenticated {
-                reason: e.to_string(),
-            };
-            return json_response(StatusCode::UNAUTHORIZED, &wire_error(&id, &e));
-        }
+    // Verified and journaled as on the model APIs: a token the agent presents here never
+    // approves either.
+    let person = match crate::proxy::acting_person(&front.state, &parts.headers).await {
+        Ok(p) => p,
+        Err(e) => return json_response(e.parts().0, &wire_error(&id, &e)),
     };
     let mode = match crate::request::run_mode(&parts.headers) {
         Ok(m) => m,

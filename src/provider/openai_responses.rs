@@ -1825,8 +1825,12 @@ impl ProviderStream for ResponsesStream {
             };
             let ix = json.get("output_index").and_then(Value::as_u64);
             let item_id = str_of(json, "item_id");
+            // By its place, by the item it names, or by the call item it carries (an
+            // `output_item.*` event whose `output_index` is missing or not a number names its
+            // call only inside its `item`).
             if ix.is_some_and(|ix| withheld_ix.contains(&ix))
                 || item_id.is_some_and(|id| withheld_ids.contains(id))
+                || json.get("item").is_some_and(is_withheld)
             {
                 self.seq.dropped(Some(json));
                 continue;

@@ -199,10 +199,15 @@ async fn turn(
     model_rounds(session).await
 }
 
-/// The verified acting person (`sub`) of a request, if any (a bad token is 401). The token
-/// the agent holds is journaled before anything else, so it never approves (503 when the
-/// journal cannot record it).
-async fn acting_person(state: &AppState, headers: &HeaderMap) -> Result<Option<String>, WireError> {
+/// The verified acting person (`sub`) of a data-plane request, if any (a bad token is 401).
+/// The token the agent holds is journaled before anything else, so it never approves (503
+/// when the journal cannot record it). Every data-plane route that reads a request calls this
+/// first — the model APIs, the emission-free passthroughs ([`passthrough`]) and the MCP front
+/// — so no token the agent presented anywhere resolves an interrupt.
+pub(crate) async fn acting_person(
+    state: &AppState,
+    headers: &HeaderMap,
+) -> Result<Option<String>, WireError> {
     let person = state
         .identity
         .person_of(headers)
@@ -450,7 +455,11 @@ fn is_event_content_type(v: &str) -> bool {
 /// Inside a run, a request that delegates MCP or A2A calls to the provider is refused before
 /// it goes upstream (tool-turn contract §F). A chat turn (no `Turnguard-Run`) may.
 /// `Turnguard-Run` and `Turnguard-Node` become OpenWOP ids: a run id of `A-Z a-z 0-9 . _ ~ :
-/// / -` (≤ 200), a node id of `A-Z a-z 0-9 . _ ~ : -` (≤ 128, ids.schema.json `nodeId`).
+/// / -` (≤ 200), a node id of `A-Z a-z 0-9 . _ ~ : -` (≤ 128, ids.schema.json `nodeId`),
+/// each header given once ([`RequestCtx::new`] keeps a value it cannot read, or one given
+/// twice, for this check to refuse).
+///
+/// Errors: [`WireError::InvalidRequest`] naming the header (400).
 pub(crate) fn check_run_ids(run: &RunKey) -> Result<(), WireError> {
     let ok = |s: &str, max: usize, slash: bool| {
         !s.is_empty()
@@ -463,12 +472,12 @@ pub(crate) fn check_run_ids(run: &RunKey) -> Result<(), WireError> {
     };
     if run.run_id.as_deref().is_some_and(|r| !ok(r, 200, true)) {
         return Err(WireError::InvalidRequest {
-            reason: "`Turnguard-Run` must be 1-200 of A-Z a-z 0-9 . _ ~ : / -".into(),
+            reason: "`Turnguard-Run` must be one header of 1-200 of A-Z a-z 0-9 . _ ~ : / -".into(),
         });
     }
     if run.node_id.as_deref().is_some_and(|n| !ok(n, 128, false)) {
         return Err(WireError::InvalidRequest {
-            reason: "`Turnguard-Node` must be 1-128 of A-Z a-z 0-9 . _ ~ : -".into(),
+            reason: "`Turnguard-Node` must be one header of 1-128 of A-Z a-z 0-9 . _ ~ : -".into(),
         });
     }
     Ok(())
@@ -482,7 +491,8 @@ fn refuse_provider_delegation(ctx: &RequestCtx, turn: &Turn) -> Result<(), WireE
 }
 
 /// Passes an emission-free endpoint (`GET /v1/models`, `POST /v1/embeddings`,
-/// `POST /v1/messages/count_tokens`) to `upstream` unchanged, body capped.
+/// `POST /v1/messages/count_tokens`) to `upstream` unchanged, body capped. A principal token
+/// on it is verified and journaled first, as on the model APIs ([`acting_person`]).
 pub async fn passthrough(
     state: Arc<AppState>,
     upstream_name: &'static str,
@@ -492,6 +502,7 @@ pub async fn passthrough(
     let surface = Surface::of_request(req.uri().path(), req.headers());
     let (parts, body) = req.into_parts();
     let result = async {
+        acting_person(&state, &parts.headers).await?;
         let raw = read_request(&state, &parts, body).await?;
         let path = parts
             .uri

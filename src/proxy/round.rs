@@ -75,7 +75,10 @@ impl Session {
         round: &[ChoiceEmissions],
         approval: Approval<'_>,
     ) -> Vec<ChoiceVerdict> {
-        let approved = |h: &str| matches!(approval, Approval::Accepted(set, _) if set.contains(h));
+        let approved = |choice: u32, index: usize, h: &str| {
+            matches!(approval, Approval::Accepted(bound, _)
+                if bound.iter().any(|b| b.choice == choice && b.index == index && b.args_hash == h))
+        };
         let ctx = AdmitCtx {
             policy: &self.policy,
             schemas: &self.state.schemas,

@@ -9,7 +9,7 @@
 //!   of the run is untrusted — across requests, attempts and restarts (journaled in
 //!   `run_trust`, insert-if-absent).
 
-use crate::model::{ChainLink, Turn};
+use crate::model::{ChainLink, Turn, UntrustedKind};
 use crate::policy::bundle::ContentTrust;
 use crate::state::AppState;
 
@@ -25,34 +25,40 @@ pub const MAX_CHAIN: usize = 1;
 /// the response, or when the journal cannot be read: all untrusted but the first, see
 /// [`crate::admission::trust::of_turn`]). Tool results in `turn` whose call the request does
 /// not show get the tool name journaled for that call in the response it continues (none
-/// found: no name, so the result is untrusted).
+/// found: no name, so the result is untrusted). A result whose call the request shows
+/// although the response it continues already holds a call with that id makes the turn
+/// untrusted ([`UntrustedKind::DuplicateCallId`]): the model's transcript then has the id
+/// twice, and which call — which tool's trust — the result answers is the agent's word.
 pub async fn response_chain(state: &AppState, ctx: &RequestCtx, turn: &mut Turn) -> Vec<ChainLink> {
     let Some(previous) = turn.previous_response_id.clone() else {
         return Vec::new();
     };
-    let unnamed: Vec<String> = turn
+    let results: Vec<(String, bool)> = turn
         .tool_results
         .iter()
-        .filter(|r| r.tool_name.is_none())
-        .map(|r| r.tool_call_id.clone())
+        .map(|r| (r.tool_call_id.clone(), r.tool_name.is_some()))
         .collect();
     let reader = &state.reader;
     let found = async {
         let links = reader.response_chain(&previous, MAX_CHAIN).await?;
         // The outputs a continuing request carries answer the calls of the response it
         // continues (the provider refuses a request that leaves one unanswered).
-        let mut names = Vec::new();
+        let (mut names, mut shown_again) = (Vec::new(), Vec::new());
         if let Some(link) = links.first().filter(|l| l.response_id == previous) {
-            for call_id in unnamed {
+            for (call_id, named_by_request) in results {
                 if let Some(name) = reader.call_name(&link.request_id, &call_id).await? {
-                    names.push((call_id, name));
+                    if named_by_request {
+                        shown_again.push(call_id);
+                    } else {
+                        names.push((call_id, name));
+                    }
                 }
             }
         }
-        Ok::<_, crate::journal::JournalError>((links, names))
+        Ok::<_, crate::journal::JournalError>((links, names, shown_again))
     }
     .await;
-    let (links, names) = match found {
+    let (links, names, shown_again) = match found {
         Ok(found) => found,
         Err(e) => {
             tracing::error!(error = %e, request_id = %ctx.request_id, "response chain not readable; the turn is untrusted (fail closed)");
@@ -65,6 +71,15 @@ pub async fn response_chain(state: &AppState, ctx: &RequestCtx, turn: &mut Turn)
                 r.tool_name = Some(name.clone());
             }
         }
+    }
+    for call_id in shown_again {
+        turn.untrusted(
+            UntrustedKind::DuplicateCallId,
+            format!(
+                "input: call `{}`, also a call of previous_response_id",
+                crate::admission::sanitize_label(&call_id)
+            ),
+        );
     }
     if let Some(previous) = &turn.previous_response_id {
         if let Some(fault) = crate::admission::trust::chain_fault(previous, &links) {

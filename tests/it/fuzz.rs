@@ -253,7 +253,7 @@ fn admit_explaining(
 ) -> Vec<ChoiceVerdict> {
     let schemas = SchemaCache::default();
     let limits = LimitState::default();
-    let never = |_: &str| false;
+    let never = |_: u32, _: usize, _: &str| false;
     let ctx = AdmitCtx {
         policy: policy(),
         schemas: &schemas,
@@ -1147,5 +1147,34 @@ fn a_responses_call_whose_forms_disagree_on_its_id_is_withheld() {
         let (out, released) = relay(Api::OpenAiResponses, &[bytes]);
         assert!(released.is_empty(), "{call_id}: {released:?}");
         assert_eq!(check_forwarded(&out, &released), Ok(()), "{call_id}");
+    }
+}
+
+/// Found by `streams_forward_only_parsed_and_admitted_events` (minimal input: the call's
+/// `output_item.added` with `call_id: null`, its `output_item.done` with `output_index: null`,
+/// the terminal event twice): the call was withheld, but its `output_item.done` — which
+/// names its call only inside its `item` — was forwarded, call and all. A held event that
+/// carries a withheld call item is dropped whatever its `output_index` says.
+#[test]
+fn a_withheld_call_item_without_its_place_is_never_forwarded() {
+    for output_index in [Value::Null, json!("1"), json!(-1)] {
+        let mut events = template(Api::OpenAiResponses, false);
+        for (_, v) in events.iter_mut() {
+            if v["type"] == "response.output_item.added" && v["item"]["id"] == "fc_w" {
+                v["item"]["call_id"] = Value::Null;
+            }
+            if v["type"] == "response.output_item.done" && v["item"]["id"] == "fc_w" {
+                v["output_index"] = output_index.clone();
+            }
+        }
+        let bytes: Vec<u8> = events
+            .iter()
+            .flat_map(|(name, v)| {
+                format!("event: {}\ndata: {v}\n\n", name.unwrap_or_default()).into_bytes()
+            })
+            .collect();
+        let (out, released) = relay(Api::OpenAiResponses, &[bytes]);
+        assert!(released.is_empty(), "{output_index}: {released:?}");
+        assert_eq!(check_forwarded(&out, &released), Ok(()), "{output_index}");
     }
 }

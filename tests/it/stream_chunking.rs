@@ -104,7 +104,7 @@ fn relay_with(
     let schemas = SchemaCache::default();
     // A bucket that never runs dry: the property is about framing, not rate limits.
     let limits = LimitState::default();
-    let never = |_: &str| false;
+    let never = |_: u32, _: usize, _: &str| false;
     let ctx = AdmitCtx {
         policy,
         schemas: &schemas,

@@ -153,7 +153,7 @@ pub(crate) async fn stored_items(
     for id in ids {
         if let Some(r) = query_opt(
             pool,
-            "SELECT i.response_id, i.provider_executed, r.status, r.content_trust
+            "SELECT i.response_id, i.provider_executed, r.status, r.content_trust, i.item_type
              FROM response_items i JOIN responses r ON r.response_id = i.response_id
              WHERE i.item_id = $1",
             &[id],
@@ -166,6 +166,7 @@ pub(crate) async fn stored_items(
                 provider_executed: get::<i64>(&r, 1)? != 0,
                 status: get(&r, 2)?,
                 content_trust: trust(get(&r, 3)?)?,
+                item_type: get(&r, 4)?,
             });
         }
     }
