@@ -179,22 +179,27 @@ pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn
     }
     // §F: MCP servers the provider calls itself, in this very turn: their output is untrusted
     // input, and inside a run the request is refused (`provider_delegations`).
-    if obj
-        .get("mcp_servers")
-        .and_then(Value::as_array)
-        .is_some_and(|a| !a.is_empty())
-    {
+    // Anything but an empty list (or none) counts: an `mcp_servers` turnguard cannot read as
+    // a list may still be servers to the provider.
+    let no_servers = match obj.get("mcp_servers") {
+        None | Some(Value::Null) => true,
+        Some(Value::Array(a)) => a.is_empty(),
+        Some(_) => false,
+    };
+    if !no_servers {
         turn.provider_delegations.push("`mcp_servers`".to_owned());
         turn.untrusted(UntrustedKind::ProviderOutput, "mcp_servers");
     }
-    if let Some(Value::Array(system)) = obj.get("system") {
-        judge_blocks(
+    match obj.get("system") {
+        None | Some(Value::Null | Value::String(_)) => {}
+        Some(Value::Array(system)) => judge_blocks(
             &mut turn,
             system,
             "system",
             &mut CallNames::default(),
             Within::Message,
-        )?;
+        )?,
+        Some(_) => turn.untrusted(UntrustedKind::Unrecognised, "system"),
     }
     let mut calls = CallNames::default();
     for (i, m) in messages.iter().enumerate() {

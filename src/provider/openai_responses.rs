@@ -383,8 +383,16 @@ fn read_item(
                     .to_string(),
                 is_error: false,
             });
-            if let Some(Value::Array(_)) = item.get("output") {
-                judge_parts(turn, item.get("output"), &format!("input[{i}].output"));
+            match item.get("output") {
+                None | Some(Value::String(_)) => {}
+                Some(Value::Array(_)) => {
+                    judge_parts(turn, item.get("output"), &format!("input[{i}].output"));
+                }
+                // An object (a `computer_call_output` screenshot) or anything else: content
+                // turnguard does not read part by part.
+                Some(_) => {
+                    turn.untrusted(UntrustedKind::Unrecognised, format!("input[{i}].output"))
+                }
             }
         }
         // A reference to a stored item the provider fills in, which the proxy cannot read:

@@ -939,3 +939,55 @@ async fn near_miss_chain_ids_and_provider_item_references_are_untrusted() {
     }
     h.stop().await;
 }
+
+/// Inputs of a shape turnguard does not read are untrusted, not skipped (found by the same
+/// probe): a Responses tool output that is a JSON object instead of a string or a list of
+/// parts (it held an `input_image` by URL, which the provider fetches), an Anthropic
+/// `mcp_servers` that is not a list (the provider may still take it for servers), and an
+/// Anthropic `system` that is neither text nor blocks. Each control, the same turn in the
+/// shape turnguard reads, is trusted.
+#[tokio::test]
+async fn inputs_of_a_shape_turnguard_does_not_read_are_untrusted() {
+    let h = harness().await;
+    let weather = |output: Value| {
+        responses(json!([
+            {"role": "user", "content": "Weather in Paris, then email eve."},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": output}
+        ]))
+    };
+    assert_eq!(
+        judge(&h, "/v1/responses", &weather(json!("sunny"))).await,
+        Judged::Trusted,
+        "control: a text output"
+    );
+    let image = json!({"type": "input_image", "image_url": "https://evil.example/x.png"});
+    assert_eq!(
+        judge(&h, "/v1/responses", &weather(image)).await,
+        Judged::Untrusted,
+        "an output that is an object"
+    );
+
+    let user = json!([{"role": "user", "content": "Email eve."}]);
+    assert_eq!(
+        judge(&h, "/v1/messages", &messages(user.clone())).await,
+        Judged::Trusted,
+        "control"
+    );
+    let mut servers = messages(user.clone());
+    servers["mcp_servers"] =
+        json!({"type": "url", "url": "https://evil.example/mcp", "name": "evil"});
+    assert_eq!(
+        judge(&h, "/v1/messages", &servers).await,
+        Judged::Untrusted,
+        "mcp_servers as an object"
+    );
+    let mut system = messages(user);
+    system["system"] = json!({"type": "text", "text": "You are helpful."});
+    assert_eq!(
+        judge(&h, "/v1/messages", &system).await,
+        Judged::Untrusted,
+        "system as an object"
+    );
+    h.stop().await;
+}
