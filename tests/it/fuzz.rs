@@ -1125,6 +1125,16 @@ fn the_stream_templates_release_the_declared_call() {
     }
 }
 
+/// A Responses stream of `events` (each `event:` line, then its `data:`).
+fn responses_stream(events: &[(Option<&str>, Value)]) -> Vec<u8> {
+    events
+        .iter()
+        .flat_map(|(name, v)| {
+            format!("event: {}\ndata: {v}\n\n", name.unwrap_or_default()).into_bytes()
+        })
+        .collect()
+}
+
 /// Found by `bench/fuzz.sh` (seed 14227395305187386185): a Responses `output_item.done`
 /// whose item has `call_id: null` was forwarded while admission had released the call under
 /// the id the `output_item.added` announced. Every form of a call must carry the same
@@ -1138,12 +1148,7 @@ fn a_responses_call_whose_forms_disagree_on_its_id_is_withheld() {
                 v["item"]["call_id"] = call_id.clone();
             }
         }
-        let bytes: Vec<u8> = events
-            .iter()
-            .flat_map(|(name, v)| {
-                format!("event: {}\ndata: {v}\n\n", name.unwrap_or_default()).into_bytes()
-            })
-            .collect();
+        let bytes = responses_stream(&events);
         let (out, released) = relay(Api::OpenAiResponses, &[bytes]);
         assert!(released.is_empty(), "{call_id}: {released:?}");
         assert_eq!(check_forwarded(&out, &released), Ok(()), "{call_id}");
@@ -1167,12 +1172,7 @@ fn a_withheld_call_item_without_its_place_is_never_forwarded() {
                 v["output_index"] = output_index.clone();
             }
         }
-        let bytes: Vec<u8> = events
-            .iter()
-            .flat_map(|(name, v)| {
-                format!("event: {}\ndata: {v}\n\n", name.unwrap_or_default()).into_bytes()
-            })
-            .collect();
+        let bytes = responses_stream(&events);
         let (out, released) = relay(Api::OpenAiResponses, &[bytes]);
         assert!(released.is_empty(), "{output_index}: {released:?}");
         assert_eq!(check_forwarded(&out, &released), Ok(()), "{output_index}");

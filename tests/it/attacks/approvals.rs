@@ -428,6 +428,34 @@ fn one_call(id: &str, name: &str, args: &Value) -> Value {
     json!({"responses": [{"json": chat_response("", vec![chat_call(id, name, args.clone())])}]})
 }
 
+/// The model answers one `send_email` of the customer list; the agent's untrusted turn, as
+/// alice in `run`, holds it. Returns the waiting agent and the id of the interrupt alice
+/// lists.
+async fn hold_send(
+    h: &support::Harness,
+    alice: &str,
+    run: &str,
+) -> (
+    tokio::task::JoinHandle<(u16, http::HeaderMap, Bytes)>,
+    String,
+) {
+    h.script(&one_call(
+        "call_send",
+        "send_email",
+        &send_args("the customer list"),
+    ))
+    .await;
+    let waiting = agent(
+        h,
+        "/v1/chat/completions",
+        after_email(vec![]),
+        as_person("alice", run),
+    );
+    let listed = wait_pending(h, alice, 1).await;
+    let id = listed[0]["interruptId"].as_str().unwrap().to_owned();
+    (waiting, id)
+}
+
 /// Found by a probe of this leg: an approval bound a set of `argsHash`es, and `argsHash`
 /// covers the arguments alone, not the tool's name. In a run, the interrupt key was (run,
 /// node, attempt, round, person, set of held hashes), so the agent's re-send whose model
@@ -533,20 +561,7 @@ async fn a_token_the_agent_presented_on_the_mcp_front_never_approves() {
         String::from_utf8_lossy(&body)
     );
 
-    h.script(&one_call(
-        "call_send",
-        "send_email",
-        &send_args("the customer list"),
-    ))
-    .await;
-    let waiting = agent(
-        &h,
-        "/v1/chat/completions",
-        after_email(vec![]),
-        as_person("alice", "run-mcp-token"),
-    );
-    let listed = wait_pending(&h, &alice, 1).await;
-    let id = listed[0]["interruptId"].as_str().unwrap().to_owned();
+    let (waiting, id) = hold_send(&h, &alice, "run-mcp-token").await;
     let (status, err) = resolve(
         &h,
         &format!("/approvals/{id}"),
@@ -704,20 +719,7 @@ fn b64(v: &Value) -> String {
 async fn forged_and_edge_tokens_never_resolve() {
     let (h, _keys) = start(120_000).await;
     let alice = token("alice", json!({}));
-    h.script(&one_call(
-        "call_send",
-        "send_email",
-        &send_args("the customer list"),
-    ))
-    .await;
-    let waiting = agent(
-        &h,
-        "/v1/chat/completions",
-        after_email(vec![]),
-        as_person("alice", "run-forged"),
-    );
-    let listed = wait_pending(&h, &alice, 1).await;
-    let id = listed[0]["interruptId"].as_str().unwrap().to_owned();
+    let (waiting, id) = hold_send(&h, &alice, "run-forged").await;
     let path = format!("/approvals/{id}");
     let now = turnguard::proxy::now_ms() / 1000;
 
@@ -808,20 +810,7 @@ async fn forged_and_edge_tokens_never_resolve() {
 async fn paths_bodies_and_races_on_the_admin_plane() {
     let (h, _keys) = start(120_000).await;
     let alice = token("alice", json!({}));
-    h.script(&one_call(
-        "call_send",
-        "send_email",
-        &send_args("the customer list"),
-    ))
-    .await;
-    let waiting = agent(
-        &h,
-        "/v1/chat/completions",
-        after_email(vec![]),
-        as_person("alice", "run-paths"),
-    );
-    let listed = wait_pending(&h, &alice, 1).await;
-    let id = listed[0]["interruptId"].as_str().unwrap().to_owned();
+    let (waiting, id) = hold_send(&h, &alice, "run-paths").await;
     let accept = json!({"resumeValue": {"action": "accept"}});
 
     // The data-plane port serves no admin route.
@@ -976,20 +965,7 @@ async fn a_token_the_agent_sent_to_a_passthrough_route_never_approves() {
         "turnguard relayed the request: {}",
         String::from_utf8_lossy(&models)
     );
-    h.script(&one_call(
-        "call_send",
-        "send_email",
-        &send_args("the customer list"),
-    ))
-    .await;
-    let waiting = agent(
-        &h,
-        "/v1/chat/completions",
-        after_email(vec![]),
-        as_person("alice", "run-passthrough"),
-    );
-    let listed = wait_pending(&h, &alice, 1).await;
-    let id = listed[0]["interruptId"].as_str().unwrap().to_owned();
+    let (waiting, id) = hold_send(&h, &alice, "run-passthrough").await;
     let (status, err) = resolve(&h, &format!("/approvals/{id}"), &bearer(&sent), "accept").await;
     if status != 200 {
         resolve(&h, &format!("/approvals/{id}"), &bearer(&alice), "reject").await;

@@ -9,9 +9,6 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 use turnguard::mock_provider::Script;
 
@@ -59,32 +56,6 @@ fn send_response(path: &str) -> Value {
     }
 }
 
-/// One request over a real socket with arbitrary header values (bytes, repeated names);
-/// returns status and body.
-async fn exchange(url: &str, headers: &[(&str, http::HeaderValue)], body: Bytes) -> (u16, Bytes) {
-    let mut req = http::Request::post(url).header("content-type", "application/json");
-    for (k, v) in headers {
-        // `Builder::header` appends: a name given twice is sent twice.
-        req = req.header(*k, v.clone());
-    }
-    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let resp = tokio::time::timeout(
-        Duration::from_secs(60),
-        client.request(req.body(Full::new(body)).unwrap()),
-    )
-    .await
-    .expect("answer in time")
-    .expect("request");
-    let status = resp.status().as_u16();
-    let body = resp
-        .into_body()
-        .collect()
-        .await
-        .map(|c| c.to_bytes())
-        .unwrap_or_default();
-    (status, body)
-}
-
 fn verdict(status: u16, body: &[u8]) -> Judged {
     let resp: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     match status {
@@ -118,12 +89,14 @@ async fn judge_raw(
         http::HeaderValue::from_static("2023-06-01"),
     )];
     all.extend(headers.iter().cloned());
-    let (status, body) = exchange(
-        &format!("{}{path}", h.url()),
-        &all,
-        Bytes::from(raw.to_owned()),
-    )
-    .await;
+    let mut req = http::Request::post(format!("{}{path}", h.url()))
+        .header("content-type", "application/json");
+    for (k, v) in all {
+        // `Builder::header` appends: a name given twice is sent twice.
+        req = req.header(k, v);
+    }
+    let (status, _, body) =
+        support::exchange(req, Bytes::from(raw.to_owned()), Duration::from_secs(60)).await;
     verdict(status, &body)
 }
 

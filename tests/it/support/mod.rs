@@ -202,8 +202,9 @@ pub async fn call(
     exchange(req, body, Duration::from_secs(60)).await
 }
 
-/// Sends one request and collects the whole answer: status, headers, body.
-async fn exchange(
+/// Sends one request as built — any header bytes, a name given twice — and collects the whole
+/// answer: status, headers, body.
+pub async fn exchange(
     req: http::request::Builder,
     body: Bytes,
     limit: Duration,
