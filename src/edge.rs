@@ -135,6 +135,14 @@ pub(crate) fn sane_request_id(headers: &HeaderMap) -> Option<String> {
         .and_then(|v| v.to_str().ok())
         .map(str::trim)
         .filter(|v| !v.is_empty() && v.len() <= 200 && v.chars().all(|c| c.is_ascii_graphic()))
+        // It is echoed, logged and journaled (`rounds.client_request_id`): an id that holds
+        // a secret the built-in recognizers know is replaced, never kept.
+        .filter(|v| {
+            matches!(
+                crate::policy::redact::builtins().redact_str(v),
+                std::borrow::Cow::Borrowed(_)
+            )
+        })
         .map(str::to_owned)
 }
 

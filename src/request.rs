@@ -129,6 +129,24 @@ pub struct Session {
     pub untrusted_inputs: Vec<admission::trust::UntrustedInput>,
 }
 
+/// Who may read a recorded result again (a claimed effect's, a served round's, a tool
+/// result's): `person:<sub>` of the verified acting `person`, or the agent's id when none
+/// acts. A run id is a name the client picks, not a credential: recovery, replay and the MCP
+/// front serve a record only to its reader.
+pub fn reader_of(person: Option<&str>) -> String {
+    person.map_or_else(
+        || crate::clock::AGENT_ID.to_owned(),
+        |p| format!("person:{p}"),
+    )
+}
+
+impl Session {
+    /// This request's reader ([`reader_of`]).
+    pub fn reader(&self) -> String {
+        reader_of(self.person.as_deref())
+    }
+}
+
 /// `Turnguard-Mode` (DESIGN.md §2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RunMode {

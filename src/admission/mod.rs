@@ -708,8 +708,15 @@ pub fn withheld_by_cut(choice: &ChoiceEmissions) -> ChoiceVerdict {
 }
 
 /// Names and ids come from model output: show at most 64 characters of a safe alphabet so
-/// host-authored text never carries model-authored prose.
+/// host-authored text never carries model-authored prose, and a name that holds a secret the
+/// built-in recognizers know (a model that names a tool after an API key) shows its marker
+/// instead (labels reach logs, events and the agent's end-turn text).
 pub(crate) fn sanitize_label(s: &str) -> String {
+    let redacted = crate::policy::redact::builtins().redact_str(s);
+    safe_label(&redacted)
+}
+
+fn safe_label(s: &str) -> String {
     let allowed =
         |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b'/' | b':');
     if !s.is_empty() && s.len() <= 64 && s.bytes().all(allowed) {

@@ -97,14 +97,20 @@ impl McpReader {
         &self,
         run: Option<&str>,
         call_id: &str,
+        reader: &str,
     ) -> Result<Option<String>, JournalError> {
-        let (run, call) = (run.map(str::to_owned), call_id.to_owned());
+        let (run, call, who) = (
+            run.map(str::to_owned),
+            call_id.to_owned(),
+            reader.to_owned(),
+        );
         match &self.0 {
             Backend::Sqlite(r) => {
-                super::reader::read_blocking(r, move |r| r.recorded(run.as_deref(), &call)).await
+                super::reader::read_blocking(r, move |r| r.recorded(run.as_deref(), &call, &who))
+                    .await
             }
             Backend::Postgres(p) => {
-                super::postgres::reader::recorded(p, run.as_deref(), &call).await
+                super::postgres::reader::recorded(p, run.as_deref(), &call, &who).await
             }
         }
     }
@@ -184,15 +190,21 @@ impl SqliteMcpReader {
         })
     }
 
-    /// The first recorded result of call `call_id` in `run` (`None`: a chat call), when it
-    /// is recorded whole (a digest-only record is a miss).
-    fn recorded(&self, run: Option<&str>, call_id: &str) -> Result<Option<String>, JournalError> {
+    /// The first recorded result of call `call_id` in `run` (`None`: a chat call) that
+    /// `reader` may read (`tool_results.reader`: who recorded it; a run id is a name any
+    /// client can send), when it is recorded whole (a digest-only record is a miss).
+    fn recorded(
+        &self,
+        run: Option<&str>,
+        call_id: &str,
+        reader: &str,
+    ) -> Result<Option<String>, JournalError> {
         let scope = run.map_or_else(|| "chat".to_owned(), |r| format!("run:{r}"));
         self.with(|c| {
             c.query_row(
                 "SELECT content FROM tool_results WHERE scope = ?1 AND tool_call_id = ?2 AND truncated = 0
-                 ORDER BY id LIMIT 1",
-                params![scope, call_id],
+                 AND reader = ?3 ORDER BY id LIMIT 1",
+                params![scope, call_id, reader],
                 |r| r.get::<_, Option<Vec<u8>>>(0),
             )
             .optional()

@@ -464,7 +464,15 @@ pub struct ToolResultRecord {
     pub request_id: String,
     pub at_ms: i64,
     pub run: RunKey,
+    /// The call id as the agent sent it: the key results are looked up by.
     pub tool_call_id: String,
+    /// The call id as the `agent.tool-returned` event shows it, redacted by the request path
+    /// (an id can hold a secret; the event payload never does).
+    pub event_call_id: String,
+    /// Who recorded it and may read it again (`person:<sub>`, or the agent's id): the MCP
+    /// front serves a recorded result only to its reader. `None` for a row from before the
+    /// journal kept it, which is served to nobody.
+    pub reader: Option<String>,
     pub tool_name: Option<String>,
     pub is_error: bool,
     pub content: Recorded,
@@ -482,7 +490,7 @@ impl ToolResultRecord {
             "toolName".into(),
             self.tool_name.as_deref().unwrap_or("unknown").into(),
         );
-        payload.insert("callId".into(), self.tool_call_id.clone().into());
+        payload.insert("callId".into(), self.event_call_id.clone().into());
         payload.insert(
             "status".into(),
             if self.is_error { "error" } else { "ok" }.into(),
@@ -649,6 +657,10 @@ pub struct ServedRecord {
     pub at_ms: i64,
     /// Claims (effect id, call id) of the released calls, confirmed in the same transaction.
     pub claims: Vec<(String, String)>,
+    /// Who may read the record again: `person:<sub>` of the verified acting person, or the
+    /// agent's id when none acted (as [`EffectClaim::reader`]); `None` for a record written
+    /// before the journal kept it, which is served to nobody.
+    pub reader: Option<String>,
 }
 
 /// What a request records before it goes upstream, as one unit of work (one transaction,
@@ -1515,8 +1527,8 @@ fn insert_served(tx: &rusqlite::Connection, r: &ServedRecord) -> rusqlite::Resul
     exec(
         tx,
 "INSERT INTO served (run_id, node_id, attempt, round_index, request_digest, request_id, status,
-                        content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
+                        content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted, reader)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)
                      ON CONFLICT (run_id, node_id, attempt, round_index) DO NOTHING",
                     params![
                         r.run_id,
@@ -1533,7 +1545,8 @@ fn insert_served(tx: &rusqlite::Connection, r: &ServedRecord) -> rusqlite::Resul
                         r.body.truncated,
                         serde_json::to_string(&r.calls).unwrap_or_else(|_| "[]".into()),
                         r.at_ms,
-                        r.body.redacted
+                        r.body.redacted,
+                        r.reader
                     ],
     )?;
     Ok(())
@@ -1739,8 +1752,8 @@ fn insert_tool_result(tx: &rusqlite::Connection, t: &ToolResultRecord) -> rusqli
     let inserted = exec(
         tx,
         "INSERT INTO tool_results (scope, run_id, node_id, attempt, tool_call_id, tool_name,
-            is_error, content, content_bytes, content_digest, truncated, first_request_id, at_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
+            is_error, content, content_bytes, content_digest, truncated, first_request_id, at_ms, reader)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
          ON CONFLICT (scope, tool_call_id, content_digest) DO NOTHING",
         params![
             scope,
@@ -1756,6 +1769,7 @@ fn insert_tool_result(tx: &rusqlite::Connection, t: &ToolResultRecord) -> rusqli
             t.content.truncated,
             t.request_id,
             t.at_ms,
+            t.reader,
         ],
     )?;
     if inserted == 1 {

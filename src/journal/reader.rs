@@ -213,7 +213,7 @@ impl SqliteReader {
     ) -> Result<Option<ServedRecord>, JournalError> {
         self.with(|c| {
             c.query_row(
-                "SELECT request_digest, request_id, status, content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted
+                "SELECT request_digest, request_id, status, content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted, reader
                  FROM served WHERE run_id = ?1 AND node_id = ?2 AND attempt = ?3 AND round_index = ?4",
                 params![run, node, attempt, round],
                 |r| {
@@ -237,6 +237,7 @@ impl SqliteReader {
                         calls: serde_json::from_str::<Vec<ServedCall>>(&calls).unwrap_or_default(),
                         claims: Vec::new(),
                         at_ms: r.get(9)?,
+                        reader: r.get(11)?,
                     })
                 },
             )

@@ -6,7 +6,7 @@ use rusqlite::Connection;
 /// journal recorded: step 10 drops an index, step 12 folds `declared_tools`' per-request rows
 /// into per-(tool, schema, API) counts and makes `rounds_run` partial; no other step removes
 /// anything.
-pub const VERSION: i64 = 14;
+pub const VERSION: i64 = 15;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -61,7 +61,25 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 14 {
         v14(conn)?;
     }
+    if version < 15 {
+        v15(conn)?;
+    }
     Ok(())
+}
+
+/// `served.reader` and `tool_results.reader`: who may read a served record or a recorded
+/// tool result again (`person:<sub>`, or the agent when no verified person acted), as
+/// `effects.reader` is for a claimed effect. Recovery and replay serve a record, and the MCP
+/// front a recorded result, only to its reader; a row from before this step has none and is
+/// served to nobody (fail closed: which principal recorded it is not known).
+fn v15(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         ALTER TABLE served ADD COLUMN reader TEXT;
+         ALTER TABLE tool_results ADD COLUMN reader TEXT;
+         PRAGMA user_version = 15;
+         COMMIT;",
+    )
 }
 
 /// Two fixes:
@@ -506,6 +524,18 @@ mod tests {
             .query_row("SELECT reader FROM effects", [], |r| r.get(0))
             .unwrap();
         assert_eq!(reader, None, "an older effect has no reader");
+        for table in ["served", "tool_results"] {
+            let readers: i64 = conn
+                .query_row(
+                    &format!(
+                        "SELECT count(*) FROM pragma_table_info('{table}') WHERE name = 'reader'"
+                    ),
+                    [],
+                    |r| r.get(0),
+                )
+                .unwrap();
+            assert_eq!(readers, 1, "step 15 keeps who recorded a {table} row");
+        }
         conn.execute("INSERT INTO principal_tokens VALUES ('f', 1, 1)", [])
             .unwrap();
         migrate(&conn).unwrap();

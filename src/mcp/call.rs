@@ -83,6 +83,13 @@ pub struct McpCall {
     pub args_hash: Option<String>,
     /// The redacted arguments.
     pub redacted: Option<Value>,
+    /// The `outputSchema` the server announced for the tool (`tools/list`): its results are
+    /// held to it as to the catalog's ([`output_violation`]).
+    pub server_output_schema: Option<Value>,
+    /// The arguments held a secret, so `args_hash` (taken over the redacted form) does not
+    /// tell two values of it apart: the call is never matched to a model emission by it
+    /// ([`McpCall::ticket`]).
+    pub secrets: bool,
     /// The turn trust admission judged the call with.
     pub trust: ContentTrust,
 }
@@ -142,7 +149,9 @@ pub async fn handle(front: &Arc<McpFront>, inbound: Inbound) -> Response {
     let parsed = admission::arguments::parse(&arguments.to_string()).ok();
     let redacted = parsed
         .as_ref()
-        .map(|a| policy.redactor.redact(&tool.descriptor.tool_id, a).0);
+        .map(|a| policy.redactor.redact(&tool.descriptor.tool_id, a));
+    let secrets = redacted.as_ref().is_some_and(|(_, n)| *n > 0);
+    let redacted = redacted.map(|(r, _)| r);
     let args_hash = redacted.as_ref().map(admission::arguments::args_hash);
     let mut call = McpCall {
         front: Arc::clone(front),
@@ -155,6 +164,8 @@ pub async fn handle(front: &Arc<McpFront>, inbound: Inbound) -> Response {
         arguments,
         args_hash,
         redacted,
+        secrets,
+        server_output_schema: declared.output_schema.clone(),
         trust: ContentTrust::Untrusted,
     };
     // 2. replay
@@ -214,11 +225,16 @@ impl McpCall {
 
     /// The ticket this call executes: the first released emission of the run with this tool
     /// and `argsHash` whose execution is not claimed yet, else the first one (whose claim then
-    /// decides: a repeat, or a call in doubt). `None` outside a run or without one.
+    /// decides: a repeat, or a call in doubt). `None` outside a run or without one, and for
+    /// arguments that held a secret ([`McpCall::secrets`]): the agent could change the secret
+    /// part and still meet the emission's ticket, so such a call is decided on its own.
     pub async fn ticket(&self) -> Result<Option<TicketRow>, WireError> {
         let (Some(run), Some(hash)) = (self.inbound.run_id(), self.args_hash.clone()) else {
             return Ok(None);
         };
+        if self.secrets {
+            return Ok(None);
+        }
         let run = run.to_owned();
         let names = self.names();
         let front = &self.front;
@@ -563,11 +579,7 @@ impl McpCall {
             keying,
             at_ms: now_ms(),
             instance: crate::journal::instance_id().to_owned(),
-            reader: self
-                .inbound
-                .person
-                .as_ref()
-                .map_or_else(|| AGENT_ID.to_owned(), |p| format!("person:{p}")),
+            reader: self.inbound.reader(),
         };
         let unavailable = |e: crate::journal::JournalError| WireError::JournalUnavailable {
             reason: e.to_string(),
@@ -683,7 +695,9 @@ impl McpCall {
             at_ms: now_ms(),
             run: self.inbound.ctx.run.clone(),
             tool_call_id: exec.call_id.clone(),
-            tool_name: Some(self.name.clone()),
+            event_call_id: self.policy.redactor.redact_text(&exec.call_id),
+            reader: Some(self.inbound.reader()),
+            tool_name: Some(self.policy.redactor.redact_text(&self.name)),
             is_error,
             content: Recorded::redacted(
                 text.as_bytes(),
@@ -853,9 +867,18 @@ async fn finish(call: McpCall, exec: Exec, answer: Answer) -> Option<Value> {
             return Some(wire_error(&call.id, &e));
         }
     };
-    if msg.at("/result/resultType").and_then(Value::as_str) == Some("input_required") {
-        // The server asks for input first (MRTR): nothing ran yet. The claim is given back so
-        // the client's retry is the execution.
+    // The server asks for input first (MRTR, the 2026-07-28 era): nothing ran yet. Only an
+    // ask that carries nothing a client reads as the call's result is taken as one: a
+    // handshake-era client reads any `result` as the result, and content beside the ask
+    // could be read as it too; such an answer is recorded and judged like any result.
+    let asks = msg.at("/result/resultType").and_then(Value::as_str) == Some("input_required")
+        && call.inbound.era == super::session::Era::Modern
+        && msg
+            .at("/result/content")
+            .is_none_or(|c| c.as_array().is_some_and(Vec::is_empty))
+        && msg.at("/result/structuredContent").is_none();
+    if asks {
+        // The claim is given back so the client's retry is the execution.
         if let Some((effect_id, _)) = &exec.effect {
             if let Err(e) = call
                 .front
@@ -871,7 +894,7 @@ async fn finish(call: McpCall, exec: Exec, answer: Answer) -> Option<Value> {
     }
     let mut out: Option<Value> = None;
     if let Some(violation) = output_violation(&call, &msg) {
-        tracing::warn!(request_id = %call.inbound.ctx.request_id, tool = %admission::sanitize_label(&call.name), violation = %violation, "MCP result violates the catalog outputSchema");
+        tracing::warn!(request_id = %call.inbound.ctx.request_id, tool = %admission::sanitize_label(&call.name), violation = %violation, "MCP result violates its outputSchema");
         let mut result = json!({
             "content": [{"type": "text", "text": format!(
                 "turnguard: the result of `{}` ({}) does not match its outputSchema: {violation}",
@@ -897,11 +920,25 @@ async fn finish(call: McpCall, exec: Exec, answer: Answer) -> Option<Value> {
 }
 
 /// §G: `structuredContent` of a result against the catalog `outputSchema`, when one is
-/// declared. `Some(what is wrong)` (validator output only, never the value).
+/// declared, and against the one the server announced for the tool (the MCP spec has a
+/// server that announces one conform to it; a result that does not is not relayed as a
+/// success). `Some(what is wrong)` (validator output only, never the value).
 fn output_violation(call: &McpCall, msg: &Value) -> Option<String> {
-    let schema = call.tool.descriptor.output_schema.as_ref()?;
+    let catalog = call
+        .tool
+        .descriptor
+        .output_schema
+        .as_ref()
+        .map(|s| Value::Object(s.clone().into_iter().collect()));
+    [catalog, call.server_output_schema.clone()]
+        .into_iter()
+        .flatten()
+        .find_map(|schema| violation_of(call, msg, &schema))
+}
+
+/// How the result in `msg` misses `schema` (an `outputSchema`), if it does.
+fn violation_of(call: &McpCall, msg: &Value, schema: &Value) -> Option<String> {
     let result = msg.get("result")?;
-    let schema = Value::Object(schema.clone().into_iter().collect());
     let Some(content) = result.get("structuredContent") else {
         if result.get("isError").and_then(Value::as_bool) == Some(true) {
             // A tool execution error need not carry data.
@@ -909,7 +946,7 @@ fn output_violation(call: &McpCall, msg: &Value) -> Option<String> {
         }
         return Some("the result carries no `structuredContent`".into());
     };
-    let compiled = call.front.state.schemas.get(&schema);
+    let compiled = call.front.state.schemas.get(schema);
     let validator = match compiled.as_ref() {
         Ok(v) => v,
         Err(reason) => return Some(format!("the outputSchema: {reason}")),
@@ -944,7 +981,9 @@ async fn replay(call: &McpCall) -> Response {
     // The executions this call can be: one per released emission (ticket), and the call's
     // own identity (a call without a ticket).
     let fallback = call.exec(None);
-    let (front, names, hash) = (&call.front, call.names(), call.args_hash.clone());
+    // Arguments that held a secret meet no ticket ([`McpCall::ticket`]).
+    let hash = call.args_hash.clone().filter(|_| !call.secrets);
+    let (front, names) = (&call.front, call.names());
     let tenant = call.front.state.config.tenant.clone();
     let found = async {
         let mut candidates: Vec<Exec> = Vec::new();
@@ -957,7 +996,11 @@ async fn replay(call: &McpCall) -> Response {
         }
         candidates.push(fallback);
         for exec in candidates {
-            if let Some(r) = front.reader.recorded(Some(&run), &exec.call_id).await? {
+            if let Some(r) = front
+                .reader
+                .recorded(Some(&run), &exec.call_id, &call.inbound.reader())
+                .await?
+            {
                 return Ok(Some(r));
             }
         }

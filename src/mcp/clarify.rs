@@ -198,7 +198,7 @@ async fn complete(
             let recorded = call
                 .front
                 .reader
-                .recorded(call.inbound.run_id(), &exec.call_id)
+                .recorded(call.inbound.run_id(), &exec.call_id, &call.inbound.reader())
                 .await
                 .ok()
                 .flatten();

@@ -131,10 +131,19 @@ pub async fn handle(front: &Arc<McpFront>, inbound: Inbound) -> Response {
     let server = inbound.server_name.clone();
     let sent = relay::send(front, &inbound, None, inbound.raw.clone()).await;
     let f = Arc::clone(front);
+    let hook_id = id.clone();
     let hook: relay::Hook = Box::new(move |answer: Answer| {
         Box::pin(async move {
             let mut msg = answer.ok()?;
-            let tools = msg.at("/result/tools")?.as_array()?.clone();
+            // A JSON-RPC error, read: relayed as it came.
+            msg.get("result")?;
+            let Some(tools) = msg.at("/result/tools").and_then(Value::as_array).cloned() else {
+                let e = crate::error::WireError::UpstreamUnavailable {
+                    upstream: format!("mcp:{server}"),
+                    reason: "the `tools/list` result has no list of tools".into(),
+                };
+                return Some(super::wire_error(&hook_id, &e));
+            };
             f.tools.remember(&server, &tools);
             let shown: Vec<Value> = tools
                 .into_iter()

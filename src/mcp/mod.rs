@@ -147,6 +147,11 @@ impl Inbound {
     pub fn run_id(&self) -> Option<&str> {
         self.ctx.run.run_id.as_deref()
     }
+
+    /// Who may read this call's recorded result again ([`crate::request::reader_of`]).
+    pub fn reader(&self) -> String {
+        crate::request::reader_of(self.person.as_deref())
+    }
 }
 
 /// A JSON-RPC error response.
@@ -286,8 +291,19 @@ async fn post_inner(front: &Arc<McpFront>, name: &str, req: Request<Body>) -> Re
     }
     match method.as_deref() {
         Some("initialize") => session::initialize(front, inbound).await,
-        Some("tools/list") if !inbound.id().is_null() => list::handle(front, inbound).await,
-        Some("tools/call") if !inbound.id().is_null() => call::handle(front, inbound).await,
+        // The methods turnguard decides are requests: one with no id (a notification), a
+        // null id or one that is not a string or a number is refused, never relayed past the
+        // decision as it came.
+        Some(m @ ("tools/list" | "tools/call"))
+            if !matches!(inbound.id(), Value::String(_) | Value::Number(_)) =>
+        {
+            let e = WireError::InvalidRequest {
+                reason: format!("`{m}` needs an `id` that is a string or a number"),
+            };
+            json_response(StatusCode::BAD_REQUEST, &wire_error(&Value::Null, &e))
+        }
+        Some("tools/list") => list::handle(front, inbound).await,
+        Some("tools/call") => call::handle(front, inbound).await,
         _ => relay::pass(front, inbound).await,
     }
 }

@@ -194,12 +194,11 @@ pub async fn read_answer(
 
 /// `v` is the JSON-RPC response (result or error) to request `id`.
 pub fn is_response_to(v: &Value, id: &Value) -> bool {
-    v.get("id") == Some(id)
-        && v.get("method").is_none()
-        && (v.get("result").is_some() || v.get("error").is_some())
+    v.get("id") == Some(id) && is_response(v)
 }
 
-fn is_event_stream(h: &HeaderMap) -> bool {
+/// The answer is an event stream (`text/event-stream`).
+pub(super) fn is_event_stream(h: &HeaderMap) -> bool {
     h.get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| {
@@ -228,7 +227,7 @@ pub async fn respond(
         }
     };
     if is_event_stream(resp.headers()) && resp.status().is_success() {
-        return relay_sse(front, server, resp, id, hook);
+        return relay_sse(front, server, resp, Some((id, hook)));
     }
     let status = resp.status();
     let headers = upstream::response_headers(resp.headers(), false);
@@ -256,8 +255,15 @@ pub async fn respond(
         )),
         None => Err(unavailable(server, format!("HTTP {}", status.as_u16()))),
     };
-    let failed = answer.is_err();
+    // A hook that has nothing to say about a failure leaves the error to send: the bytes
+    // the server sent are never relayed when turnguard could not read them as the response.
+    let failure = answer
+        .as_ref()
+        .err()
+        .map(|e| super::wire_error(&id, &e.clone_for_hook()));
+    let failed = failure.is_some();
     match hook(answer).await {
+        None if failed => json_response(StatusCode::OK, &failure.unwrap_or_default()),
         Some(msg) => {
             let mut r = json_response(if failed { StatusCode::OK } else { status }, &msg);
             for (k, v) in &headers {
@@ -276,42 +282,96 @@ pub async fn respond(
     }
 }
 
-fn relay_sse(
+/// Why an event of an MCP server's stream is not relayed: it does not read one way (a field
+/// turnguard does not know — some clients drop a byte-order mark before `data:` —, bytes
+/// that are not UTF-8, JSON it cannot read or that names a key twice, a batch or anything
+/// but one object), or it is a response this stream may not carry.
+fn read_event(block: &crate::sse::SseBlock) -> Result<Option<Value>, &'static str> {
+    if block.unknown_field {
+        return Err("an event with a field other than event, data, id and retry");
+    }
+    if std::str::from_utf8(&block.raw).is_err() {
+        return Err("an event that is not UTF-8");
+    }
+    let Some(d) = block.data.as_deref() else {
+        return Ok(None);
+    };
+    match crate::strict_json::from_slice(d.as_bytes()) {
+        Ok(v) if v.is_object() => Ok(Some(v)),
+        Ok(_) => Err("an event that is not one JSON-RPC message (a batch, or not an object)"),
+        Err(crate::strict_json::StrictJsonError::DuplicateKey { .. }) => {
+            Err("an event that names an object key twice")
+        }
+        Err(_) => Err("an event that is not JSON turnguard reads"),
+    }
+}
+
+/// The next data of a server's stream, waiting at most `idle` when given: `None` at its end.
+///
+/// Errors: why the stream is given up (no event in time, a broken stream).
+async fn next_data(body: &mut Incoming, idle: Option<Duration>) -> Result<Option<Bytes>, String> {
+    loop {
+        let frame = match idle {
+            Some(idle) => tokio::time::timeout(idle, body.frame())
+                .await
+                .map_err(|_| format!("no event within {} ms", idle.as_millis()))?,
+            None => body.frame().await,
+        };
+        match frame {
+            None => return Ok(None),
+            Some(Err(e)) => return Err(format!("the stream broke: {e}")),
+            Some(Ok(f)) => {
+                if let Ok(d) = f.into_data() {
+                    return Ok(Some(d));
+                }
+            }
+        }
+    }
+}
+
+/// A JSON-RPC response (result or error, no method), to whichever request.
+fn is_response(v: &Value) -> bool {
+    v.get("method").is_none() && (v.get("result").is_some() || v.get("error").is_some())
+}
+
+/// Relays an MCP server's event stream, every event read ([`read_event`]) before it is
+/// relayed. `expect`: the request this stream answers and the hook its final response goes
+/// through (a POST's stream); `None` for the session's GET stream, which carries no response
+/// at all. A response to any other request (an id of another type or value: `"1"` for `1`,
+/// `1.0`, which clients may still match), or one on the GET stream, ends the stream: the
+/// POST's hook is told the server failed, the GET stream just ends.
+pub fn relay_sse(
     front: &Arc<McpFront>,
     server: &str,
     resp: http::Response<Incoming>,
-    id: Value,
-    hook: Hook,
+    expect: Option<(Value, Hook)>,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
     let headers = upstream::response_headers(resp.headers(), false);
     let max_event = front.state.config.max_event_bytes;
     let idle = Duration::from_millis(front.state.config.upstream_idle_timeout_ms);
     let server = server.to_owned();
+    // The GET stream waits for server messages as long as the session lives.
+    let idle = expect.as_ref().map(|_| idle);
     tokio::spawn(async move {
         let mut body = resp.into_body();
         let mut framer = crate::sse::SseFramer::new(max_event);
-        let mut hook = Some(hook);
+        let (id, mut hook) = match expect {
+            Some((id, hook)) => (Some(id), Some(hook)),
+            None => (None, None),
+        };
         let mut failure: Option<String> = None;
         // A client that goes away does not stop the read: the final response still goes
         // through the hook (a decided call's result is recorded either way).
         let mut client_gone = false;
         'read: loop {
-            let frame = tokio::time::timeout(idle, body.frame()).await;
-            let data = match frame {
-                Err(_) => {
-                    failure = Some(format!("no event within {} ms", idle.as_millis()));
-                    break;
-                }
+            let data = match next_data(&mut body, idle).await {
+                Ok(Some(d)) => d,
                 Ok(None) => break,
-                Ok(Some(Err(e))) => {
-                    failure = Some(format!("the stream broke: {e}"));
+                Err(why) => {
+                    failure = Some(why);
                     break;
                 }
-                Ok(Some(Ok(f))) => match f.into_data() {
-                    Ok(d) => d,
-                    Err(_) => continue,
-                },
             };
             let blocks = match framer.push(&data) {
                 Ok(b) => b,
@@ -321,49 +381,61 @@ fn relay_sse(
                 }
             };
             for block in blocks {
-                // Every event with data is read (strictly) before it is relayed: one turnguard
-                // cannot read ends the stream with the error, never passes raw (it could be
-                // the response itself in a form the agent's parser reads another way).
-                let parsed = match block.data.as_deref() {
-                    None => None,
-                    Some(d) => match crate::strict_json::from_slice(d.as_bytes()) {
-                        Ok(v) => Some(v),
-                        Err(e) => {
-                            failure = Some(match e {
-                                crate::strict_json::StrictJsonError::DuplicateKey { .. } => {
-                                    "an event that names an object key twice".into()
-                                }
-                                _ => "an event that is not JSON turnguard reads".into(),
-                            });
-                            break 'read;
-                        }
-                    },
-                };
-                if let Some(v) = parsed.filter(|v| is_response_to(v, &id)) {
-                    if let Some(h) = hook.take() {
-                        let out = match h(Ok(v)).await {
-                            Some(msg) => crate::sse::encode(Some("message"), &msg.to_string()),
-                            None => block.raw.clone(),
-                        };
-                        let _ = tx.send(Ok(out)).await;
+                // Every event is read (strictly) before it is relayed: one turnguard cannot
+                // read ends the stream with the error, never passes raw (it could be the
+                // response itself in a form the agent's parser reads another way).
+                let parsed = match read_event(&block) {
+                    Ok(v) => v,
+                    Err(why) => {
+                        failure = Some(why.into());
+                        break 'read;
                     }
-                    // The final response ends the stream (Streamable HTTP: it SHOULD).
+                };
+                if let Some(v) = parsed.filter(is_response) {
+                    match &id {
+                        Some(id) if is_response_to(&v, id) => {
+                            if let Some(h) = hook.take() {
+                                let out = match h(Ok(v)).await {
+                                    Some(msg) => {
+                                        crate::sse::encode(Some("message"), &msg.to_string())
+                                    }
+                                    None => block.raw.clone(),
+                                };
+                                let _ = tx.send(Ok(out)).await;
+                            }
+                            // The final response ends the stream (Streamable HTTP: it SHOULD).
+                        }
+                        Some(_) => {
+                            failure = Some(
+                                "a response to another request than the one this stream answers"
+                                    .into(),
+                            );
+                        }
+                        None => {
+                            failure = Some("a response on the session's stream".into());
+                        }
+                    }
                     break 'read;
                 }
                 if !client_gone && tx.send(Ok(block.raw.clone())).await.is_err() {
                     client_gone = true;
+                    if hook.is_none() {
+                        break 'read;
+                    }
                 }
             }
         }
-        if let Some(h) = hook.take() {
+        if let (Some(h), Some(id)) = (hook.take(), &id) {
             let reason =
                 failure.unwrap_or_else(|| "the SSE stream ended without the response".into());
             let e = unavailable(&server, reason);
             let msg = h(Err(e.clone_for_hook())).await;
-            let msg = msg.unwrap_or_else(|| super::wire_error(&id, &e));
+            let msg = msg.unwrap_or_else(|| super::wire_error(id, &e));
             let _ = tx
                 .send(Ok(crate::sse::encode(Some("message"), &msg.to_string())))
                 .await;
+        } else if let Some(why) = failure {
+            tracing::warn!(server = %server, reason = %why, "MCP session stream ended: turnguard could not relay an event");
         }
     });
     let mut out = Response::new(Body::from_stream(

@@ -322,6 +322,20 @@ pub async fn stream(front: &Arc<McpFront>, name: &str, headers: &HeaderMap) -> R
     )
     .await
     {
+        // The stream is read event by event like a call's ([`super::relay::relay_sse`]); a
+        // success that is not an event stream is not relayed (nothing turnguard did not
+        // read reaches the client); a failure (the server's 405) is relayed as it came.
+        Ok(resp) if resp.status().is_success() => {
+            if super::relay::is_event_stream(resp.headers()) {
+                super::relay::relay_sse(front, name, resp, None)
+            } else {
+                let e = crate::error::WireError::UpstreamUnavailable {
+                    upstream: format!("mcp:{name}"),
+                    reason: "the session stream's answer is not an event stream".into(),
+                };
+                json_response(StatusCode::BAD_GATEWAY, &wire_error(&Value::Null, &e))
+            }
+        }
         Ok(resp) => super::relay::passthrough(resp),
         Err(e) => json_response(StatusCode::BAD_GATEWAY, &wire_error(&Value::Null, &e)),
     }

@@ -65,6 +65,24 @@ pub struct Redactor {
     pub strip_from_egress: bool,
 }
 
+/// The built-in recognizers alone, compiled once: for text turnguard shows or keeps where no
+/// policy is at hand or whatever the bundle says — a label made from a name the model or the
+/// agent chose ([`crate::admission::sanitize_label`]), an `x-request-id` it echoes and logs.
+pub fn builtins() -> &'static Redactor {
+    static BUILTINS: std::sync::LazyLock<Redactor> = std::sync::LazyLock::new(|| {
+        // The built-in patterns are constants that compile (`tests::builtins_compile`); the
+        // fallback, never taken, recognizes nothing.
+        Redactor::compile(&Redaction::default(), "built-in", "").unwrap_or_else(|_| Redactor {
+            patterns: Vec::new(),
+            any: None,
+            shortest_match: usize::MAX,
+            pointers: Vec::new(),
+            strip_from_egress: false,
+        })
+    });
+    &BUILTINS
+}
+
 impl Redactor {
     /// Compiles the built-ins (when enabled) and the bundle's patterns.
     pub fn compile(cfg: &Redaction, file: &str, text: &str) -> Result<Self, Vec<PolicyError>> {
@@ -261,6 +279,13 @@ fn prefilters(patterns: &[(String, Regex)]) -> (usize, Option<Regex>) {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn builtins_compile() {
+        assert!(Redactor::compile(&Redaction::default(), "built-in", "").is_ok());
+        let key = "sk-proj-AbCdEfGhIjKlMnOpQrStUvWxYz0123456789";
+        assert!(builtins().redact_str(key).starts_with("[REDACTED:"));
+    }
 
     /// No copy exactly when redaction would change nothing: a clean call, a call with a
     /// pointer configured for another tool; a copy equal to `redact`'s for a secret in a

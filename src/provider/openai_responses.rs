@@ -306,6 +306,40 @@ pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn
 /// provider-executed items (untrusted), anything else (untrusted, never skipped).
 ///
 /// Errors: a malformed `tools` list, or a tool result without a string `call_id`.
+/// A client tool's output item (`function_call_output`, `custom_tool_call_output` …): the
+/// result of the call it names, judged part by part when it is a list of parts; an output of
+/// any other shape than text or parts is untrusted.
+fn read_output(
+    turn: &mut Turn,
+    calls: &CallNames,
+    i: usize,
+    item: &Value,
+    ty: &str,
+) -> Result<(), String> {
+    let call_id = str_of(item, "call_id")
+        .ok_or_else(|| format!("`input[{i}]` ({ty}) needs a string `call_id`"))?;
+    turn.tool_results.push(ToolResultSeen {
+        tool_call_id: call_id.to_owned(),
+        tool_name: calls.name_of(call_id),
+        content: item
+            .get("output")
+            .cloned()
+            .unwrap_or(Value::Null)
+            .to_string(),
+        is_error: false,
+    });
+    match item.get("output") {
+        None | Some(Value::String(_)) => {}
+        Some(Value::Array(_)) => {
+            judge_parts(turn, item.get("output"), &format!("input[{i}].output"));
+        }
+        // An object (a `computer_call_output` screenshot) or anything else: content
+        // turnguard does not read part by part.
+        Some(_) => turn.untrusted(UntrustedKind::Unrecognised, format!("input[{i}].output")),
+    }
+    Ok(())
+}
+
 fn read_item(
     turn: &mut Turn,
     calls: &mut CallNames,
@@ -371,29 +405,7 @@ fn read_item(
             .strip_suffix("_output")
             .is_some_and(|call| CLIENT_CALLS.contains(&call)) =>
         {
-            let call_id = str_of(item, "call_id")
-                .ok_or_else(|| format!("`input[{i}]` ({t}) needs a string `call_id`"))?;
-            turn.tool_results.push(ToolResultSeen {
-                tool_call_id: call_id.to_owned(),
-                tool_name: calls.name_of(call_id),
-                content: item
-                    .get("output")
-                    .cloned()
-                    .unwrap_or(Value::Null)
-                    .to_string(),
-                is_error: false,
-            });
-            match item.get("output") {
-                None | Some(Value::String(_)) => {}
-                Some(Value::Array(_)) => {
-                    judge_parts(turn, item.get("output"), &format!("input[{i}].output"));
-                }
-                // An object (a `computer_call_output` screenshot) or anything else: content
-                // turnguard does not read part by part.
-                Some(_) => {
-                    turn.untrusted(UntrustedKind::Unrecognised, format!("input[{i}].output"))
-                }
-            }
+            read_output(turn, calls, i, item, t)?;
         }
         // A reference to a stored item the provider fills in, which the proxy cannot read:
         // untrusted until the trust stage finds it in turnguard's journal as trusted

@@ -97,7 +97,10 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Respo
         Ok(ok) => ok,
         Err(e) => {
             let (_, code, reason) = e.parts();
-            tracing::warn!(request_id = %ctx.request_id, api = api.as_str(), code, reason, error = %e, "request refused");
+            // The message may quote what the agent sent (a header value, a key, a tool
+            // name): the agent gets it as it is, the log only redacted.
+            let error = state.policy.snapshot().redactor.redact_text(&e.to_string());
+            tracing::warn!(request_id = %ctx.request_id, api = api.as_str(), code, reason, error = %error, "request refused");
             (e.response(Surface::of_api(api)), false)
         }
     };
@@ -163,7 +166,8 @@ async fn turn(
     let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
     check_channel_schema_size(state, channel.as_ref())?;
     refuse_run_while_journal_fails(state, ctx)?;
-    record_before_upstream(state, ctx, &turn, &policy, trust).await?;
+    let reader = crate::request::reader_of(person.as_deref());
+    record_before_upstream(state, ctx, &turn, &policy, trust, &reader).await?;
 
     let agent_digest = crate::recipes::semantic_request_digest(api, &json);
     let mode = run_mode(&parts.headers)?;

@@ -106,6 +106,7 @@ impl Session {
         ) {
             (Some(run), Some(node), Some(attempt)) => {
                 unit.served = Some(ServedRecord {
+                    reader: Some(self.reader()),
                     run_id: run.clone(),
                     node_id: node.clone(),
                     attempt,
@@ -383,6 +384,7 @@ pub(super) async fn record_before_upstream(
     turn: &Turn,
     policy: &CompiledPolicy,
     trust: crate::policy::bundle::ContentTrust,
+    reader: &str,
 ) -> Result<(), WireError> {
     let redactor = &policy.redactor;
     let cap = state.config.journal_max_record_bytes;
@@ -394,6 +396,8 @@ pub(super) async fn record_before_upstream(
             at_ms: ctx.at_ms,
             run: ctx.run.clone(),
             tool_call_id: t.tool_call_id.clone(),
+            event_call_id: redactor.redact_text(&t.tool_call_id),
+            reader: Some(reader.to_owned()),
             tool_name: t.tool_name.as_deref().map(|n| redactor.redact_text(n)),
             is_error: t.is_error,
             content: Recorded::redacted(t.content.as_bytes(), redactor, cap),

@@ -79,6 +79,10 @@ pub async fn serve_recorded(
         return Ok(None);
     };
     let reader = session.state.reader.clone();
+    // A record is served only to who recorded it (`ServedRecord::reader`): the run id is a
+    // name any client can send.
+    let mine = session.reader();
+    let readable = |r: &ServedRecord| r.reader.as_deref() == Some(mine.as_str());
     let (run_id, node) = (run_id.clone(), node.clone());
     let round = session.turn.round_index;
     let digest = session.agent_digest.clone();
@@ -96,7 +100,7 @@ pub async fn serve_recorded(
                 let Some(rec) = reader
                     .served(&run_id, &node, attempt, round)
                     .await?
-                    .filter(|r| r.request_digest == digest)
+                    .filter(|r| r.request_digest == digest && readable(r))
                 else {
                     return Ok(None);
                 };
@@ -132,6 +136,12 @@ pub async fn serve_recorded(
             let (run2, node2) = (run_id.clone(), node.clone());
             let result = replay_chain(&reader, &run2, &node2, round).await;
             match result {
+                Ok((rec, ..)) if !readable(&rec) => {
+                    count(ReplayMode::Replay, ReplayResult::Miss);
+                    Err(WireError::ReplaySourceMissing {
+                        reason: "this run node's recorded rounds were recorded by another principal (or before turnguard kept who); a record is served only to who recorded it".into(),
+                    })
+                }
                 Ok((rec, recorded, skipped_before, skipped_now)) => {
                     let Some(resp) = serve(session, &rec, &recorded) else {
                         count(ReplayMode::Replay, ReplayResult::Miss);

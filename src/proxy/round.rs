@@ -177,10 +177,7 @@ impl Session {
         let ids = self.call_ids();
         let tenant = &self.state.config.tenant;
         // Who may read a claimed effect's recorded result (with the run).
-        let reader = self
-            .person
-            .as_ref()
-            .map_or_else(|| AGENT_ID.to_owned(), |p| format!("person:{p}"));
+        let reader = self.reader();
         let mut wanted: Vec<(usize, EffectClaim)> = Vec::new();
         for (i, call) in choice.calls.iter().enumerate() {
             if decisions[i].outcome != Outcome::Executed {

@@ -58,7 +58,7 @@ pub(crate) async fn served(
 ) -> Result<Option<ServedRecord>, JournalError> {
     let Some(r) = query_opt(
         pool,
-        "SELECT request_digest, request_id, status, content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted
+        "SELECT request_digest, request_id, status, content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted, reader
          FROM served WHERE run_id = $1 AND node_id = $2 AND attempt = $3 AND round_index = $4",
         &[&run, &node, &i64::from(attempt), &i64::from(round)],
     )
@@ -86,6 +86,7 @@ pub(crate) async fn served(
         calls: serde_json::from_str::<Vec<ServedCall>>(&calls).unwrap_or_default(),
         claims: Vec::new(),
         at_ms: get(&r, 9)?,
+        reader: get(&r, 11)?,
     }))
 }
 
@@ -526,13 +527,14 @@ pub(crate) async fn recorded(
     pool: &Pool,
     run: Option<&str>,
     call_id: &str,
+    reader: &str,
 ) -> Result<Option<String>, JournalError> {
     let scope = run.map_or_else(|| "chat".to_owned(), |r| format!("run:{r}"));
     match query_opt(
         pool,
         "SELECT content FROM tool_results WHERE scope = $1 AND tool_call_id = $2 AND truncated = 0
-         ORDER BY id LIMIT 1",
-        &[&scope, &call_id],
+         AND reader = $3 ORDER BY id LIMIT 1",
+        &[&scope, &call_id, &reader],
     )
     .await?
     {

@@ -670,8 +670,8 @@ fn plan_served<'a>(out: &mut Vec<Stmt<'a>>, r: &'a ServedRecord) {
     out.push(
         Stmt::new(
             "INSERT INTO served (run_id, node_id, attempt, round_index, request_digest, request_id, status,
-                content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
+                content_type, body, body_bytes, body_digest, truncated, calls, at_ms, redacted, reader)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
              ON CONFLICT (run_id, node_id, attempt, round_index) DO NOTHING",
         )
         .arg(&r.run_id)
@@ -688,7 +688,8 @@ fn plan_served<'a>(out: &mut Vec<Stmt<'a>>, r: &'a ServedRecord) {
         .arg(flag(r.body.truncated))
         .arg(serde_json::to_string(&r.calls).unwrap_or_else(|_| "[]".into()))
         .arg(r.at_ms)
-        .arg(flag(r.body.redacted)),
+        .arg(flag(r.body.redacted))
+        .arg(&r.reader),
     );
 }
 
@@ -973,8 +974,8 @@ async fn insert_tool_result(tx: &Transaction<'_>, t: &ToolResultRecord) -> Resul
     let inserted = exec(
         tx,
         "INSERT INTO tool_results (scope, run_id, node_id, attempt, tool_call_id, tool_name,
-            is_error, content, content_bytes, content_digest, truncated, first_request_id, at_ms)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+            is_error, content, content_bytes, content_digest, truncated, first_request_id, at_ms, reader)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
          ON CONFLICT (scope, tool_call_id, content_digest) DO NOTHING",
         &[
             &scope,
@@ -990,6 +991,7 @@ async fn insert_tool_result(tx: &Transaction<'_>, t: &ToolResultRecord) -> Resul
             &flag(t.content.truncated),
             &t.request_id,
             &t.at_ms,
+            &t.reader,
         ],
     )
     .await?;

@@ -7,9 +7,11 @@
 //! | [`approvals`] | the agent, an admin-plane client | only the bound, verified person resolves exactly the interrupt they reviewed |
 //! | [`trust`] | tool content, the agent's transcript | a turn's trust is the meet of every input; an input turnguard does not recognise is untrusted |
 //! | [`upstream_bytes`] | the upstream's bytes, the model's output | an event reaches the agent only after it parsed and its calls were admitted |
-//! | [`records`] | the agent, tool content | the journal's keys are turnguard's own; no secret is written in clear; no principal reads another's result |
+//! | [`records`] | the agent, tool content | the journal's keys are turnguard's own; no secret is written in clear (journal, logs, metric labels); no principal reads another's result |
+//! | [`mcp_front`] | the agent's JSON-RPC, the MCP server's bytes | a `tools/call` is decided before it goes; nothing the front did not read is relayed, either way |
 
 mod approvals;
+mod mcp_front;
 mod records;
 mod trust;
 mod upstream_bytes;

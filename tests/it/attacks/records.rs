@@ -7,7 +7,9 @@
 //! Bundle: `tests/fixtures/policy-run` (a re-runnable `lookup_order`, a `charge` with business
 //! key `/chargeId`, a `send_receipt` write; built-in redaction on).
 
+use std::io::{BufRead, BufReader};
 use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -17,14 +19,14 @@ use turnguard::mock_provider::Script;
 use crate::support;
 use support::approvals::{token, AUD, ISS, SECRET};
 use support::runs::*;
-use support::{own_fixtures, Harness};
+use support::{own_fixtures, post_raw, Harness};
 
+const BIN: &str = env!("CARGO_BIN_EXE_turnguard");
 const BUNDLE: &str = "policy-run";
 
-/// No cell of any journal table holds `needle`, and on SQLite no file of the journal
-/// (database, WAL: freed pages included) holds its bytes; on failure, names the files, tables
-/// and columns that hold it.
-fn assert_journal_free_of(dir: &Path, needle: &str, what: &str) {
+/// Names each journal file (SQLite: database, WAL, freed pages included) and each table and
+/// column holding `needle`.
+fn journal_holders(dir: &Path, needle: &str) -> Vec<String> {
     let db = support::journal(&dir.join("journal.db"));
     let mut holders = Vec::new();
     if db.backend() == support::Backend::Sqlite {
@@ -47,6 +49,16 @@ fn assert_journal_free_of(dir: &Path, needle: &str, what: &str) {
             }
         }
     }
+    holders.sort();
+    holders.dedup();
+    holders
+}
+
+/// No cell of any journal table holds `needle`, and on SQLite no file of the journal
+/// (database, WAL: freed pages included) holds its bytes; on failure, names the files, tables
+/// and columns that hold it.
+fn assert_journal_free_of(dir: &Path, needle: &str, what: &str) {
+    let holders = journal_holders(dir, needle);
     assert!(
         holders.is_empty(),
         "{what} is in the journal in clear ({holders:?})"
@@ -957,4 +969,461 @@ async fn a_key_in_a_call_id_or_name_never_reaches_the_events_in_clear() {
     );
     drop(db);
     assert_journal_free_of(dir.path(), in_name, "a key as a call's name");
+}
+
+// ---- found by a probe of this leg (each failed before its fix), and two it held --------------
+
+/// A `turnguard serve` child process (JSON logs at debug level) with its stderr collected.
+struct Served {
+    child: std::process::Child,
+    data: String,
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Served {
+    fn start(journal: &Path, policy: &Path, mock: &str) -> Self {
+        let mut child = Command::new(BIN)
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--log-format",
+                "json",
+            ])
+            .arg("--journal")
+            .arg(support::journal_arg(journal))
+            .arg("--policy")
+            .arg(policy)
+            .arg("--upstream")
+            .arg(format!("openai={mock}"))
+            .arg("--upstream")
+            .arg(format!("anthropic={mock}"))
+            .env("TURNGUARD_LOG", "debug")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("turnguard serve starts");
+        let stderr = child.stderr.take().unwrap();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        let sink = std::sync::Arc::clone(&log);
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                sink.lock().unwrap().push(line.clone());
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let data = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = rx.recv_timeout(left).unwrap_or_else(|_| {
+                panic!(
+                    "turnguard did not report listening: {:?}",
+                    log.lock().unwrap()
+                )
+            });
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                if v["message"] == "turnguard listening" {
+                    break v["data"].as_str().unwrap().to_owned();
+                }
+            }
+        };
+        Self {
+            child,
+            data,
+            log,
+            reader: Some(reader),
+        }
+    }
+
+    fn chat_url(&self) -> String {
+        format!("http://{}/v1/chat/completions", self.data)
+    }
+
+    /// SIGTERM, wait, and return every log line.
+    fn stop(mut self) -> Vec<String> {
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while self.child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!("turnguard did not stop on SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        let lines = self.log.lock().unwrap().clone();
+        lines
+    }
+}
+
+/// The log lines holding `needle`.
+fn log_holders(log: &[String], needle: &str) -> Vec<String> {
+    log.iter().filter(|l| l.contains(needle)).cloned().collect()
+}
+
+/// Logs. `admission::sanitize_label` kept a name of `[A-Za-z0-9_./:-]`, ≤ 64 characters, as
+/// it was — an `sk-proj-…` key passed it whole — and several log lines (and the error texts
+/// logged by `request refused`) printed such labels without the redactor. Now a label shows
+/// the built-in recognizers' marker, and the refusal's text is logged redacted:
+/// - the model calls a tool named like a key: `tool call withheld` logs `tool=<key>`;
+/// - the agent names a key in `Turnguard-Prompted-Schema`: the 400's reason quotes it and
+///   `request refused` logs it;
+/// - the agent declares a tool named like a key whose schema is over `max_schema_bytes`: the
+///   413's `what` quotes it and `request refused` logs it;
+/// - the agent's body names a key twice as an object key: the 400's reason quotes it (up to
+///   64 characters) and `request refused` logs it.
+///
+/// Rule: never log secrets the policy's redactor recognises (ARCHITECTURE.md invariants).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_in_a_label_never_reaches_the_logs() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mock = turnguard::mock_provider::spawn(listener, Script::default()).unwrap();
+    let mock_url = format!("http://{}", mock.addr);
+    let in_tool = "sk-proj-LOGTOOLaaaaaaaaaaaaaaaaaaaaa0041";
+    let in_schema_header = "sk-proj-LOGHDRbbbbbbbbbbbbbbbbbbbbbb0042";
+    let in_big_tool = "sk-proj-LOGBIGccccccccccccccccccccccc0043";
+    let in_dup_key = "sk-proj-LOGDUPddddddddddddddddddddddd0044";
+    let script = json!({"responses": [
+        {"json": answer_calls("chatcmpl-l0", vec![call("call_l0", in_tool, json!({"x": 1}))])},
+    ]});
+    let (status, _) = support::post_json(&format!("{mock_url}/_mock/script"), &script, &[]).await;
+    assert_eq!(status, 200);
+    let tmp = tempfile::tempdir().unwrap();
+    let served = Served::start(
+        &tmp.path().join("journal.db"),
+        &own_fixtures().join(BUNDLE),
+        &mock_url,
+    );
+    let url = served.chat_url();
+    let ask = json!({"model": "gpt-test", "messages": [{"role": "user", "content": "Do it."}],
+        "tools": declared_tools()});
+
+    // The model calls an unknown tool named like a key (a run round: refused, end-turn).
+    let (status, _, body) = post_raw(
+        &url,
+        ask.to_string().into(),
+        &[("turnguard-run", "run-log-tool")],
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+
+    // The agent names a key as the prompted schema.
+    let (status, _, _) = post_raw(
+        &url,
+        ask.to_string().into(),
+        &[("turnguard-prompted-schema", in_schema_header)],
+    )
+    .await;
+    assert_eq!(status, 400);
+
+    // The agent declares an oversized schema under a key-shaped name.
+    let mut big = ask.clone();
+    let filler: serde_json::Map<String, Value> = (0..20_000)
+        .map(|i| (format!("p{i}"), json!({"type": "string"})))
+        .collect();
+    big["tools"] = json!([{"type": "function", "function": {"name": in_big_tool,
+        "parameters": {"type": "object", "properties": filler}}}]);
+    let (status, _, body) = post_raw(&url, big.to_string().into(), &[]).await;
+    assert_eq!(status, 413, "{}", String::from_utf8_lossy(&body));
+
+    // The agent's body names a key twice.
+    let dup = format!(
+        r#"{{"model": "gpt-test", "messages": [{{"role": "user", "content": "hi"}}], "metadata": {{"{in_dup_key}": "1", "{in_dup_key}": "2"}}}}"#
+    );
+    let (status, _, _) = post_raw(&url, dup.into(), &[]).await;
+    assert_eq!(status, 400);
+
+    let log = served.stop();
+    mock.abort();
+    let mut leaks = Vec::new();
+    for (needle, what) in [
+        (in_tool, "a model-chosen tool name"),
+        (in_schema_header, "Turnguard-Prompted-Schema"),
+        (in_big_tool, "an oversized declared tool's name"),
+        (in_dup_key, "a repeated JSON key in the request"),
+    ] {
+        for l in log_holders(&log, needle) {
+            leaks.push(format!("{what}: {l}"));
+        }
+    }
+    assert!(
+        leaks.is_empty(),
+        "keys in the logs in clear:\n{}",
+        leaks.join("\n")
+    );
+}
+
+/// Journal, `events.payload`. The agent reports a tool result whose `tool_call_id` is a key.
+/// The `agent.tool-returned` payload had `callId` copied as sent, unredacted — unlike
+/// `agent.tool-called`, whose `callId` is redacted (`Session::tool_called`; pinned by
+/// `records::a_key_in_a_call_id_or_name_never_reaches_the_events_in_clear`). Call ids stay as
+/// keys in `tool_calls.call_id` / `tool_results.tool_call_id`; the events must not hold them.
+///
+/// Rule: never journal secrets; events are redacted (ARCHITECTURE.md, `agent.tool-returned`
+/// "payloads redacted").
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_in_a_reported_call_id_never_reaches_the_events_in_clear() {
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    let in_id = "sk-proj-RIDSaaaaaaaaaaaaaaaaaaaaaaaa0051";
+    model_says(
+        &h,
+        &[
+            answer_text("chatcmpl-r0", "Done."),
+            answer_text("chatcmpl-r1", "Done."),
+        ],
+    )
+    .await;
+    // A chat turn and a run round, each reporting the result of a call with a key as its id.
+    let messages = json!([
+        {"role": "user", "content": "Look up o-1."},
+        {"role": "assistant", "content": null, "tool_calls": [call(in_id, "lookup_order", json!({"orderId": "o-1"}))]},
+        {"role": "tool", "tool_call_id": in_id, "content": "{\"orderId\":\"o-1\"}"}
+    ]);
+    let body = json!({"model": "gpt-test", "messages": messages, "tools": declared_tools()});
+    let (status, _, bytes) = support::call(
+        "POST",
+        &format!("{}/v1/chat/completions", h.url()),
+        &[],
+        Some(&body),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    let mut agent = Agent::new(&h, "run-reported-id", "Look up o-1.");
+    agent.messages = messages.as_array().unwrap().clone();
+    let r = agent.send().await;
+    assert_eq!(r.status, 200, "{}", r.text_body());
+    let dir = h.stop().await;
+    let db = support::journal(&dir.path().join("journal.db"));
+    let returned: Vec<String> =
+        db.column("SELECT payload FROM events WHERE type = 'agent.tool-returned'");
+    assert!(!returned.is_empty(), "the results were journaled");
+    let leaked: Vec<&String> = returned.iter().filter(|p| p.contains(in_id)).collect();
+    assert!(
+        leaked.is_empty(),
+        "events.payload (agent.tool-returned) holds the key in clear: {leaked:?} \
+         (all journal holders: {:?})",
+        journal_holders(dir.path(), in_id)
+    );
+}
+
+/// Replay read another principal's recorded result. Alice (verified principal token) runs
+/// `run-alice`: her `charge` runs and its result (balance, IBAN) is recorded; her retry
+/// (attempt 2) is answered with the recorded result in the host-authored end-turn text (she
+/// is its reader). Bob — another verified principal, or the agent with no token at all —
+/// sent `Turnguard-Run: run-alice` with `Turnguard-Mode: replay`, and recovery and replay
+/// served the latest attempt's recorded round with no check of who recorded it. The run id
+/// is a client-chosen string, not a credential; a served record now keeps its reader
+/// (`served.reader`) and is served only to it.
+///
+/// Rule: no principal can read another principal's recorded tool result (replay);
+/// `effects.reader` says who may read it (ARCHITECTURE.md, records leg).
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_never_hands_one_principal_anothers_result() {
+    const IBAN: &str = "DE89370400440532013000";
+    const BALANCE: &str = "4711.93";
+    let (h, _keys) = start_with_identity(None).await;
+    let charge = json!({"chargeId": "ch-replay", "amount": 12});
+    model_says(
+        &h,
+        &[
+            answer_calls(
+                "chatcmpl-a0",
+                vec![call("call_a", "charge", charge.clone())],
+            ),
+            answer_text("chatcmpl-a1", "Charged."),
+            answer_calls(
+                "chatcmpl-a2",
+                vec![call("call_a2", "charge", charge.clone())],
+            ),
+        ],
+    )
+    .await;
+    let alice_token = token("alice", json!({}));
+    let mut alice =
+        Agent::new(&h, "run-alice", "Charge 12.").header("turnguard-principal-token", &alice_token);
+    let a0 = alice.send().await;
+    assert_eq!(a0.call_names(), ["charge"], "{}", a0.text_body());
+    alice.accept(&a0);
+    alice.result(
+        "call_a",
+        &format!(r#"{{"charged":true,"balance":"{BALANCE}","iban":"{IBAN}"}}"#),
+    );
+    assert_eq!(alice.send().await.status, 200);
+    // Alice retries her node: the recorded result is hers to read.
+    let retry = Agent::new(&h, "run-alice", "Charge 12.")
+        .attempt(2)
+        .header("turnguard-principal-token", &alice_token);
+    let a2 = retry.send().await;
+    assert_eq!(a2.status, 200, "{}", a2.text_body());
+    assert!(a2.text_body().contains(IBAN), "{}", a2.text_body());
+
+    let upstream = upstream_calls(&h).await;
+    let mut leaks = Vec::new();
+    for (who, extra) in [
+        ("bob", Some(token("bob", json!({})))),
+        ("the agent (no token)", None),
+    ] {
+        let mut bob = Agent::new(&h, "run-alice", "Charge 12.").replaying();
+        if let Some(t) = &extra {
+            bob = bob.header("turnguard-principal-token", t);
+        }
+        let b = bob.send().await;
+        for (leak, name) in [(IBAN, "IBAN"), (BALANCE, "balance")] {
+            if b.text_body().contains(leak) {
+                leaks.push(format!(
+                    "{who} replayed run-alice and got alice's {name} (status {}): {}",
+                    b.status,
+                    b.text_body()
+                ));
+            }
+        }
+    }
+    assert_eq!(
+        upstream_calls(&h).await,
+        upstream,
+        "replay never calls upstream"
+    );
+    h.stop().await;
+    assert!(leaks.is_empty(), "{}", leaks.join("\n"));
+}
+
+/// Journal, `rounds.client_request_id`; logs, every access line's `request_id`.
+/// `edge::sane_request_id` kept any ASCII-graphic `x-request-id` of ≤ 200 bytes — an
+/// `sk-proj-…` key passed — and the round record copied it into `rounds.client_request_id`
+/// without the redactor, for a run round and a chat turn alike (an agent runtime that puts a
+/// credential-bearing correlation value there had it in the journal in clear). Now an id
+/// holding a secret the built-in recognizers know is replaced by a fresh one.
+///
+/// Rule: never journal secrets the policy's redactor recognises (ARCHITECTURE.md invariants).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_in_the_request_id_never_reaches_the_journal_in_clear() {
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    let in_run_round = "sk-proj-XRIDaaaaaaaaaaaaaaaaaaaaaaaa0061";
+    let in_chat = "sk-proj-XRIDbbbbbbbbbbbbbbbbbbbbbbbb0062";
+    model_says(
+        &h,
+        &[
+            answer_text("chatcmpl-x0", "Done."),
+            answer_text("chatcmpl-x1", "Done."),
+        ],
+    )
+    .await;
+    let agent = Agent::new(&h, "run-xrid", "Anything?").header("x-request-id", in_run_round);
+    assert_eq!(agent.send().await.status, 200);
+    let (status, _, _) = post_raw(
+        &format!("{}/v1/chat/completions", h.url()),
+        json!({"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]})
+            .to_string()
+            .into(),
+        &[("x-request-id", in_chat)],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let dir = h.stop().await;
+    for needle in [in_run_round, in_chat] {
+        let holders = journal_holders(dir.path(), needle);
+        assert!(
+            holders.is_empty(),
+            "an x-request-id key is in the journal in clear: {holders:?}"
+        );
+    }
+}
+
+/// Held already (same probe): metric labels never carry model- or agent-chosen strings: 40 distinct unknown
+/// tool names (one 300 characters long), 40 distinct model names and 40 distinct run ids leave
+/// no trace in `/metrics` (the tool label is `turnguard:unknown`), and the page's size does not
+/// grow with them.
+#[tokio::test(flavor = "multi_thread")]
+async fn attacker_chosen_names_never_become_metric_labels() {
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    let long = "x".repeat(300);
+    let names: Vec<String> = (0..40)
+        .map(|i| {
+            if i == 0 {
+                format!("lbl{long}")
+            } else {
+                format!("lbl_tool_{i}")
+            }
+        })
+        .collect();
+    let answers: Vec<Value> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            answer_calls(
+                &format!("chatcmpl-m{i}"),
+                vec![call(&format!("call_m{i}"), n, json!({}))],
+            )
+        })
+        .collect();
+    model_says(&h, &answers).await;
+    let mut first_size = 0;
+    for i in 0..40 {
+        let agent = Agent::new(&h, &format!("run-lbl-{i}"), "Go.");
+        let mut body = agent.body();
+        body["model"] = json!(format!("lbl-model-{i}"));
+        let r = agent.send_body(&body).await;
+        assert_eq!(r.status, 200, "{}", r.text_body());
+        if i == 1 {
+            first_size = h.admin_get("/metrics").await.1.len();
+        }
+    }
+    let (status, page) = h.admin_get("/metrics").await;
+    assert_eq!(status, 200);
+    let page = String::from_utf8_lossy(&page).into_owned();
+    assert!(!page.contains("lbl"), "a chosen name is a label value");
+    assert!(page.contains("turnguard:unknown"), "{page}");
+    assert!(
+        page.len() < first_size + 2048,
+        "the metrics page grew with distinct names: {first_size} -> {}",
+        page.len()
+    );
+    h.stop().await;
+}
+
+/// Held already (same probe): an upstream error passes through to the agent unchanged, and its body — which
+/// may quote the credential it refused (OpenAI's 401 does) — is recorded nowhere: the round
+/// is journaled as `upstream_error` without the body, on a run round and a chat turn.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_error_body_never_reaches_the_journal() {
+    let h = support::start_with_policy(Script::default(), BUNDLE).await;
+    let key = "sk-proj-UPERRaaaaaaaaaaaaaaaaaaaaaaa0071";
+    let err = json!({"error": {"message": format!("Incorrect API key provided: {key}."),
+        "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}});
+    h.script(&json!({"responses": [
+        {"status": 401, "json": err},
+        {"status": 401, "json": err},
+    ]}))
+    .await;
+    let agent = Agent::new(&h, "run-uperr", "Anything?");
+    let r = agent.send().await;
+    assert_eq!(r.status, 401, "{}", r.text_body());
+    assert!(r.text_body().contains(key), "passed through unchanged");
+    let (status, _, _) = post_raw(
+        &format!("{}/v1/chat/completions", h.url()),
+        json!({"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]})
+            .to_string()
+            .into(),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 401);
+    // The round's record is written after the answer; give it a moment.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let dir = h.stop().await;
+    let holders = journal_holders(dir.path(), key);
+    assert!(holders.is_empty(), "{holders:?}");
+    let db = support::journal(&dir.path().join("journal.db"));
+    let states: Vec<String> = db.column("SELECT state FROM rounds ORDER BY id");
+    assert_eq!(states.len(), 2, "{states:?}");
 }
