@@ -65,20 +65,34 @@ pub struct Redactor {
     pub strip_from_egress: bool,
 }
 
-/// The built-in recognizers alone, compiled once: for text turnguard shows or keeps where no
-/// policy is at hand or whatever the bundle says — a label made from a name the model or the
-/// agent chose ([`crate::admission::sanitize_label`]), an `x-request-id` it echoes and logs.
+/// The built-in recognizers, compiled once for the process: every policy's redactor and
+/// [`builtins`] share them (a compiled regex is most of a redactor's memory; a clone shares
+/// it). A pattern that does not compile is missing here, and [`Redactor::compile`] reports it.
+fn builtin_patterns() -> &'static [(String, Regex)] {
+    static PATTERNS: std::sync::LazyLock<Vec<(String, Regex)>> = std::sync::LazyLock::new(|| {
+        BUILTIN
+            .iter()
+            .filter_map(|(name, re)| Regex::new(re).ok().map(|r| ((*name).to_owned(), r)))
+            .collect()
+    });
+    &PATTERNS
+}
+
+/// The built-in recognizers alone: for text turnguard shows or keeps where no policy is at
+/// hand or whatever the bundle says — a label made from a name the model or the agent chose
+/// ([`crate::admission::sanitize_label`]), an `x-request-id` it echoes and logs. It shares
+/// the compiled patterns ([`builtin_patterns`]) and has no alternation of its own: a text at
+/// least as long as the shortest match is searched pattern by pattern.
 pub fn builtins() -> &'static Redactor {
     static BUILTINS: std::sync::LazyLock<Redactor> = std::sync::LazyLock::new(|| {
-        // The built-in patterns are constants that compile (`tests::builtins_compile`); the
-        // fallback, never taken, recognizes nothing.
-        Redactor::compile(&Redaction::default(), "built-in", "").unwrap_or_else(|_| Redactor {
-            patterns: Vec::new(),
+        let patterns = builtin_patterns().to_vec();
+        Redactor {
+            shortest_match: shortest_match(&patterns),
+            patterns,
             any: None,
-            shortest_match: usize::MAX,
             pointers: Vec::new(),
             strip_from_egress: false,
-        })
+        }
     });
     &BUILTINS
 }
@@ -89,13 +103,19 @@ impl Redactor {
         let mut patterns = Vec::new();
         let mut errors = Vec::new();
         if cfg.builtin {
+            let compiled = builtin_patterns();
             for (name, re) in BUILTIN {
-                match Regex::new(re) {
-                    Ok(r) => patterns.push(((*name).to_owned(), r)),
-                    Err(e) => errors.push(PolicyError::at(
+                match compiled.iter().find(|(n, _)| n == name) {
+                    Some(p) => patterns.push(p.clone()),
+                    None => errors.push(PolicyError::at(
                         file,
                         None,
-                        format!("built-in recognizer {name}: {e}"),
+                        format!(
+                            "built-in recognizer {name}: {}",
+                            Regex::new(re)
+                                .err()
+                                .map_or_else(String::new, |e| e.to_string())
+                        ),
                     )),
                 }
             }
@@ -257,14 +277,7 @@ fn prefilters(patterns: &[(String, Regex)]) -> (usize, Option<Regex>) {
         .iter()
         .map(|(_, re)| regex_syntax::parse(re.as_str()).ok())
         .collect();
-    let shortest = hirs
-        .iter()
-        .map(|hir| {
-            hir.as_ref()
-                .map_or(0, |h| h.properties().minimum_len().unwrap_or(usize::MAX))
-        })
-        .min()
-        .unwrap_or(usize::MAX);
+    let shortest = shortest_of(&hirs);
     let any = if hirs.is_empty() {
         None
     } else {
@@ -275,6 +288,25 @@ fn prefilters(patterns: &[(String, Regex)]) -> (usize, Option<Regex>) {
     (shortest, any)
 }
 
+/// The least `minimum_len` of the patterns' parsed forms ([`prefilters`]' first half).
+fn shortest_match(patterns: &[(String, Regex)]) -> usize {
+    let hirs: Vec<_> = patterns
+        .iter()
+        .map(|(_, re)| regex_syntax::parse(re.as_str()).ok())
+        .collect();
+    shortest_of(&hirs)
+}
+
+fn shortest_of(hirs: &[Option<regex_syntax::hir::Hir>]) -> usize {
+    hirs.iter()
+        .map(|hir| {
+            hir.as_ref()
+                .map_or(0, |h| h.properties().minimum_len().unwrap_or(usize::MAX))
+        })
+        .min()
+        .unwrap_or(usize::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,6 +314,7 @@ mod tests {
 
     #[test]
     fn builtins_compile() {
+        assert_eq!(builtin_patterns().len(), BUILTIN.len());
         assert!(Redactor::compile(&Redaction::default(), "built-in", "").is_ok());
         let key = "sk-proj-AbCdEfGhIjKlMnOpQrStUvWxYz0123456789";
         assert!(builtins().redact_str(key).starts_with("[REDACTED:"));
