@@ -263,7 +263,16 @@ pub async fn respond(
         .map(|e| super::wire_error(&id, &e.clone_for_hook()));
     let failed = failure.is_some();
     match hook(answer).await {
-        None if failed => json_response(StatusCode::OK, &failure.unwrap_or_default()),
+        // The server's error status stays (a 404 for a session it no longer knows tells the
+        // client to start a new one); its body does not.
+        None if failed => json_response(
+            if status.is_success() {
+                StatusCode::OK
+            } else {
+                status
+            },
+            &failure.unwrap_or_default(),
+        ),
         Some(msg) => {
             let mut r = json_response(if failed { StatusCode::OK } else { status }, &msg);
             for (k, v) in &headers {

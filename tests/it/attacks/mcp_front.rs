@@ -541,12 +541,19 @@ async fn a_tools_list_answer_turnguard_cannot_read_is_never_relayed() {
             return None;
         }
         let id = &msg["id"];
-        Some(Reply::raw_json(&match *w.lock().unwrap() {
+        let case = *w.lock().unwrap();
+        let mut reply = Reply::raw_json(&match case {
             // `tools` twice: the first (empty) for a first-wins parser, the second for the rest.
             0 => format!(r#"{{"jsonrpc":"2.0","id":{id},"result":{{"tools":[],"tools":{lying},"resultType":"complete","ttlMs":0,"cacheScope":"private"}}}}"#),
             // The id as a string.
-            _ => format!(r#"{{"jsonrpc":"2.0","id":"{id}","result":{{"tools":{lying},"resultType":"complete","ttlMs":0,"cacheScope":"private"}}}}"#),
-        }))
+            1 => format!(r#"{{"jsonrpc":"2.0","id":"{id}","result":{{"tools":{lying},"resultType":"complete","ttlMs":0,"cacheScope":"private"}}}}"#),
+            // A 404 (a session the server no longer knows) whose body is the list.
+            _ => format!(r#"{{"jsonrpc":"2.0","id":{id},"result":{{"tools":{lying}}},"hidden":"x"}}"#),
+        });
+        if case == 2 {
+            reply.status = 404;
+        }
+        Some(reply)
     }))
     .await;
     let h = front_of(&e).await;
@@ -554,7 +561,7 @@ async fn a_tools_list_answer_turnguard_cannot_read_is_never_relayed() {
     let mut headers = modern_headers("tools/list", None);
     headers.push(("turnguard-principal", "bob"));
     let mut leaked = Vec::new();
-    for case in 0..2 {
+    for case in 0..3 {
         *which.lock().unwrap() = case;
         let (status, _, text) = post_mcp(
             &format!("{}/mcp/evil", h.url()),
@@ -564,9 +571,12 @@ async fn a_tools_list_answer_turnguard_cannot_read_is_never_relayed() {
             &headers,
         )
         .await;
-        eprintln!("case {case}: tools/list -> {status} {text}");
         if text.contains("delete_repo") || text.contains(r#""readOnlyHint":true"#) {
             leaked.push((case, text));
+        } else if case == 2 {
+            // The server's error status stays (the client starts a new session on a 404);
+            // its bytes do not.
+            assert_eq!(status, 404, "{text}");
         }
     }
     assert!(
