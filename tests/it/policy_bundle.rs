@@ -12,13 +12,13 @@
 
 use crate::support;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
+use support::served::Served;
 use support::{get, post_raw};
 use turnguard::mock_provider::Script;
 
@@ -659,103 +659,6 @@ fn api_tool() -> Value {
         "required": ["endpoint", "apiKey", "headers"]}}})
 }
 
-/// A `turnguard serve` child process with its stderr collected on a thread.
-struct Served {
-    child: std::process::Child,
-    data: String,
-    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-    reader: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Served {
-    fn start(journal: &Path, policy: &Path, mock: &str) -> Self {
-        let mut child = Command::new(BIN)
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--log-format",
-                "json",
-            ])
-            .arg("--journal")
-            .arg(support::journal_arg(journal))
-            .arg("--policy")
-            .arg(policy)
-            .arg("--upstream")
-            .arg(format!("openai={mock}"))
-            .arg("--upstream")
-            .arg(format!("anthropic={mock}"))
-            // Chat turns' bodies and arguments kept too: every record a secret could reach.
-            .args(["--journal-bodies", "all"])
-            .env("TURNGUARD_LOG", "debug")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("turnguard serve starts");
-        let stderr = child.stderr.take().unwrap();
-        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
-        let sink = std::sync::Arc::clone(&log);
-        let reader = std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                sink.lock().unwrap().push(line.clone());
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let data = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = rx.recv_timeout(left).unwrap_or_else(|_| {
-                panic!(
-                    "turnguard did not report listening: {:?}",
-                    log.lock().unwrap()
-                )
-            });
-            if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                if v["message"] == "turnguard listening" {
-                    break v["data"]
-                        .as_str()
-                        .expect("data address in the log")
-                        .to_owned();
-                }
-            }
-        };
-        Self {
-            child,
-            data,
-            log,
-            reader: Some(reader),
-        }
-    }
-
-    /// SIGTERM (graceful shutdown), wait, and return every log line.
-    fn stop(mut self) -> Vec<String> {
-        let pid = self.child.id().to_string();
-        let _ = Command::new("kill").args(["-TERM", &pid]).status();
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if self.child.try_wait().unwrap().is_some() {
-                break;
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                panic!("turnguard did not stop on SIGTERM");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        if let Some(r) = self.reader.take() {
-            let _ = r.join();
-        }
-        let lines = self.log.lock().unwrap().clone();
-        lines
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn secrets_in_arguments_never_reach_the_journal_events_or_logs() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -803,12 +706,14 @@ async fn secrets_in_arguments_never_reach_the_journal_events_or_logs() {
 
     let tmp = tempfile::tempdir().unwrap();
     let journal = tmp.path().join("journal.db");
+    // Chat turns' bodies and arguments kept too: every record a secret could reach.
     let served = Served::start(
         &journal,
         &support::own_fixtures().join("policy-redaction"),
         &mock_url,
+        &["--journal-bodies", "all"],
     );
-    let url = format!("http://{}/v1/chat/completions", served.data);
+    let url = served.chat_url();
     let request = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Charge it."}], "tools": [api_tool()]});
 
     let (status, _, body) = post_raw(

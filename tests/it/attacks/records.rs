@@ -7,9 +7,7 @@
 //! Bundle: `tests/fixtures/policy-run` (a re-runnable `lookup_order`, a `charge` with business
 //! key `/chargeId`, a `send_receipt` write; built-in redaction on).
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -19,9 +17,9 @@ use turnguard::mock_provider::Script;
 use crate::support;
 use support::approvals::{token, AUD, ISS, SECRET};
 use support::runs::*;
+use support::served::Served;
 use support::{own_fixtures, post_raw, Harness};
 
-const BIN: &str = env!("CARGO_BIN_EXE_turnguard");
 const BUNDLE: &str = "policy-run";
 
 /// Names each journal file (SQLite: database, WAL, freed pages included) and each table and
@@ -973,99 +971,6 @@ async fn a_key_in_a_call_id_or_name_never_reaches_the_events_in_clear() {
 
 // ---- found by a probe of this leg (each failed before its fix), and two it held --------------
 
-/// A `turnguard serve` child process (JSON logs at debug level) with its stderr collected.
-struct Served {
-    child: std::process::Child,
-    data: String,
-    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-    reader: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Served {
-    fn start(journal: &Path, policy: &Path, mock: &str) -> Self {
-        let mut child = Command::new(BIN)
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--log-format",
-                "json",
-            ])
-            .arg("--journal")
-            .arg(support::journal_arg(journal))
-            .arg("--policy")
-            .arg(policy)
-            .arg("--upstream")
-            .arg(format!("openai={mock}"))
-            .arg("--upstream")
-            .arg(format!("anthropic={mock}"))
-            .env("TURNGUARD_LOG", "debug")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("turnguard serve starts");
-        let stderr = child.stderr.take().unwrap();
-        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
-        let sink = std::sync::Arc::clone(&log);
-        let reader = std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                sink.lock().unwrap().push(line.clone());
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let data = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = rx.recv_timeout(left).unwrap_or_else(|_| {
-                panic!(
-                    "turnguard did not report listening: {:?}",
-                    log.lock().unwrap()
-                )
-            });
-            if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                if v["message"] == "turnguard listening" {
-                    break v["data"].as_str().unwrap().to_owned();
-                }
-            }
-        };
-        Self {
-            child,
-            data,
-            log,
-            reader: Some(reader),
-        }
-    }
-
-    fn chat_url(&self) -> String {
-        format!("http://{}/v1/chat/completions", self.data)
-    }
-
-    /// SIGTERM, wait, and return every log line.
-    fn stop(mut self) -> Vec<String> {
-        let pid = self.child.id().to_string();
-        let _ = Command::new("kill").args(["-TERM", &pid]).status();
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while self.child.try_wait().unwrap().is_none() {
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                panic!("turnguard did not stop on SIGTERM");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        if let Some(r) = self.reader.take() {
-            let _ = r.join();
-        }
-        let lines = self.log.lock().unwrap().clone();
-        lines
-    }
-}
-
 /// The log lines holding `needle`.
 fn log_holders(log: &[String], needle: &str) -> Vec<String> {
     log.iter().filter(|l| l.contains(needle)).cloned().collect()
@@ -1103,6 +1008,7 @@ async fn a_key_in_a_label_never_reaches_the_logs() {
         &tmp.path().join("journal.db"),
         &own_fixtures().join(BUNDLE),
         &mock_url,
+        &[],
     );
     let url = served.chat_url();
     let ask = json!({"model": "gpt-test", "messages": [{"role": "user", "content": "Do it."}],

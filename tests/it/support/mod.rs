@@ -11,6 +11,7 @@ pub mod approvals;
 pub mod db;
 pub mod faulty;
 pub mod runs;
+pub mod served;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
