@@ -315,16 +315,25 @@ fn read_event(block: &crate::sse::SseBlock) -> Result<Option<Value>, &'static st
     }
 }
 
-/// The next data of a server's stream, waiting at most `idle` when given: `None` at its end.
+/// The next data of a server's stream, waiting at most `idle` when given: `None` at its end,
+/// or once `client` (when given) is gone — the session's GET stream is not read for nobody.
 ///
 /// Errors: why the stream is given up (no event in time, a broken stream).
-async fn next_data(body: &mut Incoming, idle: Option<Duration>) -> Result<Option<Bytes>, String> {
+async fn next_data(
+    body: &mut Incoming,
+    idle: Option<Duration>,
+    client: Option<&tokio::sync::mpsc::Sender<Result<Bytes, std::io::Error>>>,
+) -> Result<Option<Bytes>, String> {
     loop {
-        let frame = match idle {
-            Some(idle) => tokio::time::timeout(idle, body.frame())
+        let frame = match (idle, client) {
+            (Some(idle), _) => tokio::time::timeout(idle, body.frame())
                 .await
                 .map_err(|_| format!("no event within {} ms", idle.as_millis()))?,
-            None => body.frame().await,
+            (None, Some(tx)) => tokio::select! {
+                f = body.frame() => f,
+                () = tx.closed() => return Ok(None),
+            },
+            (None, None) => body.frame().await,
         };
         match frame {
             None => return Ok(None),
@@ -374,7 +383,10 @@ pub fn relay_sse(
         // through the hook (a decided call's result is recorded either way).
         let mut client_gone = false;
         'read: loop {
-            let data = match next_data(&mut body, idle).await {
+            // A call's stream is read to its response even for a client that left (its
+            // result is recorded either way); the GET stream only while its client is there.
+            let client = hook.is_none().then_some(&tx);
+            let data = match next_data(&mut body, idle, client).await {
                 Ok(Some(d)) => d,
                 Ok(None) => break,
                 Err(why) => {
