@@ -928,7 +928,8 @@ pub struct Config {
     pub approval_ui_client_secret_file: Option<PathBuf>,
     /// Redirect URI of the approval page (`…/ui/callback`).
     pub approval_ui_redirect_uri: Option<String>,
-    /// Approval webhook URL.
+    /// Approval webhook URL (shown with its userinfo replaced by `***`, [`redact_url`]).
+    #[serde(serialize_with = "url_redacted")]
     pub approval_webhook: Option<String>,
     /// HMAC key file of the approval webhook (the path is shown, never the key).
     pub approval_webhook_secret_file: Option<PathBuf>,
@@ -1005,6 +1006,14 @@ pub fn default_worker_threads() -> usize {
     std::thread::available_parallelism()
         .map_or(1, std::num::NonZeroUsize::get)
         .min(MAX_DEFAULT_WORKER_THREADS)
+}
+
+/// Serializes an optional URL as [`redact_url`] shows it (`/config`).
+fn url_redacted<S: serde::Serializer>(url: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+    match url {
+        Some(u) => s.serialize_some(&redact_url(u)),
+        None => s.serialize_none(),
+    }
 }
 
 /// `url` with the userinfo of its authority (`user:pass@`) replaced by `***@`, for messages.

@@ -92,16 +92,18 @@ impl Webhook {
         let Some(url) = &config.approval_webhook else {
             return Ok(None);
         };
+        // Messages show the URL without its userinfo (a password in it is a credential).
+        let shown = crate::config::redact_url(url);
         let uri: http::Uri = url
             .parse()
-            .map_err(|e| UiConfigError::Setting(format!("approval_webhook `{url}`: {e}")))?;
+            .map_err(|e| UiConfigError::Setting(format!("approval_webhook `{shown}`: {e}")))?;
         let loopback = is_loopback(uri.host().unwrap_or_default());
         match uri.scheme_str() {
             Some("https") => {}
             Some("http") if loopback => {}
             _ => {
                 return Err(UiConfigError::Setting(format!(
-                    "approval_webhook `{url}` must be https (plain http only on a loopback host)"
+                    "approval_webhook `{shown}` must be https (plain http only on a loopback host)"
                 )))
             }
         }

@@ -660,7 +660,7 @@ pub fn check(
 /// value, which is model text.
 pub(crate) fn describe(e: &jsonschema::ValidationError<'_>) -> String {
     use jsonschema::error::ValidationErrorKind as K;
-    let path = sanitize_pointer(e.instance_path().as_str());
+    let path = host_path(e.instance_path().as_str(), e.schema_path().as_str());
     let keyword = e.kind().keyword();
     let detail = match e.kind() {
         K::Required { property } => format!("missing required property {property}"),
@@ -685,10 +685,36 @@ pub(crate) fn describe(e: &jsonschema::ValidationError<'_>) -> String {
     format!("at `{path}`: {keyword}: {detail}")
 }
 
+/// The instance path of a violation as host-authored text may show it: array indices, and
+/// object keys the schema names (a `properties/<name>` step of the schema path); every other
+/// key is the model's own text (an undeclared key, held to `additionalProperties`), shown as
+/// `*`, so no model-chosen prose — or a secret used as a key — reaches turnguard's end-turn
+/// text or a repair's tool result (tool-turn contract §B: corrective text is host-authored
+/// from validator output).
+fn host_path(instance: &str, schema: &str) -> String {
+    let steps: Vec<&str> = schema.split('/').collect();
+    let declared: std::collections::HashSet<&str> = steps
+        .windows(2)
+        .filter(|w| w[0] == "properties")
+        .map(|w| w[1])
+        .collect();
+    let shown: Vec<&str> = instance
+        .split('/')
+        .map(|seg| {
+            if seg.is_empty() || seg.bytes().all(|b| b.is_ascii_digit()) || declared.contains(seg) {
+                seg
+            } else {
+                "*"
+            }
+        })
+        .collect();
+    sanitize_pointer(&shown.join("/"))
+}
+
 fn sanitize_pointer(p: &str) -> String {
     let s: String = p
         .chars()
-        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '/' | '.'))
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '/' | '.' | '*'))
         .take(128)
         .collect();
     if s.is_empty() {

@@ -8,9 +8,13 @@
 //! | [`trust`] | tool content, the agent's transcript | a turn's trust is the meet of every input; an input turnguard does not recognise is untrusted |
 //! | [`upstream_bytes`] | the upstream's bytes, the model's output | an event reaches the agent only after it parsed and its calls were admitted |
 //! | [`records`] | the agent, tool content | the journal's keys are turnguard's own; no secret is written in clear (journal, logs, metric labels); no principal reads another's result |
+//! | [`admin_plane`] | an admin-plane client | no run data without the admin token; no credential shown; malformed input never takes the plane down |
+//! | [`host_text`] | the model's output | text turnguard writes as its own carries no model-chosen prose and no secret |
 //! | [`mcp_front`] | the agent's JSON-RPC, the MCP server's bytes | a `tools/call` is decided before it goes; nothing the front did not read is relayed, either way |
 
+mod admin_plane;
 mod approvals;
+mod host_text;
 mod mcp_front;
 mod records;
 mod trust;
