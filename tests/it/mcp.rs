@@ -91,41 +91,52 @@ impl McpHarness {
         let released = self.model_turn(run, "please do it", name, args).await;
         assert_eq!(released, vec![name.to_owned()], "the emission is released");
     }
-    /// One model turn in `run` whose answer calls `name(args)`; returns the names of the
-    /// calls released to the agent.
+    /// [`model_turn`] on this front's harness.
     async fn model_turn(&self, run: &str, user: &str, name: &str, args: Value) -> Vec<String> {
-        self.h
-            .script(&json!({"responses": [{"json": tool_answer(name, &args)}]}))
-            .await;
-        let body = json!({
-            "model": "gpt-test",
-            "messages": [{"role": "user", "content": user}],
-            "tools": [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
-        });
-        let (status, resp) = post_json(
-            &format!("{}/v1/chat/completions", self.h.url()),
-            &body,
-            &[("turnguard-run", run)],
-        )
-        .await;
-        let v: Value = serde_json::from_slice(&resp).unwrap();
-        assert_eq!(status, 200, "{v}");
-        v.pointer("/choices/0/message/tool_calls")
-            .and_then(Value::as_array)
-            .map(|calls| {
-                calls
-                    .iter()
-                    .map(|c| c["function"]["name"].as_str().unwrap().to_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
+        model_turn(&self.h, run, user, name, &args).await
     }
     fn db(&self) -> support::Db {
         support::journal(&self.h.journal())
     }
 }
 
-fn tool_answer(name: &str, args: &Value) -> Value {
+/// One model turn in `run` (the person says `user`) whose answer calls `name(args)`; returns
+/// the names of the calls released to the agent.
+pub(crate) async fn model_turn(
+    h: &Harness,
+    run: &str,
+    user: &str,
+    name: &str,
+    args: &Value,
+) -> Vec<String> {
+    h.script(&json!({"responses": [{"json": tool_answer(name, args)}]}))
+        .await;
+    let body = json!({
+        "model": "gpt-test",
+        "messages": [{"role": "user", "content": user}],
+        "tools": [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+    });
+    let (status, resp) = post_json(
+        &format!("{}/v1/chat/completions", h.url()),
+        &body,
+        &[("turnguard-run", run)],
+    )
+    .await;
+    let v: Value = serde_json::from_slice(&resp).unwrap();
+    assert_eq!(status, 200, "{v}");
+    v.pointer("/choices/0/message/tool_calls")
+        .and_then(Value::as_array)
+        .map(|calls| {
+            calls
+                .iter()
+                .map(|c| c["function"]["name"].as_str().unwrap().to_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A Chat answer with one call, `name(args)`.
+pub(crate) fn tool_answer(name: &str, args: &Value) -> Value {
     json!({
         "id": "chatcmpl-mcp", "object": "chat.completion", "created": 1_782_955_817, "model": "gpt-test",
         "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": null, "message": {

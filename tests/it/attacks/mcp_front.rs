@@ -28,7 +28,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
-use support::{get, own_fixtures, post_json, Harness};
+use support::{get, own_fixtures, Harness};
 use turnguard::config::{McpServer, Ticket, Upstream};
 use turnguard::mock_mcp::{self, McpMockHandle, McpScript};
 use turnguard::mock_provider::Script;
@@ -146,43 +146,9 @@ fn modern_headers<'a>(method: &'a str, name: Option<&'a str>) -> Vec<(&'a str, &
     h
 }
 
-fn tool_answer(name: &str, args: &Value) -> Value {
-    json!({
-        "id": "chatcmpl-probe", "object": "chat.completion", "created": 1_782_955_817, "model": "gpt-test",
-        "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": null, "message": {
-            "role": "assistant", "content": null,
-            "tool_calls": [{"id": format!("call_{name}"), "type": "function",
-                "function": {"name": name, "arguments": args.to_string()}}]}}],
-        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
-    })
-}
-
 /// One model turn in `run` whose answer calls `name(args)`; the names turnguard released.
 async fn model_turn(h: &Harness, run: &str, name: &str, args: &Value) -> Vec<String> {
-    h.script(&json!({"responses": [{"json": tool_answer(name, args)}]}))
-        .await;
-    let body = json!({
-        "model": "gpt-test",
-        "messages": [{"role": "user", "content": "please do it"}],
-        "tools": [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
-    });
-    let (status, resp) = post_json(
-        &format!("{}/v1/chat/completions", h.url()),
-        &body,
-        &[("turnguard-run", run)],
-    )
-    .await;
-    let v: Value = serde_json::from_slice(&resp).unwrap();
-    assert_eq!(status, 200, "{v}");
-    v.pointer("/choices/0/message/tool_calls")
-        .and_then(Value::as_array)
-        .map(|calls| {
-            calls
-                .iter()
-                .map(|c| c["function"]["name"].as_str().unwrap().to_owned())
-                .collect()
-        })
-        .unwrap_or_default()
+    crate::mcp::model_turn(h, run, "please do it", name, args).await
 }
 
 // ---- found A1 (fixed: a decided method without a string or number id is 400) ---------------
