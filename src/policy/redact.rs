@@ -67,14 +67,16 @@ pub struct Redactor {
 
 /// The built-in recognizers, compiled once for the process: every policy's redactor and
 /// [`builtins`] share them (a compiled regex is most of a redactor's memory; a clone shares
-/// it). A pattern that does not compile is missing here, and [`Redactor::compile`] reports it.
-fn builtin_patterns() -> &'static [(String, Regex)] {
-    static PATTERNS: std::sync::LazyLock<Vec<(String, Regex)>> = std::sync::LazyLock::new(|| {
-        BUILTIN
-            .iter()
-            .filter_map(|(name, re)| Regex::new(re).ok().map(|r| ((*name).to_owned(), r)))
-            .collect()
-    });
+/// it). One entry per [`BUILTIN`] entry, in its order (two recognizers may share a name); a
+/// pattern that does not compile is `None`, and [`Redactor::compile`] reports it.
+fn builtin_patterns() -> &'static [Option<(String, Regex)>] {
+    static PATTERNS: std::sync::LazyLock<Vec<Option<(String, Regex)>>> =
+        std::sync::LazyLock::new(|| {
+            BUILTIN
+                .iter()
+                .map(|(name, re)| Regex::new(re).ok().map(|r| ((*name).to_owned(), r)))
+                .collect()
+        });
     &PATTERNS
 }
 
@@ -85,7 +87,7 @@ fn builtin_patterns() -> &'static [(String, Regex)] {
 /// least as long as the shortest match is searched pattern by pattern.
 pub fn builtins() -> &'static Redactor {
     static BUILTINS: std::sync::LazyLock<Redactor> = std::sync::LazyLock::new(|| {
-        let patterns = builtin_patterns().to_vec();
+        let patterns: Vec<(String, Regex)> = builtin_patterns().iter().flatten().cloned().collect();
         Redactor {
             shortest_match: shortest_match(&patterns),
             patterns,
@@ -103,9 +105,8 @@ impl Redactor {
         let mut patterns = Vec::new();
         let mut errors = Vec::new();
         if cfg.builtin {
-            let compiled = builtin_patterns();
-            for (name, re) in BUILTIN {
-                match compiled.iter().find(|(n, _)| n == name) {
+            for ((name, re), compiled) in BUILTIN.iter().zip(builtin_patterns()) {
+                match compiled {
                     Some(p) => patterns.push(p.clone()),
                     None => errors.push(PolicyError::at(
                         file,
@@ -314,10 +315,21 @@ mod tests {
 
     #[test]
     fn builtins_compile() {
-        assert_eq!(builtin_patterns().len(), BUILTIN.len());
-        assert!(Redactor::compile(&Redaction::default(), "built-in", "").is_ok());
-        let key = "sk-proj-AbCdEfGhIjKlMnOpQrStUvWxYz0123456789";
-        assert!(builtins().redact_str(key).starts_with("[REDACTED:"));
+        assert!(builtin_patterns().iter().all(Option::is_some));
+        let policy = Redactor::compile(&Redaction::default(), "built-in", "").unwrap();
+        // Every recognizer, the two that share the name `api-key` included, in both.
+        assert_eq!(policy.patterns.len(), BUILTIN.len());
+        assert_eq!(builtins().patterns.len(), BUILTIN.len());
+        for key in [
+            "sk-proj-AbCdEfGhIjKlMnOpQrStUvWxYz0123456789",
+            "sk_live_AbCdEfGhIjKlMnOp1234",
+        ] {
+            assert!(
+                builtins().redact_str(key).starts_with("[REDACTED:"),
+                "{key}"
+            );
+            assert!(policy.redact_str(key).starts_with("[REDACTED:"), "{key}");
+        }
     }
 
     /// No copy exactly when redaction would change nothing: a clean call, a call with a
