@@ -41,7 +41,7 @@ pub struct RequestCtx {
 
 /// What a run header given more than once reads as: a value no run id matches
 /// (`proxy::check_run_ids` refuses it).
-pub(crate) const SEVERAL_VALUES: &str = "(several values)";
+const SEVERAL_VALUES: &str = "(several values)";
 
 impl RequestCtx {
     /// The request id and run identity of a request's headers.

@@ -166,8 +166,7 @@ async fn turn(
     let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
     check_channel_schema_size(state, channel.as_ref())?;
     refuse_run_while_journal_fails(state, ctx)?;
-    let reader = crate::request::reader_of(person.as_deref());
-    record_before_upstream(state, ctx, &turn, &policy, trust, &reader).await?;
+    record_before_upstream(state, ctx, &turn, &policy, trust, person.as_deref()).await?;
 
     let agent_digest = crate::recipes::semantic_request_digest(api, &json);
     let mode = run_mode(&parts.headers)?;

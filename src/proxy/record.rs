@@ -384,7 +384,7 @@ pub(super) async fn record_before_upstream(
     turn: &Turn,
     policy: &CompiledPolicy,
     trust: crate::policy::bundle::ContentTrust,
-    reader: &str,
+    person: Option<&str>,
 ) -> Result<(), WireError> {
     let redactor = &policy.redactor;
     let cap = state.config.journal_max_record_bytes;
@@ -397,7 +397,7 @@ pub(super) async fn record_before_upstream(
             run: ctx.run.clone(),
             tool_call_id: t.tool_call_id.clone(),
             event_call_id: redactor.redact_text(&t.tool_call_id),
-            reader: Some(reader.to_owned()),
+            reader: Some(crate::request::reader_of(person)),
             tool_name: t.tool_name.as_deref().map(|n| redactor.redact_text(n)),
             is_error: t.is_error,
             content: Recorded::redacted(t.content.as_bytes(), redactor, cap),

@@ -179,7 +179,9 @@ async fn start() -> McpHarness {
     McpHarness { h, mcp }
 }
 
-async fn run_client(plan: &Value) -> Value {
+/// Runs the official MCP Python SDK client (`tests/sdk/mcp_client.py`) on `plan`; its JSON
+/// report.
+pub(crate) async fn run_client(plan: &Value) -> Value {
     let out = support::run_sdk_script(
         "mcp_client.py",
         &[plan.to_string().into()],

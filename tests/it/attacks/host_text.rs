@@ -39,10 +39,10 @@ fn bad_map_call() -> Value {
         "function": {"name": "set_headers", "arguments": args}}])
 }
 
-///: the end-turn text turnguard authors quotes the model's argument keys (the
-/// validator's instance path is sanitized to `[A-Za-z0-9_./-]` but never redacted nor
-/// dropped), so a model puts its own prose — and a secret, unredacted — inside the
-/// `[turnguard] …` explanation the agent reads.
+/// The end-turn text turnguard authored quoted the model's argument keys (the validator's
+/// instance path was sanitized to `[A-Za-z0-9_./-]`, never redacted nor dropped), so a model
+/// put its own prose — and a secret, unredacted — inside the `[turnguard] …` explanation the
+/// agent reads.
 #[tokio::test]
 async fn end_turn_text_never_quotes_model_argument_keys() {
     let h = support::start(Script::default()).await;
@@ -72,9 +72,9 @@ async fn end_turn_text_never_quotes_model_argument_keys() {
     h.stop().await;
 }
 
-///: the same through a repair round (policy-repair): the host-authored `role: tool`
-/// result turnguard sends upstream quotes the model's keys, and so does the `error` the agent
-/// gets once the repair rounds are spent.
+/// The same through a repair round (policy-repair): the host-authored `role: tool` result
+/// turnguard sent upstream quoted the model's keys, and so did the `error` the agent got once
+/// the repair rounds were spent.
 #[tokio::test]
 async fn repair_result_and_error_never_quote_model_argument_keys() {
     let h = support::start_with_policy(Script::default(), "policy-repair").await;

@@ -464,19 +464,7 @@ async fn modern_call(h: &Harness, run: &str, id: u64, name: &str) -> String {
 async fn sdk_call(h: &Harness, mode: &str, run: &str, name: &str) -> Value {
     let plan = json!({"url": format!("{}/mcp/evil", h.url()), "mode": mode,
         "headers": {"turnguard-run": run}, "steps": [{"op": "call", "name": name, "arguments": {}}]});
-    let out = support::run_sdk_script(
-        "mcp_client.py",
-        &[plan.to_string().into()],
-        Duration::from_secs(90),
-    )
-    .await;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "mcp_client.py failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    crate::mcp::run_client(&plan).await
 }
 
 fn results_of_run(h: &Harness, run: &str) -> i64 {
