@@ -6,7 +6,7 @@
 //! call has the same rows as a model-emitted one. What it needs to read:
 //!
 //! - **tickets** ([`McpReader::tickets`]): the released model emissions of a run with a given
-//!   tool name and `argsHash` — `tool_calls` rows with outcome `executed` (or released in
+//!   tool name and `argsHash` — `tool_call_rows` rows with outcome `executed` (or released in
 //!   shadow mode, `enforced = 0`) whose round belongs to the run and is a model round (not one
 //!   of the MCP front's own decision rounds, `api = 'mcp'`);
 //! - **the execution state** of an effect ([`McpReader::effect_state`], table `effects`);
@@ -25,7 +25,7 @@ use super::JournalError;
 /// A released model emission that an MCP `tools/call` may execute (DESIGN.md §10).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TicketRow {
-    /// `tool_calls.id`: the emission's row.
+    /// `tool_call_rows.id`: the emission's row.
     pub row: i64,
     /// The model round that released it (`rounds.request_id`).
     pub request_id: String,
@@ -154,7 +154,7 @@ impl SqliteMcpReader {
                 // `(request_id, choice, ordinal)` key): `CROSS JOIN` fixes that order, as there
                 // is no index on `args_hash` (schema step 10 says why).
                 "SELECT c.id, c.request_id, c.call_id, c.name, r.node_id, r.attempt, r.content_trust
-                 FROM rounds r INDEXED BY rounds_run CROSS JOIN tool_calls c ON c.request_id = r.request_id
+                 FROM rounds r INDEXED BY rounds_run CROSS JOIN tool_call_rows c ON c.request_id = r.request_id
                  WHERE r.run_id = ?1 AND r.api != 'mcp' AND c.args_hash = ?2
                    AND (c.outcome = 'executed' OR c.enforced = 0)
                  ORDER BY c.id",

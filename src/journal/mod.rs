@@ -1414,11 +1414,14 @@ fn apply_batch(
                 if let Some(r) = &u.served {
                     insert_served(tx, r)?;
                 }
-                if let Some(r) = &u.round {
-                    insert_round(tx, r)?;
-                }
+                let folded = match &u.round {
+                    Some(r) => insert_round(tx, r, &u.events)?.then_some(r),
+                    None => None,
+                };
                 for e in &u.events {
-                    insert_event(tx, e)?;
+                    if !folded.is_some_and(|r| folds(r, e)) {
+                        insert_event(tx, e)?;
+                    }
                 }
             }
             Op::Cursor {
@@ -1606,12 +1609,19 @@ fn insert_event(tx: &rusqlite::Connection, e: &EventRecord) -> rusqlite::Result<
         Some(run) => format!("run:{run}"),
         None => format!("request:{}", e.request_id),
     };
+    // A chat turn's scope may hold events folded into its round's row (schema step 16): the
+    // next sequence follows those too.
+    let folded_in = e.run.run_id.is_none().then_some(e.request_id.as_str());
     let next: i64 = tx
-        .prepare_cached("SELECT coalesce(max(sequence), -1) + 1 FROM events WHERE scope = ?1")?
-        .query_row(params![scope], |r| r.get(0))?;
+        .prepare_cached(
+            "SELECT max(coalesce((SELECT max(sequence) FROM event_rows WHERE scope = ?1), -1),
+                        coalesce((SELECT max(e.value ->> 'sequence') FROM rounds r, json_each(r.events) e
+                                   WHERE r.request_id = ?2), -1)) + 1",
+        )?
+        .query_row(params![scope, folded_in], |r| r.get(0))?;
     exec(
         tx,
-        "INSERT INTO events (scope, run_id, node_id, request_id, sequence, type, payload, at_ms)
+        "INSERT INTO event_rows (scope, run_id, node_id, request_id, sequence, type, payload, at_ms)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
         params![
             scope,
@@ -1627,14 +1637,184 @@ fn insert_event(tx: &rusqlite::Connection, e: &EventRecord) -> rusqlite::Result<
     Ok(())
 }
 
-fn insert_round(tx: &rusqlite::Connection, r: &RoundRecord) -> rusqlite::Result<()> {
+/// Whether the chat round `r` holds event `e` in its own row (`rounds.events`, schema step
+/// 16): an event of the same chat turn's request, committed with the round.
+fn folds(r: &RoundRecord, e: &EventRecord) -> bool {
+    r.run.run_id.is_none() && e.run.run_id.is_none() && e.request_id == r.request_id
+}
+
+/// A chat round's call as `rounds.calls` holds it (the `tool_calls` view's columns).
+#[derive(serde::Serialize)]
+struct FoldedCall<'a> {
+    choice: u32,
+    ordinal: u32,
+    call_id: &'a str,
+    name: &'a str,
+    outcome: &'a str,
+    stage: &'a str,
+    reason: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    args_hash: Option<&'a str>,
+    tool_id: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logical_invocation_id: Option<&'a str>,
+    node_ordinal: u64,
+    enforced: u8,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rules: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    redacted_args: Option<&'a str>,
+}
+
+impl<'a> From<&'a CallRecord> for FoldedCall<'a> {
+    fn from(c: &'a CallRecord) -> Self {
+        FoldedCall {
+            choice: c.choice,
+            ordinal: c.ordinal,
+            call_id: &c.call_id,
+            name: &c.name,
+            outcome: c.outcome,
+            stage: c.stage,
+            reason: c.reason,
+            args_hash: c.args_hash.as_deref(),
+            tool_id: &c.tool_id,
+            logical_invocation_id: c.logical_invocation_id.as_deref(),
+            node_ordinal: c.node_ordinal,
+            enforced: u8::from(c.enforced),
+            rules: c.rules.as_deref(),
+            redacted_args: c.redacted_args.as_deref(),
+        }
+    }
+}
+
+/// A chat round's event as `rounds.events` holds it (the `events` view's columns; the
+/// payload as its JSON text, byte for byte).
+#[derive(serde::Serialize)]
+struct FoldedEvent<'a> {
+    sequence: i64,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    at_ms: i64,
+    payload: &'a str,
+}
+
+/// `rounds.calls` and `rounds.events` of a chat round `r` (`None` for a run's round, and for
+/// an empty list): its calls, and those of `events` it [`folds`], numbered after any event
+/// its request's scope already holds (a tool result's `agent.tool-returned`, recorded before
+/// upstream).
+fn folded_columns(
+    tx: &rusqlite::Connection,
+    r: &RoundRecord,
+    events: &[EventRecord],
+) -> rusqlite::Result<(Option<String>, Option<String>)> {
+    if r.run.run_id.is_some() {
+        return Ok((None, None));
+    }
+    let calls = if r.calls.is_empty() {
+        None
+    } else {
+        Some(folded_text(
+            &r.calls.iter().map(FoldedCall::from).collect::<Vec<_>>(),
+        )?)
+    };
+    let mine: Vec<&EventRecord> = events.iter().filter(|e| folds(r, e)).collect();
+    let events = if mine.is_empty() {
+        None
+    } else {
+        let first: i64 = tx
+            .prepare_cached(
+                "SELECT coalesce(max(sequence), -1) + 1 FROM event_rows WHERE scope = ?1",
+            )?
+            .query_row(params![format!("request:{}", r.request_id)], |row| {
+                row.get(0)
+            })?;
+        let list: Vec<FoldedEvent> = mine
+            .iter()
+            .zip(first..)
+            .map(|(e, sequence)| FoldedEvent {
+                sequence,
+                kind: e.kind,
+                at_ms: e.at_ms,
+                payload: &e.payload,
+            })
+            .collect();
+        Some(folded_text(&list)?)
+    };
+    Ok((calls, events))
+}
+
+/// JSON text of a folded list (strings and integers only; an error is SQLite's to report).
+fn folded_text<T: serde::Serialize>(list: &[T]) -> rusqlite::Result<String> {
+    serde_json::to_string(list).map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))
+}
+
+/// The provider-stored response a round produced (`responses`, `response_items`): what a
+/// later request's `previous_response_id` chain is read from.
+fn insert_response_link(
+    tx: &rusqlite::Connection,
+    r: &RoundRecord,
+    link: &ResponseLink,
+) -> rusqlite::Result<()> {
     exec(
+        tx,
+        "INSERT INTO responses (response_id, request_id, previous_response_id, run_id,
+            node_id, attempt, api, status, provider_executed, provider_items, content_trust,
+            next_round_index, calls_so_far, at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
+         ON CONFLICT (response_id) DO NOTHING",
+        params![
+            link.response_id,
+            r.request_id,
+            link.previous_response_id,
+            r.run.run_id,
+            r.run.node_id,
+            r.run.attempt,
+            r.api,
+            link.status,
+            !link.provider_items.is_empty(),
+            link.provider_items.join(","),
+            link.content_trust,
+            link.next_round_index,
+            link.calls_so_far
+                .as_ref()
+                .map(|c| crate::strict_json::to_text(&serde_json::Value::from(c.clone()))),
+            r.at_ms,
+        ],
+    )?;
+    for item in &link.items {
+        exec(
+            tx,
+            "INSERT INTO response_items (item_id, response_id, item_type, provider_executed)
+             VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT (item_id) DO NOTHING",
+            params![
+                item.id,
+                link.response_id,
+                item.item_type,
+                item.provider_executed
+            ],
+        )?;
+    }
+    Ok(())
+}
+
+/// Inserts round `r` (and its stored response's records); `true` when it is a chat round
+/// whose row now holds its calls and the `events` it [`folds`] (schema step 16), `false` when
+/// those events are still to be written as rows: a run's round, or a round already recorded
+/// (the first record stands).
+fn insert_round(
+    tx: &rusqlite::Connection,
+    r: &RoundRecord,
+    events: &[EventRecord],
+) -> rusqlite::Result<bool> {
+    let (calls, folded_events) = folded_columns(tx, r, events)?;
+    let inserted = exec(
         tx,
         "INSERT INTO rounds (request_id, at_ms, api, model, stream, run_id, node_id, attempt,
             round_index, request_digest, completion, finish_reason, upstream_status, latency_ms,
             state, error, response, response_bytes, response_digest, response_truncated, channel,
-            channel_result, content_trust, client_request_id, response_redacted)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25)
+            channel_result, content_trust, client_request_id, response_redacted, calls, events)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27)
          ON CONFLICT (request_id) DO NOTHING",
         params![
             r.request_id,
@@ -1662,54 +1842,32 @@ fn insert_round(tx: &rusqlite::Connection, r: &RoundRecord) -> rusqlite::Result<
             r.content_trust,
             r.client_request_id,
             r.response.redacted,
+            calls,
+            folded_events,
         ],
-    )?;
-    if let Some(link) = &r.response_link {
-        exec(
-            tx,
-            "INSERT INTO responses (response_id, request_id, previous_response_id, run_id,
-                node_id, attempt, api, status, provider_executed, provider_items, content_trust,
-                next_round_index, calls_so_far, at_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
-             ON CONFLICT (response_id) DO NOTHING",
-            params![
-                link.response_id,
-                r.request_id,
-                link.previous_response_id,
-                r.run.run_id,
-                r.run.node_id,
-                r.run.attempt,
-                r.api,
-                link.status,
-                !link.provider_items.is_empty(),
-                link.provider_items.join(","),
-                link.content_trust,
-                link.next_round_index,
-                link.calls_so_far
-                    .as_ref()
-                    .map(|c| crate::strict_json::to_text(&serde_json::Value::from(c.clone()))),
-                r.at_ms,
-            ],
-        )?;
-        for item in &link.items {
+    )? == 1;
+    let chat = r.run.run_id.is_none();
+    if inserted && chat {
+        // The index a later tool result finds the round that released its call by.
+        let round_id = tx.last_insert_rowid();
+        for c in r.calls.iter().filter(|c| c.outcome == "executed") {
             exec(
                 tx,
-                "INSERT INTO response_items (item_id, response_id, item_type, provider_executed)
-                 VALUES (?1, ?2, ?3, ?4)
-                 ON CONFLICT (item_id) DO NOTHING",
-                params![
-                    item.id,
-                    link.response_id,
-                    item.item_type,
-                    item.provider_executed
-                ],
+                "INSERT INTO chat_released (call_id, round_id) VALUES (?1, ?2)",
+                params![c.call_id, round_id],
             )?;
         }
+    }
+    if let Some(link) = &r.response_link {
+        insert_response_link(tx, r, link)?;
+    }
+    if chat {
+        return Ok(inserted);
     }
     for c in &r.calls {
         exec(
             tx,
-            "INSERT INTO tool_calls (request_id, choice, ordinal, call_id, name, outcome, stage,
+            "INSERT INTO tool_call_rows (request_id, choice, ordinal, call_id, name, outcome, stage,
                 reason, args_hash, tool_id, enforced, rules, redacted_args, logical_invocation_id,
                 node_ordinal)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
@@ -1733,16 +1891,25 @@ fn insert_round(tx: &rusqlite::Connection, r: &RoundRecord) -> rusqlite::Result<
             ],
         )?;
     }
-    Ok(())
+    Ok(false)
 }
 
-/// When the call a tool result answers was released: `rounds.at_ms` of the newest round
-/// that released `call_id` (`?1`) in the result's run (`?2`, NULL for a chat turn).
-pub(super) const RELEASED_AT_SQL: &str =
-    "SELECT r.at_ms FROM tool_calls c INDEXED BY tool_calls_executed_call
+/// When the call a tool result answers was released, in a run: `rounds.at_ms` of the newest
+/// round of run `?2` that released `call_id` (`?1`), found from the call (schema step 11's
+/// index), never from `rounds_run`.
+pub(super) const RELEASED_AT_RUN_SQL: &str =
+    "SELECT r.at_ms FROM tool_call_rows c INDEXED BY tool_calls_executed_call
      CROSS JOIN rounds r ON r.request_id = c.request_id
-     WHERE c.call_id = ?1 AND c.outcome = 'executed' AND r.run_id IS ?2
+     WHERE c.call_id = ?1 AND c.outcome = 'executed' AND r.run_id = ?2
      ORDER BY c.id DESC LIMIT 1";
+
+/// The same for a chat turn (`?2` unused and NULL): the newest chat round that released
+/// `call_id` (`?1`), from `chat_released` (schema step 16).
+pub(super) const RELEASED_AT_CHAT_SQL: &str =
+    "SELECT r.at_ms FROM chat_released c INDEXED BY chat_released_call
+     CROSS JOIN rounds r ON r.id = c.round_id
+     WHERE c.call_id = ?1 AND r.run_id IS ?2
+     ORDER BY c.round_id DESC LIMIT 1";
 
 fn insert_tool_result(tx: &rusqlite::Connection, t: &ToolResultRecord) -> rusqlite::Result<()> {
     let scope = match &t.run.run_id {
@@ -1783,12 +1950,12 @@ fn insert_tool_result(tx: &rusqlite::Connection, t: &ToolResultRecord) -> rusqli
         // `agent.tool-returned`), with its duration from the round that released the call.
         // From the call (schema step 11's index), never from `rounds_run`: a chat turn's
         // `run_id IS NULL` would match every chat round.
+        let sql = match t.run.run_id {
+            Some(_) => RELEASED_AT_RUN_SQL,
+            None => RELEASED_AT_CHAT_SQL,
+        };
         let released_at: Option<i64> = tx
-            .query_row(
-                RELEASED_AT_SQL,
-                params![t.tool_call_id, t.run.run_id],
-                |r| r.get(0),
-            )
+            .query_row(sql, params![t.tool_call_id, t.run.run_id], |r| r.get(0))
             .optional()?;
         insert_event(tx, &t.returned_event(released_at))?;
     }
@@ -1824,6 +1991,253 @@ mod tests {
             let _ = done.send((batch, start.elapsed()));
         });
         (seen, wake)
+    }
+
+    fn round(request: &str, run: Option<&str>, calls: &[(&str, &'static str)]) -> RoundRecord {
+        RoundRecord {
+            request_id: request.to_owned(),
+            client_request_id: Some(format!("client-{request}")),
+            at_ms: 100,
+            api: "openai_chat",
+            model: Some("gpt-4o".to_owned()),
+            stream: false,
+            run: RunKey {
+                run_id: run.map(str::to_owned),
+                node_id: run.map(|_| "node".to_owned()),
+                attempt: run.map(|_| 1),
+            },
+            round_index: 0,
+            request_digest: "d".repeat(64),
+            completion: Some("clean".to_owned()),
+            finish_reason: Some("tool_calls".to_owned()),
+            upstream_status: Some(200),
+            latency_ms: 3,
+            state: RoundState::Ok,
+            error: None,
+            response: Recorded::digest_of(b"{}"),
+            calls: calls
+                .iter()
+                .enumerate()
+                .map(|(i, (id, outcome))| CallRecord {
+                    choice: 0,
+                    ordinal: i as u32,
+                    call_id: (*id).to_owned(),
+                    name: "send_email".to_owned(),
+                    outcome,
+                    stage: "dispatch",
+                    reason: "released",
+                    args_hash: Some("a".repeat(64)),
+                    tool_id: "acme:send_email".to_owned(),
+                    enforced: true,
+                    rules: None,
+                    redacted_args: Some(
+                        r#"{"to":"[REDACTED:email]","body":"hi \"there\""}"#.to_owned(),
+                    ),
+                    logical_invocation_id: None,
+                    node_ordinal: i as u64,
+                })
+                .collect(),
+            response_link: None,
+            channel: None,
+            channel_result: None,
+            content_trust: None,
+        }
+    }
+
+    fn event(request: &str, run: Option<&str>, kind: &'static str, at_ms: i64) -> EventRecord {
+        EventRecord {
+            request_id: request.to_owned(),
+            run: RunKey {
+                run_id: run.map(str::to_owned),
+                node_id: run.map(|_| "node".to_owned()),
+                attempt: run.map(|_| 1),
+            },
+            at_ms,
+            kind,
+            payload: format!(r#"{{"k":"{kind}","s":"a \"quoted\" é"}}"#),
+        }
+    }
+
+    fn apply(conn: &mut Connection, op: Op) {
+        let tx = conn.transaction().unwrap();
+        let mut batch = [Job {
+            op,
+            ack: None,
+            durable: false,
+            queued: None,
+        }];
+        apply_batch(&tx, &mut batch, &mut KnownSchemas::default()).unwrap();
+        tx.commit().unwrap();
+    }
+
+    fn rows<T: rusqlite::types::FromSql>(conn: &Connection, sql: &str) -> Vec<Vec<T>> {
+        let mut st = conn.prepare(sql).unwrap();
+        let n = st.column_count();
+        st.query_map([], |r| (0..n).map(|i| r.get(i)).collect())
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+
+    /// Schema step 16: a chat round is one `rounds` row holding its calls and its decision's
+    /// events, plus a `chat_released` row per released call; the `tool_calls` and `events`
+    /// views show them as the tables did. The events continue the sequence of the request's
+    /// scope before and after (a row recorded before upstream, one recorded later). A run's
+    /// round still writes rows.
+    #[test]
+    fn a_chat_round_is_one_row_that_the_views_show() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        schema::migrate(&conn).unwrap();
+        apply(
+            &mut conn,
+            Op::Events(vec![event("r1", None, "agent.tool-returned", 90)]),
+        );
+        let events = vec![
+            event("r1", None, "agent.tool-called", 101),
+            event("r1", None, "agent.tool-called", 102),
+            event("r1", Some("run-9"), "agent.tool-called", 103),
+        ];
+        apply(
+            &mut conn,
+            Op::RoundCommit(Box::new(RoundCommit {
+                round: Some(round(
+                    "r1",
+                    None,
+                    &[("call_a", "executed"), ("call_b", "refused")],
+                )),
+                events: events.clone(),
+                served: None,
+                claims: Vec::new(),
+            })),
+        );
+        apply(
+            &mut conn,
+            Op::Events(vec![event("r1", None, "interrupt", 104)]),
+        );
+        apply(
+            &mut conn,
+            Op::RoundCommit(Box::new(RoundCommit {
+                round: Some(round("q1", Some("run-1"), &[("call_c", "executed")])),
+                events: vec![event("q1", Some("run-1"), "agent.tool-called", 105)],
+                served: None,
+                claims: Vec::new(),
+            })),
+        );
+        let n = |sql: &str| -> i64 { conn.query_row(sql, [], |r| r.get(0)).unwrap() };
+        assert_eq!(
+            n("SELECT count(*) FROM tool_call_rows WHERE request_id = 'r1'"),
+            0
+        );
+        assert_eq!(
+            n("SELECT count(*) FROM tool_call_rows WHERE request_id = 'q1'"),
+            1
+        );
+        assert_eq!(n("SELECT count(*) FROM rounds WHERE calls IS NOT NULL"), 1);
+        let calls: Vec<Vec<Option<String>>> = rows(
+            &conn,
+            "SELECT request_id, call_id, name, outcome, stage, reason, args_hash, tool_id,
+                    CAST(enforced AS TEXT), CAST(choice AS TEXT) || '/' || CAST(ordinal AS TEXT),
+                    rules, redacted_args
+               FROM tool_calls ORDER BY request_id, choice, ordinal",
+        );
+        let hash = "a".repeat(64);
+        let want = |req: &str, id: &str, outcome: &str, place: &str| -> Vec<Option<String>> {
+            [
+                Some(req),
+                Some(id),
+                Some("send_email"),
+                Some(outcome),
+                Some("dispatch"),
+                Some("released"),
+                Some(hash.as_str()),
+                Some("acme:send_email"),
+                Some("1"),
+                Some(place),
+                None,
+                Some(r#"{"to":"[REDACTED:email]","body":"hi \"there\""}"#),
+            ]
+            .map(|v| v.map(str::to_owned))
+            .to_vec()
+        };
+        assert_eq!(
+            calls,
+            [
+                want("q1", "call_c", "executed", "0/0"),
+                want("r1", "call_a", "executed", "0/0"),
+                want("r1", "call_b", "refused", "0/1"),
+            ]
+        );
+        let events_seen: Vec<Vec<Option<String>>> = rows(
+            &conn,
+            "SELECT scope, CAST(sequence AS TEXT), type, payload, CAST(at_ms AS TEXT), run_id
+               FROM events ORDER BY scope, sequence",
+        );
+        let ev = |scope: &str, seq: &str, e: &EventRecord| -> Vec<Option<String>> {
+            vec![
+                Some(scope.to_owned()),
+                Some(seq.to_owned()),
+                Some(e.kind.to_owned()),
+                Some(e.payload.clone()),
+                Some(e.at_ms.to_string()),
+                e.run.run_id.clone(),
+            ]
+        };
+        assert_eq!(
+            events_seen,
+            [
+                ev(
+                    "request:r1",
+                    "0",
+                    &event("r1", None, "agent.tool-returned", 90)
+                ),
+                ev("request:r1", "1", &events[0]),
+                ev("request:r1", "2", &events[1]),
+                ev("request:r1", "3", &event("r1", None, "interrupt", 104)),
+                ev(
+                    "run:run-1",
+                    "0",
+                    &event("q1", Some("run-1"), "agent.tool-called", 105)
+                ),
+                ev("run:run-9", "0", &events[2]),
+            ]
+        );
+        // Only the released chat call is indexed for a later result.
+        let released: Vec<Vec<String>> = rows(
+            &conn,
+            "SELECT c.call_id, r.request_id FROM chat_released c JOIN rounds r ON r.id = c.round_id",
+        );
+        assert_eq!(released, [vec!["call_a".to_owned(), "r1".to_owned()]]);
+    }
+
+    /// A chat round recorded twice keeps its first record; the second commit's events are
+    /// not lost (rows of the request's scope, numbered after the first's).
+    #[test]
+    fn a_chat_round_recorded_again_keeps_the_first_and_loses_no_event() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        schema::migrate(&conn).unwrap();
+        for (calls, at) in [
+            (&[("call_a", "executed")][..], 101),
+            (&[("call_z", "executed")][..], 201),
+        ] {
+            apply(
+                &mut conn,
+                Op::RoundCommit(Box::new(RoundCommit {
+                    round: Some(round("r1", None, calls)),
+                    events: vec![event("r1", None, "agent.tool-called", at)],
+                    served: None,
+                    claims: Vec::new(),
+                })),
+            );
+        }
+        let calls: Vec<Vec<String>> = rows(&conn, "SELECT call_id FROM tool_calls");
+        assert_eq!(calls, [vec!["call_a".to_owned()]]);
+        let seen: Vec<Vec<i64>> = rows(
+            &conn,
+            "SELECT sequence, at_ms FROM events ORDER BY sequence",
+        );
+        assert_eq!(seen, [vec![0, 101], vec![1, 201]]);
+        let released: Vec<Vec<String>> = rows(&conn, "SELECT call_id FROM chat_released");
+        assert_eq!(released, [vec!["call_a".to_owned()]]);
     }
 
     #[test]
@@ -1884,7 +2298,7 @@ mod tests {
         let mut conn = Connection::open_in_memory().unwrap();
         schema::migrate(&conn).unwrap();
         conn.execute_batch(
-            "CREATE TRIGGER boom BEFORE INSERT ON events WHEN NEW.type = 'boom'
+            "CREATE TRIGGER boom BEFORE INSERT ON event_rows WHEN NEW.type = 'boom'
              BEGIN SELECT RAISE(ABORT, 'boom'); END;",
         )
         .unwrap();

@@ -1,7 +1,7 @@
 //! The SQLite journal's retention (`journal_retention_days`; the server prunes hourly): what
 //! is older than the cut-off is deleted without reading what stays.
 //!
-//! The append-only tables (`rounds`, `tool_results`, `events`, `served`) key their rows by
+//! The append-only tables (`rounds`, `tool_results`, `event_rows`, `served`) key their rows by
 //! `id INTEGER PRIMARY KEY` and receive them in commit order, so their old rows are a prefix
 //! of rowid order: every row before the first one at or after the cut-off. Finding that row
 //! reads the old rows and one more, and the delete is a rowid range. (`DELETE … WHERE at_ms <
@@ -22,7 +22,7 @@ use rusqlite::{params, OptionalExtension};
 use super::{exec, KnownSchemas};
 
 /// The append-only tables pruned by rowid prefix (their rows' `at_ms` follow commit order).
-const APPEND_ONLY: [&str; 4] = ["rounds", "tool_results", "events", "served"];
+const APPEND_ONLY: [&str; 4] = ["rounds", "tool_results", "event_rows", "served"];
 
 /// How far after the prune's clock a row's `at_ms` may lie and still hold the cut, ms (a
 /// day: far beyond any skew between the clock a record was stamped with and the prune's).
@@ -60,10 +60,19 @@ pub(super) fn prune(
             continue;
         };
         if table == "rounds" {
-            // A round's calls go with it (`tool_calls.request_id` references it).
+            // A round's calls go with it: a run's rows (`tool_call_rows.request_id`
+            // references it; a chat round holds its own), and the chat rounds' released
+            // calls, a prefix of `chat_released` too (inserted with their rounds).
             exec(
                 tx,
-                "DELETE FROM tool_calls WHERE request_id IN (SELECT request_id FROM rounds WHERE id < ?1)",
+                "DELETE FROM tool_call_rows WHERE request_id IN (SELECT request_id FROM rounds WHERE id < ?1)",
+                params![first_kept],
+            )?;
+            exec(
+                tx,
+                "DELETE FROM chat_released WHERE id <
+                    coalesce((SELECT id FROM chat_released WHERE round_id >= ?1 ORDER BY id LIMIT 1),
+                             (SELECT max(id) + 1 FROM chat_released))",
                 params![first_kept],
             )?;
         }
@@ -96,7 +105,7 @@ mod tests {
     fn events(conn: &rusqlite::Connection, at: &[i64]) {
         for (i, at_ms) in at.iter().enumerate() {
             conn.execute(
-                "INSERT INTO events (scope, request_id, sequence, type, payload, at_ms)
+                "INSERT INTO event_rows (scope, request_id, sequence, type, payload, at_ms)
                  VALUES ('run:r', 'q', ?1, 'agent.tool-called', '{}', ?2)",
                 params![i as i64, at_ms],
             )
@@ -106,7 +115,7 @@ mod tests {
 
     fn kept(conn: &rusqlite::Connection) -> Vec<i64> {
         let mut st = conn
-            .prepare("SELECT at_ms FROM events ORDER BY id")
+            .prepare("SELECT at_ms FROM event_rows ORDER BY id")
             .unwrap();
         st.query_map([], |r| r.get(0))
             .unwrap()
@@ -137,6 +146,37 @@ mod tests {
         assert!(kept(&conn).is_empty());
     }
 
+    /// A pruned chat round takes its folded calls and events and its `chat_released` rows
+    /// (schema step 16); a kept round keeps them.
+    #[test]
+    fn a_pruned_chat_round_takes_its_released_calls() {
+        let mut conn = rusqlite::Connection::open_in_memory().unwrap();
+        super::super::schema::migrate(&conn).unwrap();
+        conn.execute_batch(
+            "INSERT INTO rounds (request_id, at_ms, api, stream, round_index, request_digest,
+                latency_ms, state, response_bytes, response_digest, response_truncated, calls, events)
+             VALUES ('r1', 10, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0,
+                     '[{\"call_id\":\"call_1\",\"outcome\":\"executed\"}]',
+                     '[{\"sequence\":0,\"type\":\"agent.tool-called\",\"at_ms\":10,\"payload\":\"{}\"}]'),
+                    ('r2', 50, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0,
+                     '[{\"call_id\":\"call_2\",\"outcome\":\"executed\"}]', NULL);
+             INSERT INTO chat_released (call_id, round_id) VALUES ('call_1', 1), ('call_2', 2);",
+        )
+        .unwrap();
+        prune_at(&mut conn, 30);
+        let left = |sql: &str| -> Vec<String> {
+            conn.prepare(sql)
+                .unwrap()
+                .query_map([], |r| r.get(0))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect()
+        };
+        assert_eq!(left("SELECT call_id FROM tool_calls"), ["call_2"]);
+        assert!(left("SELECT type FROM events").is_empty());
+        assert_eq!(left("SELECT call_id FROM chat_released"), ["call_2"]);
+    }
+
     /// A row stamped by a clock that had jumped a year ahead does not hold back the prune of
     /// what was committed after it; a row a minute ahead (ordinary skew) still holds the cut.
     #[test]
@@ -160,13 +200,13 @@ mod tests {
         let conn = rusqlite::Connection::open_in_memory().unwrap();
         super::super::schema::migrate(&conn).unwrap();
         events(&conn, &vec![500; 5_000]);
-        let mut st = conn.prepare(&first_kept_sql("events")).unwrap();
+        let mut st = conn.prepare(&first_kept_sql("event_rows")).unwrap();
         let first: i64 = st.query_row(params![100, 1_000], |r| r.get(0)).unwrap();
         assert_eq!(first, 1);
         let steps = st.get_status(rusqlite::StatementStatus::FullscanStep);
         assert!(steps <= 1, "{steps} rows read to find the cut");
         let mut old = conn
-            .prepare("SELECT count(*) FROM events WHERE at_ms < ?1")
+            .prepare("SELECT count(*) FROM event_rows WHERE at_ms < ?1")
             .unwrap();
         let _: i64 = old.query_row(params![100], |r| r.get(0)).unwrap();
         assert!(

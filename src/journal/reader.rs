@@ -396,7 +396,7 @@ impl SqliteReader {
     pub fn released_calls(&self, run: &str) -> Result<u32, JournalError> {
         self.with(|c| {
             c.query_row(
-                "SELECT count(*) FROM rounds r JOIN tool_calls t ON t.request_id = r.request_id
+                "SELECT count(*) FROM rounds r JOIN tool_call_rows t ON t.request_id = r.request_id
                  WHERE r.run_id = ?1 AND t.outcome = 'executed'",
                 params![run],
                 |r| r.get::<_, i64>(0),
@@ -455,7 +455,7 @@ impl SqliteReader {
     /// Events of a run, in sequence order.
     pub fn events(&self, run: &str) -> Result<Vec<EventRow>, JournalError> {
         self.with(|c| {
-            let mut st = c.prepare("SELECT sequence, type, payload, at_ms, node_id FROM events WHERE scope = ?1 ORDER BY sequence")?;
+            let mut st = c.prepare("SELECT sequence, type, payload, at_ms, node_id FROM event_rows WHERE scope = ?1 ORDER BY sequence")?;
             let rows = st.query_map(params![format!("run:{run}")], |r| {
                 Ok(EventRow { sequence: r.get(0)?, kind: r.get(1)?, payload: r.get(2)?, at_ms: r.get(3)?, node_id: r.get(4)? })
             })?;
@@ -468,7 +468,7 @@ impl SqliteReader {
         self.with(|c| {
             let mut st = c.prepare(
                 "SELECT r.run_id, count(DISTINCT r.id), count(t.id), min(r.at_ms), max(r.at_ms)
-                 FROM rounds r LEFT JOIN tool_calls t ON t.request_id = r.request_id
+                 FROM rounds r LEFT JOIN tool_call_rows t ON t.request_id = r.request_id
                  WHERE r.run_id IS NOT NULL GROUP BY r.run_id ORDER BY max(r.at_ms) DESC",
             )?;
             let rows = st.query_map([], |r| {
@@ -495,9 +495,12 @@ impl SqliteReader {
                 "SELECT CASE WHEN instr(r.request_id, '#repair-') > 0
                              THEN substr(r.request_id, 1, instr(r.request_id, '#repair-') - 1)
                              ELSE r.request_id END AS turn,
-                        count(DISTINCT r.id), count(t.id), min(r.at_ms), max(r.at_ms),
-                        max(r.client_request_id)
-                 FROM rounds r LEFT JOIN tool_calls t ON t.request_id = r.request_id
+                        -- A chat round holds its calls (`rounds.calls`, schema step 16); one
+                        -- recorded before that step has them as rows.
+                        count(*), sum(coalesce(json_array_length(r.calls), 0)
+                                      + (SELECT count(*) FROM tool_call_rows t WHERE t.request_id = r.request_id)),
+                        min(r.at_ms), max(r.at_ms), max(r.client_request_id)
+                 FROM rounds r
                  WHERE r.run_id IS NULL GROUP BY turn ORDER BY max(r.at_ms) DESC LIMIT ?1",
             )?;
             let rows = st.query_map(params![limit as i64], |r| {

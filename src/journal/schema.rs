@@ -4,9 +4,10 @@ use rusqlite::Connection;
 
 /// The schema version this build writes. Each version's step runs once and keeps what the
 /// journal recorded: step 10 drops an index, step 12 folds `declared_tools`' per-request rows
-/// into per-(tool, schema, API) counts and makes `rounds_run` partial; no other step removes
-/// anything.
-pub const VERSION: i64 = 15;
+/// into per-(tool, schema, API) counts and makes `rounds_run` partial, step 16 renames
+/// `tool_calls` and `events` (views of those names read them and the chat turns' folded
+/// records); no other step removes anything.
+pub const VERSION: i64 = 16;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -64,8 +65,75 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 15 {
         v15(conn)?;
     }
+    if version < 16 {
+        v16(conn)?;
+    }
     Ok(())
 }
+
+/// A chat turn (no `Turnguard-Run`) is journaled as one `rounds` row: its calls
+/// (`rounds.calls`) and the events of its decision (`rounds.events`) are JSON arrays in it,
+/// and each call it released is a `chat_released` row, the index a later tool result finds
+/// its call by ([`super::RELEASED_AT_CHAT_SQL`]). A run's calls and events stay one row each,
+/// in the tables renamed `tool_call_rows` and `event_rows` (what replay, recovery and the MCP
+/// front read by key). The views `tool_calls` and `events` show both, in the columns the
+/// tables had: a folded record's `id` is `rounds.id × 1024 +` its position in the array.
+///
+/// SQLite's cost of a commit is the pages it touches, and each table and index is a B-tree
+/// whose right edge every commit rewrites: a chat turn touched eight (three tables, five
+/// indexes) and now touches five (bench/RESULTS.md, issue 13 run 23). Rows recorded before
+/// this step stay where they are; the released calls of chat turns among them are indexed in
+/// `chat_released` here.
+fn v16(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(&format!(
+        "BEGIN;
+         ALTER TABLE tool_calls RENAME TO tool_call_rows;
+         ALTER TABLE events RENAME TO event_rows;
+         ALTER TABLE rounds ADD COLUMN calls TEXT;
+         ALTER TABLE rounds ADD COLUMN events TEXT;
+         CREATE TABLE chat_released (
+            id INTEGER PRIMARY KEY,
+            call_id TEXT NOT NULL,
+            round_id INTEGER NOT NULL
+         );
+         CREATE INDEX chat_released_call ON chat_released (call_id, round_id);
+         INSERT INTO chat_released (call_id, round_id)
+            SELECT c.call_id, r.id FROM tool_call_rows c JOIN rounds r ON r.request_id = c.request_id
+             WHERE r.run_id IS NULL AND c.outcome = 'executed' ORDER BY r.id, c.id;
+         {TOOL_CALLS_VIEW};
+         {EVENTS_VIEW};
+         PRAGMA user_version = 16;
+         COMMIT;"
+    ))
+}
+
+/// `tool_calls`: the rows of `tool_call_rows` and each chat round's `rounds.calls`, in the
+/// columns of the table before step 16.
+const TOOL_CALLS_VIEW: &str = "CREATE VIEW tool_calls AS
+     SELECT id, request_id, choice, ordinal, call_id, name, outcome, stage, reason, args_hash,
+            tool_id, logical_invocation_id, node_ordinal, enforced, rules, redacted_args
+       FROM tool_call_rows
+     UNION ALL
+     SELECT r.id * 1024 + c.key, r.request_id, c.value ->> 'choice', c.value ->> 'ordinal',
+            c.value ->> 'call_id', c.value ->> 'name', c.value ->> 'outcome',
+            c.value ->> 'stage', c.value ->> 'reason', c.value ->> 'args_hash',
+            c.value ->> 'tool_id', c.value ->> 'logical_invocation_id',
+            c.value ->> 'node_ordinal', c.value ->> 'enforced', c.value ->> 'rules',
+            c.value ->> 'redacted_args'
+       FROM rounds r, json_each(r.calls) c
+      WHERE r.calls IS NOT NULL";
+
+/// `events`: the rows of `event_rows` and each chat round's `rounds.events` (scope
+/// `request:<rounds.request_id>`), in the columns of the table before step 16.
+const EVENTS_VIEW: &str = "CREATE VIEW events AS
+     SELECT id, scope, run_id, node_id, request_id, sequence, type, payload, at_ms
+       FROM event_rows
+     UNION ALL
+     SELECT r.id * 1024 + e.key, 'request:' || r.request_id, NULL, NULL, r.request_id,
+            e.value ->> 'sequence', e.value ->> 'type', e.value ->> 'payload',
+            e.value ->> 'at_ms'
+       FROM rounds r, json_each(r.events) e
+      WHERE r.events IS NOT NULL";
 
 /// `served.reader` and `tool_results.reader`: who may read a served record or a recorded
 /// tool result again (`person:<sub>`, or the agent when no verified person acted), as
@@ -542,62 +610,75 @@ mod tests {
     }
 
     /// A new tool result finds the round that released its call through the call's index,
-    /// for a chat turn (`run_id` NULL) as for a run, and reads the newest such round.
+    /// for a chat turn (`chat_released`) as for a run (`tool_call_rows`), and reads the
+    /// newest such round; neither sees the other's calls.
     #[test]
     fn the_released_at_lookup_starts_from_the_call() {
         let conn = Connection::open_in_memory().unwrap();
         migrate(&conn).unwrap();
-        // The plan does not depend on the bound values: one `EXPLAIN` covers a chat turn's
-        // NULL run and a run's id alike.
-        let plan: Vec<String> = conn
-            .prepare(&format!(
-                "EXPLAIN QUERY PLAN {}",
-                super::super::RELEASED_AT_SQL
-            ))
-            .unwrap()
-            .query_map(rusqlite::params!["call_1", None::<String>], |r| r.get(3))
-            .unwrap()
-            .map(Result::unwrap)
-            .collect();
-        let plan = plan.join("; ");
+        let plan = |sql: &str| -> String {
+            // The plan does not depend on the bound values.
+            conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+                .unwrap()
+                .query_map(rusqlite::params!["call_1", None::<String>], |r| {
+                    r.get::<_, String>(3)
+                })
+                .unwrap()
+                .map(Result::unwrap)
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        let run = plan(super::super::RELEASED_AT_RUN_SQL);
         assert!(
-            plan.starts_with("SEARCH c USING INDEX tool_calls_executed_call (call_id=?)"),
-            "{plan}"
+            run.starts_with("SEARCH c USING INDEX tool_calls_executed_call (call_id=?)"),
+            "{run}"
         );
+        let chat = plan(super::super::RELEASED_AT_CHAT_SQL);
         assert!(
-            !plan.contains("rounds_run") && !plan.contains("SCAN") && !plan.contains("TEMP"),
-            "{plan}"
+            chat.starts_with("SEARCH c USING COVERING INDEX chat_released_call (call_id=?)"),
+            "{chat}"
         );
+        for p in [&run, &chat] {
+            assert!(
+                !p.contains("rounds_run") && !p.contains("SCAN") && !p.contains("TEMP"),
+                "{p}"
+            );
+        }
         conn.execute_batch(
             "INSERT INTO rounds (request_id, at_ms, api, stream, round_index, request_digest,
-                latency_ms, state, response_bytes, response_digest, response_truncated)
-             VALUES ('r1', 10, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0),
-                    ('r2', 20, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0),
-                    ('r3', 30, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0);
-             INSERT INTO tool_calls (request_id, choice, ordinal, call_id, name, outcome, stage, reason)
-             VALUES ('r1', 0, 0, 'call_1', 'lookup', 'executed', 'dispatch', 'ok'),
-                    ('r2', 0, 0, 'call_1', 'lookup', 'executed', 'dispatch', 'ok'),
-                    ('r3', 0, 0, 'call_1', 'lookup', 'refused', 'authorization', 'no');",
+                latency_ms, state, response_bytes, response_digest, response_truncated, run_id)
+             VALUES ('r1', 10, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, NULL),
+                    ('r2', 20, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, NULL),
+                    ('r3', 30, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, NULL),
+                    ('q1', 40, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, 'run-1'),
+                    ('q2', 50, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, 'run-1');
+             INSERT INTO chat_released (call_id, round_id) VALUES ('call_1', 1), ('call_1', 2);
+             INSERT INTO tool_call_rows (request_id, choice, ordinal, call_id, name, outcome, stage, reason)
+             VALUES ('q1', 0, 0, 'call_1', 'lookup', 'executed', 'dispatch', 'ok'),
+                    ('q2', 0, 0, 'call_1', 'lookup', 'refused', 'authorization', 'no');",
         )
         .unwrap();
-        let at: Option<i64> = conn
-            .query_row(
-                super::super::RELEASED_AT_SQL,
-                rusqlite::params!["call_1", None::<String>],
-                |r| r.get(0),
-            )
-            .optional()
-            .unwrap();
-        assert_eq!(at, Some(20), "the newest round that released the call");
-        let none: Option<i64> = conn
-            .query_row(
-                super::super::RELEASED_AT_SQL,
-                rusqlite::params!["call_1", "run-1"],
-                |r| r.get(0),
-            )
-            .optional()
-            .unwrap();
-        assert_eq!(none, None, "a run does not see a chat turn's call");
+        let at = |sql: &str, run: Option<&str>| -> Option<i64> {
+            conn.query_row(sql, rusqlite::params!["call_1", run], |r| r.get(0))
+                .optional()
+                .unwrap()
+        };
+        use super::super::{RELEASED_AT_CHAT_SQL, RELEASED_AT_RUN_SQL};
+        assert_eq!(
+            at(RELEASED_AT_CHAT_SQL, None),
+            Some(20),
+            "the newest chat round"
+        );
+        assert_eq!(
+            at(RELEASED_AT_RUN_SQL, Some("run-1")),
+            Some(40),
+            "the run's releasing round"
+        );
+        assert_eq!(
+            at(RELEASED_AT_RUN_SQL, Some("run-2")),
+            None,
+            "another run sees nothing"
+        );
     }
 
     /// Step 12 folds per-request declarations into counts — the requests that declared each
@@ -657,6 +738,64 @@ mod tests {
     /// Step 14 keeps `rounds_client` for chat rounds only, a chat-turn lookup by the agent's
     /// id still uses it, and declared schemas stored before redaction are cleared (digests
     /// kept).
+    /// Step 16 keeps what a journal recorded before it: a chat turn's call and event rows
+    /// stay rows, the views show them, and the released chat call is indexed for a later
+    /// result's lookup.
+    #[test]
+    fn step_16_keeps_earlier_rows_and_indexes_their_released_chat_calls() {
+        let conn = Connection::open_in_memory().unwrap();
+        for step in [v1, v2, v3, v4, v5, v6] {
+            step(&conn).unwrap();
+        }
+        super::super::mcp::migrate(&conn, 7).unwrap();
+        for step in [v8, v9, v10, v11, v12, v13, v14, v15] {
+            step(&conn).unwrap();
+        }
+        conn.execute_batch(
+            "INSERT INTO rounds (request_id, at_ms, api, stream, round_index, request_digest,
+                latency_ms, state, response_bytes, response_digest, response_truncated, run_id)
+             VALUES ('r1', 10, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, NULL),
+                    ('q1', 20, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, 'run-1');
+             INSERT INTO tool_calls (request_id, choice, ordinal, call_id, name, outcome, stage, reason)
+             VALUES ('r1', 0, 0, 'call_1', 'lookup', 'executed', 'dispatch', 'ok'),
+                    ('r1', 0, 1, 'call_2', 'lookup', 'refused', 'authorization', 'no'),
+                    ('q1', 0, 0, 'call_3', 'lookup', 'executed', 'dispatch', 'ok');
+             INSERT INTO events (scope, request_id, sequence, type, payload, at_ms)
+             VALUES ('request:r1', 'r1', 0, 'agent.tool-called', '{}', 11);",
+        )
+        .unwrap();
+        migrate(&conn).unwrap();
+        let ids: Vec<String> = conn
+            .prepare("SELECT call_id FROM tool_calls ORDER BY id")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(ids, ["call_1", "call_2", "call_3"]);
+        let events: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM events WHERE scope = 'request:r1'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(events, 1);
+        let at: Option<i64> = conn
+            .query_row(
+                super::super::RELEASED_AT_CHAT_SQL,
+                rusqlite::params!["call_1", None::<String>],
+                |r| r.get(0),
+            )
+            .optional()
+            .unwrap();
+        assert_eq!(at, Some(10));
+        let released: i64 = conn
+            .query_row("SELECT count(*) FROM chat_released", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(released, 1, "only the chat turn's released call");
+    }
+
     #[test]
     fn step_14_indexes_chat_rounds_only_and_clears_unredacted_schemas() {
         let conn = Connection::open_in_memory().unwrap();
