@@ -45,8 +45,8 @@
 //! makes the turn `untrusted`
 //! (fail closed). Inside a run the bit is then sticky as usual. A `function_call_output` in
 //! such a request answers a call the request does not show: its tool name comes from the
-//! `tool_calls` rows of the response it continues (same `request_id` as that response's
-//! row); no row, no name, and the result is untrusted.
+//! calls of the response it continues (the `tool_calls` view, same `request_id` as that
+//! response's row); no call, no name, and the result is untrusted.
 //!
 //! Calls turnguard withheld from a stored response are in `tool_calls` (same `request_id`,
 //! `outcome` other than `executed`): the provider still holds them, so a later request that

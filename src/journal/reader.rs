@@ -375,7 +375,8 @@ impl SqliteReader {
     }
 
     /// The tool name of call `call_id` as the model emitted it in the round `request_id`
-    /// (table `tool_calls`), if recorded.
+    /// (the `tool_calls` view: a chat round's `rounds.calls` or a run's `tool_call_rows`), if
+    /// recorded.
     pub fn call_name(
         &self,
         request_id: &str,
