@@ -77,9 +77,11 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
 /// its call by ([`super::RELEASED_AT_CHAT_SQL`]). A run's calls and events stay one row each,
 /// in the tables renamed `tool_call_rows` and `event_rows` (what replay, recovery and the MCP
 /// front read by key). The views `tool_calls` and `events` show both, in the columns the
-/// tables had: a folded record's `id` is `rounds.id × 2^20 +` its position in the array
-/// (unique while a round holds fewer than 2^20 calls: a response of at least ~60 MiB,
-/// roughly twice the default `max_response_bytes` of 32 MiB).
+/// tables had. A folded record's `id` is `2^62 + rounds.id × 2^20 +` its position in the
+/// array: above every row id (a row table's rowids grow by one from the largest, and stay
+/// under 2^62), in round order, and unique while a round holds fewer than 2^20 calls (a
+/// response of at least ~60 MiB, roughly twice the default `max_response_bytes` of 32 MiB)
+/// and `rounds.id` stays under 2^42. `ORDER BY id` over a view lists the row store first.
 ///
 /// SQLite's cost of a commit is the pages it touches, and each table and index is a B-tree
 /// whose right edge every commit rewrites: a chat turn touched eight (three tables, five
@@ -116,7 +118,7 @@ const TOOL_CALLS_VIEW: &str = "CREATE VIEW tool_calls AS
             tool_id, logical_invocation_id, node_ordinal, enforced, rules, redacted_args
        FROM tool_call_rows
      UNION ALL
-     SELECT (r.id << 20) + c.key, r.request_id, c.value ->> 'choice', c.value ->> 'ordinal',
+     SELECT (1 << 62) + (r.id << 20) + c.key, r.request_id, c.value ->> 'choice', c.value ->> 'ordinal',
             c.value ->> 'call_id', c.value ->> 'name', c.value ->> 'outcome',
             c.value ->> 'stage', c.value ->> 'reason', c.value ->> 'args_hash',
             c.value ->> 'tool_id', c.value ->> 'logical_invocation_id',
@@ -131,7 +133,7 @@ const EVENTS_VIEW: &str = "CREATE VIEW events AS
      SELECT id, scope, run_id, node_id, request_id, sequence, type, payload, at_ms
        FROM event_rows
      UNION ALL
-     SELECT (r.id << 20) + e.key, 'request:' || r.request_id, NULL, NULL, r.request_id,
+     SELECT (1 << 62) + (r.id << 20) + e.key, 'request:' || r.request_id, NULL, NULL, r.request_id,
             e.value ->> 'sequence', e.value ->> 'type', e.value ->> 'payload',
             e.value ->> 'at_ms'
        FROM rounds r, json_each(r.events) e
