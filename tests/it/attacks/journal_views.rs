@@ -7,7 +7,6 @@
 //! sockets; each test names the defect it pins.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -225,6 +224,10 @@ async fn a_chat_turns_hostile_calls_read_back_exactly_through_the_views() {
         .collect();
     assert_eq!(called.len(), n, "one agent.tool-called per call");
     assert_dense(&events, "hostile chat turn");
+    if db.backend() != support::Backend::Sqlite {
+        // PostgreSQL keeps one row per call: no `chat_released`.
+        return;
+    }
     // chat_released holds exactly the released calls.
     let mut rel: Vec<String> = db.column(&format!(
         "SELECT c.call_id FROM chat_released c JOIN rounds r ON r.id = c.round_id
@@ -243,6 +246,11 @@ async fn a_chat_turns_hostile_calls_read_back_exactly_through_the_views() {
 /// (`attacks::records::a_nul_in_a_name_does_not_cost_the_record_of_the_round`).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_nul_in_a_chat_calls_id_or_name_reads_back_whole() {
+    // PostgreSQL text cannot hold U+0000 (it keeps U+FFFD: `attacks::records::
+    // a_nul_in_a_name_does_not_cost_the_record_of_the_round`) and keeps no `rounds.calls`.
+    if support::sqlite_only("a_nul_in_a_chat_calls_id_or_name_reads_back_whole") {
+        return;
+    }
     let h = support::start(Script::default()).await;
     model_says(
         &h,
@@ -445,33 +453,6 @@ async fn chat_event_sequences_stay_dense_across_row_and_folded_events() {
     }
 }
 
-/// Names each journal file and table.column holding `needle` (as `attacks::records` does).
-fn journal_holders(dir: &Path, needle: &str) -> Vec<String> {
-    let db = support::journal(&dir.join("journal.db"));
-    let mut holders = Vec::new();
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        if !name.starts_with("journal.db") {
-            continue;
-        }
-        let bytes = std::fs::read(&path).unwrap();
-        if bytes.windows(needle.len()).any(|w| w == needle.as_bytes()) {
-            holders.push(name);
-        }
-    }
-    for t in db.tables() {
-        for (c, bytes) in db.cells(&t) {
-            if bytes.windows(needle.len()).any(|w| w == needle.as_bytes()) {
-                holders.push(format!("{t}.{c}"));
-            }
-        }
-    }
-    holders.sort();
-    holders.dedup();
-    holders
-}
-
 /// Defect it would pin: a key the model puts into a chat turn's call names, arguments or text
 /// — or one spelt so that it is whole only after JSON unescaping (`\u0073k-proj-…` in the
 /// arguments) — reaches `rounds.calls` / `rounds.events` (or the WAL) in clear now that the
@@ -518,16 +499,18 @@ async fn no_key_reaches_the_folded_chat_columns_in_clear() {
     wait_round(&h, "key-2");
     let dir = h.stop().await;
     let db = support::journal(&dir.path().join("journal.db"));
-    let folded: i64 = db
-        .query_row(
-            "SELECT count(*) FROM rounds WHERE calls IS NOT NULL AND client_request_id IN ('key-1','key-2')",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
-    assert_eq!(folded, 2, "both chat rounds hold their calls");
+    if db.backend() == support::Backend::Sqlite {
+        let folded: i64 = db
+            .query_row(
+                "SELECT count(*) FROM rounds WHERE calls IS NOT NULL AND client_request_id IN ('key-1','key-2')",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(folded, 2, "both chat rounds hold their calls");
+    }
     for needle in [in_name, in_args, escaped_tail, in_text, in_stream] {
-        let holders = journal_holders(dir.path(), needle);
+        let holders = super::records::journal_holders(dir.path(), needle);
         assert!(holders.is_empty(), "{needle} in clear in {holders:?}");
     }
 }
@@ -540,6 +523,10 @@ async fn no_key_reaches_the_folded_chat_columns_in_clear() {
 /// Passes: the suite had no prune case over a server's chat rounds.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_prune_keeps_chat_released_in_step_with_its_rounds() {
+    // About the SQLite layout of schema v16 (PostgreSQL keeps one row per call and event).
+    if support::sqlite_only("the_prune_keeps_chat_released_in_step_with_its_rounds") {
+        return;
+    }
     let h = support::start(Script::default()).await;
     model_says(
         &h,
@@ -659,7 +646,14 @@ fn response(id: &str, output: Vec<Value>) -> Value {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_responses_result_is_named_from_a_folded_call_with_a_hostile_id() {
     let h = support::start_with_policy(Script::default(), "policy-order").await;
-    let weird = format!("call_\"w\"\\ü😀\u{2028}\u{0}{}", "z".repeat(2_000));
+    // U+0000 only on SQLite: PostgreSQL text keeps it as U+FFFD, so an id holding one is
+    // not found again there and the result stays unnamed (untrusted, fail closed).
+    let nul = if support::db::backend() == support::Backend::Sqlite {
+        "\u{0}"
+    } else {
+        ""
+    };
+    let weird = format!("call_\"w\"\\ü😀\u{2028}{nul}{}", "z".repeat(2_000));
     let pay = |id: &str| fcall(id, "wire_money", r#"{"amount": 50, "to": "DE89"}"#);
     h.script(&json!({"responses": [
         {"json": response("resp_h1", vec![fcall(&weird, "get_weather", r#"{"location": "Paris"}"#)])},
@@ -714,8 +708,11 @@ async fn a_responses_result_is_named_from_a_folded_call_with_a_hostile_id() {
         ["call_pay_ok"],
         "the read's result is named from the folded call: {r2}"
     );
-    // 3, 4: the same call again; the result answers an id the model never emitted (the
-    // prefix before the U+0000): no name, untrusted, the write held.
+    if nul.is_empty() {
+        return;
+    }
+    // 3, 4 (SQLite): the same call again; the result answers an id the model never emitted
+    // (the prefix before the U+0000): no name, untrusted, the write held.
     let r3 = send(
         json!({"model": "gpt-5", "input": "Weather again?", "tools": tools}),
         "resp-h3",
@@ -749,6 +746,10 @@ async fn a_responses_result_is_named_from_a_folded_call_with_a_hostile_id() {
 /// are stood in for by one row at id 2^20 - 1 written while turnguard is stopped.
 #[tokio::test(flavor = "multi_thread")]
 async fn view_ids_stay_unique_once_the_row_tables_pass_two_to_the_twenty() {
+    // About the SQLite layout of schema v16 (PostgreSQL keeps one row per call and event).
+    if support::sqlite_only("view_ids_stay_unique_once_the_row_tables_pass_two_to_the_twenty") {
+        return;
+    }
     let (h, bundle) = start_probe().await;
     model_says(
         &h,

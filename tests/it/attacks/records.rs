@@ -24,7 +24,7 @@ const BUNDLE: &str = "policy-run";
 
 /// Names each journal file (SQLite: database, WAL, freed pages included) and each table and
 /// column holding `needle`.
-fn journal_holders(dir: &Path, needle: &str) -> Vec<String> {
+pub(super) fn journal_holders(dir: &Path, needle: &str) -> Vec<String> {
     let db = support::journal(&dir.join("journal.db"));
     let mut holders = Vec::new();
     if db.backend() == support::Backend::Sqlite {
