@@ -198,6 +198,11 @@ pub struct ServeArgs {
     /// Time a client has to send a whole request body, milliseconds; then 408 [default: 30000].
     #[arg(long, value_name = "MS", env = "TURNGUARD_BODY_READ_TIMEOUT_MS", value_parser = parse::millis)]
     pub body_read_timeout_ms: Option<u64>,
+    /// Time a data-plane client may leave turnguard's next write to it waiting (it stopped
+    /// reading a response or a stream), milliseconds; then the connection is closed and the
+    /// request's concurrency permit given back, as nginx's `send_timeout` does [default: 60000].
+    #[arg(long, value_name = "MS", env = "TURNGUARD_SEND_TIMEOUT_MS", value_parser = parse::millis)]
+    pub send_timeout_ms: Option<u64>,
     /// Threads of the async runtime (tokio workers) serving both planes. A sidecar shares
     /// its pod: the default is one per CPU the process may run on (its affinity and cgroup
     /// quota, as `std::thread::available_parallelism` reads them), at most 4. One worker
@@ -901,6 +906,10 @@ pub struct Config {
     /// Deadline for a client's whole request body, milliseconds (408 past it).
     #[serde(deserialize_with = "check::positive")]
     pub body_read_timeout_ms: u64,
+    /// Deadline for a data-plane client to take turnguard's next write, milliseconds (the
+    /// connection is closed past it).
+    #[serde(deserialize_with = "check::positive")]
+    pub send_timeout_ms: u64,
     /// tokio worker threads ([`default_worker_threads`] unless set).
     #[serde(deserialize_with = "check::positive")]
     pub worker_threads: usize,
@@ -978,6 +987,7 @@ impl Default for Config {
             approval_keepalive_ms: 15_000,
             header_read_timeout_ms: 30_000,
             body_read_timeout_ms: 30_000,
+            send_timeout_ms: 60_000,
             worker_threads: default_worker_threads(),
             max_connections: 1024,
             max_schema_bytes: 256 << 10,
@@ -1251,6 +1261,7 @@ mod tests {
             ("--upstream-idle-timeout-ms", d.upstream_idle_timeout_ms),
             ("--header-read-timeout-ms", d.header_read_timeout_ms),
             ("--body-read-timeout-ms", d.body_read_timeout_ms),
+            ("--send-timeout-ms", d.send_timeout_ms),
             ("--max-connections", n(d.max_connections)),
             ("--journal-busy-timeout-ms", d.journal_busy_timeout_ms),
             ("--max-concurrent-requests", n(d.max_concurrent_requests)),

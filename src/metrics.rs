@@ -220,16 +220,21 @@ pub enum UpstreamError {
     StreamCut,
     /// A repair round could not be sent or answered.
     RepairRoundFailed,
+    /// The upstream answered with a status that is neither an answer nor an error: an
+    /// informational (1xx, `101 Switching Protocols` included) or a redirect (3xx, `304`
+    /// included). turnguard relays neither ([`crate::proxy::upstream::relayed`]).
+    UnexpectedStatus,
 }
 
 impl UpstreamError {
     /// Every reason, in label order (started at 0).
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 6] = [
         Self::Connect,
         Self::ResponseTimeout,
         Self::IdleTimeout,
         Self::StreamCut,
         Self::RepairRoundFailed,
+        Self::UnexpectedStatus,
     ];
 
     /// Label value.
@@ -240,6 +245,7 @@ impl UpstreamError {
             Self::IdleTimeout => "idle_timeout",
             Self::StreamCut => "stream_cut",
             Self::RepairRoundFailed => "repair_round_failed",
+            Self::UnexpectedStatus => "unexpected_status",
         }
     }
 }

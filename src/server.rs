@@ -155,12 +155,14 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let header_read_timeout = Duration::from_millis(state.config.header_read_timeout_ms);
     let data = Listener {
         header_read_timeout,
+        send_timeout: Some(Duration::from_millis(state.config.send_timeout_ms)),
         max_connections: state.config.max_connections,
         counted: Some(Arc::clone(&state.metrics)),
     };
     // The admin plane gets the same deadlines and its own, fixed connection cap.
     let admin = Listener {
         header_read_timeout,
+        send_timeout: None,
         max_connections: ADMIN_MAX_CONNECTIONS,
         counted: None,
     };
@@ -262,6 +264,9 @@ struct Listener {
     /// hyper's HTTP/1 `header_read_timeout`: the time a client has to send a request's
     /// headers, which is also the longest an idle keep-alive connection stays open.
     header_read_timeout: Duration,
+    /// How long a write to the client may wait for it to read (`send_timeout_ms`, the data
+    /// plane); past it the connection is closed ([`WriteDeadline`]).
+    send_timeout: Option<Duration>,
     /// Connections open at once; past it a new connection is closed at accept.
     max_connections: usize,
     /// Count connections in `turnguard_open_connections` / `_connections_rejected_total`.
@@ -331,7 +336,8 @@ async fn serve(
             .as_ref()
             .map(|m| GaugeGuard::new(&m.open_connections));
         let service = hyper_util::service::TowerToHyperService::new(router.clone());
-        let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+        let io = WriteDeadline::new(tcp, how.send_timeout);
+        let conn = http.serve_connection(hyper_util::rt::TokioIo::new(io), service);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             // A header-read timeout, a reset or a protocol error ends only this connection.
@@ -342,6 +348,104 @@ async fn serve(
     }
     drop(listener);
     graceful.shutdown().await;
+}
+
+/// A client connection whose writes may wait at most `limit` for the client to read: a write
+/// or flush still pending that long fails with `TimedOut`, and hyper closes the connection.
+/// So a client that stops reading a response (or a stream) gives back its connection and the
+/// request's concurrency permit (held by the response body, [`crate::edge`]), where before it
+/// held both for as long as it kept the socket open. Reads are not bounded here (hyper's
+/// `header_read_timeout` and the body deadline are).
+struct WriteDeadline {
+    io: tokio::net::TcpStream,
+    limit: Option<Duration>,
+    /// Running while a write or flush is pending; reset by any progress.
+    waiting: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl WriteDeadline {
+    fn new(io: tokio::net::TcpStream, limit: Option<Duration>) -> Self {
+        Self {
+            io,
+            limit,
+            waiting: None,
+        }
+    }
+
+    /// Turns a pending write into `TimedOut` once it has waited `limit`.
+    fn bound<T>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        polled: std::task::Poll<std::io::Result<T>>,
+    ) -> std::task::Poll<std::io::Result<T>> {
+        use std::future::Future;
+        let std::task::Poll::Pending = polled else {
+            self.waiting = None;
+            return polled;
+        };
+        let Some(limit) = self.limit else {
+            return std::task::Poll::Pending;
+        };
+        let timer = self
+            .waiting
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match timer.as_mut().poll(cx) {
+            std::task::Poll::Ready(()) => std::task::Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the client did not read for send_timeout_ms",
+            ))),
+            std::task::Poll::Pending => std::task::Poll::Pending,
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for WriteDeadline {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for WriteDeadline {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let polled = std::pin::Pin::new(&mut self.io).poll_write(cx, buf);
+        self.bound(cx, polled)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let polled = std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.bound(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let polled = std::pin::Pin::new(&mut self.io).poll_flush(cx);
+        self.bound(cx, polled)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
 }
 
 /// Keeps the journal's health signal fresh: probes with a real durable write every
@@ -448,8 +552,20 @@ async fn embeddings(State(s): State<Arc<AppState>>, req: Request<Body>) -> Respo
 }
 
 /// `GET /v1/models` exists on both providers: an Anthropic client is recognised by its
-/// `anthropic-version` or `x-api-key` header.
+/// `anthropic-version` or `x-api-key` header. `GET /v1/models/{model}` is forwarded only for a
+/// model id of the characters provider ids use (ASCII letters, digits, `. _ : - @ +`), never
+/// `.` or `..`: a dot segment or a percent-encoded `/` would name another route to an
+/// upstream (or a gateway before it) that normalises the path, such as
+/// `/v1/responses/{id}`, which stays off the allowlist.
 async fn models(State(s): State<Arc<AppState>>, req: Request<Body>) -> Response {
+    if let Some(id) = req.uri().path().strip_prefix("/v1/models/") {
+        let plain = id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b".-_:@+".contains(&b));
+        if !plain || id == "." || id == ".." {
+            return not_found(State(s), req).await;
+        }
+    }
     let anthropic =
         req.headers().contains_key("anthropic-version") || req.headers().contains_key("x-api-key");
     proxy::passthrough(s, if anthropic { "anthropic" } else { "openai" }, req).await

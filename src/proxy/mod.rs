@@ -301,12 +301,13 @@ async fn model_rounds(mut session: Session) -> Result<(Response, bool), WireErro
         let resp = session.send().await?;
         let base = session.base(resp.status().as_u16());
         if !resp.status().is_success() {
-            // Upstream errors pass through unchanged (status, headers, body).
+            // Upstream errors pass through as they came (status, headers, body), read whole
+            // within the answer's time bounds; a redirect or an informational answer is not
+            // relayed ([`upstream::relayed`]).
             record_upstream_error(&session, &base);
-            let (p, b) = resp.into_parts();
-            let mut out = Response::new(Body::new(b));
-            *out.status_mut() = p.status;
-            *out.headers_mut() = upstream::response_headers(&p.headers, true);
+            let deadline =
+                sent + Duration::from_millis(session.state.config.upstream_response_timeout_ms);
+            let out = upstream::relayed(&session.state, api.upstream(), resp, deadline).await?;
             return Ok((out, false));
         }
         // A body turnguard cannot decode is refused before any of it reaches the agent.
@@ -380,18 +381,26 @@ fn channel_of(
     }))
 }
 
-/// Reads the agent's request body (capped, within `body_read_timeout_ms`), then takes the
-/// data plane's concurrency permit ([`crate::edge::admit`]): a client still sending its body
-/// holds no permit.
 /// Reads a data-plane request body: capped at `max_body_bytes`, within
-/// `body_read_timeout_ms`, then takes the concurrency permit ([`crate::edge::admit`]).
+/// `body_read_timeout_ms`, then takes the concurrency permit ([`crate::edge::admit`]): a
+/// client still sending its body holds no permit.
 ///
-/// Errors: 413, 408, 400, or 503 when shed.
+/// Errors: 413, 408, 503 when shed, and 400 for a body that cannot be read or that declares a
+/// `Content-Encoding` other than `identity`: turnguard reads a body as the bytes it is and
+/// forwards those bytes with the agent's headers, so a coded label over them is read one way
+/// by turnguard and another by the upstream (issue 13's probe of the HTTP layer).
 pub(crate) async fn read_request(
     state: &AppState,
     parts: &http::request::Parts,
     body: Body,
 ) -> Result<Bytes, WireError> {
+    if let Some(coding) = declared_coding(&parts.headers) {
+        return Err(WireError::InvalidRequest {
+            reason: format!(
+                "the request declares Content-Encoding `{coding}`; turnguard reads request bodies as sent and accepts none but identity: send the body uncompressed"
+            ),
+        });
+    }
     let deadline = Duration::from_millis(state.config.body_read_timeout_ms);
     let raw = read_capped_within(body, state.config.max_body_bytes, None, deadline)
         .await
@@ -404,6 +413,29 @@ pub(crate) async fn read_request(
         })?;
     crate::edge::admit(&parts.extensions)?;
     Ok(raw)
+}
+
+/// The request's `Content-Encoding` codings other than `identity`, joined and shown safely
+/// (ASCII letters, digits, `-`, `,`, space; at most 40 characters); `None` when it declares
+/// none.
+fn declared_coding(headers: &HeaderMap) -> Option<String> {
+    let mut codings = Vec::new();
+    for v in headers.get_all(header::CONTENT_ENCODING) {
+        let text = String::from_utf8_lossy(v.as_bytes()).into_owned();
+        codings.extend(
+            text.split(',')
+                .map(|c| c.trim().to_ascii_lowercase())
+                .filter(|c| !c.is_empty() && c != "identity"),
+        );
+    }
+    (!codings.is_empty()).then(|| {
+        codings
+            .join(", ")
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | ',' | ' '))
+            .take(40)
+            .collect()
+    })
 }
 
 /// A request declaring a tool schema over `max_schema_bytes` is refused before it goes
@@ -525,16 +557,15 @@ pub async fn passthrough(
         .await
     }
     .await;
-    let mut resp = match result {
+    let result = match result {
         Ok(r) => {
-            let (p, b) = r.into_parts();
-            let mut out = Response::new(Body::new(b));
-            *out.status_mut() = p.status;
-            *out.headers_mut() = upstream::response_headers(&p.headers, true);
-            out
+            let deadline = tokio::time::Instant::now()
+                + Duration::from_millis(state.config.upstream_response_timeout_ms);
+            upstream::relayed(&state, upstream_name, r, deadline).await
         }
-        Err(e) => e.response(surface),
+        Err(e) => Err(e),
     };
+    let mut resp = result.unwrap_or_else(|e| e.response(surface));
     state.metrics.request(
         crate::metrics::ApiLabel::Passthrough,
         resp.status().as_u16(),

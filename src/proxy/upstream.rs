@@ -92,6 +92,98 @@ pub fn response_headers(upstream: &HeaderMap, keep_length: bool) -> HeaderMap {
     out
 }
 
+/// An upstream answer turnguard relays without parsing it (a provider's error answer, a
+/// passthrough route's answer), as the agent gets it: the whole body read first, within the
+/// bounds a model answer has (`upstream_idle_timeout_ms` between chunks, everything by
+/// `deadline`, at most `max_response_bytes`), then sent with the upstream's status and headers
+/// (hop-by-hop fields removed, the length the body's own).
+///
+/// Errors ([`WireError::UpstreamUnavailable`], the provider-shaped 502, counted in
+/// `turnguard_upstream_errors_total`):
+/// - an informational or redirect status (1xx, 3xx: `101`, `304`, a `307` whose `Location`
+///   the official SDKs would follow to a host turnguard never sees);
+/// - a body that stalls, drips past the deadline, fails, or outgrows the cap. Relayed as it
+///   came, such a body held the agent (and its concurrency permit) for as long as the
+///   upstream liked.
+pub async fn relayed(
+    state: &AppState,
+    upstream: &str,
+    resp: Response<Incoming>,
+    deadline: tokio::time::Instant,
+) -> Result<Response<axum::body::Body>, WireError> {
+    use http_body_util::BodyExt;
+    let status = resp.status();
+    let unavailable = |reason: UpstreamError, detail: String| {
+        state
+            .metrics
+            .upstream_errors
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
+        WireError::UpstreamUnavailable {
+            upstream: upstream.to_owned(),
+            reason: detail,
+        }
+    };
+    if status.is_informational() || status.is_redirection() {
+        return Err(unavailable(
+            UpstreamError::UnexpectedStatus,
+            format!(
+                "the upstream answered HTTP {}, which is neither an answer nor an error; turnguard relays no informational or redirect answer",
+                status.as_u16()
+            ),
+        ));
+    }
+    let idle = Duration::from_millis(state.config.upstream_idle_timeout_ms);
+    let cap = state.config.max_response_bytes;
+    let (parts, mut body) = resp.into_parts();
+    let mut bytes = Vec::new();
+    loop {
+        let frame = tokio::select! {
+            frame = tokio::time::timeout(idle, body.frame()) => frame,
+            () = tokio::time::sleep_until(deadline) => return Err(unavailable(
+                UpstreamError::ResponseTimeout,
+                format!(
+                    "the upstream's answer did not complete within {} ms (upstream_response_timeout_ms)",
+                    state.config.upstream_response_timeout_ms
+                ),
+            )),
+        };
+        let frame = match frame {
+            Err(_) => {
+                return Err(unavailable(
+                    UpstreamError::IdleTimeout,
+                    format!(
+                        "the upstream sent no data for {} ms (upstream_idle_timeout_ms)",
+                        idle.as_millis()
+                    ),
+                ))
+            }
+            Ok(None) => break,
+            Ok(Some(Err(_))) => {
+                return Err(unavailable(
+                    UpstreamError::Connect,
+                    "the upstream's answer failed before its end".to_owned(),
+                ))
+            }
+            Ok(Some(Ok(frame))) => frame,
+        };
+        if let Ok(data) = frame.into_data() {
+            if bytes.len() + data.len() > cap {
+                return Err(unavailable(
+                    UpstreamError::Connect,
+                    format!("the upstream's answer is larger than max_response_bytes ({cap})"),
+                ));
+            }
+            bytes.extend_from_slice(&data);
+        }
+    }
+    let mut out = Response::new(axum::body::Body::from(bytes));
+    *out.status_mut() = parts.status;
+    *out.headers_mut() = response_headers(&parts.headers, true);
+    out.headers_mut().remove(header::CONTENT_LENGTH);
+    Ok(out)
+}
+
 /// Sends one request to the upstream named `upstream` and waits for its response headers.
 ///
 /// Errors: [`WireError::UpstreamNotConfigured`], or [`WireError::UpstreamUnavailable`] when
