@@ -115,14 +115,22 @@ pub async fn send(
     .await
 }
 
-/// The server's response relayed unchanged: status, headers (hop-by-hop removed), body
-/// streamed as it arrives.
-pub fn passthrough(resp: http::Response<Incoming>) -> Response {
-    let (p, b) = resp.into_parts();
-    let mut out = Response::new(Body::new(b));
-    *out.status_mut() = p.status;
-    *out.headers_mut() = upstream::response_headers(&p.headers, true);
-    out
+/// The server's response relayed unchanged (status, headers with hop-by-hop removed, body)
+/// once read whole within the upstream bounds ([`upstream::relayed`]); a 1xx or 3xx status
+/// (a redirect an MCP client would follow around turnguard), or a body that stalls or
+/// outgrows `max_response_bytes`, is the JSON-RPC error for `id` with 502 instead.
+pub async fn passthrough(
+    front: &McpFront,
+    server: &str,
+    id: &Value,
+    resp: http::Response<Incoming>,
+) -> Response {
+    let deadline = tokio::time::Instant::now()
+        + Duration::from_millis(front.state.config.upstream_response_timeout_ms);
+    match upstream::relayed(&front.state, &format!("mcp:{server}"), resp, deadline).await {
+        Ok(out) => out,
+        Err(e) => json_response(StatusCode::BAD_GATEWAY, &super::wire_error(id, &e)),
+    }
 }
 
 /// Relays `inbound` unchanged and its answer unchanged. Inside a run, `resources/read` and
@@ -151,7 +159,7 @@ pub async fn pass(front: &Arc<McpFront>, inbound: Inbound) -> Response {
         }
     }
     match send(front, &inbound, None, inbound.raw.clone()).await {
-        Ok(resp) => passthrough(resp),
+        Ok(resp) => passthrough(front, &inbound.server_name, &inbound.id(), resp).await,
         Err(e) => json_response(
             StatusCode::BAD_GATEWAY,
             &super::wire_error(&inbound.id(), &e),
@@ -232,10 +240,25 @@ pub async fn respond(
     let status = resp.status();
     let headers = upstream::response_headers(resp.headers(), false);
     let cap = front.state.config.max_response_bytes;
-    let body = match crate::body::read_capped(resp.into_body(), cap).await {
+    // Bounded in time like every upstream answer turnguard reads whole.
+    let idle = Duration::from_millis(front.state.config.upstream_idle_timeout_ms);
+    let within = Duration::from_millis(front.state.config.upstream_response_timeout_ms);
+    let read = if status.is_informational() || status.is_redirection() {
+        // Neither an answer nor an error: never relayed (a redirect's `Location` would send
+        // the client around turnguard), whatever its body says.
+        Err(format!(
+            "HTTP {}, which is neither an answer nor an error",
+            status.as_u16()
+        ))
+    } else {
+        crate::body::read_capped_within(resp.into_body(), cap, Some(idle), within)
+            .await
+            .map_err(|e| format!("response body: {e}"))
+    };
+    let body = match read {
         Ok(b) => b,
-        Err(e) => {
-            let e = unavailable(server, format!("response body: {e}"));
+        Err(why) => {
+            let e = unavailable(server, why);
             let msg = hook(Err(e.clone_for_hook())).await;
             return json_response(
                 StatusCode::OK,
@@ -268,6 +291,8 @@ pub async fn respond(
         None if failed => json_response(
             if status.is_success() {
                 StatusCode::OK
+            } else if status.is_informational() || status.is_redirection() {
+                StatusCode::BAD_GATEWAY
             } else {
                 status
             },
@@ -276,7 +301,10 @@ pub async fn respond(
         Some(msg) => {
             let mut r = json_response(if failed { StatusCode::OK } else { status }, &msg);
             for (k, v) in &headers {
-                if k != http::header::CONTENT_TYPE && k != http::header::CONTENT_LENGTH {
+                if k != http::header::CONTENT_TYPE
+                    && k != http::header::CONTENT_LENGTH
+                    && k != http::header::LOCATION
+                {
                     r.headers_mut().insert(k.clone(), v.clone());
                 }
             }

@@ -336,7 +336,7 @@ pub async fn stream(front: &Arc<McpFront>, name: &str, headers: &HeaderMap) -> R
                 json_response(StatusCode::BAD_GATEWAY, &wire_error(&Value::Null, &e))
             }
         }
-        Ok(resp) => super::relay::passthrough(resp),
+        Ok(resp) => super::relay::passthrough(front, name, &Value::Null, resp).await,
         Err(e) => json_response(StatusCode::BAD_GATEWAY, &wire_error(&Value::Null, &e)),
     }
 }
@@ -363,7 +363,7 @@ pub async fn end(front: &Arc<McpFront>, name: &str, headers: &HeaderMap) -> Resp
     )
     .await
     {
-        Ok(resp) => super::relay::passthrough(resp),
+        Ok(resp) => super::relay::passthrough(front, name, &Value::Null, resp).await,
         Err(e) => json_response(StatusCode::BAD_GATEWAY, &wire_error(&Value::Null, &e)),
     }
 }

@@ -111,7 +111,6 @@ pub async fn relayed(
     resp: Response<Incoming>,
     deadline: tokio::time::Instant,
 ) -> Result<Response<axum::body::Body>, WireError> {
-    use http_body_util::BodyExt;
     let status = resp.status();
     let unavailable = |reason: UpstreamError, detail: String| {
         state
@@ -135,48 +134,25 @@ pub async fn relayed(
     }
     let idle = Duration::from_millis(state.config.upstream_idle_timeout_ms);
     let cap = state.config.max_response_bytes;
-    let (parts, mut body) = resp.into_parts();
-    let mut bytes = Vec::new();
-    loop {
-        let frame = tokio::select! {
-            frame = tokio::time::timeout(idle, body.frame()) => frame,
-            () = tokio::time::sleep_until(deadline) => return Err(unavailable(
-                UpstreamError::ResponseTimeout,
-                format!(
-                    "the upstream's answer did not complete within {} ms (upstream_response_timeout_ms)",
-                    state.config.upstream_response_timeout_ms
-                ),
-            )),
-        };
-        let frame = match frame {
-            Err(_) => {
-                return Err(unavailable(
-                    UpstreamError::IdleTimeout,
-                    format!(
-                        "the upstream sent no data for {} ms (upstream_idle_timeout_ms)",
-                        idle.as_millis()
-                    ),
-                ))
-            }
-            Ok(None) => break,
-            Ok(Some(Err(_))) => {
-                return Err(unavailable(
-                    UpstreamError::Connect,
-                    "the upstream's answer failed before its end".to_owned(),
-                ))
-            }
-            Ok(Some(Ok(frame))) => frame,
-        };
-        if let Ok(data) = frame.into_data() {
-            if bytes.len() + data.len() > cap {
-                return Err(unavailable(
-                    UpstreamError::Connect,
-                    format!("the upstream's answer is larger than max_response_bytes ({cap})"),
-                ));
-            }
-            bytes.extend_from_slice(&data);
-        }
-    }
+    let within = deadline.saturating_duration_since(tokio::time::Instant::now());
+    let (parts, body) = resp.into_parts();
+    let bytes = crate::body::read_capped_within(body, cap, Some(idle), within)
+        .await
+        .map_err(|e| {
+            let reason = match &e {
+                crate::body::BodyError::TimedOut(crate::body::TimedOut::Idle(_)) => {
+                    UpstreamError::IdleTimeout
+                }
+                crate::body::BodyError::TimedOut(crate::body::TimedOut::Deadline(_)) => {
+                    UpstreamError::ResponseTimeout
+                }
+                _ => UpstreamError::Connect,
+            };
+            unavailable(
+                reason,
+                format!("the upstream's answer was not relayed: {e} (upstream_idle_timeout_ms, upstream_response_timeout_ms, max_response_bytes)"),
+            )
+        })?;
     let mut out = Response::new(axum::body::Body::from(bytes));
     *out.status_mut() = parts.status;
     *out.headers_mut() = response_headers(&parts.headers, true);

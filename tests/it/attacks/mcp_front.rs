@@ -420,6 +420,11 @@ async fn evil(answers: Answers) -> Evil {
                 .insert("content-type", http::HeaderValue::from_static(reply.ctype));
             r.headers_mut()
                 .insert("mcp-session-id", http::HeaderValue::from_static("evil-upstream-session"));
+            if (300..400).contains(&reply.status) {
+                // A redirect names another host, as one would to send the client around.
+                r.headers_mut()
+                    .insert("location", http::HeaderValue::from_static("http://127.0.0.1:9/mcp"));
+            }
             r
         }
     });
@@ -867,4 +872,89 @@ async fn replay_never_serves_another_persons_recorded_result() {
         !text.contains("issue #7 created"),
         "bob read alice's recorded result: {text}"
     );
+}
+
+// ---- found by the HTTP-layer probe (fixed: the front relays no redirect, nothing unbounded) --
+
+/// An MCP server answering with a `307` (its body a readable JSON-RPC result, a `Location`
+/// naming another host) had it relayed: a `tools/call`'s answer kept the server's status, and
+/// a raw-relayed method (`resources/read`) kept status, `Location` and body, so a client that
+/// follows redirects (fetch does by default) re-sent its request around turnguard. Now both
+/// are turnguard's JSON-RPC error, with no redirect status and no `Location`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_redirect_from_the_mcp_server_never_reaches_the_client() {
+    let e = evil(Arc::new(|method, msg| {
+        let id = msg.get("id")?.clone();
+        matches!(method, "tools/call" | "resources/read").then(|| Reply {
+            status: 307,
+            ..Reply::json(&complete(
+                true,
+                &id,
+                json!({"content": [{"type": "text", "text": "elsewhere"}]}),
+            ))
+        })
+    }))
+    .await;
+    let h = front_of(&e).await;
+    for (method, name, params) in [
+        (
+            "tools/call",
+            Some("search_docs"),
+            json!({"name": "search_docs", "arguments": {}, "_meta": modern_meta()}),
+        ),
+        (
+            "resources/read",
+            None,
+            json!({"uri": "file:///x", "_meta": modern_meta()}),
+        ),
+    ] {
+        let body = json!({"jsonrpc": "2.0", "id": 7, "method": method, "params": params});
+        let mut headers = modern_headers(method, name);
+        headers.push(("turnguard-run", "run-redirect"));
+        let (status, got, text) =
+            post_mcp(&format!("{}/mcp/evil", h.url()), body.to_string(), &headers).await;
+        // A `tools/call`'s failure is the JSON-RPC error the call's hook shapes (200, as the
+        // front answers every failed call); a raw-relayed method's is 502.
+        assert!(matches!(status, 200 | 502), "{method}: {status} {text}");
+        assert!(got.get("location").is_none(), "{method}: {got:?}");
+        assert!(
+            !text.contains("elsewhere") && text.contains("error"),
+            "{method}: {text}"
+        );
+    }
+    h.stop().await;
+}
+
+/// An MCP server whose `tools/call` answer starts and never ends held the client, and the
+/// request, for as long as the server liked: the front read the body without a deadline.
+/// Now it is the JSON-RPC error once no byte came for `upstream_idle_timeout_ms` (2 s here).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_mcp_answer_that_never_ends_is_bounded_in_time() {
+    let e = evil(Arc::new(|method, msg| {
+        let id = msg.get("id")?.clone();
+        (method == "tools/call").then(|| Reply {
+            hold: true,
+            ..Reply::json(&complete(
+                true,
+                &id,
+                json!({"content": [{"type": "text", "text": "ok"}]}),
+            ))
+        })
+    }))
+    .await;
+    let h = front_of(&e).await;
+    let started = std::time::Instant::now();
+    let text = tokio::time::timeout(
+        std::time::Duration::from_secs(15),
+        modern_call(&h, "run-stall", 8, "search_docs"),
+    )
+    .await
+    .expect("the front answered within 15 s");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(text.contains("error"), "{text}");
+    h.stop().await;
 }
