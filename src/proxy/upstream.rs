@@ -92,6 +92,20 @@ pub fn response_headers(upstream: &HeaderMap, keep_length: bool) -> HeaderMap {
     out
 }
 
+/// The 502 for `upstream` (`detail` says why), counted in `turnguard_upstream_errors_total`
+/// under `reason`.
+fn counted(state: &AppState, upstream: &str, reason: UpstreamError, detail: String) -> WireError {
+    state
+        .metrics
+        .upstream_errors
+        .get_or_create(&ReasonLabels { reason })
+        .inc();
+    WireError::UpstreamUnavailable {
+        upstream: upstream.to_owned(),
+        reason: detail,
+    }
+}
+
 /// An upstream answer turnguard relays without parsing it (a provider's error answer, a
 /// passthrough route's answer), as the agent gets it: the whole body read first, within the
 /// bounds a model answer has (`upstream_idle_timeout_ms` between chunks, everything by
@@ -112,17 +126,8 @@ pub async fn relayed(
     deadline: tokio::time::Instant,
 ) -> Result<Response<axum::body::Body>, WireError> {
     let status = resp.status();
-    let unavailable = |reason: UpstreamError, detail: String| {
-        state
-            .metrics
-            .upstream_errors
-            .get_or_create(&ReasonLabels { reason })
-            .inc();
-        WireError::UpstreamUnavailable {
-            upstream: upstream.to_owned(),
-            reason: detail,
-        }
-    };
+    let unavailable =
+        |reason: UpstreamError, detail: String| counted(state, upstream, reason, detail);
     if status.is_informational() || status.is_redirection() {
         return Err(unavailable(
             UpstreamError::UnexpectedStatus,
@@ -222,17 +227,8 @@ pub async fn send_to(
     *req.headers_mut() = headers;
     let started = Instant::now();
     let timeout = Duration::from_millis(state.config.upstream_response_timeout_ms);
-    let unavailable = |reason: UpstreamError, detail: String| {
-        state
-            .metrics
-            .upstream_errors
-            .get_or_create(&ReasonLabels { reason })
-            .inc();
-        WireError::UpstreamUnavailable {
-            upstream: upstream.to_owned(),
-            reason: detail,
-        }
-    };
+    let unavailable =
+        |reason: UpstreamError, detail: String| counted(state, upstream, reason, detail);
     let result = tokio::time::timeout(timeout, state.client.request(req)).await;
     crate::edge::upstream_waited(started, started.elapsed());
     let resp = match result {

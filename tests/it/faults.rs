@@ -49,7 +49,7 @@ fn answer_every_time() -> Value {
 }
 
 /// The value of one series in a scrape (`name{labels}`), 0 when absent.
-async fn metric(h: &Harness, series: &str) -> f64 {
+pub(crate) async fn metric(h: &Harness, series: &str) -> f64 {
     let (_, body) = get(&format!("{}/metrics", h.admin_url())).await;
     String::from_utf8_lossy(&body)
         .lines()
@@ -62,7 +62,7 @@ async fn metric(h: &Harness, series: &str) -> f64 {
 }
 
 /// Polls `series` until it equals `want`, at most `limit`; returns the last value.
-async fn metric_becomes(h: &Harness, series: &str, want: f64, limit: Duration) -> f64 {
+pub(crate) async fn metric_becomes(h: &Harness, series: &str, want: f64, limit: Duration) -> f64 {
     let until = Instant::now() + limit;
     loop {
         let v = metric(h, series).await;

@@ -234,28 +234,7 @@ fn statuses(raw: &[u8]) -> Vec<u16> {
         .collect()
 }
 
-async fn metric(h: &Harness, series: &str) -> f64 {
-    let (_, body) = support::get(&format!("{}/metrics", h.admin_url())).await;
-    String::from_utf8_lossy(&body)
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix(series)
-                .filter(|r| r.starts_with(' '))
-                .and_then(|r| r.trim().parse().ok())
-        })
-        .unwrap_or(0.0)
-}
-
-async fn metric_becomes(h: &Harness, series: &str, want: f64, limit: Duration) -> f64 {
-    let until = Instant::now() + limit;
-    loop {
-        let v = metric(h, series).await;
-        if v == want || Instant::now() > until {
-            return v;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
+use crate::faults::{metric, metric_becomes};
 
 fn chat_url(h: &Harness) -> String {
     format!("{}/v1/chat/completions", h.url())
@@ -885,20 +864,21 @@ fn flood_event() -> Vec<u8> {
     format!("data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{text}\"}},\"finish_reason\":null}}]}}\n\n").repeat(16).into_bytes()
 }
 
-/// An agent that opens a stream and stops reading: turnguard buffers a bounded amount toward
-/// it (back-pressure reaches the upstream), so an upstream pushing as fast as it can writes
-/// only a few MiB, not hundreds.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_client_that_stops_reading_a_stream_gets_back_pressure_not_buffering() {
-    let up = raw_upstream(vec![
+/// An upstream that answers a stream and writes events as fast as it is read.
+async fn flooding_stream() -> RawUpstream {
+    raw_upstream(vec![
         Act::Write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
                 .to_vec(),
         ),
         Act::Flood(flood_event()),
     ])
-    .await;
-    let h = start_against(&up).await;
+    .await
+}
+
+/// An agent with a 4 KiB receive buffer that asks `h` for a stream, reads its first bytes and
+/// then nothing more (the connection stays open).
+async fn agent_that_stops_reading(h: &Harness) -> TcpStream {
     let body = chat(true).to_string();
     let sock = tokio::net::TcpSocket::new_v4().unwrap();
     sock.set_recv_buffer_size(4096).unwrap();
@@ -906,6 +886,17 @@ async fn a_client_that_stops_reading_a_stream_gets_back_pressure_not_buffering()
     tcp.write_all(format!("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).as_bytes()).await.unwrap();
     let mut buf = [0u8; 512];
     let _ = tcp.read(&mut buf).await.unwrap();
+    tcp
+}
+
+/// An agent that opens a stream and stops reading: turnguard buffers a bounded amount toward
+/// it (back-pressure reaches the upstream), so an upstream pushing as fast as it can writes
+/// only a few MiB, not hundreds.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_stops_reading_a_stream_gets_back_pressure_not_buffering() {
+    let up = flooding_stream().await;
+    let h = start_against(&up).await;
+    let tcp = agent_that_stops_reading(&h).await;
     // Stop reading.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let a = up.written();
@@ -929,22 +920,9 @@ async fn a_client_that_stops_reading_a_stream_gets_back_pressure_not_buffering()
 /// `max_concurrent_requests = 1` the next agent is served, not shed 503.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_that_stops_reading_a_stream_does_not_hold_its_permit_forever() {
-    let up = raw_upstream(vec![
-        Act::Write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
-                .to_vec(),
-        ),
-        Act::Flood(flood_event()),
-    ])
-    .await;
+    let up = flooding_stream().await;
     let h = start_one_permit(&up).await;
-    let body = chat(true).to_string();
-    let sock = tokio::net::TcpSocket::new_v4().unwrap();
-    sock.set_recv_buffer_size(4096).unwrap();
-    let mut tcp = sock.connect(h.tg.addr).await.unwrap();
-    tcp.write_all(format!("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).as_bytes()).await.unwrap();
-    let mut buf = [0u8; 512];
-    let _ = tcp.read(&mut buf).await.unwrap();
+    let tcp = agent_that_stops_reading(&h).await;
     let streams = metric_becomes(
         &h,
         "turnguard_inflight_streams",
