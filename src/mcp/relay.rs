@@ -243,7 +243,7 @@ pub async fn respond(
     // Bounded in time like every upstream answer turnguard reads whole.
     let idle = Duration::from_millis(front.state.config.upstream_idle_timeout_ms);
     let within = Duration::from_millis(front.state.config.upstream_response_timeout_ms);
-    let read = if status.is_informational() || status.is_redirection() {
+    let read = if upstream::neither_answer_nor_error(status) {
         // Neither an answer nor an error: never relayed (a redirect's `Location` would send
         // the client around turnguard), whatever its body says.
         Err(format!(
@@ -291,7 +291,7 @@ pub async fn respond(
         None if failed => json_response(
             if status.is_success() {
                 StatusCode::OK
-            } else if status.is_informational() || status.is_redirection() {
+            } else if upstream::neither_answer_nor_error(status) {
                 StatusCode::BAD_GATEWAY
             } else {
                 status

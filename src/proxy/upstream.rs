@@ -92,6 +92,13 @@ pub fn response_headers(upstream: &HeaderMap, keep_length: bool) -> HeaderMap {
     out
 }
 
+/// A status that is neither an answer nor an error (1xx: `101` included; 3xx: a redirect,
+/// `304`): turnguard never relays one ([`relayed`], the MCP front), so a `Location` cannot
+/// send a client that follows redirects around it.
+pub fn neither_answer_nor_error(status: http::StatusCode) -> bool {
+    status.is_informational() || status.is_redirection()
+}
+
 /// The 502 for `upstream` (`detail` says why), counted in `turnguard_upstream_errors_total`
 /// under `reason`.
 fn counted(state: &AppState, upstream: &str, reason: UpstreamError, detail: String) -> WireError {
@@ -128,7 +135,7 @@ pub async fn relayed(
     let status = resp.status();
     let unavailable =
         |reason: UpstreamError, detail: String| counted(state, upstream, reason, detail);
-    if status.is_informational() || status.is_redirection() {
+    if neither_answer_nor_error(status) {
         return Err(unavailable(
             UpstreamError::UnexpectedStatus,
             format!(

@@ -91,7 +91,7 @@ async fn readyz_becomes(h: &Harness, want: u16, limit: Duration) -> u16 {
 
 /// Reads until the peer closes (EOF or reset) or `limit` passes; returns what arrived and
 /// whether it closed.
-async fn read_until_closed(tcp: &mut TcpStream, limit: Duration) -> (Vec<u8>, bool) {
+pub(crate) async fn read_until_closed(tcp: &mut TcpStream, limit: Duration) -> (Vec<u8>, bool) {
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
     let until = tokio::time::Instant::now() + limit;

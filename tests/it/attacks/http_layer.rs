@@ -206,24 +206,37 @@ async fn whole(
     .ok()
 }
 
+/// A non-stream (or, with `stream`, a stream) chat request to `h`, as [`whole`] sends it.
+async fn post_chat(
+    h: &Harness,
+    stream: bool,
+    limit: Duration,
+) -> Option<(u16, http::HeaderMap, Result<Bytes, String>)> {
+    whole(
+        "POST",
+        &chat_url(h),
+        &[("content-type", "application/json")],
+        &chat(stream).to_string(),
+        limit,
+    )
+    .await
+}
+
+/// A non-stream chat request to `h` is answered, within 5 s, with the provider-shaped 502.
+async fn assert_provider_502(h: &Harness) {
+    let (status, _, body) = post_chat(h, false, Duration::from_secs(5))
+        .await
+        .expect("in time");
+    let body = body.unwrap_or_default();
+    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
+    assert!(is_provider_error(&body));
+}
+
 /// Writes `bytes` to the data plane and reads until the peer closes or `limit` passes.
 async fn raw_agent(addr: SocketAddr, bytes: &[u8], limit: Duration) -> (Vec<u8>, bool) {
     let mut tcp = TcpStream::connect(addr).await.unwrap();
     let _ = tcp.write_all(bytes).await;
     read_until_closed(&mut tcp, limit).await
-}
-
-async fn read_until_closed(tcp: &mut TcpStream, limit: Duration) -> (Vec<u8>, bool) {
-    let mut got = Vec::new();
-    let mut buf = [0u8; 8192];
-    let until = tokio::time::Instant::now() + limit;
-    loop {
-        match tokio::time::timeout_at(until, tcp.read(&mut buf)).await {
-            Err(_) => return (got, false),
-            Ok(Ok(0)) | Ok(Err(_)) => return (got, true),
-            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
-        }
-    }
 }
 
 /// Status codes of every response in `raw` (a pipelined connection's output).
@@ -234,7 +247,7 @@ fn statuses(raw: &[u8]) -> Vec<u16> {
         .collect()
 }
 
-use crate::faults::{metric, metric_becomes};
+use crate::faults::{metric, metric_becomes, read_until_closed};
 
 fn chat_url(h: &Harness) -> String {
     format!("{}/v1/chat/completions", h.url())
@@ -361,14 +374,7 @@ async fn an_upstream_error_body_that_drips_is_bounded_in_time() {
     .await;
     let h = start_against(&dripping).await;
     let started = Instant::now();
-    let got = whole(
-        "POST",
-        &chat_url(&h),
-        &[("content-type", "application/json")],
-        &chat(false).to_string(),
-        Duration::from_secs(8),
-    )
-    .await;
+    let got = post_chat(&h, false, Duration::from_secs(8)).await;
     assert!(
         got.is_some(),
         "a dripping 429 body held the agent for {:?} (response timeout 1500 ms)",
@@ -428,15 +434,9 @@ async fn an_upstream_bodyful_204_or_304_is_a_provider_shaped_error() {
         ))])
         .await;
         let h = start_against(&up).await;
-        let got = whole(
-            "POST",
-            &chat_url(&h),
-            &[("content-type", "application/json")],
-            &chat(false).to_string(),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap_or_else(|| panic!("{status}: no answer in time"));
+        let got = post_chat(&h, false, Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|| panic!("{status}: no answer in time"));
         let body = got.2.clone().unwrap_or_default();
         let text = String::from_utf8_lossy(&body).into_owned();
         assert!(!text.contains("EVIL_MARKER"), "{status}: {text}");
@@ -462,15 +462,9 @@ async fn informational_close_delimited_and_lying_lengths_are_read_or_refused() {
     bytes.extend(json_200(TEXT_ANSWER));
     let up = raw_upstream(vec![Act::Write(bytes)]).await;
     let h = start_against(&up).await;
-    let (status, _, body) = whole(
-        "POST",
-        &chat_url(&h),
-        &[("content-type", "application/json")],
-        &chat(false).to_string(),
-        Duration::from_secs(5),
-    )
-    .await
-    .expect("in time");
+    let (status, _, body) = post_chat(&h, false, Duration::from_secs(5))
+        .await
+        .expect("in time");
     assert_eq!(status, 200, "{body:?}");
     assert!(String::from_utf8_lossy(&body.unwrap()).contains("hello there"));
     h.stop().await;
@@ -483,15 +477,9 @@ async fn informational_close_delimited_and_lying_lengths_are_read_or_refused() {
     ))])
     .await;
     let h = start_against(&up).await;
-    let (status, _, body) = whole(
-        "POST",
-        &chat_url(&h),
-        &[("content-type", "application/json")],
-        &chat(false).to_string(),
-        Duration::from_secs(5),
-    )
-    .await
-    .expect("in time");
+    let (status, _, body) = post_chat(&h, false, Duration::from_secs(5))
+        .await
+        .expect("in time");
     assert_eq!(status, 200, "{body:?}");
     h.stop().await;
 
@@ -506,18 +494,7 @@ async fn informational_close_delimited_and_lying_lengths_are_read_or_refused() {
     ))])
     .await;
     let h = start_against(&up).await;
-    let (status, _, body) = whole(
-        "POST",
-        &chat_url(&h),
-        &[("content-type", "application/json")],
-        &chat(false).to_string(),
-        Duration::from_secs(5),
-    )
-    .await
-    .expect("in time");
-    let body = body.unwrap_or_default();
-    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
-    assert!(is_provider_error(&body));
+    assert_provider_502(&h).await;
     h.stop().await;
 
     // Exact length, then a whole second response on the same connection (kept open).
@@ -526,15 +503,9 @@ async fn informational_close_delimited_and_lying_lengths_are_read_or_refused() {
     let up = raw_upstream(vec![Act::Write(bytes), Act::Stall]).await;
     let h = start_against(&up).await;
     for round in 0..3 {
-        let (status, _, body) = whole(
-            "POST",
-            &chat_url(&h),
-            &[("content-type", "application/json")],
-            &chat(false).to_string(),
-            Duration::from_secs(5),
-        )
-        .await
-        .expect("in time");
+        let (status, _, body) = post_chat(&h, false, Duration::from_secs(5))
+            .await
+            .expect("in time");
         let text = String::from_utf8_lossy(&body.unwrap_or_default()).into_owned();
         assert_eq!(status, 200, "round {round}: {text}");
         assert!(
@@ -568,15 +539,9 @@ async fn a_body_labelled_as_the_other_kind_is_never_forwarded_unparsed() {
         ))])
         .await;
         let h = start_against(&up).await;
-        let (status, _, got) = whole(
-            "POST",
-            &chat_url(&h),
-            &[("content-type", "application/json")],
-            &chat(stream).to_string(),
-            Duration::from_secs(5),
-        )
-        .await
-        .expect("in time");
+        let (status, _, got) = post_chat(&h, stream, Duration::from_secs(5))
+            .await
+            .expect("in time");
         let text = String::from_utf8_lossy(&got.unwrap_or_default()).into_owned();
         assert!(
             !text.contains("\"name\":\"EVIL_MARKER"),
@@ -604,15 +569,9 @@ async fn upstream_hop_by_hop_and_oversized_headers_are_handled() {
     ))])
     .await;
     let h = start_against(&up).await;
-    let (status, headers, _) = whole(
-        "POST",
-        &chat_url(&h),
-        &[("content-type", "application/json")],
-        &chat(false).to_string(),
-        Duration::from_secs(5),
-    )
-    .await
-    .expect("in time");
+    let (status, headers, _) = post_chat(&h, false, Duration::from_secs(5))
+        .await
+        .expect("in time");
     assert_eq!(status, 200);
     assert!(headers.get("x-secret").is_none(), "{headers:?}");
     assert!(headers.get("keep-alive").is_none(), "{headers:?}");
@@ -631,18 +590,7 @@ async fn upstream_hop_by_hop_and_oversized_headers_are_handled() {
     ))])
     .await;
     let h = start_against(&up).await;
-    let (status, _, body) = whole(
-        "POST",
-        &chat_url(&h),
-        &[("content-type", "application/json")],
-        &chat(false).to_string(),
-        Duration::from_secs(5),
-    )
-    .await
-    .expect("in time");
-    let body = body.unwrap_or_default();
-    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
-    assert!(is_provider_error(&body));
+    assert_provider_502(&h).await;
     h.stop().await;
 }
 
@@ -968,15 +916,9 @@ async fn an_upstream_redirect_never_sends_the_agent_around_turnguard() {
     let h = start_against(&up).await;
 
     // On the wire: what the agent's client is told.
-    let (status, headers, _) = whole(
-        "POST",
-        &chat_url(&h),
-        &[("content-type", "application/json")],
-        &chat(false).to_string(),
-        Duration::from_secs(5),
-    )
-    .await
-    .expect("in time");
+    let (status, headers, _) = post_chat(&h, false, Duration::from_secs(5))
+        .await
+        .expect("in time");
     let wire = format!("{status} location={:?}", headers.get("location"));
 
     // Through the official Python SDK, as the agent.
