@@ -176,6 +176,31 @@ async fn relay_one(State(r): State<Arc<RelayState>>, req: Request<Body>) -> Resp
 
 const ID: &str = "chatcmpl-bench0000000000000000000000";
 
+/// The call id the answers are built with; each answer carries a fresh one in its place
+/// ([`fresh_call_id`]).
+const CALL_ID: &str = "call_CUdUoJpsWWVdxXntucvnol1M";
+
+/// A call id as the providers make them (`call_` and 24 random characters), new for each
+/// answer: a journal that indexed released calls by id would land each on a random page, as
+/// it does under real traffic (bench/RESULTS.md, issue 13 run 25: a constant id here hid
+/// that cost).
+fn fresh_call_id() -> String {
+    let random = uuid::Uuid::new_v4().simple().to_string();
+    format!("call_{}", &random[..CALL_ID.len() - "call_".len()])
+}
+
+/// `template` with its [`CALL_ID`] replaced by a fresh one (same length).
+fn with_fresh_call_id(template: &[u8]) -> Bytes {
+    let mut out = template.to_vec();
+    if let Some(at) = out
+        .windows(CALL_ID.len())
+        .position(|w| w == CALL_ID.as_bytes())
+    {
+        out[at..at + CALL_ID.len()].copy_from_slice(fresh_call_id().as_bytes());
+    }
+    Bytes::from(out)
+}
+
 /// The non-stream completion: one `get_weather` call, about 1 KB.
 fn completion() -> Bytes {
     let args = json!({
@@ -188,7 +213,7 @@ fn completion() -> Bytes {
         "id": ID, "object": "chat.completion", "created": 1727346167,
         "model": "gpt-4o-2024-08-06",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": null,
-            "tool_calls": [{"id": "call_CUdUoJpsWWVdxXntucvnol1M", "type": "function",
+            "tool_calls": [{"id": CALL_ID, "type": "function",
                 "function": {"name": "get_weather", "arguments": args}}],
             "refusal": null}, "logprobs": null, "finish_reason": "tool_calls"}],
         "usage": {"prompt_tokens": 48, "completion_tokens": 19, "total_tokens": 67,
@@ -208,8 +233,9 @@ fn chunk(kind: &str, choices: serde_json::Value, usage: serde_json::Value) -> By
     Bytes::from(format!("data: {c}\n\n"))
 }
 
-/// The events of the stream, built at send time (each stamps its own send time).
-fn stream_event(i: usize) -> Option<Bytes> {
+/// The events of the stream, built at send time (each stamps its own send time); `call_id`
+/// is the stream's call.
+fn stream_event(i: usize, call_id: &str) -> Option<Bytes> {
     const PARTS: [&str; 8] = [
         "{\"location\":",
         "\"San Fran",
@@ -233,7 +259,7 @@ fn stream_event(i: usize) -> Option<Bytes> {
         1 => chunk(
             "head",
             delta(
-                json!({"tool_calls": [{"index": 0, "id": "call_ZR5UUuTt3pf61kjwAJIYdVMj",
+                json!({"tool_calls": [{"index": 0, "id": call_id,
                     "type": "function", "function": {"name": "get_weather", "arguments": ""}}]}),
                 json!(null),
             ),
@@ -292,12 +318,13 @@ async fn serve(State(m): State<Arc<MockState>>, req: Request<Body>) -> Response 
     if !stream {
         return Response::builder()
             .header("content-type", "application/json")
-            .body(Body::from(m.completion.clone()))
+            .body(Body::from(with_fresh_call_id(&m.completion)))
             .unwrap();
     }
     let delay = m.delay;
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
     tokio::spawn(async move {
+        let call_id = fresh_call_id();
         let mut i = 0;
         loop {
             // The finish chunk follows the last argument delta at once.
@@ -305,7 +332,9 @@ async fn serve(State(m): State<Arc<MockState>>, req: Request<Body>) -> Response 
                 tokio::time::sleep(delay).await;
             }
             // Built (and stamped) right before it is sent.
-            let Some(ev) = stream_event(i) else { return };
+            let Some(ev) = stream_event(i, &call_id) else {
+                return;
+            };
             if tx.send(Ok(ev)).await.is_err() {
                 return;
             }
