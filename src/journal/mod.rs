@@ -60,6 +60,7 @@ mod postgres;
 mod prune;
 mod reader;
 pub mod redact;
+mod released;
 mod schema;
 mod states;
 
@@ -853,6 +854,7 @@ impl Journal {
             path: path.to_owned(),
             reason: format!("the journal is not writable: {e}"),
         })?;
+        let releases = released::ChatReleases::load(&conn).map_err(open_err)?;
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
         let m = Arc::clone(&metrics);
         let health = Arc::new(JournalHealth::default());
@@ -863,7 +865,7 @@ impl Journal {
             .name("turnguard-journal".into())
             .spawn(move || {
                 writer_wake.register();
-                writer(conn, rx, &m, &h)
+                writer(conn, rx, &m, &h, releases)
             })
             .map_err(|e| JournalError::Open {
                 path: path.to_owned(),
@@ -1241,10 +1243,14 @@ fn writer(
     mut rx: mpsc::Receiver<Job>,
     metrics: &Metrics,
     health: &JournalHealth,
+    releases: released::ChatReleases,
 ) {
     conn.set_prepared_statement_cache_capacity(64);
+    let mut memory = WriterMemory {
+        schemas: KnownSchemas::default(),
+        releases,
+    };
     let mut full = true;
-    let mut known = KnownSchemas::default();
     while let Some(mut batch) = next_batch(&mut rx, RELAXED_LINGER) {
         // Off the queue: each job's guard takes it out of the depth gauge.
         for job in &mut batch {
@@ -1259,7 +1265,7 @@ fn writer(
             }
         }
         let started = Instant::now();
-        let committed = commit(&mut conn, &mut batch, &mut known);
+        let committed = commit(&mut conn, &mut batch, &mut memory);
         health.record(&committed);
         let result = committed.map_err(|e| JournalError::Write(e.to_string()));
         metrics
@@ -1279,6 +1285,13 @@ fn writer(
             }
         }
     }
+}
+
+/// What the SQLite writer keeps between batches.
+#[derive(Default)]
+struct WriterMemory {
+    schemas: KnownSchemas,
+    releases: released::ChatReleases,
 }
 
 /// The schema digests known to be in `tool_schemas`: those of committed batches only (a
@@ -1329,10 +1342,10 @@ impl KnownSchemas {
 fn commit(
     conn: &mut Connection,
     batch: &mut [Job],
-    known: &mut KnownSchemas,
+    memory: &mut WriterMemory,
 ) -> rusqlite::Result<()> {
-    let result = commit_batch(conn, batch, known);
-    known.settle(result.is_ok());
+    let result = commit_batch(conn, batch, memory);
+    memory.schemas.settle(result.is_ok());
     result
 }
 
@@ -1342,10 +1355,10 @@ fn commit(
 fn commit_batch(
     conn: &mut Connection,
     batch: &mut [Job],
-    known: &mut KnownSchemas,
+    memory: &mut WriterMemory,
 ) -> rusqlite::Result<()> {
     conn.prepare_cached("BEGIN")?.execute([])?;
-    let applied = apply_batch(conn, batch, known)
+    let applied = apply_batch(conn, batch, memory)
         .and_then(|after| conn.prepare_cached("COMMIT")?.execute([]).map(|_| after));
     match applied {
         Ok(after) => {
@@ -1384,8 +1397,12 @@ impl AfterCommit {
 fn apply_batch(
     tx: &Connection,
     batch: &mut [Job],
-    known: &mut KnownSchemas,
+    memory: &mut WriterMemory,
 ) -> rusqlite::Result<AfterCommit> {
+    let WriterMemory {
+        schemas: known,
+        releases,
+    } = memory;
     let mut answers: Vec<(oneshot::Sender<Vec<Claim>>, Vec<Claim>)> = Vec::new();
     let mut replies: interrupts::Replies = Vec::new();
     let mut declared = declared::DeclaredCounts::default();
@@ -1403,7 +1420,7 @@ fn apply_batch(
                     )?;
                 }
                 for t in &u.tool_results {
-                    insert_tool_result(tx, t)?;
+                    insert_tool_result(tx, t, releases)?;
                 }
                 if let Some(d) = &u.declared_tools {
                     declared.add(tx, d, known)?;
@@ -1415,7 +1432,7 @@ fn apply_batch(
                     insert_served(tx, r)?;
                 }
                 let folded = match &u.round {
-                    Some(r) => insert_round(tx, r, &u.events)?.then_some(r),
+                    Some(r) => insert_round(tx, r, &u.events, releases)?.then_some(r),
                     None => None,
                 };
                 for e in &u.events {
@@ -1445,7 +1462,7 @@ fn apply_batch(
             }
             Op::ToolResults(list) => {
                 for t in list {
-                    insert_tool_result(tx, t)?;
+                    insert_tool_result(tx, t, releases)?;
                 }
             }
             Op::Events(list) => {
@@ -1806,6 +1823,7 @@ fn insert_round(
     tx: &rusqlite::Connection,
     r: &RoundRecord,
     events: &[EventRecord],
+    releases: &mut released::ChatReleases,
 ) -> rusqlite::Result<bool> {
     let (calls, folded_events) = folded_columns(tx, r, events)?;
     let inserted = exec(
@@ -1848,14 +1866,10 @@ fn insert_round(
     )? == 1;
     let chat = r.run.run_id.is_none();
     if inserted && chat {
-        // The index a later tool result finds the round that released its call by.
+        // What a later tool result's duration is taken from.
         let round_id = tx.last_insert_rowid();
         for c in r.calls.iter().filter(|c| c.outcome == "executed") {
-            exec(
-                tx,
-                "INSERT INTO chat_released (call_id, round_id) VALUES (?1, ?2)",
-                params![c.call_id, round_id],
-            )?;
+            releases.remember(&c.call_id, round_id);
         }
     }
     if let Some(link) = &r.response_link {
@@ -1903,15 +1917,11 @@ pub(super) const RELEASED_AT_RUN_SQL: &str =
      WHERE c.call_id = ?1 AND c.outcome = 'executed' AND r.run_id = ?2
      ORDER BY c.id DESC LIMIT 1";
 
-/// The same for a chat turn (`?2` unused and NULL): the newest chat round that released
-/// `call_id` (`?1`), from `chat_released` (schema step 16).
-pub(super) const RELEASED_AT_CHAT_SQL: &str =
-    "SELECT r.at_ms FROM chat_released c INDEXED BY chat_released_call
-     CROSS JOIN rounds r ON r.id = c.round_id
-     WHERE c.call_id = ?1 AND r.run_id IS ?2
-     ORDER BY c.round_id DESC LIMIT 1";
-
-fn insert_tool_result(tx: &rusqlite::Connection, t: &ToolResultRecord) -> rusqlite::Result<()> {
+fn insert_tool_result(
+    tx: &rusqlite::Connection,
+    t: &ToolResultRecord,
+    releases: &released::ChatReleases,
+) -> rusqlite::Result<()> {
     let scope = match &t.run.run_id {
         Some(run) => format!("run:{run}"),
         None => "chat".to_owned(),
@@ -1947,16 +1957,16 @@ fn insert_tool_result(tx: &rusqlite::Connection, t: &ToolResultRecord) -> rusqli
             params![t.tool_call_id, t.run.run_id],
         )?;
         // The first time a result is seen, the call it answers returns (OpenWOP
-        // `agent.tool-returned`), with its duration from the round that released the call.
-        // From the call (schema step 11's index), never from `rounds_run`: a chat turn's
-        // `run_id IS NULL` would match every chat round.
-        let sql = match t.run.run_id {
-            Some(_) => RELEASED_AT_RUN_SQL,
-            None => RELEASED_AT_CHAT_SQL,
+        // `agent.tool-returned`), with its duration from the round that released the call:
+        // a run's from the call (schema step 11's index), never from `rounds_run`; a chat
+        // turn's from the writer's recent releases ([`released`]).
+        let released_at: Option<i64> = match &t.run.run_id {
+            Some(run) => tx
+                .prepare_cached(RELEASED_AT_RUN_SQL)?
+                .query_row(params![t.tool_call_id, run], |r| r.get(0))
+                .optional()?,
+            None => releases.released_at(tx, &t.tool_call_id)?,
         };
-        let released_at: Option<i64> = tx
-            .query_row(sql, params![t.tool_call_id, t.run.run_id], |r| r.get(0))
-            .optional()?;
         insert_event(tx, &t.returned_event(released_at))?;
     }
     Ok(())
@@ -2059,6 +2069,11 @@ mod tests {
     }
 
     fn apply(conn: &mut Connection, op: Op) {
+        apply_with(conn, op, &mut WriterMemory::default());
+    }
+
+    /// [`apply`] with the writer's memory of earlier batches.
+    fn apply_with(conn: &mut Connection, op: Op, memory: &mut WriterMemory) {
         let tx = conn.transaction().unwrap();
         let mut batch = [Job {
             op,
@@ -2066,7 +2081,7 @@ mod tests {
             durable: false,
             queued: None,
         }];
-        apply_batch(&tx, &mut batch, &mut KnownSchemas::default()).unwrap();
+        apply_batch(&tx, &mut batch, memory).unwrap();
         tx.commit().unwrap();
     }
 
@@ -2080,7 +2095,7 @@ mod tests {
     }
 
     /// Schema step 16: a chat round is one `rounds` row holding its calls and its decision's
-    /// events, plus a `chat_released` row per released call; the `tool_calls` and `events`
+    /// events, and the writer remembers each call it released; the `tool_calls` and `events`
     /// views show them as the tables did. The events continue the sequence of the request's
     /// scope before and after (a row recorded before upstream, one recorded later). A run's
     /// round still writes rows.
@@ -2097,7 +2112,8 @@ mod tests {
             event("r1", None, "agent.tool-called", 102),
             event("r1", Some("run-9"), "agent.tool-called", 103),
         ];
-        apply(
+        let mut memory = WriterMemory::default();
+        apply_with(
             &mut conn,
             Op::RoundCommit(Box::new(RoundCommit {
                 round: Some(round(
@@ -2109,12 +2125,13 @@ mod tests {
                 served: None,
                 claims: Vec::new(),
             })),
+            &mut memory,
         );
         apply(
             &mut conn,
             Op::Events(vec![event("r1", None, "interrupt", 104)]),
         );
-        apply(
+        apply_with(
             &mut conn,
             Op::RoundCommit(Box::new(RoundCommit {
                 round: Some(round("q1", Some("run-1"), &[("call_c", "executed")])),
@@ -2122,6 +2139,7 @@ mod tests {
                 served: None,
                 claims: Vec::new(),
             })),
+            &mut memory,
         );
         let n = |sql: &str| -> i64 { conn.query_row(sql, [], |r| r.get(0)).unwrap() };
         assert_eq!(
@@ -2201,12 +2219,12 @@ mod tests {
                 ev("run:run-9", "0", &events[2]),
             ]
         );
-        // Only the released chat call is indexed for a later result.
-        let released: Vec<Vec<String>> = rows(
-            &conn,
-            "SELECT c.call_id, r.request_id FROM chat_released c JOIN rounds r ON r.id = c.round_id",
-        );
-        assert_eq!(released, [vec!["call_a".to_owned(), "r1".to_owned()]]);
+        // Only the released chat call is remembered for a later result (from its round's
+        // `at_ms`); a run's call is found by its row.
+        let released_at = |call: &str| memory.releases.released_at(&conn, call).unwrap();
+        assert_eq!(released_at("call_a"), Some(100));
+        assert_eq!(released_at("call_b"), None);
+        assert_eq!(released_at("call_c"), None);
     }
 
     /// A chat round recorded twice keeps its first record; the second commit's events are
@@ -2215,11 +2233,12 @@ mod tests {
     fn a_chat_round_recorded_again_keeps_the_first_and_loses_no_event() {
         let mut conn = Connection::open_in_memory().unwrap();
         schema::migrate(&conn).unwrap();
+        let mut memory = WriterMemory::default();
         for (calls, at) in [
             (&[("call_a", "executed")][..], 101),
             (&[("call_z", "executed")][..], 201),
         ] {
-            apply(
+            apply_with(
                 &mut conn,
                 Op::RoundCommit(Box::new(RoundCommit {
                     round: Some(round("r1", None, calls)),
@@ -2227,6 +2246,7 @@ mod tests {
                     served: None,
                     claims: Vec::new(),
                 })),
+                &mut memory,
             );
         }
         let calls: Vec<Vec<String>> = rows(&conn, "SELECT call_id FROM tool_calls");
@@ -2236,8 +2256,10 @@ mod tests {
             "SELECT sequence, at_ms FROM events ORDER BY sequence",
         );
         assert_eq!(seen, [vec![0, 101], vec![1, 201]]);
-        let released: Vec<Vec<String>> = rows(&conn, "SELECT call_id FROM chat_released");
-        assert_eq!(released, [vec!["call_a".to_owned()]]);
+        // The second record's call was not recorded, nor remembered as released.
+        let released_at = |call: &str| memory.releases.released_at(&conn, call).unwrap();
+        assert_eq!(released_at("call_a"), Some(100));
+        assert_eq!(released_at("call_z"), None);
     }
 
     #[test]
@@ -2314,14 +2336,14 @@ mod tests {
             durable: false,
             queued: None,
         };
-        let mut known = KnownSchemas::default();
-        let failed = commit(&mut conn, &mut [job("a"), job("boom")], &mut known);
+        let mut memory = WriterMemory::default();
+        let failed = commit(&mut conn, &mut [job("a"), job("boom")], &mut memory);
         assert!(failed.is_err(), "the trigger fails the batch");
         assert!(
             conn.is_autocommit(),
             "the failed batch's transaction is over"
         );
-        commit(&mut conn, &mut [job("b")], &mut known).unwrap();
+        commit(&mut conn, &mut [job("b")], &mut memory).unwrap();
         let kinds: Vec<(String, i64)> = conn
             .prepare("SELECT type, sequence FROM events ORDER BY id")
             .unwrap()

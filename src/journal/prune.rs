@@ -61,18 +61,11 @@ pub(super) fn prune(
         };
         if table == "rounds" {
             // A round's calls go with it: a run's rows (`tool_call_rows.request_id`
-            // references it; a chat round holds its own), and the chat rounds' released
-            // calls, a prefix of `chat_released` too (inserted with their rounds).
+            // references it; a chat round holds its own, and the writer's memory of its
+            // releases finds it gone: [`super::released`]).
             exec(
                 tx,
                 "DELETE FROM tool_call_rows WHERE request_id IN (SELECT request_id FROM rounds WHERE id < ?1)",
-                params![first_kept],
-            )?;
-            exec(
-                tx,
-                "DELETE FROM chat_released WHERE id <
-                    coalesce((SELECT id FROM chat_released WHERE round_id >= ?1 ORDER BY id LIMIT 1),
-                             (SELECT max(id) + 1 FROM chat_released))",
                 params![first_kept],
             )?;
         }
@@ -146,10 +139,10 @@ mod tests {
         assert!(kept(&conn).is_empty());
     }
 
-    /// A pruned chat round takes its folded calls and events and its `chat_released` rows
-    /// (schema step 16); a kept round keeps them.
+    /// A pruned chat round takes its folded calls and events (schema step 16); a kept round
+    /// keeps them.
     #[test]
-    fn a_pruned_chat_round_takes_its_released_calls() {
+    fn a_pruned_chat_round_takes_its_folded_calls() {
         let mut conn = rusqlite::Connection::open_in_memory().unwrap();
         super::super::schema::migrate(&conn).unwrap();
         conn.execute_batch(
@@ -159,8 +152,7 @@ mod tests {
                      '[{\"call_id\":\"call_1\",\"outcome\":\"executed\"}]',
                      '[{\"sequence\":0,\"type\":\"agent.tool-called\",\"at_ms\":10,\"payload\":\"{}\"}]'),
                     ('r2', 50, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0,
-                     '[{\"call_id\":\"call_2\",\"outcome\":\"executed\"}]', NULL);
-             INSERT INTO chat_released (call_id, round_id) VALUES ('call_1', 1), ('call_2', 2);",
+                     '[{\"call_id\":\"call_2\",\"outcome\":\"executed\"}]', NULL);",
         )
         .unwrap();
         prune_at(&mut conn, 30);
@@ -174,7 +166,6 @@ mod tests {
         };
         assert_eq!(left("SELECT call_id FROM tool_calls"), ["call_2"]);
         assert!(left("SELECT type FROM events").is_empty());
-        assert_eq!(left("SELECT call_id FROM chat_released"), ["call_2"]);
     }
 
     /// A row stamped by a clock that had jumped a year ahead does not hold back the prune of

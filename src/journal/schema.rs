@@ -6,8 +6,9 @@ use rusqlite::Connection;
 /// journal recorded: step 10 drops an index, step 12 folds `declared_tools`' per-request rows
 /// into per-(tool, schema, API) counts and makes `rounds_run` partial, step 16 renames
 /// `tool_calls` and `events` (views of those names read them and the chat turns' folded
-/// records); no other step removes anything.
-pub const VERSION: i64 = 16;
+/// records), step 17 drops the index `chat_released` (what it indexed stays in `rounds.calls`);
+/// no other step removes anything.
+pub const VERSION: i64 = 17;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -68,13 +69,30 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 16 {
         v16(conn)?;
     }
+    if version < 17 {
+        v17(conn)?;
+    }
     Ok(())
+}
+
+/// Drops `chat_released`, step 16's index of the calls chat turns released (by `call_id`,
+/// for a later tool result's `durationMs`): providers' call ids are random, so each entry was
+/// a write to a random leaf page, the largest part of a chat turn's journal writes. The
+/// writer remembers recent chat releases instead ([`super::released`]); the calls stay in
+/// `rounds.calls`.
+fn v17(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         DROP TABLE IF EXISTS chat_released;
+         PRAGMA user_version = 17;
+         COMMIT;",
+    )
 }
 
 /// A chat turn (no `Turnguard-Run`) is journaled as one `rounds` row: its calls
 /// (`rounds.calls`) and the events of its decision (`rounds.events`) are JSON arrays in it,
-/// and each call it released is a `chat_released` row, the index a later tool result finds
-/// its call by ([`super::RELEASED_AT_CHAT_SQL`]). A run's calls and events stay one row each,
+/// and each call it released is a `chat_released` row, the index a later tool result found
+/// its call by (dropped by step 17: [`super::released`]). A run's calls and events stay one row each,
 /// in the tables renamed `tool_call_rows` and `event_rows` (what replay, recovery and the MCP
 /// front read by key). The views `tool_calls` and `events` show both, in the columns the
 /// tables had. A folded record's `id` is `2^62 + rounds.id × 2^20 +` its position in the
@@ -613,76 +631,56 @@ mod tests {
         migrate(&conn).unwrap();
     }
 
-    /// A new tool result finds the round that released its call through the call's index,
-    /// for a chat turn (`chat_released`) as for a run (`tool_call_rows`), and reads the
-    /// newest such round; neither sees the other's calls.
+    /// A new tool result of a run finds the round that released its call through the call's
+    /// index (`tool_call_rows`), reads the newest such round of its run, and sees no other
+    /// run's calls. (A chat turn's are found in memory first: [`super::super::released`].)
     #[test]
-    fn the_released_at_lookup_starts_from_the_call() {
+    fn the_run_released_at_lookup_starts_from_the_call() {
         let conn = Connection::open_in_memory().unwrap();
         migrate(&conn).unwrap();
-        let plan = |sql: &str| -> String {
+        let run: String = conn
+            .prepare(&format!(
+                "EXPLAIN QUERY PLAN {}",
+                super::super::RELEASED_AT_RUN_SQL
+            ))
+            .unwrap()
             // The plan does not depend on the bound values.
-            conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
-                .unwrap()
-                .query_map(rusqlite::params!["call_1", None::<String>], |r| {
-                    r.get::<_, String>(3)
-                })
-                .unwrap()
-                .map(Result::unwrap)
-                .collect::<Vec<_>>()
-                .join("; ")
-        };
-        let run = plan(super::super::RELEASED_AT_RUN_SQL);
+            .query_map(rusqlite::params!["call_1", None::<String>], |r| {
+                r.get::<_, String>(3)
+            })
+            .unwrap()
+            .map(Result::unwrap)
+            .collect::<Vec<_>>()
+            .join("; ");
         assert!(
             run.starts_with("SEARCH c USING INDEX tool_calls_executed_call (call_id=?)"),
             "{run}"
         );
-        let chat = plan(super::super::RELEASED_AT_CHAT_SQL);
         assert!(
-            chat.starts_with("SEARCH c USING COVERING INDEX chat_released_call (call_id=?)"),
-            "{chat}"
+            !run.contains("rounds_run") && !run.contains("SCAN") && !run.contains("TEMP"),
+            "{run}"
         );
-        for p in [&run, &chat] {
-            assert!(
-                !p.contains("rounds_run") && !p.contains("SCAN") && !p.contains("TEMP"),
-                "{p}"
-            );
-        }
         conn.execute_batch(
             "INSERT INTO rounds (request_id, at_ms, api, stream, round_index, request_digest,
                 latency_ms, state, response_bytes, response_digest, response_truncated, run_id)
-             VALUES ('r1', 10, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, NULL),
-                    ('r2', 20, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, NULL),
-                    ('r3', 30, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, NULL),
-                    ('q1', 40, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, 'run-1'),
+             VALUES ('q1', 40, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, 'run-1'),
                     ('q2', 50, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, 'run-1');
-             INSERT INTO chat_released (call_id, round_id) VALUES ('call_1', 1), ('call_1', 2);
              INSERT INTO tool_call_rows (request_id, choice, ordinal, call_id, name, outcome, stage, reason)
              VALUES ('q1', 0, 0, 'call_1', 'lookup', 'executed', 'dispatch', 'ok'),
                     ('q2', 0, 0, 'call_1', 'lookup', 'refused', 'authorization', 'no');",
         )
         .unwrap();
-        let at = |sql: &str, run: Option<&str>| -> Option<i64> {
-            conn.query_row(sql, rusqlite::params!["call_1", run], |r| r.get(0))
-                .optional()
-                .unwrap()
+        let at = |run: &str| -> Option<i64> {
+            conn.query_row(
+                super::super::RELEASED_AT_RUN_SQL,
+                rusqlite::params!["call_1", run],
+                |r| r.get(0),
+            )
+            .optional()
+            .unwrap()
         };
-        use super::super::{RELEASED_AT_CHAT_SQL, RELEASED_AT_RUN_SQL};
-        assert_eq!(
-            at(RELEASED_AT_CHAT_SQL, None),
-            Some(20),
-            "the newest chat round"
-        );
-        assert_eq!(
-            at(RELEASED_AT_RUN_SQL, Some("run-1")),
-            Some(40),
-            "the run's releasing round"
-        );
-        assert_eq!(
-            at(RELEASED_AT_RUN_SQL, Some("run-2")),
-            None,
-            "another run sees nothing"
-        );
+        assert_eq!(at("run-1"), Some(40), "the run's releasing round");
+        assert_eq!(at("run-2"), None, "another run sees nothing");
     }
 
     /// Step 12 folds per-request declarations into counts — the requests that declared each
@@ -743,10 +741,10 @@ mod tests {
     /// id still uses it, and declared schemas stored before redaction are cleared (digests
     /// kept).
     /// Step 16 keeps what a journal recorded before it: a chat turn's call and event rows
-    /// stay rows, the views show them, and the released chat call is indexed for a later
-    /// result's lookup.
+    /// stay rows, the views show them, and the released chat call was indexed for a later
+    /// result's lookup; step 17 drops that index and nothing else.
     #[test]
-    fn step_16_keeps_earlier_rows_and_indexes_their_released_chat_calls() {
+    fn steps_16_and_17_keep_earlier_rows() {
         let conn = Connection::open_in_memory().unwrap();
         for step in [v1, v2, v3, v4, v5, v6] {
             step(&conn).unwrap();
@@ -768,6 +766,11 @@ mod tests {
              VALUES ('request:r1', 'r1', 0, 'agent.tool-called', '{}', 11);",
         )
         .unwrap();
+        v16(&conn).unwrap();
+        let released: i64 = conn
+            .query_row("SELECT count(*) FROM chat_released", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(released, 1, "only the chat turn's released call");
         migrate(&conn).unwrap();
         let ids: Vec<String> = conn
             .prepare("SELECT call_id FROM tool_calls ORDER BY id")
@@ -785,19 +788,14 @@ mod tests {
             )
             .unwrap();
         assert_eq!(events, 1);
-        let at: Option<i64> = conn
+        let gone: i64 = conn
             .query_row(
-                super::super::RELEASED_AT_CHAT_SQL,
-                rusqlite::params!["call_1", None::<String>],
+                "SELECT count(*) FROM sqlite_master WHERE name LIKE 'chat_released%'",
+                [],
                 |r| r.get(0),
             )
-            .optional()
             .unwrap();
-        assert_eq!(at, Some(10));
-        let released: i64 = conn
-            .query_row("SELECT count(*) FROM chat_released", [], |r| r.get(0))
-            .unwrap();
-        assert_eq!(released, 1, "only the chat turn's released call");
+        assert_eq!(gone, 0, "step 17 drops chat_released and its index");
     }
 
     #[test]

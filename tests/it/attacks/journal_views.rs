@@ -1,6 +1,7 @@
 //! The journal's chat-turn records (schema v16: a chat turn is one `rounds` row holding its
-//! calls and its decision's events, `chat_released` indexing its released calls; the views
-//! `tool_calls` and `events` show both stores). Attackers: the model's output (call ids and
+//! calls and its decision's events; the views `tool_calls` and `events` show both stores; v17:
+//! a later result is timed from the writer's memory of recent releases, checked against the
+//! round). Attackers: the model's output (call ids and
 //! names it chooses, how many calls), the agent (its transcript's tool results, Responses
 //! chains), tool content. The rule: the views show exactly what turnguard decided, once each,
 //! byte for byte, with no secret in clear and keys that stay keys. Black-box over real
@@ -161,9 +162,11 @@ fn hostile(i: usize) -> (String, String) {
 /// missing or duplicated, an id or name altered by JSON escaping (quotes, backslashes, control
 /// characters, U+2028, astral unicode, text that imitates the array's own JSON), a long id cut —
 /// or their `agent.tool-called` events (`rounds.events`) not one per call with dense sequences;
-/// or a write failure losing the round. 240 calls in one answer (past any 1 024-style id
-/// stride of a smaller shift). Passes: the suite had no chat-turn case with hostile ids/names or
-/// hundreds of calls.
+/// or a write failure losing the round; or the agent's results for those ids timed wrongly
+/// (`durationMs` on a result whose call was never released, or missing on one that was: the
+/// writer finds a release by a hash of the id and checks the round's JSON for it). 240 calls in
+/// one answer (past any 1 024-style id stride of a smaller shift). Passes: the suite had no
+/// chat-turn case with hostile ids/names or hundreds of calls.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_chat_turns_hostile_calls_read_back_exactly_through_the_views() {
     let (h, _bundle) = start_probe().await;
@@ -189,6 +192,33 @@ async fn a_chat_turns_hostile_calls_read_back_exactly_through_the_views() {
         .collect();
     assert!(!released.is_empty(), "some calls are released: {answer}");
     wait_round(&h, "hostile-1");
+    // The agent returns a result for every call the model emitted, and for calls no model
+    // emitted (ids that differ from released ones in a byte, or imitate the folded JSON).
+    let forged: Vec<(String, String)> = [
+        "call_5 ".to_owned(),
+        "call_\"q0\"\\B".to_owned(),
+        "call_2\"},{\"call_id\":\"forged\",\"outcome\":\"executed\"}".to_owned(),
+        "forged".to_owned(),
+    ]
+    .into_iter()
+    .map(|id| (id, "lookup".to_owned()))
+    .collect();
+    let results: Vec<&(String, String)> = sent.iter().chain(&forged).collect();
+    model_says(&h, &[answer_text("chatcmpl-h2", "done")]).await;
+    let mut messages = vec![
+        json!({"role": "user", "content": "go"}),
+        json!({"role": "assistant", "content": null, "tool_calls": results
+            .iter()
+            .map(|(id, name)| call(id, name, json!({"k": "v\"}]"})))
+            .collect::<Vec<_>>()}),
+    ];
+    for (id, _) in &results {
+        messages.push(json!({"role": "tool", "tool_call_id": id, "content": "ok"}));
+    }
+    let follow = json!({"model": "gpt-test", "messages": messages, "tools": tools_for(&names)});
+    let (status, bytes) = chat(&h, "hostile-2", &follow).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    wait_round(&h, "hostile-2");
     let (failures, ready) = journal_health(&h).await;
     assert_eq!(failures, 0.0, "journal write failures");
     assert_eq!(ready, 200, "/readyz");
@@ -224,19 +254,34 @@ async fn a_chat_turns_hostile_calls_read_back_exactly_through_the_views() {
         .collect();
     assert_eq!(called.len(), n, "one agent.tool-called per call");
     assert_dense(&events, "hostile chat turn");
-    if db.backend() != support::Backend::Sqlite {
-        // PostgreSQL keeps one row per call: no `chat_released`.
-        return;
+    // Each result is timed exactly when turnguard released its call.
+    let returned = view_events(&db, &support::round_key(&db, "hostile-2"));
+    let timed: Vec<(String, bool)> = returned
+        .iter()
+        .filter(|e| e.1 == "agent.tool-returned")
+        .map(|e| {
+            (
+                e.2["callId"].as_str().unwrap().to_owned(),
+                e.2.get("durationMs").is_some_and(Value::is_u64),
+            )
+        })
+        .collect();
+    let want: Vec<(String, bool)> = results
+        .iter()
+        .map(|(id, _)| (id.clone(), released.contains(id)))
+        .collect();
+    assert!(
+        want.iter().any(|w| !w.1),
+        "some results answer no released call"
+    );
+    assert_eq!(
+        timed.len(),
+        results.len(),
+        "one agent.tool-returned per result"
+    );
+    for (i, (got, want)) in timed.iter().zip(&want).enumerate() {
+        assert_eq!(got, want, "result {i}: (callId, has durationMs)");
     }
-    // chat_released holds exactly the released calls.
-    let mut rel: Vec<String> = db.column(&format!(
-        "SELECT c.call_id FROM chat_released c JOIN rounds r ON r.id = c.round_id
-         WHERE r.request_id = '{key}' ORDER BY c.id"
-    ));
-    let mut want_rel = released.clone();
-    rel.sort();
-    want_rel.sort();
-    assert_eq!(rel, want_rel, "chat_released = the released calls");
 }
 
 /// Defect it would pin: a U+0000 in a chat call's id or name (model output) is cut at the NUL
@@ -337,7 +382,7 @@ fn chat_sse_calls(calls: &[(&str, &str, Value)]) -> Vec<String> {
 /// calls (their `agent.tool-called` events folded into `rounds.events`) numbers its scope's
 /// events with a repeat or a gap, or reorders them; a stream (events journaled at its decision
 /// point) likewise; and the results of calls an earlier chat turn released carry `durationMs`
-/// (found through `chat_released`). Passes: the suite had no chat-turn case mixing row and
+/// (from the writer's memory of recent releases). Passes: the suite had no chat-turn case mixing row and
 /// folded events in one scope, nor a check of `durationMs` on a chat turn.
 #[tokio::test(flavor = "multi_thread")]
 async fn chat_event_sequences_stay_dense_across_row_and_folded_events() {
@@ -515,16 +560,16 @@ async fn no_key_reaches_the_folded_chat_columns_in_clear() {
     }
 }
 
-/// Defect it would pin: the retention prune (v16: `chat_released` is deleted as a rowid
-/// prefix up to the first row of a kept round) leaves `chat_released` rows whose round is gone
-/// (a later result then reads a released time from nothing, or a reused round id), or deletes
-/// the row of a kept round (its result loses `durationMs`). Drives the prune turnguard runs at
-/// start over a journal whose first two chat rounds were aged past retention while stopped.
-/// Passes: the suite had no prune case over a server's chat rounds.
+/// Defect it would pin: after a restart whose start-up prune removed aged chat rounds, a result
+/// for a call of a pruned round is timed from a round that is gone (the writer's memory of
+/// releases, loaded at start before the prune, still names it), or a result for a call of a
+/// kept round loses `durationMs` (the memory was not loaded from the journal). Drives the prune
+/// turnguard runs at start over a journal whose first two chat rounds were aged past retention
+/// while stopped. Passes: the suite had no prune case over a server's chat rounds.
 #[tokio::test(flavor = "multi_thread")]
-async fn the_prune_keeps_chat_released_in_step_with_its_rounds() {
-    // About the SQLite layout of schema v16 (PostgreSQL keeps one row per call and event).
-    if support::sqlite_only("the_prune_keeps_chat_released_in_step_with_its_rounds") {
+async fn a_restart_and_prune_time_only_the_results_of_kept_releases() {
+    // About the SQLite layout of schema v16–17 (PostgreSQL keeps one row per call and event).
+    if support::sqlite_only("a_restart_and_prune_time_only_the_results_of_kept_releases") {
         return;
     }
     let h = support::start(Script::default()).await;
@@ -554,7 +599,11 @@ async fn the_prune_keeps_chat_released_in_step_with_its_rounds() {
         )
         .unwrap();
         let n: i64 = db
-            .query_row("SELECT count(*) FROM chat_released", [], |r| r.get(0))
+            .query_row(
+                "SELECT count(*) FROM rounds WHERE calls IS NOT NULL",
+                [],
+                |r| r.get(0),
+            )
             .unwrap();
         assert_eq!(n, 3);
     }
@@ -588,16 +637,14 @@ async fn the_prune_keeps_chat_released_in_step_with_its_rounds() {
     let db = support::journal(&dir.path().join("journal.db"));
     let rounds: Vec<String> = db.column("SELECT client_request_id FROM rounds ORDER BY id");
     assert_eq!(rounds, ["prune-3", "prune-4"], "the aged rounds are pruned");
-    let released: Vec<String> = db.column("SELECT call_id FROM chat_released ORDER BY id");
-    assert_eq!(released, ["call_p3"], "chat_released follows its rounds");
-    let orphans: i64 = db
+    let tables: i64 = db
         .query_row(
-            "SELECT count(*) FROM chat_released c WHERE NOT EXISTS (SELECT 1 FROM rounds r WHERE r.id = c.round_id)",
+            "SELECT count(*) FROM sqlite_master WHERE name LIKE 'chat_released%'",
             [],
             |r| r.get(0),
         )
         .unwrap();
-    assert_eq!(orphans, 0, "orphan chat_released rows");
+    assert_eq!(tables, 0, "no chat_released (schema step 17)");
     let calls: Vec<String> = db.column("SELECT call_id FROM tool_calls ORDER BY id");
     assert_eq!(calls, ["call_p3"]);
     let key = support::round_key(&db, "prune-4");
