@@ -15,7 +15,7 @@
 //!
 //! Instead the writer keeps the last [`GENERATION`] to 2 × [`GENERATION`] released chat calls in
 //! memory (two generations of a keyed hash of the call id → the releasing round's rowid, two
-//! hash tables of ~70 KB), loaded at start from the last chat rounds' `rounds.calls`. A result whose
+//! hash tables of ~70 KB), loaded at start from the `rounds.calls` of the chat rounds among the last rounds. A result whose
 //! call is found there is timed from its round, read back by rowid and checked to hold that
 //! call as released (so a hash collision, a round pruned since, or a batch that rolled back
 //! never times a result from another call). A result for a call released longer ago than the
@@ -51,12 +51,14 @@ impl Default for ChatReleases {
     }
 }
 
-/// The released calls of the last chat rounds that hold any, oldest first: (round rowid,
-/// call id). `?1`: how many rounds.
+/// The released calls of the chat rounds among the last `?1` rounds, oldest first: (round
+/// rowid, call id). A rowid range, and `run_id` (stored before the response body) tested before
+/// `calls` (after it) is read: a run's round, whose body may be megabytes, is never read past
+/// its first columns, and a journal of runs only is not scanned to its start.
 const LAST_RELEASES_SQL: &str = "SELECT r.id, c.value ->> 'call_id'
-       FROM (SELECT id, calls FROM rounds WHERE calls IS NOT NULL ORDER BY id DESC LIMIT ?1) r,
-            json_each(r.calls) c
-      WHERE c.value ->> 'outcome' = 'executed'
+       FROM rounds r, json_each(r.calls) c
+      WHERE r.id > (SELECT coalesce(max(id), 0) FROM rounds) - ?1 AND r.run_id IS NULL
+        AND c.value ->> 'outcome' = 'executed'
       ORDER BY r.id, c.key";
 
 /// When the chat round `?1` released call `?2`: its `at_ms`, if that round is a chat round
@@ -67,8 +69,8 @@ const RELEASED_IN_ROUND_SQL: &str = "SELECT r.at_ms FROM rounds r
                      WHERE c.value ->> 'call_id' = ?2 AND c.value ->> 'outcome' = 'executed')";
 
 impl ChatReleases {
-    /// The releases of the last chat rounds in `conn` (at most 2 × [`GENERATION`] rounds,
-    /// so at least as many calls as the window holds when every round released one).
+    /// The releases of the chat rounds among the last 2 × [`GENERATION`] rounds in `conn`
+    /// (as many calls as the window holds when every round is a chat turn that released one).
     ///
     /// Errors: SQLite's, reading `rounds`.
     pub(super) fn load(conn: &Connection) -> rusqlite::Result<Self> {
@@ -210,5 +212,40 @@ mod tests {
         assert_eq!(releases.released_at(&conn, "call_x").unwrap(), Some(300));
         assert_eq!(releases.released_at(&conn, "call_y").unwrap(), Some(300));
         assert_eq!(releases.released_at(&conn, "call_denied").unwrap(), None);
+    }
+
+    /// Loading reads the last rounds by rowid, whatever they are: a chat round further back
+    /// than 2 × [`GENERATION`] rounds of runs is not looked for.
+    #[test]
+    fn loading_reads_a_rowid_range_of_the_last_rounds() {
+        let conn = journal();
+        let plan: String = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {LAST_RELEASES_SQL}"))
+            .unwrap()
+            .query_map(params![10], |r| r.get::<_, String>(3))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect::<Vec<_>>()
+            .join("; ");
+        assert!(
+            plan.contains("SEARCH r USING INTEGER PRIMARY KEY (rowid>?)"),
+            "{plan}"
+        );
+        chat_round(&conn, "old", 1, &released("call_far", "executed"));
+        let mut st = conn
+            .prepare(
+                "INSERT INTO rounds (request_id, at_ms, api, stream, run_id, round_index,
+                    request_digest, latency_ms, state, response_bytes, response_digest,
+                    response_truncated)
+                 VALUES (?1, 2, 'openai_chat', 0, 'run-1', 0, 'd', 0, 'ok', 0, 'd', 0)",
+            )
+            .unwrap();
+        for i in 0..2 * GENERATION {
+            st.execute([format!("run-round-{i}")]).unwrap();
+        }
+        chat_round(&conn, "new", 3, &released("call_near", "executed"));
+        let releases = ChatReleases::load(&conn).unwrap();
+        assert_eq!(releases.released_at(&conn, "call_near").unwrap(), Some(3));
+        assert_eq!(releases.released_at(&conn, "call_far").unwrap(), None);
     }
 }
