@@ -19,7 +19,7 @@
 //! call is found there is timed from its round, read back by rowid and checked to hold that
 //! call as released (so a hash collision, a round pruned since, or a batch that rolled back
 //! never times a result from another call). A result for a call released longer ago than the
-//! window — at 100 released calls a second, 40 to 80 seconds — has no `durationMs`, as a
+//! window — at 100 released calls a second, 36 to 72 seconds — has no `durationMs`, as a
 //! result for a call turnguard never released has none.
 
 use std::collections::HashMap;
