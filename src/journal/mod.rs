@@ -1346,6 +1346,7 @@ fn commit(
 ) -> rusqlite::Result<()> {
     let result = commit_batch(conn, batch, memory);
     memory.schemas.settle(result.is_ok());
+    memory.releases.settle(result.is_ok());
     result
 }
 
@@ -1869,7 +1870,7 @@ fn insert_round(
         // What a later tool result's duration is taken from.
         let round_id = tx.last_insert_rowid();
         for c in r.calls.iter().filter(|c| c.outcome == "executed") {
-            releases.remember(&c.call_id, round_id);
+            releases.remember(&c.call_id, round_id, &r.request_id);
         }
     }
     if let Some(link) = &r.response_link {
@@ -2083,6 +2084,7 @@ mod tests {
         }];
         apply_batch(&tx, &mut batch, memory).unwrap();
         tx.commit().unwrap();
+        memory.releases.settle(true);
     }
 
     fn rows<T: rusqlite::types::FromSql>(conn: &Connection, sql: &str) -> Vec<Vec<T>> {

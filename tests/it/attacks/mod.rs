@@ -8,6 +8,7 @@
 //! | [`trust`] | tool content, the agent's transcript | a turn's trust is the meet of every input; an input turnguard does not recognise is untrusted |
 //! | [`upstream_bytes`] | the upstream's bytes, the model's output | an event reaches the agent only after it parsed and its calls were admitted |
 //! | [`http_layer`] | the agent's HTTP, the upstream's HTTP | nothing is relayed that turnguard did not read whole within its bounds; no status sends the agent elsewhere; a client that stops reading holds no permit |
+//! | [`chat_release_timing`] | the agent's results, the model's call ids (and their size) | a chat result's `durationMs` is exactly the time since the chat round that released its call (none for a call never released in a chat turn, or released in a run), on every API, streamed or not, and timing one costs the writer one search whatever the round holds |
 //! | [`journal_views`] | the model's output, the agent's transcript | a chat turn's folded records read back through the views exactly as decided, once each, under unique ids, with no secret in clear |
 //! | [`records`] | the agent, tool content | the journal's keys are turnguard's own; no secret is written in clear (journal, logs, metric labels); no principal reads another's result |
 //! | [`admin_plane`] | an admin-plane client | no run data without the admin token; no credential shown; malformed input never takes the plane down |
@@ -16,6 +17,7 @@
 
 mod admin_plane;
 mod approvals;
+mod chat_release_timing;
 mod host_text;
 mod http_layer;
 mod journal_views;
