@@ -4,12 +4,13 @@
 //! sockets; each test names the defect it pins.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use serde_json::{json, Value};
 use turnguard::mock_provider::Script;
 
+use super::journal_views::{chat, tools_for, wait_round};
 use crate::support;
 use support::runs::*;
 use support::{post_raw, Harness};
@@ -22,29 +23,6 @@ async fn post(h: &Harness, path: &str, label: &str, body: &Value) -> (u16, Bytes
     )
     .await;
     (status, bytes)
-}
-
-async fn chat(h: &Harness, label: &str, body: &Value) -> (u16, Bytes) {
-    post(h, "/v1/chat/completions", label, body).await
-}
-
-fn wait_round(h: &Harness, label: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let db = support::journal(&h.journal());
-        let n: i64 = db
-            .query_row(
-                "SELECT count(*) FROM rounds WHERE client_request_id = ?1",
-                [label],
-                |r| r.get(0),
-            )
-            .unwrap();
-        if n > 0 || Instant::now() > deadline {
-            return;
-        }
-        drop(db);
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// `(callId, durationMs)` of every `agent.tool-returned` in the journal, in id order.
@@ -71,15 +49,6 @@ fn duration_of(db: &support::Db, id: &str) -> Vec<Option<i64>> {
         .filter(|(c, _)| c == id)
         .map(|(_, d)| d)
         .collect()
-}
-
-fn tools_for(names: &[&str]) -> Value {
-    Value::Array(
-        names
-            .iter()
-            .map(|n| json!({"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}))
-            .collect(),
-    )
 }
 
 /// Bundle: every call permitted, up to 1 000 calls a turn, `lookup` a trusted read.
@@ -398,24 +367,6 @@ async fn responses_and_messages_results_are_timed_by_their_call_ids() {
     );
 }
 
-/// SSE events of a Chat stream carrying one call.
-fn sse_one_call(id: &str) -> Vec<String> {
-    let chunk = |delta: Value, finish: Value| {
-        let v = json!({"id": "chatcmpl-st", "object": "chat.completion.chunk", "created": 1_782_955_817,
-            "model": "gpt-test", "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]});
-        format!("data: {v}")
-    };
-    vec![
-        chunk(json!({"role": "assistant", "content": null}), Value::Null),
-        chunk(
-            json!({"tool_calls": [{"index": 0, "id": id, "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]}),
-            Value::Null,
-        ),
-        chunk(json!({}), json!("tool_calls")),
-        "data: [DONE]".to_owned(),
-    ]
-}
-
 /// Defect it would pin: a call released by a *streamed* chat turn is not timed when its result
 /// comes back (the existing tests time only results of JSON-released calls); also a U+0000 in
 /// the id: the whole id is timed, and the prefix before the NUL (never released) is not.
@@ -427,7 +378,7 @@ async fn a_streamed_release_and_a_nul_id_are_timed_exactly() {
     let (h, _b) = start_probe().await;
     let nul_id = "call_n\u{0}tail";
     h.script(&json!({"responses": [
-        {"sse": sse_one_call("call_stream1")},
+        {"sse": chat_sse_call("call_stream1", "lookup", &json!({}))},
         {"json": answer_calls("c-n1", vec![call(nul_id, "lookup", json!({}))])},
         {"json": answer_text("c-n2", "done")},
     ]}))

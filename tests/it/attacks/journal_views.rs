@@ -20,7 +20,7 @@ use support::{post_raw, Harness};
 
 /// Sends `body` as a chat turn (no `Turnguard-Run`) with `x-request-id: label`; returns the
 /// status and body.
-async fn chat(h: &Harness, label: &str, body: &Value) -> (u16, Bytes) {
+pub(super) async fn chat(h: &Harness, label: &str, body: &Value) -> (u16, Bytes) {
     let (status, _, bytes) = post_raw(
         &format!("{}/v1/chat/completions", h.url()),
         Bytes::from(body.to_string()),
@@ -31,7 +31,7 @@ async fn chat(h: &Harness, label: &str, body: &Value) -> (u16, Bytes) {
 }
 
 /// Waits until a round the agent sent as `label` is in the journal (relaxed chat commits).
-fn wait_round(h: &Harness, label: &str) {
+pub(super) fn wait_round(h: &Harness, label: &str) {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let db = support::journal(&h.journal());
@@ -127,7 +127,7 @@ async fn start_probe() -> (Harness, tempfile::TempDir) {
 }
 
 /// Chat tool declarations for `names` (no parameters schema beyond an object).
-fn tools_for<S: AsRef<str>>(names: &[S]) -> Value {
+pub(super) fn tools_for<S: AsRef<str>>(names: &[S]) -> Value {
     Value::Array(
         names
             .iter()
