@@ -10,13 +10,14 @@
 //! than the rest of a chat turn's record: providers' call ids are random, so each released call
 //! landed on a random leaf page, which the commit wrote to the WAL and the checkpoint copied
 //! again (bench/RESULTS.md, issue 13 run 25: with a fresh call id per answer, as providers send,
-//! the journal writer's CPU per chat turn rose from ~8 to ~18 µs and its file writes from
-//! ~3.4 to ~11 KB). Step 17 drops it.
+//! the journal writer's CPU per chat turn rose from ~8 to ~20 µs, and the process's writes
+//! from 5.5 to 13.1 KB a request). Step 17 drops it.
 //!
 //! Instead the writer keeps the last [`GENERATION`] to 2 × [`GENERATION`] released chat calls in
 //! memory: two generations of a keyed hash of the call id → the releasing round (its rowid and
 //! a keyed hash of its `request_id`), two hash tables of ~100 KB, loaded at start from the
-//! `rounds.calls` of the chat rounds among the last rounds. A release is remembered when its
+//! `rounds.calls` of the chat rounds among the last 2 × [`GENERATION`] rounds (at most
+//! [`LOAD_BUDGET_BYTES`] of them). A release is remembered when its
 //! batch commits (a batch that rolls back leaves the earlier release of the id in place). A
 //! result whose call is found is timed from that round, read back by rowid — its first columns
 //! only, never its calls or body, so a result costs one B-tree search whatever the round holds
