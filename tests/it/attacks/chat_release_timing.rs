@@ -10,7 +10,7 @@ use bytes::Bytes;
 use serde_json::{json, Value};
 use turnguard::mock_provider::Script;
 
-use super::journal_views::{chat, tools_for, wait_round};
+use super::journal_views::{chat, probe_bundle_with, response, start_probe, tools_for, wait_round};
 use crate::support;
 use support::runs::*;
 use support::{post_raw, Harness};
@@ -49,45 +49,6 @@ fn duration_of(db: &support::Db, id: &str) -> Vec<Option<i64>> {
         .filter(|(c, _)| c == id)
         .map(|(_, d)| d)
         .collect()
-}
-
-/// Bundle: every call permitted, up to 1 000 calls a turn, `lookup` a trusted read.
-fn probe_bundle() -> tempfile::TempDir {
-    probe_bundle_with(true)
-}
-
-/// [`probe_bundle`], with the default per-call outcomes when `end_turn` is false.
-fn probe_bundle_with(end_turn: bool) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir_all(dir.path().join("rules")).unwrap();
-    std::fs::create_dir_all(dir.path().join("tools")).unwrap();
-    std::fs::write(
-        dir.path().join("rules/rules.cedar"),
-        "@id(\"permit-calls\")\npermit (principal, action == Action::\"call\", resource);\n",
-    )
-    .unwrap();
-    std::fs::write(
-        dir.path().join("turnguard.toml"),
-        if end_turn {
-            "[limits]\ntool_calls_per_turn = 1000\n\n[limits.rate]\nburst = 100000\nper_minute = 100000\n\n[outcomes]\ninvalid = \"end-turn\"\nrefused = \"end-turn\"\nheld = \"end-turn\"\n"
-        } else {
-            "[limits]\ntool_calls_per_turn = 1000\n\n[limits.rate]\nburst = 100000\nper_minute = 100000\n"
-        },
-    )
-    .unwrap();
-    std::fs::write(
-        dir.path().join("tools/probe.toml"),
-        "[[tool]]\nnames = [\"lookup\"]\ncontent_trust = \"trusted\"\n[tool.descriptor]\ntoolId = \"probe:lookup\"\nsource = \"host-extension\"\nsafetyTier = \"read\"\negress = \"none\"\n",
-    )
-    .unwrap();
-    dir
-}
-
-async fn start_probe() -> (Harness, tempfile::TempDir) {
-    let bundle = probe_bundle();
-    let path = bundle.path().to_owned();
-    let h = support::start_with(Script::default(), move |c| c.policy = path).await;
-    (h, bundle)
 }
 
 /// A chat follow-up carrying results for `ids` (the assistant message names them).
@@ -269,16 +230,6 @@ async fn an_id_released_twice_is_timed_from_the_later_round() {
         [Some(res_at[0] - at[1])],
         "rounds at {at:?}, result at {res_at:?}"
     );
-}
-
-/// A stored Responses response with `output`.
-fn response(id: &str, output: Vec<Value>) -> Value {
-    json!({
-        "id": id, "object": "response", "created_at": 1_761_400_000, "status": "completed",
-        "error": null, "incomplete_details": null, "model": "gpt-5-2025-08-07", "output": output,
-        "parallel_tool_calls": true, "previous_response_id": null, "store": true,
-        "usage": {"input_tokens": 80, "output_tokens": 24, "total_tokens": 104}
-    })
 }
 
 /// Defect it would pin: a Responses `function_call` (keyed by `call_id`, not the item `id`)

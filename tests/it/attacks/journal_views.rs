@@ -97,6 +97,12 @@ fn assert_dense(events: &[(i64, String, Value)], what: &str) {
 /// A bundle: every call permitted, up to 1 000 calls a turn, `lookup` a trusted read (so a
 /// turn carrying its results stays trusted and its next calls are released).
 fn probe_bundle() -> tempfile::TempDir {
+    probe_bundle_with(true)
+}
+
+/// [`probe_bundle`]; with `end_turn` false, the default per-call outcomes (an invalid call
+/// is repaired) instead of ending the turn.
+pub(super) fn probe_bundle_with(end_turn: bool) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("rules")).unwrap();
     std::fs::create_dir_all(dir.path().join("tools")).unwrap();
@@ -105,9 +111,16 @@ fn probe_bundle() -> tempfile::TempDir {
         "@id(\"permit-calls\")\npermit (principal, action == Action::\"call\", resource);\n",
     )
     .unwrap();
+    let limits = "[limits]\ntool_calls_per_turn = 1000\n\n[limits.rate]\nburst = 100000\nper_minute = 100000\n";
+    let outcomes =
+        "\n[outcomes]\ninvalid = \"end-turn\"\nrefused = \"end-turn\"\nheld = \"end-turn\"\n";
     std::fs::write(
         dir.path().join("turnguard.toml"),
-        "[limits]\ntool_calls_per_turn = 1000\n\n[limits.rate]\nburst = 100000\nper_minute = 100000\n\n[outcomes]\ninvalid = \"end-turn\"\nrefused = \"end-turn\"\nheld = \"end-turn\"\n",
+        if end_turn {
+            format!("{limits}{outcomes}")
+        } else {
+            limits.to_owned()
+        },
     )
     .unwrap();
     std::fs::write(
@@ -119,7 +132,7 @@ fn probe_bundle() -> tempfile::TempDir {
 }
 
 /// Starts turnguard on [`probe_bundle`] (the bundle's directory is kept alive by the caller).
-async fn start_probe() -> (Harness, tempfile::TempDir) {
+pub(super) async fn start_probe() -> (Harness, tempfile::TempDir) {
     let bundle = probe_bundle();
     let path = bundle.path().to_owned();
     let h = support::start_with(Script::default(), move |c| c.policy = path).await;
@@ -673,7 +686,7 @@ fn fcall(call_id: &str, name: &str, args: &str) -> Value {
 }
 
 /// A stored Responses response with `output`.
-fn response(id: &str, output: Vec<Value>) -> Value {
+pub(super) fn response(id: &str, output: Vec<Value>) -> Value {
     json!({
         "id": id, "object": "response", "created_at": 1_761_400_000, "status": "completed",
         "error": null, "incomplete_details": null, "model": "gpt-5-2025-08-07", "output": output,
