@@ -1868,10 +1868,12 @@ fn insert_round(
     let chat = r.run.run_id.is_none();
     if inserted && chat {
         // What a later tool result's duration is taken from.
-        let round_id = tx.last_insert_rowid();
-        for c in r.calls.iter().filter(|c| c.outcome == "executed") {
-            releases.remember(&c.call_id, round_id, &r.request_id);
-        }
+        let released = r.calls.iter().filter(|c| c.outcome == "executed");
+        releases.remember(
+            tx.last_insert_rowid(),
+            &r.request_id,
+            released.map(|c| c.call_id.as_str()),
+        );
     }
     if let Some(link) = &r.response_link {
         insert_response_link(tx, r, link)?;

@@ -112,22 +112,29 @@ impl ChatReleases {
             let round: i64 = row.get(0)?;
             let request: String = row.get(1)?;
             if let Some(call_id) = row.get::<_, Option<String>>(2)? {
-                releases.remember(&call_id, round, &request);
+                releases.remember(round, &request, [call_id.as_str()]);
             }
         }
         releases.settle(true);
         Ok(releases)
     }
 
-    /// Notes that chat round `round` (its rowid; `request_id` `request`) released `call_id`,
+    /// Notes that chat round `round` (its rowid; `request_id` `request`) released `call_ids`,
     /// remembered once the batch commits ([`ChatReleases::settle`]); a later release of the
     /// same id wins.
-    pub(super) fn remember(&mut self, call_id: &str, round: i64, request: &str) {
+    pub(super) fn remember<'a>(
+        &mut self,
+        round: i64,
+        request: &str,
+        call_ids: impl IntoIterator<Item = &'a str>,
+    ) {
         let release = Release {
             round,
             request: self.hasher.hash_one(request),
         };
-        self.pending.insert(self.hasher.hash_one(call_id), release);
+        for call_id in call_ids {
+            self.pending.insert(self.hasher.hash_one(call_id), release);
+        }
     }
 
     /// The batch's releases are remembered (`committed`) or forgotten (it rolled back).
@@ -200,7 +207,7 @@ mod tests {
 
     /// `remember` and the commit of its batch.
     fn committed(releases: &mut ChatReleases, call: &str, round: i64, request: &str) {
-        releases.remember(call, round, request);
+        releases.remember(round, request, [call]);
         releases.settle(true);
     }
 
@@ -247,7 +254,7 @@ mod tests {
         committed(&mut releases, "call_x", first, "r1");
         // A later batch releases the same id again: within the batch, the later round.
         let second = chat_round(&conn, "r2", 200, &released("call_x", "executed"));
-        releases.remember("call_x", second, "r2");
+        releases.remember(second, "r2", ["call_x"]);
         assert_eq!(releases.released_at(&conn, "call_x").unwrap(), Some(200));
         // The batch rolls back (its round is gone with it): the first release stands.
         conn.execute("DELETE FROM rounds WHERE id = ?1", [second])
