@@ -195,6 +195,15 @@ pub struct Admission {
     permit: std::sync::Mutex<Option<OwnedSemaphorePermit>>,
 }
 
+/// The request id the edge gave the request whose extensions these are (the sane
+/// `x-request-id` it kept, or the fresh one it set in that header); `None` for a request that
+/// did not pass the edge.
+pub(crate) fn edge_request_id(extensions: &http::Extensions) -> Option<&str> {
+    extensions
+        .get::<Arc<Admission>>()
+        .map(|a| a.request_id.as_str())
+}
+
 /// Takes the concurrency permit of the request whose extensions these are, after its body
 /// was read. A request outside the edge (no [`Admission`] in its extensions) takes none.
 ///

@@ -44,8 +44,11 @@ pub struct RequestCtx {
 const SEVERAL_VALUES: &str = "(several values)";
 
 impl RequestCtx {
-    /// The request id and run identity of a request's headers.
-    pub(crate) fn new(headers: &HeaderMap) -> Self {
+    /// The request id and run identity of a request's headers. A request that passed the
+    /// edge ([`crate::edge::layer`]) keeps the request id the edge already checked or made (it
+    /// set the same in `x-request-id`), not checked a second time; any other request's
+    /// `x-request-id` is kept when sane, else a fresh UUIDv7 is made.
+    pub(crate) fn of(headers: &HeaderMap, extensions: &http::Extensions) -> Self {
         let header = |name: &str| {
             headers
                 .get(name)
@@ -68,8 +71,12 @@ impl RequestCtx {
             let text = text.trim();
             (!text.is_empty()).then(|| text.to_owned())
         };
-        let request_id =
-            crate::edge::sane_request_id(headers).unwrap_or_else(crate::edge::fresh_request_id);
+        let request_id = match crate::edge::edge_request_id(extensions) {
+            Some(id) => id.to_owned(),
+            None => {
+                crate::edge::sane_request_id(headers).unwrap_or_else(crate::edge::fresh_request_id)
+            }
+        };
         let run_id = run_header("turnguard-run");
         let run = RunKey {
             node_id: run_id

@@ -251,7 +251,7 @@ async fn post_inner(front: &Arc<McpFront>, name: &str, req: Request<Body>) -> Re
         Ok(m) => m,
         Err(e) => return json_response(StatusCode::BAD_REQUEST, &wire_error(&id, &e)),
     };
-    let mut ctx = RequestCtx::new(&parts.headers);
+    let mut ctx = RequestCtx::of(&parts.headers, &parts.extensions);
     let (era, session, capabilities) = match era_of(
         front,
         name,

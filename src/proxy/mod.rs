@@ -90,7 +90,7 @@ impl Session {
 /// Serves one model request of `api` (`POST /v1/chat/completions`, `POST /v1/messages`,
 /// `POST /v1/responses`).
 pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Response {
-    let ctx = RequestCtx::new(req.headers());
+    let ctx = RequestCtx::of(req.headers(), req.extensions());
     // A guard, not inc/dec: a client that disconnects drops this future half-way.
     let inflight = crate::metrics::GaugeGuard::new(&state.metrics.inflight_requests);
     let (mut resp, stream) = match turn(&state, api, &ctx, req).await {
@@ -491,7 +491,7 @@ fn is_event_content_type(v: &str) -> bool {
 /// it goes upstream (tool-turn contract §F). A chat turn (no `Turnguard-Run`) may.
 /// `Turnguard-Run` and `Turnguard-Node` become OpenWOP ids: a run id of `A-Z a-z 0-9 . _ ~ :
 /// / -` (≤ 200), a node id of `A-Z a-z 0-9 . _ ~ : -` (≤ 128, ids.schema.json `nodeId`),
-/// each header given once ([`RequestCtx::new`] keeps a value it cannot read, or one given
+/// each header given once ([`RequestCtx::of`] keeps a value it cannot read, or one given
 /// twice, for this check to refuse).
 ///
 /// Errors: [`WireError::InvalidRequest`] naming the header (400).
@@ -533,7 +533,7 @@ pub async fn passthrough(
     upstream_name: &'static str,
     req: Request<Body>,
 ) -> Response {
-    let ctx = RequestCtx::new(req.headers());
+    let ctx = RequestCtx::of(req.headers(), req.extensions());
     let surface = Surface::of_request(req.uri().path(), req.headers());
     let (parts, body) = req.into_parts();
     let result = async {
