@@ -172,8 +172,11 @@ pub struct ToolResultSeen {
     pub tool_call_id: String,
     /// The tool's name, when the echoed assistant turn names it.
     pub tool_name: Option<String>,
-    /// The result content, serialized as JSON text (a string stays a JSON string).
-    pub content: String,
+    /// The result content as the request holds it (a string, or the provider's content
+    /// blocks). Journaled as its JSON text ([`crate::strict_json::to_text`]: a string stays a
+    /// JSON string), which is written only for a result the journal has not recorded yet
+    /// ([`crate::journal::seen_results`]).
+    pub content: serde_json::Value,
     /// The agent marked the result as a failure (`is_error`).
     pub is_error: bool,
 }

@@ -62,6 +62,7 @@ mod reader;
 pub mod redact;
 mod released;
 mod schema;
+pub mod seen_results;
 mod states;
 
 pub use interrupts::{InterruptRecord, InterruptRow, Resolution, Resolved, Selector};
@@ -792,6 +793,8 @@ pub struct Journal {
     location: JournalLocation,
     health: Arc<JournalHealth>,
     store: Store,
+    /// Tool results this process recorded ([`seen_results`]).
+    seen: Arc<seen_results::SeenResults>,
 }
 
 /// What a [`Journal`] handle needs of its backend beyond the writer queue.
@@ -879,9 +882,16 @@ impl Journal {
                 location: JournalLocation::Sqlite(path.to_owned()),
                 health,
                 store: Store::Sqlite(path.to_owned()),
+                seen: Arc::default(),
             },
             WriterThread(WriterKind::Thread(handle)),
         ))
+    }
+
+    /// The tool results this process recorded, by key ([`seen_results`]): the request path
+    /// skips a result the journal already holds, and remembers the ones it commits.
+    pub fn seen_results(&self) -> &seen_results::SeenResults {
+        &self.seen
     }
 
     /// Where the journal lives (its `Display` never shows a password).

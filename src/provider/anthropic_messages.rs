@@ -294,9 +294,7 @@ fn judge_blocks(
                 turn.tool_results.push(ToolResultSeen {
                     tool_call_id: id.to_owned(),
                     tool_name: calls.name_of(id),
-                    content: b
-                        .get("content")
-                        .map_or_else(|| "null".to_owned(), crate::strict_json::to_text),
+                    content: b.get("content").cloned().unwrap_or(Value::Null),
                     is_error: b.get("is_error").and_then(Value::as_bool) == Some(true),
                 });
                 if let Some(Value::Array(inner)) = b.get("content") {

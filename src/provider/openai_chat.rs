@@ -238,9 +238,7 @@ pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn
                 turn.tool_results.push(ToolResultSeen {
                     tool_call_id: format!("function:{name}"),
                     tool_name: (!name.is_empty()).then(|| name.to_owned()),
-                    content: m
-                        .get("content")
-                        .map_or_else(|| "null".to_owned(), crate::strict_json::to_text),
+                    content: m.get("content").cloned().unwrap_or(Value::Null),
                     is_error: false,
                 });
             }
@@ -249,11 +247,10 @@ pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn
                     .get("tool_call_id")
                     .and_then(Value::as_str)
                     .ok_or_else(|| format!("`messages[{i}].tool_call_id` must be a string"))?;
-                let content = m.get("content").cloned().unwrap_or(Value::Null);
                 turn.tool_results.push(ToolResultSeen {
                     tool_call_id: id.to_owned(),
                     tool_name: calls.name_of(id),
-                    content: crate::strict_json::to_text(&content),
+                    content: m.get("content").cloned().unwrap_or(Value::Null),
                     is_error: false,
                 });
             }

@@ -321,11 +321,7 @@ fn read_output(
     turn.tool_results.push(ToolResultSeen {
         tool_call_id: call_id.to_owned(),
         tool_name: calls.name_of(call_id),
-        content: item
-            .get("output")
-            .cloned()
-            .unwrap_or(Value::Null)
-            .to_string(),
+        content: item.get("output").cloned().unwrap_or(Value::Null),
         is_error: false,
     });
     match item.get("output") {
@@ -380,11 +376,7 @@ fn read_item(
                 turn.tool_results.push(ToolResultSeen {
                     tool_call_id: call_id.to_owned(),
                     tool_name: calls.name_of(call_id),
-                    content: item
-                        .get("tools")
-                        .cloned()
-                        .unwrap_or(Value::Null)
-                        .to_string(),
+                    content: item.get("tools").cloned().unwrap_or(Value::Null),
                     is_error: false,
                 });
             }
@@ -2116,22 +2108,26 @@ mod tests {
         );
         // reasoning + call is one model turn, the assistant message after the output another.
         assert_eq!(t.round_index, 2);
-        let results: Vec<(&str, Option<&str>, &str)> = t
+        let results: Vec<(&str, Option<&str>, String)> = t
             .tool_results
             .iter()
             .map(|r| {
                 (
                     r.tool_call_id.as_str(),
                     r.tool_name.as_deref(),
-                    r.content.as_str(),
+                    crate::strict_json::to_text(&r.content),
                 )
             })
             .collect();
         assert_eq!(
             results,
             vec![
-                ("call_1", Some("get_capital"), "\"Paris\""),
-                ("call_9", None, "[{\"type\":\"input_text\",\"text\":\"x\"}]")
+                ("call_1", Some("get_capital"), "\"Paris\"".to_owned()),
+                (
+                    "call_9",
+                    None,
+                    "[{\"type\":\"input_text\",\"text\":\"x\"}]".to_owned()
+                )
             ]
         );
         let plain = parse_request(

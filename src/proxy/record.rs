@@ -388,9 +388,17 @@ pub(super) async fn record_before_upstream(
 ) -> Result<(), WireError> {
     let redactor = &policy.redactor;
     let cap = state.config.journal_max_record_bytes;
+    // A result this process already recorded is in the journal: it is not written again
+    // (a multi-step agent sends every earlier result each turn; `journal::seen_results`).
+    let seen = state.journal.seen_results();
+    let mut keys = std::collections::HashSet::new();
     let tool_results: Vec<ToolResultRecord> = turn
         .tool_results
         .iter()
+        .filter(|t| {
+            let key = seen.key(ctx.run.run_id.as_deref(), &t.tool_call_id, &t.content);
+            !seen.recorded(key) && keys.insert(key)
+        })
         .map(|t| ToolResultRecord {
             request_id: ctx.journal_id.clone(),
             at_ms: ctx.at_ms,
@@ -400,7 +408,11 @@ pub(super) async fn record_before_upstream(
             reader: Some(crate::request::reader_of(person)),
             tool_name: t.tool_name.as_deref().map(|n| redactor.redact_text(n)),
             is_error: t.is_error,
-            content: Recorded::redacted(t.content.as_bytes(), redactor, cap),
+            content: Recorded::redacted(
+                crate::strict_json::to_text(&t.content).as_bytes(),
+                redactor,
+                cap,
+            ),
         })
         .collect();
     let declared_tools = (!turn.tools.is_empty()).then(|| crate::journal::DeclaredToolsRecord {
@@ -437,7 +449,11 @@ pub(super) async fn record_before_upstream(
         run_untrusted,
     };
     match state.journal.record_before_upstream(unit).await {
-        Ok(()) => Ok(()),
+        Ok(()) => {
+            // Committed (or already in the journal, its unique key kept the first row).
+            seen.remember(keys);
+            Ok(())
+        }
         Err(e) => {
             let all_rerunnable = turn.tool_results.iter().all(|t| {
                 t.tool_name

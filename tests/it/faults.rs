@@ -855,19 +855,25 @@ async fn a_locked_journal_fails_durable_requests_fast_and_readiness_follows() {
     assert_eq!(readyz_becomes(&h, 200, Duration::from_secs(5)).await, 200);
     let (status, body) = post_json(&url, &charge_result_request("call_l9", "charged"), &run).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    // The first request's result was refused with it (503), never committed: sent again, it
+    // is recorded now (turnguard remembers only results the journal confirmed).
+    let (status, body) = post_json(&url, &charge_result_request("call_l1", "charged"), &run).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let dir = h.stop().await;
     let db = support::journal(&dir.path().join("journal.db"));
-    let kept: i64 = db
-        .query_row(
-            "SELECT count(*) FROM tool_results WHERE tool_call_id = 'call_l9'",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
-    assert_eq!(
-        kept, 1,
-        "the result of the request that was served is durable"
-    );
+    for call in ["call_l9", "call_l1"] {
+        let kept: i64 = db
+            .query_row(
+                "SELECT count(*) FROM tool_results WHERE tool_call_id = ?1",
+                [call],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(
+            kept, 1,
+            "the result of the request that was served is durable ({call})"
+        );
+    }
 }
 
 fn is_root() -> bool {

@@ -163,3 +163,65 @@ async fn a_round_releasing_write_calls_claims_them_in_one_commit_and_confirms_th
         "each claim is confirmed released with the served record"
     );
 }
+
+/// A multi-step agent sends every earlier tool result again each turn. A result this process
+/// already recorded is not written again (`journal::seen_results`): a turn that only repeats
+/// it makes no before-upstream commit. A result that comes back changed, or in another scope
+/// (a chat turn after the run), is new, and is recorded.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_result_sent_again_is_not_written_again_but_a_changed_one_is() {
+    let lookup = chat_call("call_lookup", "lookup_contact", json!({"name": "bob"}));
+    let (h, _keys) = start(json!([
+        {"json": chat_response("", vec![lookup.clone()])},
+        {"json": chat_response("Bob is bob@example.test.", vec![])},
+        {"json": chat_response("Nothing else.", vec![])},
+        {"json": chat_response("Corrected.", vec![])},
+        {"json": chat_response("In a chat turn.", vec![])},
+        {"json": chat_response("Again in a chat turn.", vec![])},
+    ]))
+    .await;
+    let run = Some("run-seen");
+    let with_result = |content: &str, later: bool| {
+        let mut messages = ask();
+        messages.push(json!({"role": "assistant", "content": null, "tool_calls": [lookup]}));
+        messages.push(json!({"role": "tool", "tool_call_id": "call_lookup", "content": content}));
+        if later {
+            messages.push(json!({"role": "assistant", "content": "Bob is bob@example.test."}));
+            messages.push(json!({"role": "user", "content": "Anything else?"}));
+        }
+        transcript(messages)
+    };
+    durable_commits_of(&h, run, &transcript(ask())).await;
+    let (_, commits) = durable_commits_of(&h, run, &with_result("bob@example.test", false)).await;
+    assert_eq!(commits, 2.0, "the new result, then the decision");
+    let (_, commits) = durable_commits_of(&h, run, &with_result("bob@example.test", true)).await;
+    assert_eq!(
+        commits, 1.0,
+        "the result sent again is in the journal: only the decision commits"
+    );
+    let (_, commits) = durable_commits_of(&h, run, &with_result("bob@example.org", true)).await;
+    assert_eq!(
+        commits, 2.0,
+        "a changed result is recorded, then the decision"
+    );
+    let (_, commits) = durable_commits_of(&h, None, &with_result("bob@example.test", true)).await;
+    assert_eq!(commits, 1.0, "in a chat turn the result is new: recorded");
+    let (_, commits) = durable_commits_of(&h, None, &with_result("bob@example.test", true)).await;
+    assert_eq!(commits, 0.0, "and not again");
+
+    let dir = h.stop().await;
+    let db = support::journal(&dir.path().join("journal.db"));
+    let contents = |scope: &str| -> Vec<String> {
+        db.column::<Vec<u8>>(&format!(
+            "SELECT content FROM tool_results WHERE scope = '{scope}' ORDER BY id"
+        ))
+        .into_iter()
+        .map(|b| String::from_utf8(b).unwrap())
+        .collect()
+    };
+    assert_eq!(
+        contents("run:run-seen"),
+        ["\"bob@example.test\"", "\"bob@example.org\""]
+    );
+    assert_eq!(contents("chat"), ["\"bob@example.test\""]);
+}

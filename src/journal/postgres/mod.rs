@@ -288,6 +288,7 @@ pub(super) async fn open(
             location: location.clone(),
             health,
             store: Store::Postgres(shared),
+            seen: Arc::default(),
         },
         WriterThread(WriterKind::Task {
             writer,
