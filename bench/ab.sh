@@ -8,6 +8,7 @@
 #   ROUNDS=5 SECONDS_PER_RUN=8 CELL=jsonrun bench/ab.sh old new
 #   CELL=jsontools bench/ab.sh old new   # each request carries a new tool result (post-tools.lua)
 #   CELL=jsonagent bench/ab.sh old new   # a coding agent's request: 16 tools, a long system prompt
+#   CELL=jsontranscript CONCURRENCY=8 bench/ab.sh old new   # a 31st turn: 30 earlier results
 #   BENCHTOOL=/tmp/benchtool bench/ab.sh old new   # an earlier benchtool build: nothing compiled
 #
 # Reported per run: requests/s, p99, turnguard CPU µs per request (utime+stime of the whole
@@ -39,7 +40,8 @@ case "$CELL" in
   jsonrun) script=bench/post-run.lua ;;
   jsontools) script=bench/post-tools.lua ;;
   jsonagent) script=bench/post-agent.lua ;;
-  *) echo "CELL is json, jsonrun, jsontools or jsonagent" >&2; exit 2 ;;
+  jsontranscript) script=bench/post-transcript.lua ;;
+  *) echo "CELL is json, jsonrun, jsontools, jsonagent or jsontranscript" >&2; exit 2 ;;
 esac
 CLK=$(getconf CLK_TCK)
 metric() { # metrics-text name → summed value of every sample of `name`

@@ -6,8 +6,9 @@
 //! scope, call id and content digest; a repeat is `ON CONFLICT DO NOTHING`), but each repeat
 //! still cost the request path its JSON text, its SHA-256, a redaction scan and a copy, and
 //! the writer one index probe. With 30 results of 4 KB in a transcript, that was two thirds of
-//! turnguard's CPU for the request (744 against 249 µs a request for the same bytes without
-//! results; `bench/RESULTS.md`, issue 13 run 26).
+//! turnguard's CPU for the request (790–1,010 against 250–270 µs a request for the same bytes
+//! without results; 330–350 µs with this memory; `bench/RESULTS.md`, issue 13, twenty-fifth
+//! session).
 //!
 //! So the request path keeps a keyed hash of each result the journal confirmed (its commit
 //! returned), and skips a result whose hash it holds: the journal already has that row. The
