@@ -231,10 +231,10 @@ pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn
             None | Some(Value::Null) | Some(Value::String(_)) => {}
             Some(Value::Array(blocks)) => {
                 let at = format!("messages[{i}].content");
-                let within = if assistant {
-                    Within::Assistant
-                } else {
-                    Within::Message
+                let within = match role {
+                    "assistant" => Within::Assistant,
+                    "user" => Within::User,
+                    _ => Within::Message,
                 };
                 judge_blocks(&mut turn, blocks, &at, &mut calls, within)?;
             }
@@ -257,9 +257,12 @@ pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn
 ///
 /// A `tool_reference` block (the name of a tool a tool search loaded, Anthropic's tool search)
 /// is known only inside a `tool_result`: it names a tool the agent declares, it carries no
-/// content, and the result's trust is its tool's.
+/// content, and the result's trust is its tool's. A `tool_result` is a tool result only among
+/// a user message's blocks; anywhere else it is [`UntrustedKind::Unrecognised`] and not read
+/// as a result (so not journaled: tool content cannot forge another call's record).
 ///
-/// Errors: a `tool_result` without a string `tool_use_id` (the request is malformed).
+/// Errors: a `tool_result` in a user message without a string `tool_use_id` (the request is
+/// malformed).
 fn judge_blocks(
     turn: &mut Turn,
     blocks: &[Value],
@@ -284,7 +287,12 @@ fn judge_blocks(
                     calls.add(turn, id, name, || format!("{at}.id"));
                 }
             }
-            "tool_result" => {
+            // A tool result is one only where the API reads one: a user message's own
+            // blocks. Anywhere else (inside another result's content, in a system or
+            // assistant turn, in a document) it is text that looks like one — possibly a
+            // tool's output forging another call's result — so it is not recorded, and it
+            // makes the turn untrusted (the `_` arm below).
+            "tool_result" if within == Within::User => {
                 let id = b
                     .get("tool_use_id")
                     .and_then(Value::as_str)
@@ -320,7 +328,9 @@ fn judge_blocks(
 enum Within {
     /// An assistant message: the model's own blocks, calls among them.
     Assistant,
-    /// A user or system message, the top-level `system`, or inline document content.
+    /// A user message: the agent's blocks, tool results among them.
+    User,
+    /// A system message, the top-level `system`, or inline document content.
     Message,
     /// The `content` of a `tool_result`.
     ToolResult,
