@@ -1082,7 +1082,11 @@ impl Journal {
     /// a crash runs again at the next start or hour, so housekeeping never costs a durable
     /// commit nor lands in the commits a request made (`turnguard_journal_commits_total`).
     pub async fn prune(&self, before_ms: i64) -> Result<(), JournalError> {
-        self.submit_with(Op::Prune { before_ms }, false).await
+        self.submit_with(Op::Prune { before_ms }, false).await?;
+        // Rows of results it remembers may be gone: a result that comes again is written
+        // again, as before the memory ([`seen_results`]).
+        self.seen.forget_all();
+        Ok(())
     }
 
     /// Sets how many recorded rounds a replay of (run, node) has served without the agent.
@@ -1988,6 +1992,23 @@ fn insert_tool_result(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A prune may delete the rows of results the request path remembers as recorded: it
+    /// forgets them all, so a result that comes again is written again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_prune_forgets_the_results_remembered_as_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.db");
+        let (journal, writer) = Journal::open_sqlite(&path, Arc::new(Metrics::new())).unwrap();
+        let seen = journal.seen_results();
+        let key = seen.key(None, "agent", "call_1", &serde_json::json!("ok"));
+        seen.remember([key]);
+        assert!(seen.recorded(key));
+        journal.prune(0).await.unwrap();
+        assert!(!journal.seen_results().recorded(key));
+        drop(journal);
+        writer.join();
+    }
 
     fn job(waited_for: bool) -> Job {
         Job {

@@ -12,16 +12,21 @@
 //!
 //! So the request path keeps a keyed hash of each result the journal confirmed (its commit
 //! returned), and skips a result whose hash it holds: the journal already has that row. The
-//! hash covers the result's scope (the run, or chat turns), its call id and its content value
-//! (every string, number and key, with type tags and lengths, so two different values never
-//! feed the hasher the same bytes). What is skipped is only what this process recorded, so:
+//! hash covers the result's scope (the run, or chat turns), who sent it (the verified person,
+//! or the agent: `request::reader_of`), its call id and its content value (every string,
+//! number and key, with type tags and lengths, so two different values never feed the hasher
+//! the same bytes). What is skipped is only what this process recorded, so:
 //! - after a restart, or for a result another replica recorded (PostgreSQL), the result is
 //!   written once more and the journal's unique key keeps the first row, as before;
 //! - a result whose batch did not commit is not remembered, and the next turn that carries it
 //!   writes it again;
-//! - a result recorded and later pruned (`journal_retention`) is not written again while it is
-//!   remembered: its call returned long ago, and recording it again would emit a second
-//!   `agent.tool-returned` for it.
+//! - a prune (`journal_retention`) forgets everything remembered ([`SeenResults::forget_all`]),
+//!   so a result whose row it deleted is written again when it comes again, as before.
+//!
+//! Who sent it is in the key because a skip is observable: a turn whose results are all
+//! recorded waits for no durable commit before it goes upstream. Without the sender, one
+//! principal could time whether another sent a given result for a guessable call id (a
+//! legacy `function:<name>` id). With it, a principal learns only about its own results.
 //!
 //! The window is the last [`GENERATION`] to 2 × [`GENERATION`] results recorded (two
 //! generations of hash sets, at most ~600 KB; none until a result is recorded). A result
@@ -71,9 +76,16 @@ impl Default for SeenResults {
 }
 
 impl SeenResults {
-    /// The key of the result answering `call_id` with `content`, in the scope of `run_id` (a
-    /// run) or of chat turns (`None`), the journal's `tool_results` scopes.
-    pub fn key(&self, run_id: Option<&str>, call_id: &str, content: &Value) -> ResultKey {
+    /// The key of the result answering `call_id` with `content`, sent by `reader` (see
+    /// `request::reader_of`), in the scope of `run_id` (a run) or of chat turns (`None`), the
+    /// journal's `tool_results` scopes.
+    pub fn key(
+        &self,
+        run_id: Option<&str>,
+        reader: &str,
+        call_id: &str,
+        content: &Value,
+    ) -> ResultKey {
         let mut h = self.hasher.build_hasher();
         match run_id {
             Some(run) => {
@@ -82,6 +94,7 @@ impl SeenResults {
             }
             None => h.write_u8(0),
         }
+        bytes(&mut h, reader.as_bytes());
         bytes(&mut h, call_id.as_bytes());
         value(&mut h, content);
         ResultKey(h.finish())
@@ -91,6 +104,12 @@ impl SeenResults {
     pub fn recorded(&self, key: ResultKey) -> bool {
         let sets = self.sets.lock().unwrap_or_else(|e| e.into_inner());
         sets.current.contains(&key) || sets.older.contains(&key)
+    }
+
+    /// Forgets every result: after a prune, which may have deleted their rows.
+    pub fn forget_all(&self) {
+        let mut sets = self.sets.lock().unwrap_or_else(|e| e.into_inner());
+        *sets = Generations::default();
     }
 
     /// Remembers results the journal confirmed.
@@ -154,39 +173,43 @@ mod tests {
     #[test]
     fn a_key_tells_apart_scope_call_and_every_part_of_the_content() {
         let seen = SeenResults::default();
-        let base = seen.key(None, "call_1", &json!("ok"));
-        assert_eq!(base, seen.key(None, "call_1", &json!("ok")));
+        let base = seen.key(None, "agent", "call_1", &json!("ok"));
+        assert_eq!(base, seen.key(None, "agent", "call_1", &json!("ok")));
         let others = [
-            seen.key(Some("run-1"), "call_1", &json!("ok")),
-            seen.key(None, "call_2", &json!("ok")),
-            seen.key(None, "call_1", &json!("ok ")),
-            seen.key(None, "call_1", &json!(["ok"])),
-            seen.key(None, "call_1", &json!({"ok": null})),
-            seen.key(None, "call_1", &json!(null)),
+            seen.key(Some("run-1"), "agent", "call_1", &json!("ok")),
+            seen.key(None, "agent", "call_2", &json!("ok")),
+            seen.key(None, "agent", "call_1", &json!("ok ")),
+            seen.key(None, "agent", "call_1", &json!(["ok"])),
+            seen.key(None, "agent", "call_1", &json!({"ok": null})),
+            seen.key(None, "agent", "call_1", &json!(null)),
+            seen.key(None, "person:alice", "call_1", &json!("ok")),
         ];
         assert!(others.iter().all(|k| *k != base));
         // Lengths come first: moving a byte between the call id and the content, or between
         // two strings, is another key.
         assert_ne!(
-            seen.key(None, "call_1a", &json!("b")),
-            seen.key(None, "call_1", &json!("ab"))
+            seen.key(None, "agent", "call_1a", &json!("b")),
+            seen.key(None, "agent", "call_1", &json!("ab"))
         );
         assert_ne!(
-            seen.key(None, "c", &json!(["ab", "c"])),
-            seen.key(None, "c", &json!(["a", "bc"]))
+            seen.key(None, "agent", "c", &json!(["ab", "c"])),
+            seen.key(None, "agent", "c", &json!(["a", "bc"]))
         );
         // Key order is part of the JSON text the journal keeps.
         let ab: Value = serde_json::from_str(r#"{"a":1,"b":2}"#).unwrap();
         let ba: Value = serde_json::from_str(r#"{"b":2,"a":1}"#).unwrap();
-        assert_ne!(seen.key(None, "c", &ab), seen.key(None, "c", &ba));
         assert_ne!(
-            seen.key(None, "c", &json!(1)),
-            seen.key(None, "c", &json!(1.0))
+            seen.key(None, "agent", "c", &ab),
+            seen.key(None, "agent", "c", &ba)
+        );
+        assert_ne!(
+            seen.key(None, "agent", "c", &json!(1)),
+            seen.key(None, "agent", "c", &json!(1.0))
         );
         // Another process (another key) hashes the same result differently.
         assert_ne!(
             base,
-            SeenResults::default().key(None, "call_1", &json!("ok"))
+            SeenResults::default().key(None, "agent", "call_1", &json!("ok"))
         );
     }
 
@@ -194,7 +217,7 @@ mod tests {
     fn the_window_keeps_one_to_two_generations() {
         let seen = SeenResults::default();
         let keys: Vec<ResultKey> = (0..2 * GENERATION + 1)
-            .map(|i| seen.key(None, &format!("call_{i}"), &json!("r")))
+            .map(|i| seen.key(None, "agent", &format!("call_{i}"), &json!("r")))
             .collect();
         assert!(!seen.recorded(keys[0]));
         seen.remember(keys[..GENERATION].iter().copied());
@@ -206,5 +229,7 @@ mod tests {
         seen.remember([keys[2 * GENERATION]]);
         assert!(keys[..GENERATION].iter().all(|k| !seen.recorded(*k)));
         assert!(keys[GENERATION..].iter().all(|k| seen.recorded(*k)));
+        seen.forget_all();
+        assert!(keys.iter().all(|k| !seen.recorded(*k)));
     }
 }

@@ -391,12 +391,14 @@ pub(super) async fn record_before_upstream(
     // A result this process already recorded is in the journal: it is not written again
     // (a multi-step agent sends every earlier result each turn; `journal::seen_results`).
     let seen = state.journal.seen_results();
+    let reader = crate::request::reader_of(person);
     let mut keys = std::collections::HashSet::new();
     let tool_results: Vec<ToolResultRecord> = turn
         .tool_results
         .iter()
         .filter(|t| {
-            let key = seen.key(ctx.run.run_id.as_deref(), &t.tool_call_id, &t.content);
+            let run = ctx.run.run_id.as_deref();
+            let key = seen.key(run, &reader, &t.tool_call_id, &t.content);
             !seen.recorded(key) && keys.insert(key)
         })
         .map(|t| ToolResultRecord {
@@ -405,7 +407,7 @@ pub(super) async fn record_before_upstream(
             run: ctx.run.clone(),
             tool_call_id: t.tool_call_id.clone(),
             event_call_id: redactor.redact_text(&t.tool_call_id),
-            reader: Some(crate::request::reader_of(person)),
+            reader: Some(reader.clone()),
             tool_name: t.tool_name.as_deref().map(|n| redactor.redact_text(n)),
             is_error: t.is_error,
             content: Recorded::redacted(
