@@ -137,6 +137,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         reader,
         metrics,
         schemas,
+        declared_tools: crate::strict_json::ValueCache::new(256 << 10),
         policy: Arc::clone(&policy),
         limits: LimitState::new(metrics_evictions),
         ready: AtomicBool::new(false),

@@ -36,6 +36,9 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Compiled argument schemas, by schema hash.
     pub schemas: Arc<SchemaCache>,
+    /// Declared tools as read before, by their exact text
+    /// ([`crate::strict_json::request_from_slice`]): 256 KiB of text a generation.
+    pub declared_tools: crate::strict_json::ValueCache,
     /// The active policy bundle; each request takes one snapshot.
     pub policy: Arc<PolicyHandle>,
     /// Limits-stage state (token buckets, per-run counters).

@@ -145,7 +145,7 @@ async fn turn(
     let (parts, body) = req.into_parts();
     let person = acting_person(state, &parts.headers).await?;
     let raw = read_request(state, &parts, body).await?;
-    let json = parse_json(&raw)?;
+    let json = parse_json(state, &raw)?;
     let mut turn = provider::adapter(api)
         .parse_request_with(&json, &*state.schemas)
         .map_err(|reason| WireError::InvalidRequest { reason })?;
@@ -461,10 +461,13 @@ fn check_schema_sizes(state: &AppState, turn: &mut Turn) -> Result<(), WireError
 }
 
 /// The agent's body as JSON; a body with a repeated object key is refused (what is
-/// forwarded unchanged must read one way: [`crate::strict_json`]).
-fn parse_json(raw: &[u8]) -> Result<Value, WireError> {
-    crate::strict_json::from_slice(raw).map_err(|e| WireError::InvalidRequest {
-        reason: e.to_string(),
+/// forwarded unchanged must read one way: [`crate::strict_json`]). Declared tools read
+/// before are taken as read ([`crate::strict_json::request_from_slice`]).
+fn parse_json(state: &AppState, raw: &[u8]) -> Result<Value, WireError> {
+    crate::strict_json::request_from_slice(raw, &state.declared_tools).map_err(|e| {
+        WireError::InvalidRequest {
+            reason: e.to_string(),
+        }
     })
 }
 

@@ -388,6 +388,39 @@ proptest! {
         }
     }
 
+    /// A request body read with its declared tools cached (`request_from_slice`, the request
+    /// path's reader) is the tree `from_slice` reads, or the same error: on mutated requests
+    /// of every API, with a key repeated, a number no tree reads or deep nesting put into the
+    /// first tool, read once with a cache that keeps what it reads and again from it.
+    #[test]
+    fn a_request_read_with_cached_tools_reads_as_the_strict_tree(
+        body in prop_oneof![request(Api::OpenAiChat), request(Api::AnthropicMessages), request(Api::OpenAiResponses)],
+        twist in 0u8..5,
+        depth in 120usize..132,
+    ) {
+        let mut text = serde_json::to_string(&body).unwrap();
+        if let Some(at) = text.find("\"tools\":[{").map(|at| at + "\"tools\":[{".len()) {
+            let inserted = match twist {
+                1 => "\"k\":1,\"k\":2,".to_owned(),
+                2 => "\"k\":1e400,".to_owned(),
+                3 => format!("\"k\":{}1{},", "[".repeat(depth), "]".repeat(depth)),
+                4 => "\"\\u0074ype\":0,".to_owned(),
+                _ => String::new(),
+            };
+            text.insert_str(at, &inserted);
+        }
+        let shown = |r: Result<Value, turnguard::strict_json::StrictJsonError>| match r {
+            Ok(v) => format!("ok {v}"),
+            Err(e) => format!("err {e}"),
+        };
+        let want = shown(turnguard::strict_json::from_slice(text.as_bytes()));
+        let cache = turnguard::strict_json::ValueCache::new(1 << 20);
+        for round in ["first", "cached"] {
+            let got = shown(turnguard::strict_json::request_from_slice(text.as_bytes(), &cache));
+            prop_assert_eq!(&got, &want, "{} read of {}", round, text);
+        }
+    }
+
     /// Response parsing, the non-stream rewrite and the repair builders never panic.
     #[test]
     fn response_parsers_and_rewrites_never_panic(api in proptest::sample::select(&APIS[..]), body in json_value(), edits in proptest::collection::vec((any::<u16>(), json_value()), 0..3), pattern in any::<u32>()) {
