@@ -137,9 +137,11 @@ pub fn from_slice(raw: &[u8]) -> Result<Value, StrictJsonError> {
 /// [`from_slice`], which names the error and its position in the whole body.
 pub fn request_from_slice(raw: &[u8], tools: &ValueCache) -> Result<Value, StrictJsonError> {
     let mut de = serde_json::Deserializer::from_slice(raw);
-    let read = RequestBody(tools)
-        .deserialize(&mut de)
-        .and_then(|v| de.end().map(|()| v));
+    let body = Cached {
+        cache: tools,
+        place: Place::Body,
+    };
+    let read = body.deserialize(&mut de).and_then(|v| de.end().map(|()| v));
     match read {
         Ok(v) => Ok(v),
         Err(_) => from_slice(raw),
@@ -197,10 +199,22 @@ impl ValueCache {
     }
 }
 
-/// A request body: an object whose `tools` member is read through the cache.
-struct RequestBody<'c>(&'c ValueCache);
+/// Where [`Cached`] reads: the request body (its `tools` member goes through the cache), or
+/// that member (each element of an array is taken from the cache, or read and kept).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Body,
+    Tools,
+}
 
-impl<'de> DeserializeSeed<'de> for RequestBody<'_> {
+/// [`Unique`], but for a request body's top-level `tools` (see [`request_from_slice`]).
+#[derive(Clone, Copy)]
+struct Cached<'c> {
+    cache: &'c ValueCache,
+    place: Place,
+}
+
+impl<'de> DeserializeSeed<'de> for Cached<'_> {
     type Value = Value;
 
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
@@ -208,7 +222,7 @@ impl<'de> DeserializeSeed<'de> for RequestBody<'_> {
     }
 }
 
-impl<'de> Visitor<'de> for RequestBody<'_> {
+impl<'de> Visitor<'de> for Cached<'_> {
     type Value = Value;
 
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -243,11 +257,10 @@ impl<'de> Visitor<'de> for RequestBody<'_> {
         Unique.visit_unit()
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Value, A::Error> {
-        Unique.visit_seq(seq)
-    }
-
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        if self.place != Place::Body {
+            return Unique.visit_map(map);
+        }
         let mut out = Map::new();
         while let Some(key) = map.next_key::<String>()? {
             let tools = key == "tools";
@@ -255,7 +268,10 @@ impl<'de> Visitor<'de> for RequestBody<'_> {
                 serde_json::map::Entry::Occupied(seen) => return Err(duplicate(seen.key())),
                 serde_json::map::Entry::Vacant(slot) => {
                     let value = if tools {
-                        map.next_value_seed(Tools(self.0))?
+                        map.next_value_seed(Cached {
+                            place: Place::Tools,
+                            ..self
+                        })?
                     } else {
                         map.next_value_seed(Unique)?
                     };
@@ -265,65 +281,16 @@ impl<'de> Visitor<'de> for RequestBody<'_> {
         }
         Ok(Value::Object(out))
     }
-}
-
-/// A request's `tools`: each element of an array located as text and taken from the cache, or
-/// read by [`from_slice`] and kept; anything else read as [`Unique`] reads it.
-struct Tools<'c>(&'c ValueCache);
-
-impl<'de> DeserializeSeed<'de> for Tools<'_> {
-    type Value = Value;
-
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Tools<'_> {
-    type Value = Value;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("a JSON value")
-    }
-
-    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Value, E> {
-        Unique.visit_bool(v)
-    }
-
-    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Value, E> {
-        Unique.visit_i64(v)
-    }
-
-    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Value, E> {
-        Unique.visit_u64(v)
-    }
-
-    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Value, E> {
-        Unique.visit_f64(v)
-    }
-
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Value, E> {
-        Unique.visit_str(v)
-    }
-
-    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Value, E> {
-        Unique.visit_string(v)
-    }
-
-    fn visit_unit<E: serde::de::Error>(self) -> Result<Value, E> {
-        Unique.visit_unit()
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Value, A::Error> {
-        Unique.visit_map(map)
-    }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
         use serde::de::Error;
+        if self.place != Place::Tools {
+            return Unique.visit_seq(seq);
+        }
         let mut out = Vec::new();
         while let Some(raw) = seq.next_element::<&'de serde_json::value::RawValue>()? {
             let text = raw.get();
-            let value = match self.0.get(text) {
+            let value = match self.cache.get(text) {
                 Some(kept) => Value::clone(&kept),
                 None => {
                     // Read at the depth it has in the body (an element of the top-level
@@ -335,7 +302,7 @@ impl<'de> Visitor<'de> for Tools<'_> {
                         .and_then(|inner| inner.get_mut(0))
                         .map(Value::take)
                         .ok_or_else(|| A::Error::custom("a tool element read as no value"))?;
-                    self.0.put(text, &value);
+                    self.cache.put(text, &value);
                     value
                 }
             };
@@ -380,27 +347,27 @@ impl<'de> Visitor<'de> for Readable {
         f.write_str("a JSON value")
     }
 
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<bool, E> {
+    fn visit_bool<E>(self, _: bool) -> Result<bool, E> {
         Ok(false)
     }
 
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<bool, E> {
+    fn visit_i64<E>(self, _: i64) -> Result<bool, E> {
         Ok(false)
     }
 
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<bool, E> {
+    fn visit_u64<E>(self, _: u64) -> Result<bool, E> {
         Ok(false)
     }
 
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<bool, E> {
+    fn visit_f64<E>(self, _: f64) -> Result<bool, E> {
         Ok(false)
     }
 
-    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<bool, E> {
+    fn visit_str<E>(self, _: &str) -> Result<bool, E> {
         Ok(false)
     }
 
-    fn visit_unit<E: serde::de::Error>(self) -> Result<bool, E> {
+    fn visit_unit<E>(self) -> Result<bool, E> {
         Ok(false)
     }
 
@@ -446,11 +413,11 @@ impl<'de> Visitor<'de> for ReadableKey {
         Ok(Cow::Borrowed(v))
     }
 
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Cow<'de, str>, E> {
+    fn visit_str<E>(self, v: &str) -> Result<Cow<'de, str>, E> {
         Ok(Cow::Owned(v.to_owned()))
     }
 
-    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Cow<'de, str>, E> {
+    fn visit_string<E>(self, v: String) -> Result<Cow<'de, str>, E> {
         Ok(Cow::Owned(v))
     }
 }
@@ -528,32 +495,32 @@ impl<'de> Visitor<'de> for Unique {
         f.write_str("a JSON value")
     }
 
-    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Value, E> {
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
         Ok(Value::Bool(v))
     }
 
-    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Value, E> {
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
         Ok(Value::Number(v.into()))
     }
 
-    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Value, E> {
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
         Ok(Value::Number(v.into()))
     }
 
-    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Value, E> {
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
         // serde_json yields only finite floats; `Null` as serde_json's own `Value` does.
         Ok(Number::from_f64(v).map_or(Value::Null, Value::Number))
     }
 
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Value, E> {
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
         Ok(Value::String(v.to_owned()))
     }
 
-    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Value, E> {
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
         Ok(Value::String(v))
     }
 
-    fn visit_unit<E: serde::de::Error>(self) -> Result<Value, E> {
+    fn visit_unit<E>(self) -> Result<Value, E> {
         Ok(Value::Null)
     }
 
