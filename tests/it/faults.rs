@@ -78,7 +78,7 @@ async fn readyz(h: &Harness) -> u16 {
 }
 
 /// Polls `/readyz` until it answers `want`, at most `limit`.
-async fn readyz_becomes(h: &Harness, want: u16, limit: Duration) -> u16 {
+pub(crate) async fn readyz_becomes(h: &Harness, want: u16, limit: Duration) -> u16 {
     let until = Instant::now() + limit;
     loop {
         let s = readyz(h).await;

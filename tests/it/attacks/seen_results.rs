@@ -141,17 +141,6 @@ fn effect_states(h: &Harness, run: &str) -> Vec<String> {
     effect_rows(h, run).into_iter().map(|e| e.3).collect()
 }
 
-/// Waits until `/readyz` says the journal records again (a probe write succeeded).
-async fn wait_ready(h: &Harness) {
-    for _ in 0..400 {
-        if support::get(&format!("{}/readyz", h.admin_url())).await.0 == 200 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("/readyz never answered 200 again");
-}
-
 /// turnguard on `tests/fixtures/policy-run` (`lookup_order` re-runnable, `send_receipt` a
 /// write: inside a run its effect is claimed), with a short journal busy timeout so a locked
 /// journal fails a write quickly.
@@ -458,7 +447,11 @@ async fn a_write_result_refused_with_the_journal_completes_its_effect_when_sent_
     assert_openwop_error(&refused, 503, "turnguard.journal_unavailable");
     lock.execute_batch("ROLLBACK").unwrap();
     drop(lock);
-    wait_ready(&h).await;
+    assert_eq!(
+        crate::faults::readyz_becomes(&h, 200, Duration::from_secs(10)).await,
+        200,
+        "the journal records again"
+    );
     assert_eq!(
         effect_states(&h, "run-seen-effect"),
         ["claimed"],
@@ -559,7 +552,11 @@ async fn a_result_let_through_unrecorded_is_recorded_when_sent_again() {
         "a re-runnable tool's result goes on unrecorded: {}",
         String::from_utf8_lossy(&resp)
     );
-    wait_ready(&h).await;
+    assert_eq!(
+        crate::faults::readyz_becomes(&h, 200, Duration::from_secs(10)).await,
+        200,
+        "the journal records again"
+    );
     assert_eq!(
         commits_of(&h, CHAT, &[], &body).await,
         1.0,
