@@ -146,18 +146,50 @@ pub(crate) fn sane_request_id(headers: &HeaderMap) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// A request id turnguard makes up: a UUIDv7, time-ordered like `journal_id`, because the
-/// journal indexes it (`rounds.client_request_id`) and a random key would put every record
-/// on a random page of that index.
+/// A request id turnguard makes up: a UUIDv7, time-ordered, because it is also the request's
+/// journal id ([`crate::request::RequestCtx::journal_id`]) and a random key would put every
+/// record on a random page of the indexes keyed by it.
 pub(crate) fn fresh_request_id() -> String {
     uuid::Uuid::now_v7().to_string()
 }
 
+/// A request's id as the edge settled it: the agent's sane `x-request-id`, or one turnguard
+/// made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RequestId {
+    /// The agent's own `x-request-id` (kept when sane): correlation only, never a journal
+    /// key, because an agent may send one id twice.
+    Agent(String),
+    /// A fresh UUIDv7 turnguard made because the agent sent none, or none it could keep:
+    /// unique, so it is also the request's journal id.
+    Made(String),
+}
+
+impl RequestId {
+    /// The agent's sane `x-request-id`, else a fresh one.
+    pub(crate) fn of(headers: &HeaderMap) -> Self {
+        sane_request_id(headers).map_or_else(|| Self::Made(fresh_request_id()), Self::Agent)
+    }
+
+    /// The id as echoed in `x-request-id` and logged.
+    pub(crate) fn as_str(&self) -> &str {
+        match self {
+            Self::Agent(id) | Self::Made(id) => id,
+        }
+    }
+
+    fn into_string(self) -> String {
+        match self {
+            Self::Agent(id) | Self::Made(id) => id,
+        }
+    }
+}
+
 /// Keeps a sane `x-request-id` (ASCII graphic, 1–200 bytes), else sets a fresh UUIDv7.
 /// Returns the id.
-fn ensure_request_id(headers: &mut HeaderMap) -> String {
-    let id = sane_request_id(headers).unwrap_or_else(fresh_request_id);
-    if let Ok(v) = HeaderValue::from_str(&id) {
+fn ensure_request_id(headers: &mut HeaderMap) -> RequestId {
+    let id = RequestId::of(headers);
+    if let Ok(v) = HeaderValue::from_str(id.as_str()) {
         headers.insert("x-request-id", v);
     }
     id
@@ -191,17 +223,15 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
 /// this alive; the permit goes back when the last of them drops it).
 pub struct Admission {
     edge: Arc<Edge>,
-    request_id: String,
+    request_id: RequestId,
     permit: std::sync::Mutex<Option<OwnedSemaphorePermit>>,
 }
 
 /// The request id the edge gave the request whose extensions these are (the sane
 /// `x-request-id` it kept, or the fresh one it set in that header); `None` for a request that
 /// did not pass the edge.
-pub(crate) fn edge_request_id(extensions: &http::Extensions) -> Option<&str> {
-    extensions
-        .get::<Arc<Admission>>()
-        .map(|a| a.request_id.as_str())
+pub(crate) fn edge_request_id(extensions: &http::Extensions) -> Option<&RequestId> {
+    extensions.get::<Arc<Admission>>().map(|a| &a.request_id)
 }
 
 /// Takes the concurrency permit of the request whose extensions these are, after its body
@@ -238,7 +268,7 @@ pub fn admit(extensions: &http::Extensions) -> Result<(), WireError> {
                 .inc();
             tracing::warn!(
                 target: "turnguard::access",
-                request_id = %a.request_id,
+                request_id = a.request_id.as_str(),
                 shed = ShedReason::Overloaded.as_str(),
                 limit = config.max_concurrent_requests,
                 "request shed"
@@ -270,10 +300,10 @@ pub async fn layer(State(edge): State<Arc<Edge>>, mut req: Request, next: Next) 
         metrics.request(api, 503, false);
         let mut resp = WireError::ShuttingDown { retry_after_s }
             .response(Surface::of_request(req.uri().path(), req.headers()));
-        set_request_id(resp.headers_mut(), &request_id);
+        set_request_id(resp.headers_mut(), request_id.as_str());
         tracing::warn!(
             target: "turnguard::access",
-            request_id = %request_id,
+            request_id = request_id.as_str(),
             api = api.as_str(),
             method = %method,
             status = 503u16,
@@ -294,7 +324,7 @@ pub async fn layer(State(edge): State<Arc<Edge>>, mut req: Request, next: Next) 
 
     let timing = Arc::new(Timing::default());
     let mut resp = TIMING.scope(Arc::clone(&timing), next.run(req)).await;
-    set_request_id(resp.headers_mut(), &request_id);
+    set_request_id(resp.headers_mut(), request_id.as_str());
     let stream = is_event_stream(resp.headers());
     let at_headers = started.elapsed();
     let labels = EdgeLabels { api, stream };
@@ -302,7 +332,7 @@ pub async fn layer(State(edge): State<Arc<Edge>>, mut req: Request, next: Next) 
     let log = AccessLog {
         state: Arc::clone(&edge.state),
         labels,
-        request_id,
+        request_id: request_id.into_string(),
         method: method.to_string(),
         status: resp.status().as_u16(),
         trace_id: trace,
@@ -455,15 +485,24 @@ mod tests {
     fn request_ids_are_kept_when_sane_and_replaced_otherwise() {
         let mut h = HeaderMap::new();
         h.insert("x-request-id", HeaderValue::from_static("abc-123"));
-        assert_eq!(ensure_request_id(&mut h), "abc-123");
+        assert_eq!(
+            ensure_request_id(&mut h),
+            RequestId::Agent("abc-123".into())
+        );
         let mut h = HeaderMap::new();
         h.insert("x-request-id", HeaderValue::from_static("has space"));
         let id = ensure_request_id(&mut h);
-        assert_ne!(id, "has space");
+        assert!(
+            matches!(&id, RequestId::Made(made) if made != "has space"),
+            "{id:?}"
+        );
         assert_eq!(h["x-request-id"], id.as_str());
         let mut h = HeaderMap::new();
         let id = ensure_request_id(&mut h);
-        assert_eq!(id.len(), 36, "a UUID: {id}");
+        assert!(
+            matches!(&id, RequestId::Made(made) if made.len() == 36),
+            "a UUID: {id:?}"
+        );
     }
 
     #[test]

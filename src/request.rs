@@ -23,13 +23,17 @@ use crate::state::AppState;
 /// Who and what one data-plane request is: its ids and its run identity headers.
 #[derive(Debug, Clone)]
 pub struct RequestCtx {
-    /// `x-request-id` of the agent when it is sane, else a fresh UUIDv7: for logs, the
-    /// response header and the journal's `client_request_id` column — never a journal key
-    /// (a client may send one id twice).
+    /// `x-request-id` of the agent when it is sane, else a fresh UUIDv7: for logs and the
+    /// response header.
     pub request_id: String,
-    /// turnguard's own id of this request (a fresh UUIDv7, time-ordered): every journal key
-    /// the request writes (round ids, interrupt keys of chat turns, who used an approval)
-    /// derives from it.
+    /// The agent's own sane `x-request-id`, for the journal's `client_request_id` column —
+    /// never a journal key (a client may send one id twice); `None` when the agent sent none
+    /// turnguard kept, and `request_id` is one turnguard made.
+    pub client_request_id: Option<String>,
+    /// turnguard's own id of this request (time-ordered, UUIDv7): the `request_id` turnguard
+    /// made when the agent sent none (one id for the request, echoed, logged and journaled),
+    /// else a fresh one. Every journal key the request writes (round ids, interrupt keys of
+    /// chat turns, who used an approval) derives from it.
     pub journal_id: String,
     /// Run identity from `Turnguard-Run` / `-Node` / `-Attempt` (DESIGN.md §2).
     pub run: RunKey,
@@ -71,11 +75,15 @@ impl RequestCtx {
             let text = text.trim();
             (!text.is_empty()).then(|| text.to_owned())
         };
-        let request_id = match crate::edge::edge_request_id(extensions) {
-            Some(id) => id.to_owned(),
-            None => {
-                crate::edge::sane_request_id(headers).unwrap_or_else(crate::edge::fresh_request_id)
+        let id = match crate::edge::edge_request_id(extensions) {
+            Some(id) => id.clone(),
+            None => crate::edge::RequestId::of(headers),
+        };
+        let (request_id, client_request_id, journal_id) = match id {
+            crate::edge::RequestId::Agent(agent) => {
+                (agent.clone(), Some(agent), uuid::Uuid::now_v7().to_string())
             }
+            crate::edge::RequestId::Made(made) => (made.clone(), None, made),
         };
         let run_id = run_header("turnguard-run");
         let run = RunKey {
@@ -92,10 +100,11 @@ impl RequestCtx {
         };
         Self {
             request_id,
+            client_request_id,
             // Time-ordered (UUIDv7, RFC 9562): the journal's indexes keyed by it grow at
             // their right edge, so a commit touches a few pages, not one random page per
             // index per record (and the checkpoint copies as few).
-            journal_id: uuid::Uuid::now_v7().to_string(),
+            journal_id,
             run,
             started: Instant::now(),
             at_ms: now_ms(),

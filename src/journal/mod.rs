@@ -408,7 +408,8 @@ pub struct RoundRecord {
     /// turnguard's own id of the round (the journal key: the request's
     /// [`crate::proxy::RequestCtx::journal_id`], then `#repair-N`), never the client's.
     pub request_id: String,
-    /// The agent's `x-request-id` (kept when sane), for correlation only: not a key.
+    /// The agent's `x-request-id` (kept when sane), for correlation only: not a key. `None`
+    /// when the agent sent none: the id turnguard made and echoed is then `request_id`'s.
     pub client_request_id: Option<String>,
     pub at_ms: i64,
     pub api: &'static str,

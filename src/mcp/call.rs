@@ -452,7 +452,7 @@ impl McpCall {
         let ctx = &self.inbound.ctx;
         let rec = RoundRecord {
             request_id: format!("mcp:{}", uuid::Uuid::new_v4()),
-            client_request_id: Some(ctx.request_id.clone()),
+            client_request_id: ctx.client_request_id.clone(),
             at_ms: now_ms(),
             api: "mcp",
             model: Some(format!("mcp:{}", self.inbound.server_name)),

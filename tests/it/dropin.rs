@@ -691,6 +691,29 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// The line of `turnguard journal runs` that `matches`, once the writer committed it (a chat
+/// turn's records are relaxed: they commit within a few milliseconds); panics after 10 s.
+async fn journal_runs_row(journal: &std::path::Path, matches: impl Fn(&str) -> bool) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (code, out) = turnguard(&[
+            "journal",
+            "runs",
+            "--journal",
+            &support::journal_arg(journal),
+        ]);
+        assert_eq!(code, 0, "{out}");
+        if let Some(row) = out.lines().find(|l| matches(l)) {
+            return row.to_owned();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no such chat turn in `journal runs`:\n{out}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Start-up names the upstreams (userinfo stripped) and the catalog by safetyTier and
 /// catalogs; a withheld call writes one `info` line with tool, outcome, stage and reason,
 /// never its arguments; `journal runs` lists the chat turn and `journal show` prints it.
@@ -704,6 +727,9 @@ async fn logs_and_the_journal_cli_show_what_turnguard_did() {
             chat_call("call_x", "drop_table", &json!({"table": secret_arg})),
             json!({"json": {"id": "chatcmpl-3", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
                 "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Done."}}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}}),
+            json!({"json": {"id": "chatcmpl-4", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
+                "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Hi."}}],
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}}),
         ]),
     )
@@ -780,39 +806,18 @@ async fn logs_and_the_journal_cli_show_what_turnguard_did() {
         "no line carries the arguments"
     );
 
-    // The journal CLI sees the chat turn while serve runs.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let out = loop {
-        let (code, out) = turnguard(&[
-            "journal",
-            "runs",
-            "--journal",
-            &support::journal_arg(&journal),
-        ]);
-        assert_eq!(code, 0, "{out}");
-        if out.lines().any(|l| l.ends_with(&format!("\t{request_id}"))) {
-            break out;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no chat turn in `journal runs`:\n{out}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    let row = out
-        .lines()
-        .find(|l| l.ends_with(&format!("\t{request_id}")))
-        .unwrap();
+    // The journal CLI sees the chat turn while serve runs. The agent sent no `x-request-id`,
+    // so the id turnguard made and echoed is the turn's journal id, and no agent id is beside
+    // it.
+    let listed = format!("chat:{request_id}\t");
+    let row = journal_runs_row(&journal, |l| l.starts_with(&listed)).await;
     let cols: Vec<&str> = row.split('\t').collect();
-    assert!(
-        cols[0].starts_with("chat:") && cols[0] != format!("chat:{request_id}"),
-        "a chat turn is listed by turnguard's own journal id, the agent's id beside it: {row}"
-    );
     assert_eq!(
-        (cols[1], cols[2]),
-        ("2", "1"),
-        "2 rounds (the repair round with it), 1 call: {row}"
+        (cols[1], cols[2], cols[5]),
+        ("2", "1", "-"),
+        "2 rounds (the repair round with it), 1 call, no agent id: {row}"
     );
+    // By the echoed id: the round by its key, the repair round by its key's prefix.
     let (code, out) = turnguard(&[
         "journal",
         "show",
@@ -825,7 +830,7 @@ async fn logs_and_the_journal_cli_show_what_turnguard_did() {
     assert_eq!(
         shown["rounds"].as_array().map(Vec::len),
         Some(2),
-        "the agent's id finds the turn's round and its repair round: {shown}"
+        "the echoed id finds the turn's round and its repair round: {shown}"
     );
     assert_eq!(
         shown.pointer("/rounds/0/calls/0/name"),
@@ -837,17 +842,37 @@ async fn logs_and_the_journal_cli_show_what_turnguard_did() {
         Some(&json!("invalid")),
         "{shown}"
     );
-    // By turnguard's own id: the round by its key, the repair round by its key's prefix.
+
+    // An agent that sends its own `x-request-id` keeps it beside the journal id turnguard
+    // makes (an agent may send one id twice, so it is never a key), and `journal show` finds
+    // the turn by it.
+    let (status, headers, _) = post_raw(
+        &format!("http://127.0.0.1:{data}/v1/chat/completions"),
+        req.to_string().into(),
+        &[("x-request-id", "agent-turn-7")],
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["x-request-id"], "agent-turn-7");
+    let row = journal_runs_row(&journal, |l| l.ends_with("\tagent-turn-7")).await;
+    assert!(
+        row.starts_with("chat:") && !row.starts_with("chat:agent-turn-7"),
+        "listed by turnguard's own id, not the agent's: {row}"
+    );
     let (code, out) = turnguard(&[
         "journal",
         "show",
-        cols[0],
+        "chat:agent-turn-7",
         "--journal",
         &support::journal_arg(&journal),
     ]);
     assert_eq!(code, 0, "{out}");
-    let by_own_id: Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(by_own_id["rounds"], shown["rounds"], "{by_own_id}");
+    let shown: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        shown["rounds"].as_array().map(Vec::len),
+        Some(1),
+        "the agent's id finds its turn: {shown}"
+    );
     drop(tg);
     mock.abort();
 }
