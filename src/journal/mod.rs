@@ -1648,7 +1648,8 @@ fn insert_event(tx: &rusqlite::Connection, e: &EventRecord) -> rusqlite::Result<
     let next: i64 = tx
         .prepare_cached(
             "SELECT max(coalesce((SELECT max(sequence) FROM event_rows WHERE scope = ?1), -1),
-                        coalesce((SELECT max(e.value ->> 'sequence') FROM rounds r, json_each(r.events) e
+                        coalesce((SELECT max(coalesce(e.value ->> 'sequence', e.value ->> 0))
+                                    FROM rounds r, json_each(r.events) e
                                    WHERE r.request_id = ?2), -1)) + 1",
         )?
         .query_row(params![scope, folded_in], |r| r.get(0))?;
@@ -1723,12 +1724,51 @@ impl<'a> From<&'a CallRecord> for FoldedCall<'a> {
 /// A chat round's event as `rounds.events` holds it (the `events` view's columns; the
 /// payload as its JSON text, byte for byte).
 #[derive(serde::Serialize)]
-struct FoldedEvent<'a> {
-    sequence: i64,
-    #[serde(rename = "type")]
-    kind: &'a str,
-    at_ms: i64,
-    payload: &'a str,
+#[serde(untagged)]
+enum FoldedEvent<'a> {
+    /// Any event, whole: `{sequence, type, at_ms, payload}`.
+    Whole {
+        sequence: i64,
+        #[serde(rename = "type")]
+        kind: &'a str,
+        at_ms: i64,
+        payload: &'a str,
+    },
+    /// An `agent.tool-called` whose payload is [`called_payload`] of the round's call at
+    /// `call` (its position in `rounds.calls`): `[sequence, at_ms, call]`, the payload rebuilt
+    /// by the `events` view with [`CALLED_PAYLOAD_SQL`] (schema step 18).
+    Called(i64, i64, usize),
+}
+
+/// `agent.tool-called`'s payload as the `events` view rebuilds it from `c`, a folded call of
+/// `rounds.calls` as JSON (schema step 18): the text [`called_payload`] writes for the same
+/// fields.
+pub(super) const CALLED_PAYLOAD_SQL: &str = "json_object('agentId', 'agent', 'toolName', \
+     c ->> 'name', 'callId', c ->> 'call_id', 'principal', 'agent', 'transport', 'native', \
+     'argsHash', c ->> 'args_hash')";
+
+/// The `agent.tool-called` payload of call `c` released by the agent itself (`principal`
+/// and `agentId` both [`crate::clock::AGENT_ID`], `transport` native), as serde_json writes
+/// [`crate::proxy`]'s `ToolCalled` and SQLite's `json_object` writes [`CALLED_PAYLOAD_SQL`]
+/// — `None` unless the call has an `argsHash` and its id, name and hash are printable ASCII
+/// without `"` or `\`: every JSON writer writes such a string as it is, so the text does not
+/// hang on how this SQLite build escapes anything (a call with other characters keeps its
+/// event whole).
+fn called_payload(c: &CallRecord) -> Option<String> {
+    fn plain(s: &str) -> bool {
+        s.bytes()
+            .all(|b| (0x20..0x7f).contains(&b) && b != b'"' && b != b'\\')
+    }
+    let hash = c.args_hash.as_deref()?;
+    (crate::clock::AGENT_ID == "agent" && plain(&c.name) && plain(&c.call_id) && plain(hash)).then(
+        || {
+            format!(
+                "{{\"agentId\":\"agent\",\"toolName\":\"{}\",\"callId\":\"{}\",\
+                 \"principal\":\"agent\",\"transport\":\"native\",\"argsHash\":\"{hash}\"}}",
+                c.name, c.call_id
+            )
+        },
+    )
 }
 
 /// `rounds.calls` and `rounds.events` of a chat round `r` (`None` for a run's round, and for
@@ -1761,14 +1801,32 @@ fn folded_columns(
             .query_row(params![format!("request:{}", r.request_id)], |row| {
                 row.get(0)
             })?;
+        // Each call's rebuilt payload, the first call of each text: an event whose payload is
+        // one of them is folded as that call's (schema step 18).
+        let rebuilt: Vec<Option<String>> = r.calls.iter().map(called_payload).collect();
+        let mut calls_by_payload: std::collections::HashMap<&str, usize> =
+            std::collections::HashMap::with_capacity(rebuilt.len());
+        for (i, p) in rebuilt.iter().enumerate() {
+            if let Some(p) = p {
+                calls_by_payload.entry(p.as_str()).or_insert(i);
+            }
+        }
         let list: Vec<FoldedEvent> = mine
             .iter()
             .zip(first..)
-            .map(|(e, sequence)| FoldedEvent {
-                sequence,
-                kind: e.kind,
-                at_ms: e.at_ms,
-                payload: &e.payload,
+            .map(|(e, sequence)| {
+                let call = (e.kind == "agent.tool-called")
+                    .then(|| calls_by_payload.get(e.payload.as_str()))
+                    .flatten();
+                match call {
+                    Some(&call) => FoldedEvent::Called(sequence, e.at_ms, call),
+                    None => FoldedEvent::Whole {
+                        sequence,
+                        kind: e.kind,
+                        at_ms: e.at_ms,
+                        payload: &e.payload,
+                    },
+                }
             })
             .collect();
         Some(folded_text(&list)?)
@@ -2128,6 +2186,129 @@ mod tests {
             .unwrap()
             .map(Result::unwrap)
             .collect()
+    }
+
+    /// Schema step 18: a chat round's `agent.tool-called` events read back through the
+    /// `events` view as the payload text turnguard built, byte for byte, whether the writer
+    /// folded one as its call's position (plain ids and names) or whole (a principal other
+    /// than the agent, an id or name serde_json and SQLite could escape differently, no
+    /// `argsHash`); and the folded column keeps only the position of the plain ones. The
+    /// sequence of a later event in the scope follows both forms.
+    #[test]
+    fn a_tool_called_event_folded_as_its_call_reads_back_byte_for_byte() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        schema::migrate(&conn).unwrap();
+        let ids_names: [(&str, &str); 12] = [
+            ("call_1", "get_weather"),
+            ("call 2 ~/!#$%&'()*+,-.:;<=>?@[]^_`{|}", "tool ~ /x"),
+            ("call_\"q\"", "quoted"),
+            ("call_back\\slash", "back"),
+            ("call_del\u{7f}", "del"),
+            ("call_é", "outil_é"),
+            ("call_nl\n", "nl"),
+            ("call_nul\u{0}", "nul"),
+            ("call_ls\u{2028}", "ls"),
+            ("call_😀", "astral"),
+            ("call_by_person", "person"),
+            ("call_no_hash", "no_hash"),
+        ];
+        let mut r = round("r18", None, &[]);
+        let mut events = Vec::new();
+        for (i, (id, name)) in ids_names.iter().enumerate() {
+            let hash = (*id != "call_no_hash").then(|| format!("{i:064x}"));
+            r.calls.push(CallRecord {
+                choice: 0,
+                ordinal: i as u32,
+                call_id: (*id).to_owned(),
+                name: (*name).to_owned(),
+                outcome: "executed",
+                stage: "dispatch",
+                reason: "released",
+                args_hash: hash.clone(),
+                tool_id: format!("acme:{name}"),
+                enforced: true,
+                rules: None,
+                redacted_args: None,
+                logical_invocation_id: None,
+                node_ordinal: i as u64,
+            });
+            // What `proxy::round` serializes (its `ToolCalled`, these keys in this order).
+            let principal = if *id == "call_by_person" {
+                "person:alice"
+            } else {
+                "agent"
+            };
+            let mut payload = serde_json::json!({"agentId": "agent", "toolName": name,
+                "callId": id, "principal": principal, "transport": "native"});
+            if let Some(h) = &hash {
+                payload["argsHash"] = serde_json::json!(h);
+            }
+            events.push(EventRecord {
+                payload: serde_json::to_string(&payload).unwrap(),
+                ..event("r18", None, "agent.tool-called", 200 + i as i64)
+            });
+        }
+        // A second call with the first one's id and name: its event is folded as the first
+        // call's position (the rebuilt payload is the same text).
+        let mut twin = r.calls[0].clone();
+        twin.ordinal = 12;
+        r.calls.push(twin);
+        events.push(EventRecord {
+            at_ms: 212,
+            ..events[0].clone()
+        });
+        events.push(event("r18", None, "agent.tool-returned", 213));
+        apply(
+            &mut conn,
+            Op::RoundCommit(Box::new(RoundCommit {
+                round: Some(r),
+                events: events.clone(),
+                served: None,
+                claims: Vec::new(),
+            })),
+        );
+        apply(
+            &mut conn,
+            Op::Events(vec![event("r18", None, "interrupt", 300)]),
+        );
+        let got: Vec<(i64, String, String, i64)> = {
+            let mut st = conn
+                .prepare(
+                    "SELECT sequence, type, payload, at_ms FROM events
+                      WHERE scope = 'request:r18' ORDER BY sequence",
+                )
+                .unwrap();
+            st.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect()
+        };
+        let mut want: Vec<(i64, String, String, i64)> = events
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (i as i64, e.kind.to_owned(), e.payload.clone(), e.at_ms))
+            .collect();
+        want.push((
+            14,
+            "interrupt".to_owned(),
+            event("r18", None, "interrupt", 300).payload,
+            300,
+        ));
+        assert_eq!(got, want);
+        // Plain: calls 0 and 1 (and the twin, as call 0); every other one is kept whole.
+        let folded: Vec<Vec<String>> = rows(
+            &conn,
+            "SELECT e.type, CAST(coalesce(e.value ->> 2, e.value ->> 'type') AS TEXT) FROM rounds r, json_each(r.events) e
+              WHERE r.request_id = 'r18' ORDER BY e.key",
+        );
+        let kinds: Vec<(&str, &str)> = folded
+            .iter()
+            .map(|f| (f[0].as_str(), f[1].as_str()))
+            .collect();
+        let mut expected = vec![("array", "0"), ("array", "1")];
+        expected.extend(std::iter::repeat_n(("object", "agent.tool-called"), 10));
+        expected.extend([("array", "0"), ("object", "agent.tool-returned")]);
+        assert_eq!(kinds, expected);
     }
 
     /// Schema step 16: a chat round is one `rounds` row holding its calls and its decision's

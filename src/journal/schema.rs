@@ -6,9 +6,9 @@ use rusqlite::Connection;
 /// journal recorded: step 10 drops an index, step 12 folds `declared_tools`' per-request rows
 /// into per-(tool, schema, API) counts and makes `rounds_run` partial, step 16 renames
 /// `tool_calls` and `events` (views of those names read them and the chat turns' folded
-/// records), step 17 drops the index `chat_released` (what it indexed stays in `rounds.calls`);
-/// no other step removes anything.
-pub const VERSION: i64 = 17;
+/// records), step 17 drops the index `chat_released` (what it indexed stays in `rounds.calls`),
+/// step 18 replaces the view `events`; no other step removes anything.
+pub const VERSION: i64 = 18;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -72,7 +72,28 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 17 {
         v17(conn)?;
     }
+    if version < 18 {
+        v18(conn)?;
+    }
     Ok(())
+}
+
+/// A chat round's `agent.tool-called` event whose payload its call's folded fields rebuild
+/// byte for byte is folded as `[sequence, at_ms, call]` (`call`: the call's position in
+/// `rounds.calls`) instead of `{sequence, type, at_ms, payload}`: the payload repeated the
+/// call's id, name and `argsHash`, and was a third of a chat turn's row (bench/RESULTS.md,
+/// issue 13 run 27). The view `events` rebuilds it with `json_object`
+/// ([`super::CALLED_PAYLOAD_SQL`]); rows recorded before this step keep the object form, and
+/// the writer still folds any other event, or one whose payload differs, as an object.
+fn v18(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(&format!(
+        "BEGIN;
+         DROP VIEW IF EXISTS events;
+         {};
+         PRAGMA user_version = 18;
+         COMMIT;",
+        events_view()
+    ))
 }
 
 /// Drops `chat_released`, step 16's index of the calls chat turns released (by `call_id`,
@@ -145,8 +166,9 @@ const TOOL_CALLS_VIEW: &str = "CREATE VIEW tool_calls AS
        FROM rounds r, json_each(r.calls) c
       WHERE r.calls IS NOT NULL";
 
-/// `events`: the rows of `event_rows` and each chat round's `rounds.events` (scope
-/// `request:<rounds.request_id>`), in the columns of the table before step 16.
+/// `events` as step 16 made it (step 18 replaces it: [`events_view`]): the rows of
+/// `event_rows` and each chat round's `rounds.events` (scope `request:<rounds.request_id>`),
+/// in the columns of the table before step 16.
 const EVENTS_VIEW: &str = "CREATE VIEW events AS
      SELECT id, scope, run_id, node_id, request_id, sequence, type, payload, at_ms
        FROM event_rows
@@ -156,6 +178,33 @@ const EVENTS_VIEW: &str = "CREATE VIEW events AS
             e.value ->> 'at_ms'
        FROM rounds r, json_each(r.events) e
       WHERE r.events IS NOT NULL";
+
+/// `events` from step 18: the rows of `event_rows`; each chat round's events folded whole
+/// (objects in `rounds.events`); and each of its `agent.tool-called` events folded as
+/// `[sequence, at_ms, call]`, the payload rebuilt from call `call` of `rounds.calls` (see
+/// [`v18`]). A folded record's `id` is `2^62 + rounds.id × 2^20 +` its position in
+/// `rounds.events`, as before.
+pub(super) fn events_view() -> String {
+    format!(
+        "CREATE VIEW events AS
+     SELECT id, scope, run_id, node_id, request_id, sequence, type, payload, at_ms
+       FROM event_rows
+     UNION ALL
+     SELECT (1 << 62) + (r.id << 20) + e.key, 'request:' || r.request_id, NULL, NULL, r.request_id,
+            e.value ->> 'sequence', e.value ->> 'type', e.value ->> 'payload',
+            e.value ->> 'at_ms'
+       FROM rounds r, json_each(r.events) e
+      WHERE r.events IS NOT NULL AND e.type = 'object'
+     UNION ALL
+     SELECT (1 << 62) + (f.round << 20) + f.place, 'request:' || f.request_id, NULL, NULL,
+            f.request_id, f.event ->> 0, 'agent.tool-called', {}, f.event ->> 1
+       FROM (SELECT r.id AS round, r.request_id, e.key AS place, e.value AS event,
+                    r.calls -> (e.value ->> 2) AS c
+               FROM rounds r, json_each(r.events) e
+              WHERE r.events IS NOT NULL AND e.type = 'array') f",
+        super::CALLED_PAYLOAD_SQL
+    )
+}
 
 /// `served.reader` and `tool_results.reader`: who may read a served record or a recorded
 /// tool result again (`person:<sub>`, or the agent when no verified person acted), as

@@ -266,6 +266,18 @@ async fn a_chat_turns_hostile_calls_read_back_exactly_through_the_views() {
         .map(|e| &e.2)
         .collect();
     assert_eq!(called.len(), n, "one agent.tool-called per call");
+    // Each names its call, whether folded whole (hostile text) or as the call's position with
+    // the view rebuilding the payload (schema step 18: plain ids and names).
+    // (`toolName` is the name as a log label: `admission::sanitize_label`.)
+    for (i, (payload, (id, _))) in called.iter().zip(&sent).enumerate() {
+        assert_eq!(
+            payload["callId"].as_str(),
+            Some(id.as_str()),
+            "event {i}: {payload}"
+        );
+        assert_eq!(payload["principal"], "agent", "event {i}: {payload}");
+        assert!(payload["argsHash"].is_string(), "event {i}: {payload}");
+    }
     assert_dense(&events, "hostile chat turn");
     // Each result is timed exactly when turnguard released its call.
     let returned = view_events(&db, &support::round_key(&db, "hostile-2"));
