@@ -12,8 +12,10 @@
 #   BENCHTOOL=/tmp/benchtool bench/ab.sh old new   # an earlier benchtool build: nothing compiled
 #
 # Reported per run: requests/s, p99, turnguard CPU µs per request (utime+stime of the whole
-# process over the run divided by wrk's requests), peak RSS (VmHWM) at the end of the run, and
-# from turnguard's metrics the journal commits and the mean records per commit.
+# process over the run divided by wrk's requests), peak RSS (VmHWM) at the end of the run,
+# from turnguard's metrics the journal commits and the mean records per commit, and the
+# journal writer thread's own CPU µs and bytes written (`wchar`) per request (its
+# `/proc/PID/task/TID` counters over the run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/common.sh
@@ -57,9 +59,13 @@ one() { # label binary round
   pid=$!
   for _ in $(seq 100); do curl -sf "http://127.0.0.1:$admin/readyz" >/dev/null && break; sleep 0.1; done
   taskset -c "$LOADGEN_CPU" wrk -t1 -c16 -d2s -s "$script" "http://127.0.0.1:$port/v1/chat/completions" >/dev/null
+  local writer w0 w1 b0 b1
+  writer=$(grep -l '^turnguard-journ' /proc/"$pid"/task/*/comm | head -1 | xargs dirname)
   t0=$(awk '{print $14+$15}' "/proc/$pid/stat")
+  w0=$(awk '{print $14+$15}' "$writer/stat"); b0=$(awk '/^wchar/{print $2}' "$writer/io")
   out=$(taskset -c "$LOADGEN_CPU" wrk -t1 -c"$C" -d"${SECS}s" --latency -s "$script" "http://127.0.0.1:$port/v1/chat/completions")
   t1=$(awk '{print $14+$15}' "/proc/$pid/stat")
+  w1=$(awk '{print $14+$15}' "$writer/stat"); b1=$(awk '/^wchar/{print $2}' "$writer/io")
   curl -s "http://127.0.0.1:$admin/metrics" > "$WORK/metrics"
   if grep -qE '^turnguard_tool_calls_total\{.*outcome="(invalid|refused|held)' "$WORK/metrics"; then
     echo "$label did not release every call" >&2; exit 1
@@ -71,9 +77,9 @@ one() { # label binary round
   kill "$pid"; wait "$pid" 2>/dev/null || true
   reqs=$(awk '/requests in/{print $1}' <<<"$out")
   echo "$out" > "$WORK/wrk-$label-$round.txt"
-  python3 - "$WORK/wrk-$label-$round.txt" "$label" "$round" "$reqs" "$((t1 - t0))" "$CLK" "$SECS" "$rss" "$commits" "$records" <<'EOF' | tee -a "$WORK/ab.tsv"
+  python3 - "$WORK/wrk-$label-$round.txt" "$label" "$round" "$reqs" "$((t1 - t0))" "$CLK" "$SECS" "$rss" "$commits" "$records" "$((w1 - w0))" "$((b1 - b0))" <<'EOF' | tee -a "$WORK/ab.tsv"
 import re, sys
-wrk_out, label, rnd, reqs, ticks, clk, secs, rss, commits, records = sys.argv[1:]
+wrk_out, label, rnd, reqs, ticks, clk, secs, rss, commits, records, wticks, wbytes = sys.argv[1:]
 text = open(wrk_out).read()
 def ms(v):
     m = re.match(r"([\d.]+)(us|ms|s|m)$", v)
@@ -85,10 +91,12 @@ p99 = ms(re.search(r"^\s*99%\s+(\S+)", text, re.M).group(1))
 reqs = int(reqs)
 cpu_us = int(ticks) / int(clk) * 1e6 / max(reqs, 1)
 per = float(records) / max(float(commits), 1)
-print(f"{label}\t{rnd}\t{reqs / float(secs):.0f}\t{p99:.2f}\t{cpu_us:.0f}\t{int(rss) / 1024:.1f}\t{float(commits):.0f}\t{per:.1f}")
+writer_us = int(wticks) / int(clk) * 1e6 / max(reqs, 1)
+writer_bytes = int(wbytes) / max(reqs, 1)
+print(f"{label}\t{rnd}\t{reqs / float(secs):.0f}\t{p99:.2f}\t{cpu_us:.0f}\t{int(rss) / 1024:.1f}\t{float(commits):.0f}\t{per:.1f}\t{writer_us:.1f}\t{writer_bytes:.0f}")
 EOF
 }
-echo -e "build\tround\treq/s\tp99 ms\tCPU µs/req\tpeak RSS MiB\tcommits\trecords/commit"
+echo -e "build\tround\treq/s\tp99 ms\tCPU µs/req\tpeak RSS MiB\tcommits\trecords/commit\twriter µs/req\twriter B/req"
 for r in $(seq "$ROUNDS"); do one A "$A" "$r"; one B "$B" "$r"; done
 python3 - "$WORK/ab.tsv" <<'EOF'
 import statistics, sys
@@ -97,5 +105,6 @@ for label in ("A", "B"):
     mine = [r for r in rows if r[0] == label]
     med = lambda i: statistics.median(float(r[i]) for r in mine)
     print(f"median {label}: {med(2):.0f} req/s, p99 {med(3):.2f} ms, {med(4):.0f} µs/req, "
-          f"RSS {med(5):.1f} MiB, {med(7):.1f} records/commit")
+          f"RSS {med(5):.1f} MiB, {med(7):.1f} records/commit, "
+          f"writer {med(8):.1f} µs and {med(9):.0f} B/req")
 EOF
