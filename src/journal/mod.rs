@@ -1677,48 +1677,113 @@ fn folds(r: &RoundRecord, e: &EventRecord) -> bool {
     r.run.run_id.is_none() && e.run.run_id.is_none() && e.request_id == r.request_id
 }
 
-/// A chat round's call as `rounds.calls` holds it (the `tool_calls` view's columns).
-#[derive(serde::Serialize)]
-struct FoldedCall<'a> {
-    choice: u32,
-    ordinal: u32,
-    call_id: &'a str,
-    name: &'a str,
-    outcome: &'a str,
-    stage: &'a str,
-    reason: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    args_hash: Option<&'a str>,
-    tool_id: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    logical_invocation_id: Option<&'a str>,
-    node_ordinal: u64,
-    enforced: u8,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    rules: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    redacted_args: Option<&'a str>,
+/// A chat round's call as `rounds.calls` holds it from schema step 19: an array of the
+/// `tool_calls` view's columns in this order (step 16 wrote an object with these names as
+/// keys; the views read both, [`call_field`]). Absent values are `null`.
+type FoldedCall<'a> = (
+    u32,
+    u32,
+    &'a str,
+    &'a str,
+    &'a str,
+    &'a str,
+    &'a str,
+    Option<&'a str>,
+    &'a str,
+    Option<&'a str>,
+    u64,
+    u8,
+    Option<&'a str>,
+    Option<&'a str>,
+);
+
+/// The fields of a folded call, in the order of [`FoldedCall`]'s array (its position is the
+/// discriminant); [`CallField::name`] is the key each had in step 16's object form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum CallField {
+    Choice,
+    Ordinal,
+    CallId,
+    Name,
+    Outcome,
+    Stage,
+    Reason,
+    ArgsHash,
+    ToolId,
+    LogicalInvocationId,
+    NodeOrdinal,
+    Enforced,
+    Rules,
+    RedactedArgs,
 }
 
-impl<'a> From<&'a CallRecord> for FoldedCall<'a> {
-    fn from(c: &'a CallRecord) -> Self {
-        FoldedCall {
-            choice: c.choice,
-            ordinal: c.ordinal,
-            call_id: &c.call_id,
-            name: &c.name,
-            outcome: c.outcome,
-            stage: c.stage,
-            reason: c.reason,
-            args_hash: c.args_hash.as_deref(),
-            tool_id: &c.tool_id,
-            logical_invocation_id: c.logical_invocation_id.as_deref(),
-            node_ordinal: c.node_ordinal,
-            enforced: u8::from(c.enforced),
-            rules: c.rules.as_deref(),
-            redacted_args: c.redacted_args.as_deref(),
+impl CallField {
+    /// Every field, in array order.
+    pub(super) const ALL: [CallField; 14] = [
+        CallField::Choice,
+        CallField::Ordinal,
+        CallField::CallId,
+        CallField::Name,
+        CallField::Outcome,
+        CallField::Stage,
+        CallField::Reason,
+        CallField::ArgsHash,
+        CallField::ToolId,
+        CallField::LogicalInvocationId,
+        CallField::NodeOrdinal,
+        CallField::Enforced,
+        CallField::Rules,
+        CallField::RedactedArgs,
+    ];
+
+    /// The field's key in step 16's object form (the `tool_calls` view's column).
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            CallField::Choice => "choice",
+            CallField::Ordinal => "ordinal",
+            CallField::CallId => "call_id",
+            CallField::Name => "name",
+            CallField::Outcome => "outcome",
+            CallField::Stage => "stage",
+            CallField::Reason => "reason",
+            CallField::ArgsHash => "args_hash",
+            CallField::ToolId => "tool_id",
+            CallField::LogicalInvocationId => "logical_invocation_id",
+            CallField::NodeOrdinal => "node_ordinal",
+            CallField::Enforced => "enforced",
+            CallField::Rules => "rules",
+            CallField::RedactedArgs => "redacted_args",
         }
     }
+}
+
+/// SQL reading `field` of a folded call `json` (an expression of a `rounds.calls` element),
+/// in either form: the object of schema step 16 or the array of step 19.
+pub(super) fn call_field(json: &str, field: CallField) -> String {
+    format!(
+        "coalesce({json} ->> '{}', {json} ->> {})",
+        field.name(),
+        field as usize
+    )
+}
+
+fn folded_call(c: &CallRecord) -> FoldedCall<'_> {
+    (
+        c.choice,
+        c.ordinal,
+        &c.call_id,
+        &c.name,
+        c.outcome,
+        c.stage,
+        c.reason,
+        c.args_hash.as_deref(),
+        &c.tool_id,
+        c.logical_invocation_id.as_deref(),
+        c.node_ordinal,
+        u8::from(c.enforced),
+        c.rules.as_deref(),
+        c.redacted_args.as_deref(),
+    )
 }
 
 /// A chat round's event as `rounds.events` holds it (the `events` view's columns; the
@@ -1736,20 +1801,26 @@ enum FoldedEvent<'a> {
     },
     /// An `agent.tool-called` whose payload is [`called_payload`] of the round's call at
     /// `call` (its position in `rounds.calls`): `[sequence, at_ms, call]`, the payload rebuilt
-    /// by the `events` view with [`CALLED_PAYLOAD_SQL`] (schema step 18).
+    /// by the `events` view with [`called_payload_sql`] (schema step 18).
     Called(i64, i64, usize),
 }
 
 /// `agent.tool-called`'s payload as the `events` view rebuilds it from `c`, a folded call of
-/// `rounds.calls` as JSON (schema step 18): the text [`called_payload`] writes for the same
-/// fields.
-pub(super) const CALLED_PAYLOAD_SQL: &str = "json_object('agentId', 'agent', 'toolName', \
-     c ->> 'name', 'callId', c ->> 'call_id', 'principal', 'agent', 'transport', 'native', \
-     'argsHash', c ->> 'args_hash')";
+/// `rounds.calls` as JSON (schema step 18; either form, [`call_field`]): the text
+/// [`called_payload`] writes for the same fields.
+pub(super) fn called_payload_sql() -> String {
+    format!(
+        "json_object('agentId', 'agent', 'toolName', {}, 'callId', {}, 'principal', 'agent', \
+         'transport', 'native', 'argsHash', {})",
+        call_field("c", CallField::Name),
+        call_field("c", CallField::CallId),
+        call_field("c", CallField::ArgsHash)
+    )
+}
 
 /// The `agent.tool-called` payload of call `c` released by the agent itself (`principal`
 /// and `agentId` both [`crate::clock::AGENT_ID`], `transport` native), as serde_json writes
-/// [`crate::proxy`]'s `ToolCalled` and SQLite's `json_object` writes [`CALLED_PAYLOAD_SQL`]
+/// [`crate::proxy`]'s `ToolCalled` and SQLite's `json_object` writes [`called_payload_sql`]
 /// — `None` unless the call has an `argsHash` and its id, name and hash are printable ASCII
 /// without `"` or `\`: every JSON writer writes such a string as it is, so the text does not
 /// hang on how this SQLite build escapes anything (a call with other characters keeps its
@@ -1787,7 +1858,7 @@ fn folded_columns(
         None
     } else {
         Some(folded_text(
-            &r.calls.iter().map(FoldedCall::from).collect::<Vec<_>>(),
+            &r.calls.iter().map(folded_call).collect::<Vec<_>>(),
         )?)
     };
     let mine: Vec<&EventRecord> = events.iter().filter(|e| folds(r, e)).collect();
@@ -2186,6 +2257,115 @@ mod tests {
             .unwrap()
             .map(Result::unwrap)
             .collect()
+    }
+
+    /// Schema step 19: a chat round's calls folded as arrays read back through the views, and
+    /// load into the writer's memory of releases, exactly as the same calls folded as step
+    /// 16's objects (a round recorded before the step): the round is written, read, rewritten
+    /// in the object form, and read again.
+    #[test]
+    fn a_call_folded_as_an_array_reads_back_as_its_object_form_did() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        schema::migrate(&conn).unwrap();
+        let mut r = round(
+            "r19",
+            None,
+            &[
+                ("call_a", "executed"),
+                ("call_\"b\"", "refused"),
+                ("call_c", "executed"),
+            ],
+        );
+        r.calls[1].args_hash = None;
+        r.calls[1].rules = Some("forbid-1,forbid-2".to_owned());
+        r.calls[2].logical_invocation_id = Some("lii-1".to_owned());
+        r.calls[2].redacted_args = None;
+        let events: Vec<EventRecord> = r
+            .calls
+            .iter()
+            .map(|c| EventRecord {
+                payload: called_payload(c).unwrap_or_else(|| "{}".to_owned()),
+                ..event("r19", None, "agent.tool-called", 150)
+            })
+            .collect();
+        apply(
+            &mut conn,
+            Op::RoundCommit(Box::new(RoundCommit {
+                round: Some(r.clone()),
+                events,
+                served: None,
+                claims: Vec::new(),
+            })),
+        );
+        let read = |conn: &Connection| {
+            let calls: Vec<Vec<Option<String>>> = rows(
+                conn,
+                "SELECT id, request_id, choice, ordinal, call_id, name, outcome, stage, reason,
+                        args_hash, tool_id, logical_invocation_id, node_ordinal, enforced, rules,
+                        redacted_args
+                   FROM (SELECT CAST(id AS TEXT) AS id, request_id, CAST(choice AS TEXT) AS choice,
+                                CAST(ordinal AS TEXT) AS ordinal, call_id, name, outcome, stage,
+                                reason, args_hash, tool_id, logical_invocation_id,
+                                CAST(node_ordinal AS TEXT) AS node_ordinal,
+                                CAST(enforced AS TEXT) AS enforced, rules, redacted_args
+                           FROM tool_calls) ORDER BY id",
+            );
+            let events: Vec<Vec<String>> = rows(
+                conn,
+                "SELECT CAST(id AS TEXT), CAST(sequence AS TEXT), type, payload FROM events ORDER BY id",
+            );
+            let released: Vec<Option<i64>> = {
+                let memory = released::ChatReleases::load(conn).unwrap();
+                ["call_a", "call_\"b\"", "call_c"]
+                    .iter()
+                    .map(|id| memory.released_at(conn, id).unwrap())
+                    .collect()
+            };
+            (calls, events, released)
+        };
+        let as_arrays = read(&conn);
+        let folded: String = conn
+            .query_row(
+                "SELECT calls FROM rounds WHERE request_id = 'r19'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(
+            folded.starts_with("[[0,0,\"call_a\",\"send_email\","),
+            "{folded}"
+        );
+        // Step 16's form of the same calls: objects, an absent value left out.
+        let objects: Vec<serde_json::Value> = r
+            .calls
+            .iter()
+            .map(|c| {
+                let mut o = serde_json::Map::new();
+                let array = serde_json::to_value(folded_call(c)).unwrap();
+                for (field, value) in CallField::ALL.iter().zip(array.as_array().unwrap()) {
+                    if !value.is_null() {
+                        o.insert(field.name().to_owned(), value.clone());
+                    }
+                }
+                serde_json::Value::Object(o)
+            })
+            .collect();
+        conn.execute(
+            "UPDATE rounds SET calls = ?1 WHERE request_id = 'r19'",
+            [serde_json::to_string(&objects).unwrap()],
+        )
+        .unwrap();
+        let as_objects = read(&conn);
+        assert_eq!(as_arrays, as_objects);
+        assert_eq!(as_arrays.0.len(), 3, "{:?}", as_arrays.0);
+        assert_eq!(as_arrays.1.len(), 3, "{:?}", as_arrays.1);
+        assert_eq!(as_arrays.2, vec![Some(100), None, Some(100)]);
+        assert_eq!(
+            as_arrays.0[2][11].as_deref(),
+            Some("lii-1"),
+            "{:?}",
+            as_arrays.0[2]
+        );
     }
 
     /// Schema step 18: a chat round's `agent.tool-called` events read back through the

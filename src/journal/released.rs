@@ -80,19 +80,25 @@ impl Default for ChatReleases {
 }
 
 /// The released calls of the chat rounds among the last `?1` rounds, oldest first: (round
-/// rowid, its `request_id`, call id), from the newest rounds whose `rounds.calls` add up to at
+/// rowid, its `request_id`, call id; a call folded in either form, `super::call_field`), from the newest rounds whose `rounds.calls` add up to at
 /// most `?2` bytes. A rowid range, and `run_id` (stored before the response body) tested before
 /// `calls` (after it) is read: a run's round, whose body may be megabytes, is never read past
 /// its first columns, and a journal of runs only is not scanned to its start.
-const LAST_RELEASES_SQL: &str = "WITH recent AS (
+fn last_releases_sql() -> String {
+    format!(
+        "WITH recent AS (
          SELECT id, sum(octet_length(calls)) OVER (ORDER BY id DESC) AS upto
            FROM rounds
           WHERE id > (SELECT coalesce(max(id), 0) FROM rounds) - ?1 AND run_id IS NULL
             AND calls IS NOT NULL)
-     SELECT r.id, r.request_id, c.value ->> 'call_id'
+     SELECT r.id, r.request_id, {}
        FROM recent k JOIN rounds r ON r.id = k.id, json_each(r.calls) c
-      WHERE k.upto <= ?2 AND c.value ->> 'outcome' = 'executed'
-      ORDER BY r.id, c.key";
+      WHERE k.upto <= ?2 AND {} = 'executed'
+      ORDER BY r.id, c.key",
+        super::call_field("c.value", super::CallField::CallId),
+        super::call_field("c.value", super::CallField::Outcome)
+    )
+}
 
 /// The round `?1` if it is a chat round: its `request_id` and `at_ms` (columns before its
 /// body and calls, so neither is read).
@@ -106,7 +112,7 @@ impl ChatReleases {
     /// Errors: SQLite's, reading `rounds`.
     pub(super) fn load(conn: &Connection) -> rusqlite::Result<Self> {
         let mut releases = ChatReleases::default();
-        let mut st = conn.prepare(LAST_RELEASES_SQL)?;
+        let mut st = conn.prepare(&last_releases_sql())?;
         let mut rows = st.query(params![(2 * GENERATION) as i64, LOAD_BUDGET_BYTES])?;
         while let Some(row) = rows.next()? {
             let round: i64 = row.get(0)?;
@@ -328,7 +334,7 @@ mod tests {
     #[test]
     fn loading_reads_a_rowid_range_of_the_last_rounds_within_a_budget() {
         let conn = journal();
-        let plan = plan(&conn, LAST_RELEASES_SQL, params![10, 10]);
+        let plan = plan(&conn, &last_releases_sql(), params![10, 10]);
         assert!(
             plan.contains("SEARCH rounds USING INTEGER PRIMARY KEY (rowid>?)"),
             "{plan}"

@@ -7,8 +7,8 @@ use rusqlite::Connection;
 /// into per-(tool, schema, API) counts and makes `rounds_run` partial, step 16 renames
 /// `tool_calls` and `events` (views of those names read them and the chat turns' folded
 /// records), step 17 drops the index `chat_released` (what it indexed stays in `rounds.calls`),
-/// step 18 replaces the view `events`; no other step removes anything.
-pub const VERSION: i64 = 18;
+/// step 18 replaces the view `events`, step 19 both views; no other step removes anything.
+pub const VERSION: i64 = 19;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -75,7 +75,30 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 18 {
         v18(conn)?;
     }
+    if version < 19 {
+        v19(conn)?;
+    }
     Ok(())
+}
+
+/// A chat round's calls are folded as arrays of the `tool_calls` view's columns
+/// (`[choice, ordinal, call_id, …]`, [`super::CallField`]) instead of objects keyed by those
+/// names: the keys were ~120 of a released call's ~300 bytes, written into each chat turn's
+/// row (bench/RESULTS.md, issue 13 run 27). The views `tool_calls` and `events` are rebuilt to
+/// read a call in either form ([`super::call_field`]); rows recorded before this step keep
+/// objects.
+fn v19(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(&format!(
+        "BEGIN;
+         DROP VIEW IF EXISTS tool_calls;
+         {};
+         DROP VIEW IF EXISTS events;
+         {};
+         PRAGMA user_version = 19;
+         COMMIT;",
+        tool_calls_view(),
+        events_view()
+    ))
 }
 
 /// A chat round's `agent.tool-called` event whose payload its call's folded fields rebuild
@@ -83,7 +106,7 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
 /// `rounds.calls`) instead of `{sequence, type, at_ms, payload}`: the payload repeated the
 /// call's id, name and `argsHash`, and was a third of a chat turn's row (bench/RESULTS.md,
 /// issue 13 run 27). The view `events` rebuilds it with `json_object`
-/// ([`super::CALLED_PAYLOAD_SQL`]); rows recorded before this step keep the object form, and
+/// ([`super::called_payload_sql`]); rows recorded before this step keep the object form, and
 /// the writer still folds any other event, or one whose payload differs, as an object.
 fn v18(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(&format!(
@@ -150,8 +173,9 @@ fn v16(conn: &Connection) -> rusqlite::Result<()> {
     ))
 }
 
-/// `tool_calls`: the rows of `tool_call_rows` and each chat round's `rounds.calls`, in the
-/// columns of the table before step 16.
+/// `tool_calls` as step 16 made it (step 19 replaces it: [`tool_calls_view`]): the rows of
+/// `tool_call_rows` and each chat round's `rounds.calls`, in the columns of the table before
+/// step 16.
 const TOOL_CALLS_VIEW: &str = "CREATE VIEW tool_calls AS
      SELECT id, request_id, choice, ordinal, call_id, name, outcome, stage, reason, args_hash,
             tool_id, logical_invocation_id, node_ordinal, enforced, rules, redacted_args
@@ -165,6 +189,26 @@ const TOOL_CALLS_VIEW: &str = "CREATE VIEW tool_calls AS
             c.value ->> 'redacted_args'
        FROM rounds r, json_each(r.calls) c
       WHERE r.calls IS NOT NULL";
+
+/// `tool_calls` from step 19: [`TOOL_CALLS_VIEW`], each chat round's call read in either
+/// folded form ([`super::call_field`]: step 16's object, step 19's array).
+fn tool_calls_view() -> String {
+    let fields: Vec<String> = super::CallField::ALL
+        .iter()
+        .map(|f| super::call_field("c.value", *f))
+        .collect();
+    format!(
+        "CREATE VIEW tool_calls AS
+     SELECT id, request_id, choice, ordinal, call_id, name, outcome, stage, reason, args_hash,
+            tool_id, logical_invocation_id, node_ordinal, enforced, rules, redacted_args
+       FROM tool_call_rows
+     UNION ALL
+     SELECT (1 << 62) + (r.id << 20) + c.key, r.request_id, {}
+       FROM rounds r, json_each(r.calls) c
+      WHERE r.calls IS NOT NULL",
+        fields.join(", ")
+    )
+}
 
 /// `events` as step 16 made it (step 18 replaces it: [`events_view`]): the rows of
 /// `event_rows` and each chat round's `rounds.events` (scope `request:<rounds.request_id>`),
@@ -202,7 +246,7 @@ pub(super) fn events_view() -> String {
                     r.calls -> (e.value ->> 2) AS c
                FROM rounds r, json_each(r.events) e
               WHERE r.events IS NOT NULL AND e.type = 'array') f",
-        super::CALLED_PAYLOAD_SQL
+        super::called_payload_sql()
     )
 }
 
