@@ -173,13 +173,23 @@ fn v16(conn: &Connection) -> rusqlite::Result<()> {
     ))
 }
 
+/// The `tool_calls` view's first part: the rows of `tool_call_rows`, in the table's columns.
+macro_rules! tool_call_rows {
+    () => {
+        "
+     SELECT id, request_id, choice, ordinal, call_id, name, outcome, stage, reason, args_hash,
+            tool_id, logical_invocation_id, node_ordinal, enforced, rules, redacted_args
+       FROM tool_call_rows"
+    };
+}
+
 /// `tool_calls` as step 16 made it (step 19 replaces it: [`tool_calls_view`]): the rows of
 /// `tool_call_rows` and each chat round's `rounds.calls`, in the columns of the table before
 /// step 16.
-const TOOL_CALLS_VIEW: &str = "CREATE VIEW tool_calls AS
-     SELECT id, request_id, choice, ordinal, call_id, name, outcome, stage, reason, args_hash,
-            tool_id, logical_invocation_id, node_ordinal, enforced, rules, redacted_args
-       FROM tool_call_rows
+const TOOL_CALLS_VIEW: &str = concat!(
+    "CREATE VIEW tool_calls AS",
+    tool_call_rows!(),
+    "
      UNION ALL
      SELECT (1 << 62) + (r.id << 20) + c.key, r.request_id, c.value ->> 'choice', c.value ->> 'ordinal',
             c.value ->> 'call_id', c.value ->> 'name', c.value ->> 'outcome',
@@ -188,7 +198,8 @@ const TOOL_CALLS_VIEW: &str = "CREATE VIEW tool_calls AS
             c.value ->> 'node_ordinal', c.value ->> 'enforced', c.value ->> 'rules',
             c.value ->> 'redacted_args'
        FROM rounds r, json_each(r.calls) c
-      WHERE r.calls IS NOT NULL";
+      WHERE r.calls IS NOT NULL"
+);
 
 /// `tool_calls` from step 19: [`TOOL_CALLS_VIEW`], each chat round's call read in either
 /// folded form ([`super::call_field`]: step 16's object, step 19's array).
@@ -198,14 +209,15 @@ fn tool_calls_view() -> String {
         .map(|f| super::call_field("c.value", *f))
         .collect();
     format!(
-        "CREATE VIEW tool_calls AS
-     SELECT id, request_id, choice, ordinal, call_id, name, outcome, stage, reason, args_hash,
-            tool_id, logical_invocation_id, node_ordinal, enforced, rules, redacted_args
-       FROM tool_call_rows
+        concat!(
+            "CREATE VIEW tool_calls AS",
+            tool_call_rows!(),
+            "
      UNION ALL
      SELECT (1 << 62) + (r.id << 20) + c.key, r.request_id, {}
        FROM rounds r, json_each(r.calls) c
-      WHERE r.calls IS NOT NULL",
+      WHERE r.calls IS NOT NULL"
+        ),
         fields.join(", ")
     )
 }
@@ -230,15 +242,7 @@ const EVENTS_VIEW: &str = "CREATE VIEW events AS
 /// `rounds.events`, as before.
 pub(super) fn events_view() -> String {
     format!(
-        "CREATE VIEW events AS
-     SELECT id, scope, run_id, node_id, request_id, sequence, type, payload, at_ms
-       FROM event_rows
-     UNION ALL
-     SELECT (1 << 62) + (r.id << 20) + e.key, 'request:' || r.request_id, NULL, NULL, r.request_id,
-            e.value ->> 'sequence', e.value ->> 'type', e.value ->> 'payload',
-            e.value ->> 'at_ms'
-       FROM rounds r, json_each(r.events) e
-      WHERE r.events IS NOT NULL AND e.type = 'object'
+        "{EVENTS_VIEW} AND e.type = 'object'
      UNION ALL
      SELECT (1 << 62) + (f.round << 20) + f.place, 'request:' || f.request_id, NULL, NULL,
             f.request_id, f.event ->> 0, 'agent.tool-called', {}, f.event ->> 1
