@@ -429,7 +429,7 @@ pub async fn settle(
     if row.inserted {
         state.notifier.requested(&row);
         count(state, ApprovalResult::Held);
-        tracing::info!(interrupt = %id, request_id = %session.ctx.request_id, run = ?session.ctx.run.run_id, tools = %names.join(","), person = person.is_some(), "tool calls held for approval");
+        tracing::info!(interrupt = %id, request_id = %session.ctx.request_id(), run = ?session.ctx.run.run_id, tools = %names.join(","), person = person.is_some(), "tool calls held for approval");
     }
     let final_state = match (row.state, &row.record.principal) {
         (InterruptState::Pending, None) => {
@@ -579,7 +579,7 @@ async fn use_approval(session: &Session, id: &str, resolved: &InterruptRow) -> S
 /// The agent left while its held round waited: nothing is used, the held calls are refused for
 /// this request only (the interrupt is left for the agent's re-send).
 fn agent_gone(session: &Session, id: &str) -> Settled {
-    tracing::info!(interrupt = %id, request_id = %session.ctx.request_id, "the agent left while its held calls waited; the approval is left for its re-send");
+    tracing::info!(interrupt = %id, request_id = %session.ctx.request_id(), "the agent left while its held calls waited; the approval is left for its re-send");
     Settled::Refused(crate::reason::Reason::AgentGone, "the agent left before the held call(s) could be delivered; an approval is used only by a request that receives its calls".into())
 }
 

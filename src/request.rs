@@ -23,14 +23,11 @@ use crate::state::AppState;
 /// Who and what one data-plane request is: its ids and its run identity headers.
 #[derive(Debug, Clone)]
 pub struct RequestCtx {
-    /// `x-request-id` of the agent when it is sane, else a fresh UUIDv7: for logs and the
-    /// response header.
-    pub request_id: String,
     /// The agent's own sane `x-request-id`, for the journal's `client_request_id` column —
     /// never a journal key (a client may send one id twice); `None` when the agent sent none
-    /// turnguard kept, and `request_id` is one turnguard made.
+    /// turnguard kept, and [`Self::request_id`] is the one turnguard made.
     pub client_request_id: Option<String>,
-    /// turnguard's own id of this request (time-ordered, UUIDv7): the `request_id` turnguard
+    /// turnguard's own id of this request (time-ordered, UUIDv7): the `x-request-id` turnguard
     /// made when the agent sent none (one id for the request, echoed, logged and journaled),
     /// else a fresh one. Every journal key the request writes (round ids, interrupt keys of
     /// chat turns, who used an approval) derives from it.
@@ -48,6 +45,14 @@ pub struct RequestCtx {
 const SEVERAL_VALUES: &str = "(several values)";
 
 impl RequestCtx {
+    /// The request's `x-request-id`, as echoed and logged: the agent's when it sent a sane
+    /// one, else the id turnguard made (then also the journal id).
+    pub fn request_id(&self) -> &str {
+        self.client_request_id
+            .as_deref()
+            .unwrap_or(&self.journal_id)
+    }
+
     /// The request id and run identity of a request's headers. A request that passed the
     /// edge ([`crate::edge::layer`]) keeps the request id the edge already checked or made (it
     /// set the same in `x-request-id`), not checked a second time; any other request's
@@ -79,11 +84,9 @@ impl RequestCtx {
             Some(id) => id.clone(),
             None => crate::edge::RequestId::of(headers),
         };
-        let (request_id, client_request_id, journal_id) = match id {
-            crate::edge::RequestId::Agent(agent) => {
-                (agent.clone(), Some(agent), uuid::Uuid::now_v7().to_string())
-            }
-            crate::edge::RequestId::Made(made) => (made.clone(), None, made),
+        let (client_request_id, journal_id) = match id {
+            crate::edge::RequestId::Agent(agent) => (Some(agent), uuid::Uuid::now_v7().to_string()),
+            crate::edge::RequestId::Made(made) => (None, made),
         };
         let run_id = run_header("turnguard-run");
         let run = RunKey {
@@ -99,7 +102,6 @@ impl RequestCtx {
             run_id,
         };
         Self {
-            request_id,
             client_request_id,
             // Time-ordered (UUIDv7, RFC 9562): the journal's indexes keyed by it grow at
             // their right edge, so a commit touches a few pages, not one random page per

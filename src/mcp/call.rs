@@ -395,7 +395,7 @@ impl McpCall {
     /// A JSON-RPC error for a [`WireError`], counted and logged.
     fn fail(&self, e: &WireError) -> Response {
         let (_, code, reason) = e.parts();
-        tracing::warn!(request_id = %self.inbound.ctx.request_id, server = %self.inbound.server_name, tool = %admission::sanitize_label(&self.name), code, reason, "MCP tools/call failed");
+        tracing::warn!(request_id = %self.inbound.ctx.request_id(), server = %self.inbound.server_name, tool = %admission::sanitize_label(&self.name), code, reason, "MCP tools/call failed");
         json_response(StatusCode::OK, &wire_error(&self.id, e))
     }
 
@@ -498,7 +498,7 @@ impl McpCall {
         let tool_name = admission::sanitize_label(&self.name);
         if d.outcome != Outcome::Executed || !d.enforced {
             tracing::info!(
-                request_id = %self.inbound.ctx.request_id,
+                request_id = %self.inbound.ctx.request_id(),
                 run = self.inbound.run_id().unwrap_or(""),
                 surface = "mcp",
                 server = %self.inbound.server_name,
@@ -545,7 +545,7 @@ impl McpCall {
             events.push(self.event("agent.tool-returned", returned));
         }
         if let Err(e) = state.journal.record_events(events).await {
-            tracing::error!(error = %e, request_id = %self.inbound.ctx.request_id, "MCP events not journaled");
+            tracing::error!(error = %e, request_id = %self.inbound.ctx.request_id(), "MCP events not journaled");
         }
     }
 
@@ -856,7 +856,7 @@ async fn finish(call: McpCall, exec: Exec, answer: Answer) -> Option<Value> {
     let msg = match answer {
         Ok(m) => m,
         Err(e) => {
-            tracing::warn!(request_id = %call.inbound.ctx.request_id, server = %call.inbound.server_name, tool = %admission::sanitize_label(&call.name), error = %e, "MCP server failed before answering a tools/call");
+            tracing::warn!(request_id = %call.inbound.ctx.request_id(), server = %call.inbound.server_name, tool = %admission::sanitize_label(&call.name), error = %e, "MCP server failed before answering a tools/call");
             if exec.effect.is_some() {
                 // The call left: it may have run. It stays claimed without a result, in doubt.
                 let e = WireError::ToolOutcomeUnknown {
@@ -894,7 +894,7 @@ async fn finish(call: McpCall, exec: Exec, answer: Answer) -> Option<Value> {
     }
     let mut out: Option<Value> = None;
     if let Some(violation) = output_violation(&call, &msg) {
-        tracing::warn!(request_id = %call.inbound.ctx.request_id, tool = %admission::sanitize_label(&call.name), violation = %violation, "MCP result violates its outputSchema");
+        tracing::warn!(request_id = %call.inbound.ctx.request_id(), tool = %admission::sanitize_label(&call.name), violation = %violation, "MCP result violates its outputSchema");
         let mut result = json!({
             "content": [{"type": "text", "text": format!(
                 "turnguard: the result of `{}` ({}) does not match its outputSchema: {violation}",

@@ -314,7 +314,7 @@ pub async fn handle(call: McpCall, mut d: Decision, ticket: Option<TicketRow>) -
         rounds: rounds + 1,
         expires: Instant::now() + ASK_TTL,
     });
-    tracing::info!(request_id = %call.inbound.ctx.request_id, tool = %crate::admission::sanitize_label(&call.name), round = rounds + 1, "clarification asked through MCP input_required");
+    tracing::info!(request_id = %call.inbound.ctx.request_id(), tool = %crate::admission::sanitize_label(&call.name), round = rounds + 1, "clarification asked through MCP input_required");
     let result = json!({
         "resultType": "input_required",
         "inputRequests": {
@@ -372,7 +372,7 @@ async fn handshake(
     let (tx, events) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
     let timeout = Duration::from_millis(call.front.state.config.approval_timeout_ms);
     let keepalive = Duration::from_millis(call.front.state.config.approval_keepalive_ms);
-    tracing::info!(request_id = %call.inbound.ctx.request_id, tool = %crate::admission::sanitize_label(&call.name), "clarification asked through MCP elicitation/create");
+    tracing::info!(request_id = %call.inbound.ctx.request_id(), tool = %crate::admission::sanitize_label(&call.name), "clarification asked through MCP elicitation/create");
     tokio::spawn(async move {
         let event = |v: &Value| crate::sse::encode(Some("message"), &v.to_string());
         if tx.send(Ok(event(&request))).await.is_err() {

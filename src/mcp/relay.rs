@@ -148,7 +148,7 @@ pub async fn pass(front: &Arc<McpFront>, inbound: Inbound) -> Response {
             if let Err(e) = front
                 .state
                 .journal
-                .run_untrusted(run, true, &inbound.ctx.request_id, inbound.ctx.at_ms)
+                .run_untrusted(run, true, inbound.ctx.request_id(), inbound.ctx.at_ms)
                 .await
             {
                 let e = WireError::JournalUnavailable {

@@ -439,7 +439,7 @@ async fn decide(
             // A stream's round is recorded when it ends; its decisions' events are
             // journaled now, so the run's event feed shows them while the stream goes on.
             if let Err(e) = session.state.journal.record_events(events).await {
-                tracing::error!(error = %e, request_id = %session.ctx.request_id, "events not journaled");
+                tracing::error!(error = %e, request_id = %session.ctx.request_id(), "events not journaled");
             }
         }
     }
@@ -509,7 +509,7 @@ async fn confirm_claims(
     {
         Ok(()) => Ok(()),
         Err(e @ crate::journal::JournalError::Fenced(_)) => {
-            tracing::error!(error = %e, request_id = %session.ctx.request_id, "effect claim taken over; the round is withheld");
+            tracing::error!(error = %e, request_id = %session.ctx.request_id(), "effect claim taken over; the round is withheld");
             Err(SurfacedError {
                 status: 503,
                 code: "turnguard.journal_unavailable",
@@ -518,7 +518,7 @@ async fn confirm_claims(
             })
         }
         Err(e) => {
-            tracing::error!(error = %e, request_id = %session.ctx.request_id, "effect claims not confirmed");
+            tracing::error!(error = %e, request_id = %session.ctx.request_id(), "effect claims not confirmed");
             Ok(())
         }
     }
@@ -560,7 +560,7 @@ pub(super) async fn finish_round(
     });
     if state != RoundState::Ok {
         if let Err(e) = super::record::commit_round(session, unit).await {
-            tracing::error!(request_id = %session.ctx.request_id, error = %e, "round not journaled");
+            tracing::error!(request_id = %session.ctx.request_id(), error = %e, "round not journaled");
         }
         return Ok(());
     }

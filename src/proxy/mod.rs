@@ -100,7 +100,7 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Respo
             // The message may quote what the agent sent (a header value, a key, a tool
             // name): the agent gets it as it is, the log only redacted.
             let error = state.policy.snapshot().redactor.redact_text(&e.to_string());
-            tracing::warn!(request_id = %ctx.request_id, api = api.as_str(), code, reason, error = %error, "request refused");
+            tracing::warn!(request_id = %ctx.request_id(), api = api.as_str(), code, reason, error = %error, "request refused");
             (e.response(Surface::of_api(api)), false)
         }
     };
@@ -108,7 +108,7 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Respo
     state
         .metrics
         .request(api.into(), resp.status().as_u16(), stream);
-    if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
+    if let Ok(v) = HeaderValue::from_str(ctx.request_id()) {
         resp.headers_mut().insert("x-request-id", v);
     }
     resp
@@ -574,7 +574,7 @@ pub async fn passthrough(
         resp.status().as_u16(),
         false,
     );
-    if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
+    if let Ok(v) = HeaderValue::from_str(ctx.request_id()) {
         resp.headers_mut().insert("x-request-id", v);
     }
     resp

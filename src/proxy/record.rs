@@ -132,7 +132,7 @@ impl Session {
                 Err(e)
             }
             Err(e) => {
-                tracing::error!(error = %e, request_id = %self.ctx.request_id, "round not journaled");
+                tracing::error!(error = %e, request_id = %self.ctx.request_id(), "round not journaled");
                 Ok(())
             }
             Ok(()) => Ok(()),
@@ -465,7 +465,7 @@ pub(super) async fn record_before_upstream(
             });
             // The sticky bit unrecorded would let a later turn of the run pass as trusted.
             if all_rerunnable && !sets_trust_bit {
-                tracing::error!(error = %e, request_id = %ctx.request_id, "tool results of re-runnable tools or declared tools not journaled; going on");
+                tracing::error!(error = %e, request_id = %ctx.request_id(), "tool results of re-runnable tools or declared tools not journaled; going on");
                 Ok(())
             } else {
                 Err(WireError::JournalUnavailable {

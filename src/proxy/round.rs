@@ -292,7 +292,7 @@ impl Session {
                     // One line per decision that is not a plain release (never arguments,
                     // never the validator's message, which may quote them).
                     tracing::info!(
-                        request_id = %self.ctx.request_id,
+                        request_id = %self.ctx.request_id(),
                         run = self.ctx.run.run_id.as_deref().unwrap_or(""),
                         api = self.turn.api.as_str(),
                         tool = %tool_name,

@@ -61,7 +61,7 @@ pub async fn response_chain(state: &AppState, ctx: &RequestCtx, turn: &mut Turn)
     let (links, names, shown_again) = match found {
         Ok(found) => found,
         Err(e) => {
-            tracing::error!(error = %e, request_id = %ctx.request_id, "response chain not readable; the turn is untrusted (fail closed)");
+            tracing::error!(error = %e, request_id = %ctx.request_id(), "response chain not readable; the turn is untrusted (fail closed)");
             return Vec::new();
         }
     };
@@ -84,7 +84,7 @@ pub async fn response_chain(state: &AppState, ctx: &RequestCtx, turn: &mut Turn)
     if let Some(previous) = &turn.previous_response_id {
         if let Some(fault) = crate::admission::trust::chain_fault(previous, &links) {
             tracing::info!(
-                request_id = %ctx.request_id,
+                request_id = %ctx.request_id(),
                 previous_response_id = %previous,
                 response_id = %fault.response_id,
                 reason = fault.reason,
@@ -109,7 +109,7 @@ pub async fn item_references(state: &AppState, ctx: &RequestCtx, turn: &mut Turn
     let rows = match state.reader.stored_items(&ids).await {
         Ok(rows) => rows,
         Err(e) => {
-            tracing::error!(error = %e, request_id = %ctx.request_id, "stored items not readable; item references stay untrusted (fail closed)");
+            tracing::error!(error = %e, request_id = %ctx.request_id(), "stored items not readable; item references stay untrusted (fail closed)");
             return;
         }
     };
@@ -120,7 +120,7 @@ pub async fn item_references(state: &AppState, ctx: &RequestCtx, turn: &mut Turn
                 trusted.insert(row.item_id);
             }
             Some(reason) => tracing::info!(
-                request_id = %ctx.request_id,
+                request_id = %ctx.request_id(),
                 item_id = %crate::admission::sanitize_label(&row.item_id),
                 response_id = %crate::admission::sanitize_label(&row.response_id),
                 reason,
@@ -147,7 +147,7 @@ pub async fn sticky(state: &AppState, ctx: &RequestCtx, turn: ContentTrust) -> C
         Ok(true) => ContentTrust::Untrusted,
         Ok(false) => turn,
         Err(e) => {
-            tracing::error!(error = %e, request_id = %ctx.request_id, "run trust not readable; the turn is untrusted (fail closed)");
+            tracing::error!(error = %e, request_id = %ctx.request_id(), "run trust not readable; the turn is untrusted (fail closed)");
             ContentTrust::Untrusted
         }
     }
