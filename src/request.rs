@@ -124,7 +124,9 @@ pub struct Session {
     pub trust: ContentTrust,
     /// Path and query sent upstream.
     pub path: String,
-    /// Headers sent upstream.
+    /// The agent's request headers; each round sends them filtered
+    /// ([`crate::proxy::upstream::request_headers`]: hop-by-hop fields, `host`,
+    /// `content-length` and `turnguard-*` removed, `accept-encoding: identity`).
     pub headers: HeaderMap,
     /// The request body as sent upstream (the agent's, plus repair turns).
     pub body: Value,

@@ -80,7 +80,7 @@ impl Session {
             self.turn.api.into(),
             Method::POST,
             &self.path,
-            self.headers.clone(),
+            upstream::request_headers(&self.headers, true),
             raw,
         )
         .await
@@ -189,7 +189,7 @@ async fn turn(
             .path_and_query()
             .map_or(parts.uri.path(), |p| p.as_str())
             .to_owned(),
-        headers: upstream::request_headers(&parts.headers, true),
+        headers: parts.headers,
         body: json,
         turn,
         rounds: 0,
