@@ -7,8 +7,9 @@ use rusqlite::Connection;
 /// into per-(tool, schema, API) counts and makes `rounds_run` partial, step 16 renames
 /// `tool_calls` and `events` (views of those names read them and the chat turns' folded
 /// records), step 17 drops the index `chat_released` (what it indexed stays in `rounds.calls`),
-/// step 18 replaces the view `events`, step 19 both views; no other step removes anything.
-pub const VERSION: i64 = 19;
+/// step 18 replaces the view `events`, step 19 both views, step 20 narrows `rounds_client`;
+/// no other step removes anything.
+pub const VERSION: i64 = 20;
 
 /// Sets the pragmas and brings the schema to [`VERSION`].
 pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -78,7 +79,28 @@ pub fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     if version < 19 {
         v19(conn)?;
     }
+    if version < 20 {
+        v20(conn)?;
+    }
     Ok(())
+}
+
+/// Rebuilds `rounds_client` over chat rounds that carry the agent's `x-request-id` only
+/// (`run_id IS NULL AND client_request_id IS NOT NULL`). A round whose agent sent no id has
+/// `client_request_id` NULL ([`crate::request::RequestCtx::client_request_id`]), and its entry was a NULL key no
+/// lookup reads: one B-tree insert, and index pages in the WAL, on every such chat turn
+/// (bench/RESULTS.md, issue 13 run 30). Its one reader, `turnguard journal show chat:<id>`
+/// ([`super::reader::CHAT_TURN_ROUNDS`]), asks `client_request_id = ?1`, which implies
+/// `IS NOT NULL`, so SQLite still searches the index.
+fn v20(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "BEGIN;
+         DROP INDEX IF EXISTS rounds_client;
+         CREATE INDEX rounds_client ON rounds (client_request_id)
+            WHERE run_id IS NULL AND client_request_id IS NOT NULL;
+         PRAGMA user_version = 20;
+         COMMIT;",
+    )
 }
 
 /// A chat round's calls are folded as arrays of the `tool_calls` view's columns
@@ -895,6 +917,45 @@ mod tests {
         assert_eq!(gone, 0, "step 17 drops chat_released and its index");
     }
 
+    /// A chat round without the agent's `x-request-id` writes no `rounds_client` entry; one
+    /// with it does, and a run round does not (`sqlite_stat1`'s first number is the index's
+    /// entry count, exact for a table this small).
+    #[test]
+    fn step_20_indexes_only_chat_rounds_that_carry_the_agents_id() {
+        let conn = Connection::open_in_memory().unwrap();
+        migrate(&conn).unwrap();
+        conn.execute_batch(
+            "INSERT INTO rounds (request_id, at_ms, api, stream, round_index, request_digest,
+                latency_ms, state, response_bytes, response_digest, response_truncated, run_id,
+                client_request_id)
+             VALUES ('r1', 10, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, NULL, NULL),
+                    ('r2', 20, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, NULL, NULL),
+                    ('r3', 30, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, NULL, 'agent-7'),
+                    ('q1', 40, 'openai_chat', 0, 0, 'd', 1, 'ok', 0, 'x', 0, 'run-1', 'agent-8');
+             ANALYZE;",
+        )
+        .unwrap();
+        let stat: String = conn
+            .query_row(
+                "SELECT stat FROM sqlite_stat1 WHERE idx = 'rounds_client'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(stat.starts_with("1 "), "one entry, for r3: {stat}");
+        let found: Vec<String> = conn
+            .prepare(&format!(
+                "SELECT r.request_id FROM rounds r WHERE {}",
+                super::super::reader::CHAT_TURN_ROUNDS
+            ))
+            .unwrap()
+            .query_map(["agent-7"], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(found, ["r3"], "the turn is found by the agent's id");
+    }
+
     #[test]
     fn step_14_indexes_chat_rounds_only_and_clears_unredacted_schemas() {
         let conn = Connection::open_in_memory().unwrap();
@@ -920,7 +981,10 @@ mod tests {
                 |r| r.get(0),
             )
             .unwrap();
-        assert!(index.contains("WHERE run_id IS NULL"), "{index}");
+        assert!(
+            index.contains("WHERE run_id IS NULL AND client_request_id IS NOT NULL"),
+            "{index}"
+        );
         let plan: String = conn
             .query_row(
                 "EXPLAIN QUERY PLAN SELECT id FROM rounds WHERE run_id IS NULL AND client_request_id = ?1",
