@@ -60,6 +60,11 @@ impl Edge {
         let permits = Arc::new(Semaphore::new(state.config.max_concurrent_requests));
         Arc::new(Self { state, permits })
     }
+
+    /// The shared app state the edge serves.
+    pub fn state(&self) -> &Arc<AppState> {
+        &self.state
+    }
 }
 
 tokio::task_local! {
@@ -116,11 +121,10 @@ pub fn upstream_waited(since: Instant, d: Duration) {
 /// The provider API label of a data-plane route (the same labels as
 /// `turnguard_requests_total`), from the path only.
 fn api_of(path: &str) -> ApiLabel {
-    use crate::model::Api;
+    if let Some(api) = crate::model::Api::of_path(path) {
+        return ApiLabel::Api(api);
+    }
     match path {
-        "/v1/chat/completions" => ApiLabel::Api(Api::OpenAiChat),
-        "/v1/messages" => ApiLabel::Api(Api::AnthropicMessages),
-        "/v1/responses" => ApiLabel::Api(Api::OpenAiResponses),
         "/v1/messages/count_tokens" | "/v1/embeddings" => ApiLabel::Passthrough,
         p if p == "/v1/models" || p.starts_with("/v1/models/") => ApiLabel::Passthrough,
         p if p.starts_with("/mcp/") => ApiLabel::Mcp,

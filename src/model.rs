@@ -37,6 +37,18 @@ impl Api {
         }
     }
 
+    /// The API whose endpoint is `path` (exact, no trailing slash or query:
+    /// `/v1/chat/completions`, `/v1/messages`, `/v1/responses`), as the data plane routes
+    /// `POST`s to the request path and the edge labels them.
+    pub fn of_path(path: &str) -> Option<Self> {
+        match path {
+            "/v1/chat/completions" => Some(Self::OpenAiChat),
+            "/v1/messages" => Some(Self::AnthropicMessages),
+            "/v1/responses" => Some(Self::OpenAiResponses),
+            _ => None,
+        }
+    }
+
     /// The configured upstream name this API is sent to.
     pub fn upstream(self) -> &'static str {
         match self {

@@ -528,7 +528,6 @@ fn prune_task(state: Arc<AppState>) -> JoinHandle<()> {
 /// the hot path (issue 13 item 6, profile-led; ~3.6 % of a c=64 request's CPU).
 #[derive(Clone)]
 struct DataPlane {
-    state: Arc<AppState>,
     edge: Arc<crate::edge::Edge>,
     rest: TowerToHyperService<Router>,
 }
@@ -536,8 +535,8 @@ struct DataPlane {
 impl DataPlane {
     fn new(state: Arc<AppState>, mcp: &Arc<crate::mcp::McpFront>) -> Self {
         let edge = crate::edge::Edge::new(Arc::clone(&state));
-        let rest = TowerToHyperService::new(data_router(Arc::clone(&state), &edge, mcp));
-        DataPlane { state, edge, rest }
+        let rest = TowerToHyperService::new(data_router(state, &edge, mcp));
+        DataPlane { edge, rest }
     }
 }
 
@@ -550,15 +549,13 @@ impl hyper::service::Service<Request<Incoming>> for DataPlane {
     type Future = Either<Served, TowerToHyperServiceFuture<Router, Request<Incoming>>>;
 
     fn call(&self, req: Request<Incoming>) -> Self::Future {
-        let api = match (req.method(), req.uri().path()) {
-            (&http::Method::POST, "/v1/chat/completions") => Api::OpenAiChat,
-            (&http::Method::POST, "/v1/messages") => Api::AnthropicMessages,
-            (&http::Method::POST, "/v1/responses") => Api::OpenAiResponses,
+        let api = match Api::of_path(req.uri().path()) {
+            Some(api) if req.method() == http::Method::POST => api,
             _ => return Either::Right(self.rest.call(req)),
         };
-        let state = Arc::clone(&self.state);
         let edge = Arc::clone(&self.edge);
         Either::Left(Box::pin(async move {
+            let state = Arc::clone(edge.state());
             let req = req.map(Body::new);
             Ok(crate::edge::around(&edge, req, |req| proxy::handle(state, api, req)).await)
         }))

@@ -651,10 +651,20 @@ async fn invalid_arguments_are_repaired_non_stream_chat() {
         "messages": [{"role": "user", "content": "The printer is on fire, file a ticket."}],
         "tools": [ticket_tool_chat()]
     });
+    // turnguard's own headers, fields the agent's `Connection` names and its coding stay
+    // here in every round, the repair round too (the upstream headers are filtered per round
+    // from the agent's: `Session::send`).
     let (status, _, body) = post_raw(
         &format!("{}/v1/chat/completions", h.url()),
         request.to_string().into(),
-        &[("x-request-id", "repair-json")],
+        &[
+            ("x-request-id", "repair-json"),
+            ("authorization", "Bearer sk-agent-repair"),
+            ("turnguard-mode", "live"),
+            ("connection", "x-hop"),
+            ("x-hop", "hop-secret"),
+            ("accept-encoding", "gzip"),
+        ],
     )
     .await;
     let text = String::from_utf8_lossy(&body).into_owned();
@@ -676,6 +686,21 @@ async fn invalid_arguments_are_repaired_non_stream_chat() {
         "the first round is the agent's request"
     );
     check_repair_request_chat(&seen[0]["body"], &seen[1]["body"], "call_bad");
+    for (round, sent) in seen.iter().enumerate() {
+        let headers = &sent["headers"];
+        assert_eq!(
+            headers["authorization"], "Bearer sk-agent-repair",
+            "round {round}: {headers}"
+        );
+        assert_eq!(headers["x-request-id"], "repair-json", "round {round}");
+        assert_eq!(headers["accept-encoding"], "identity", "round {round}");
+        for kept_here in ["turnguard-mode", "x-hop", "connection"] {
+            assert!(
+                headers.get(kept_here).is_none(),
+                "round {round} sent `{kept_here}` upstream: {headers}"
+            );
+        }
+    }
 
     let journal = h.journal();
     let _dir = h.stop().await;
