@@ -7,6 +7,7 @@
 //!   ‖ \0 ‖ providerKey))`. The attempt is never part of it.
 
 use crate::strict_json::Lookup as _;
+use crate::strict_json::RequestBody;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -48,29 +49,32 @@ const SEMANTIC: &[&str] = &[
 /// tools (sorted by name: tool order is irrelevant), tool choice, response format, sampling,
 /// output bound, stop, seed, and every other option under `providerOptions`. Message order
 /// is significant.
-pub fn semantic_request_digest(api: Api, body: &Value) -> String {
+pub fn semantic_request_digest(api: Api, body: &RequestBody) -> String {
     use crate::jcs::View;
+    use crate::strict_json::Member;
     // A borrowed view of the request: nothing is cloned (a long transcript is hashed where
-    // it lies).
+    // it lies, the declared tools where the cache keeps them).
     let mut semantic: Vec<(&str, View<'_>)> = vec![
         ("recipe", View::Str("openwop-semantic-request-v2")),
         ("provider", View::Str(api.as_str())),
     ];
     let mut options: Vec<(&str, View<'_>)> = Vec::new();
-    if let Some(obj) = body.as_object() {
-        for (k, v) in obj {
-            if EXCLUDED.contains(&k.as_str()) {
-                continue;
-            }
-            if k == "tools" {
-                let mut tools: Vec<&Value> =
-                    v.as_array().map(|a| a.iter().collect()).unwrap_or_default();
-                tools.sort_by_cached_key(|t| tool_name(t));
-                semantic.push((
-                    "tools",
-                    View::Array(tools.into_iter().map(View::Value).collect()),
-                ));
-            } else if SEMANTIC.contains(&k.as_str()) {
+    for (k, v) in body.members() {
+        if EXCLUDED.contains(&k) {
+            continue;
+        }
+        if k == "tools" {
+            let mut tools: Vec<&Value> = match v {
+                Member::Tools(list) => list.iter().map(|t| &**t).collect(),
+                Member::Value(v) => v.as_array().map(|a| a.iter().collect()).unwrap_or_default(),
+            };
+            tools.sort_by_cached_key(|t| tool_name(t));
+            semantic.push((
+                "tools",
+                View::Array(tools.into_iter().map(View::Value).collect()),
+            ));
+        } else if let Member::Value(v) = v {
+            if SEMANTIC.contains(&k) {
                 semantic.push((k, View::Value(v)));
             } else {
                 options.push((k, View::Value(v)));
@@ -165,6 +169,11 @@ mod tests {
         ))
     }
 
+    /// The digest of a body held as one tree.
+    fn digest(api: Api, body: &Value) -> String {
+        semantic_request_digest(api, &RequestBody::from(body.clone()))
+    }
+
     #[test]
     fn the_borrowed_digest_is_the_cloned_digest() {
         for (api, body) in [
@@ -184,11 +193,19 @@ mod tests {
             ),
             (Api::OpenAiChat, json!([1, 2])),
         ] {
-            assert_eq!(
-                semantic_request_digest(api, &body),
-                digest_by_clone(api, &body),
-                "{body}"
-            );
+            assert_eq!(digest(api, &body), digest_by_clone(api, &body), "{body}");
+            // Read as the proxy reads it, its tools shared from the cache (first read, then
+            // taken from the cache): the same digest.
+            let cache = crate::strict_json::ValueCache::new(1 << 20);
+            let text = body.to_string();
+            for round in ["first", "cached"] {
+                let read = crate::strict_json::request_from_slice(text.as_bytes(), &cache).unwrap();
+                assert_eq!(
+                    semantic_request_digest(api, &read),
+                    digest_by_clone(api, &body),
+                    "{round} read of {body}"
+                );
+            }
         }
     }
     use super::*;
@@ -199,35 +216,23 @@ mod tests {
             "tools": [{"type": "function", "function": {"name": "x"}}, {"type": "function", "function": {"name": "y"}}], "seed": 1});
         let mut b = a.clone();
         b["tools"] = json!([{"type": "function", "function": {"name": "y"}}, {"type": "function", "function": {"name": "x"}}]);
-        assert_eq!(
-            semantic_request_digest(Api::OpenAiChat, &a),
-            semantic_request_digest(Api::OpenAiChat, &b)
-        );
+        assert_eq!(digest(Api::OpenAiChat, &a), digest(Api::OpenAiChat, &b));
         let mut c = a.clone();
         c["messages"] = json!([{"role": "user", "content": "b"}, {"role": "user", "content": "a"}]);
-        assert_ne!(
-            semantic_request_digest(Api::OpenAiChat, &a),
-            semantic_request_digest(Api::OpenAiChat, &c)
-        );
+        assert_ne!(digest(Api::OpenAiChat, &a), digest(Api::OpenAiChat, &c));
         let mut d = a.clone();
         d["seed"] = json!(2);
-        assert_ne!(
-            semantic_request_digest(Api::OpenAiChat, &a),
-            semantic_request_digest(Api::OpenAiChat, &d)
-        );
+        assert_ne!(digest(Api::OpenAiChat, &a), digest(Api::OpenAiChat, &d));
         let mut e = a.clone();
         e["vendor_knob"] = json!(true);
         assert_ne!(
-            semantic_request_digest(Api::OpenAiChat, &a),
-            semantic_request_digest(Api::OpenAiChat, &e),
+            digest(Api::OpenAiChat, &a),
+            digest(Api::OpenAiChat, &e),
             "unknown options count"
         );
         let mut f = a.clone();
         f["user"] = json!("someone");
-        assert_eq!(
-            semantic_request_digest(Api::OpenAiChat, &a),
-            semantic_request_digest(Api::OpenAiChat, &f)
-        );
+        assert_eq!(digest(Api::OpenAiChat, &a), digest(Api::OpenAiChat, &f));
     }
 
     #[test]

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use http::header::HeaderMap;
-use serde_json::Value;
 
 use crate::admission;
 use crate::admission::channel::ChannelSpec;
@@ -129,7 +128,7 @@ pub struct Session {
     /// `content-length` and `turnguard-*` removed, `accept-encoding: identity`).
     pub headers: HeaderMap,
     /// The request body as sent upstream (the agent's, plus repair turns).
-    pub body: Value,
+    pub body: crate::strict_json::RequestBody,
     /// The agent's request bytes, sent as they are by the next [`Session::send`] while
     /// `body` is exactly what they parse to (the first round, nothing added); `None` once
     /// the body is rewritten or sent. Parsed by [`crate::strict_json`], so they read one way.

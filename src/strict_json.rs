@@ -123,28 +123,175 @@ pub fn from_slice(raw: &[u8]) -> Result<Value, StrictJsonError> {
 }
 
 /// [`from_slice`] for an agent's request body, with the elements of its top-level `tools`
-/// array taken from `tools` when their exact text was read before. An agent declares the same
-/// tools, byte for byte, every turn; a coding agent's are most of its request's objects, and
-/// building their tree was the largest part of reading the request (bench/RESULTS.md, issue
-/// 13 run 26: 28.5 % of a 16-tool request's CPU). A cached element is the tree
-/// [`from_slice`] built from the same bytes, so the result is the tree [`from_slice`] builds
-/// of the whole body; an element read for the first time is read by [`from_slice`] itself.
-/// The element's text is located in the one pass that reads the body, and a new element is
-/// read at the depth it has there (the nesting limit counts from the body's root, as in
-/// [`from_slice`]).
+/// array held as shared trees ([`RequestBody`]): an element whose exact text was read before
+/// is taken from `tools`, one read for the first time is read by [`from_slice`] itself and
+/// kept. An agent declares the same tools, byte for byte, every turn; a coding agent's are
+/// most of its request's objects. Building their tree was the largest part of reading the
+/// request (bench/RESULTS.md, issue 13 run 26: 28.5 % of a 16-tool request's CPU), and
+/// copying a cached tree into each request's tree, then dropping it, cost about as much again
+/// (run 31: 10.6 % and 9.8 % of the coding-agent cell's CPU): the body shares them instead. A
+/// kept element is the tree [`from_slice`] built from the same bytes, so the body is the tree
+/// [`from_slice`] builds of the whole text ([`RequestBody::into_tree`]). The element's text is
+/// located in the one pass that reads the body, and a new element is read at the depth it has
+/// there (the nesting limit counts from the body's root, as in [`from_slice`]).
 ///
 /// Errors: exactly [`from_slice`]'s: whatever fails, the body is read again by
 /// [`from_slice`], which names the error and its position in the whole body.
-pub fn request_from_slice(raw: &[u8], tools: &ValueCache) -> Result<Value, StrictJsonError> {
+pub fn request_from_slice(raw: &[u8], tools: &ValueCache) -> Result<RequestBody, StrictJsonError> {
     let mut de = serde_json::Deserializer::from_slice(raw);
-    let body = Cached {
-        cache: tools,
-        place: Place::Body,
-    };
-    let read = body.deserialize(&mut de).and_then(|v| de.end().map(|()| v));
+    let read = BodyRead { cache: tools }
+        .deserialize(&mut de)
+        .and_then(|v| de.end().map(|()| v));
     match read {
-        Ok(v) => Ok(v),
-        Err(_) => from_slice(raw),
+        Ok(body) => Ok(body),
+        Err(_) => from_slice(raw).map(RequestBody::from),
+    }
+}
+
+/// An agent's request body as turnguard holds it: its JSON tree, with the elements of a
+/// top-level `tools` array held apart as shared, immutable trees (the declared-tools cache's,
+/// [`request_from_slice`]) instead of copied into it. Everything reads the tree
+/// ([`RequestBody::tree`]) but the `tools` member, which is read through
+/// [`RequestBody::tools`] (the declared-tool parsers) or [`RequestBody::members`] (the
+/// semantic digest); the body serializes as the whole tree, `tools` at its place
+/// ([`RequestBody::to_text`]), and an edit takes the whole tree ([`RequestBody::tree_mut`]).
+/// A body made from a tree ([`From<Value>`]) holds its `tools` inline.
+#[derive(Debug, Clone)]
+pub struct RequestBody {
+    /// The body; without its `tools` member when `shared` holds it.
+    tree: Value,
+    shared: Option<SharedTools>,
+}
+
+/// A top-level `tools` array held apart from the tree.
+#[derive(Debug, Clone)]
+struct SharedTools {
+    /// How many of the tree's members come before `tools` in the body.
+    at: usize,
+    list: Vec<std::sync::Arc<Value>>,
+}
+
+/// A request body's top-level `tools` member ([`RequestBody::tools`]).
+pub enum ToolsMember<'a> {
+    /// An array: its elements, in order.
+    Array(Vec<&'a Value>),
+    /// Any other value (`null`, an object, a string…), for the adapter to accept or refuse.
+    Other(&'a Value),
+}
+
+impl<'a> ToolsMember<'a> {
+    /// The elements of an array; `None` for any other value.
+    pub fn into_array(self) -> Option<Vec<&'a Value>> {
+        match self {
+            ToolsMember::Array(list) => Some(list),
+            ToolsMember::Other(_) => None,
+        }
+    }
+}
+
+/// One top-level member's value ([`RequestBody::members`]).
+pub enum Member<'a> {
+    /// A member of the tree.
+    Value(&'a Value),
+    /// The shared `tools` array's elements.
+    Tools(&'a [std::sync::Arc<Value>]),
+}
+
+/// The top-level `tools` member of a body held as one tree (what [`RequestBody::tools`] reads
+/// of a body whose tools are not shared).
+pub fn tools_member(tree: &Value) -> Option<ToolsMember<'_>> {
+    tree.get("tools").map(|v| match v {
+        Value::Array(list) => ToolsMember::Array(list.iter().collect()),
+        other => ToolsMember::Other(other),
+    })
+}
+
+impl From<Value> for RequestBody {
+    fn from(tree: Value) -> Self {
+        RequestBody { tree, shared: None }
+    }
+}
+
+impl RequestBody {
+    /// The body's tree, which lacks the top-level `tools` member while it is shared: read
+    /// `tools` through [`RequestBody::tools`].
+    pub fn tree(&self) -> &Value {
+        &self.tree
+    }
+
+    /// The top-level `tools` member, if the body (an object) has one.
+    pub fn tools(&self) -> Option<ToolsMember<'_>> {
+        if let Some(shared) = &self.shared {
+            return Some(ToolsMember::Array(
+                shared.list.iter().map(|t| &**t).collect(),
+            ));
+        }
+        tools_member(&self.tree)
+    }
+
+    /// The top-level members in the body's order, `tools` included (empty when the body is
+    /// not an object).
+    pub fn members(&self) -> Vec<(&str, Member<'_>)> {
+        let Some(map) = self.tree.as_object() else {
+            return Vec::new();
+        };
+        let mut out = Vec::with_capacity(map.len() + 1);
+        for (i, (k, v)) in map.iter().enumerate() {
+            if let Some(s) = self.shared.as_ref().filter(|s| s.at == i) {
+                out.push(("tools", Member::Tools(&s.list)));
+            }
+            out.push((k.as_str(), Member::Value(v)));
+        }
+        if let Some(s) = self.shared.as_ref().filter(|s| s.at >= map.len()) {
+            out.push(("tools", Member::Tools(&s.list)));
+        }
+        out
+    }
+
+    /// The whole tree to edit: a shared `tools` array is copied into it at its place first.
+    pub fn tree_mut(&mut self) -> &mut Value {
+        if let Some(shared) = self.shared.take() {
+            let tools = Value::Array(shared.list.iter().map(|t| Value::clone(t)).collect());
+            if let Value::Object(map) = &mut self.tree {
+                let at = shared.at.min(map.len());
+                map.shift_insert(at, "tools".to_owned(), tools);
+            }
+        }
+        &mut self.tree
+    }
+
+    /// The whole tree.
+    pub fn into_tree(mut self) -> Value {
+        self.tree_mut();
+        self.tree
+    }
+
+    /// The body as compact JSON text: the text [`to_text`] writes of [`RequestBody::into_tree`].
+    pub fn to_text(&self) -> String {
+        match &self.shared {
+            None => to_text(&self.tree),
+            Some(_) => {
+                serde_json::to_string(self).unwrap_or_else(|_| self.clone().into_tree().to_string())
+            }
+        }
+    }
+}
+
+impl serde::Serialize for RequestBody {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        if self.shared.is_none() || !self.tree.is_object() {
+            return self.tree.serialize(s);
+        }
+        let members = self.members();
+        let mut map = s.serialize_map(Some(members.len()))?;
+        for (k, v) in members {
+            match v {
+                Member::Value(v) => map.serialize_entry(k, v)?,
+                Member::Tools(list) => map.serialize_entry(k, list)?,
+            }
+        }
+        map.end()
     }
 }
 
@@ -184,7 +331,7 @@ impl ValueCache {
     }
 
     /// Keeps `value`, read from `text`.
-    fn put(&self, text: &str, value: &Value) {
+    fn put(&self, text: &str, value: &std::sync::Arc<Value>) {
         if text.len() > Self::MAX_TEXT || text.len() > self.budget {
             return;
         }
@@ -194,104 +341,168 @@ impl ValueCache {
             g.current_bytes = 0;
         }
         g.current_bytes += text.len();
-        g.current
-            .insert(text.into(), std::sync::Arc::new(value.clone()));
+        g.current.insert(text.into(), std::sync::Arc::clone(value));
     }
 }
 
-/// Where [`Cached`] reads: the request body (its `tools` member goes through the cache), or
-/// that member (each element of an array is taken from the cache, or read and kept).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Place {
-    Body,
-    Tools,
-}
-
-/// [`Unique`], but for a request body's top-level `tools` (see [`request_from_slice`]).
+/// Reads a request body for [`request_from_slice`]: its top-level `tools` array through the
+/// cache ([`ToolsRead`]), every other value as [`Unique`] does.
 #[derive(Clone, Copy)]
-struct Cached<'c> {
+struct BodyRead<'c> {
     cache: &'c ValueCache,
-    place: Place,
 }
 
-impl<'de> DeserializeSeed<'de> for Cached<'_> {
-    type Value = Value;
+impl<'de> DeserializeSeed<'de> for BodyRead<'_> {
+    type Value = RequestBody;
 
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<RequestBody, D::Error> {
         d.deserialize_any(self)
     }
 }
 
-impl<'de> Visitor<'de> for Cached<'_> {
-    type Value = Value;
+impl<'de> Visitor<'de> for BodyRead<'_> {
+    type Value = RequestBody;
 
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("a JSON value")
     }
 
-    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Value, E> {
-        Unique.visit_bool(v)
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<RequestBody, E> {
+        Unique.visit_bool(v).map(RequestBody::from)
     }
 
-    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Value, E> {
-        Unique.visit_i64(v)
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<RequestBody, E> {
+        Unique.visit_i64(v).map(RequestBody::from)
     }
 
-    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Value, E> {
-        Unique.visit_u64(v)
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<RequestBody, E> {
+        Unique.visit_u64(v).map(RequestBody::from)
     }
 
-    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Value, E> {
-        Unique.visit_f64(v)
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<RequestBody, E> {
+        Unique.visit_f64(v).map(RequestBody::from)
     }
 
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Value, E> {
-        Unique.visit_str(v)
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RequestBody, E> {
+        Unique.visit_str(v).map(RequestBody::from)
     }
 
-    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Value, E> {
-        Unique.visit_string(v)
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<RequestBody, E> {
+        Unique.visit_string(v).map(RequestBody::from)
     }
 
-    fn visit_unit<E: serde::de::Error>(self) -> Result<Value, E> {
-        Unique.visit_unit()
+    fn visit_unit<E: serde::de::Error>(self) -> Result<RequestBody, E> {
+        Unique.visit_unit().map(RequestBody::from)
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
-        if self.place != Place::Body {
-            return Unique.visit_map(map);
-        }
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<RequestBody, A::Error> {
+        Unique.visit_seq(seq).map(RequestBody::from)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RequestBody, A::Error> {
         let mut out = Map::new();
+        let mut shared: Option<SharedTools> = None;
         while let Some(key) = map.next_key::<String>()? {
-            let tools = key == "tools";
+            if key == "tools" {
+                if shared.is_some() || out.contains_key("tools") {
+                    return Err(duplicate(&key));
+                }
+                match map.next_value_seed(ToolsRead { cache: self.cache })? {
+                    ToolsValue::Shared(list) => {
+                        shared = Some(SharedTools {
+                            at: out.len(),
+                            list,
+                        });
+                    }
+                    ToolsValue::Other(v) => {
+                        out.insert(key, v);
+                    }
+                }
+                continue;
+            }
             match out.entry(key) {
                 serde_json::map::Entry::Occupied(seen) => return Err(duplicate(seen.key())),
                 serde_json::map::Entry::Vacant(slot) => {
-                    let value = if tools {
-                        map.next_value_seed(Cached {
-                            place: Place::Tools,
-                            ..self
-                        })?
-                    } else {
-                        map.next_value_seed(Unique)?
-                    };
-                    slot.insert(value);
+                    slot.insert(map.next_value_seed(Unique)?);
                 }
             }
         }
-        Ok(Value::Object(out))
+        Ok(RequestBody {
+            tree: Value::Object(out),
+            shared,
+        })
+    }
+}
+
+/// A top-level `tools` value as [`ToolsRead`] reads it.
+enum ToolsValue {
+    /// An array: each element shared (from the cache, or read and kept).
+    Shared(Vec<std::sync::Arc<Value>>),
+    /// Any other value, read as [`Unique`] does.
+    Other(Value),
+}
+
+/// Reads a request body's top-level `tools` value ([`BodyRead`]): each element of an array is
+/// taken from the cache, or read and kept.
+#[derive(Clone, Copy)]
+struct ToolsRead<'c> {
+    cache: &'c ValueCache,
+}
+
+impl<'de> DeserializeSeed<'de> for ToolsRead<'_> {
+    type Value = ToolsValue;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<ToolsValue, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ToolsRead<'_> {
+    type Value = ToolsValue;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<ToolsValue, E> {
+        Unique.visit_bool(v).map(ToolsValue::Other)
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<ToolsValue, E> {
+        Unique.visit_i64(v).map(ToolsValue::Other)
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<ToolsValue, E> {
+        Unique.visit_u64(v).map(ToolsValue::Other)
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<ToolsValue, E> {
+        Unique.visit_f64(v).map(ToolsValue::Other)
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ToolsValue, E> {
+        Unique.visit_str(v).map(ToolsValue::Other)
+    }
+
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<ToolsValue, E> {
+        Unique.visit_string(v).map(ToolsValue::Other)
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<ToolsValue, E> {
+        Unique.visit_unit().map(ToolsValue::Other)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ToolsValue, A::Error> {
+        Unique.visit_map(map).map(ToolsValue::Other)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ToolsValue, A::Error> {
         use serde::de::Error;
-        if self.place != Place::Tools {
-            return Unique.visit_seq(seq);
-        }
         let mut out = Vec::new();
         while let Some(raw) = seq.next_element::<&'de serde_json::value::RawValue>()? {
             let text = raw.get();
             let value = match self.cache.get(text) {
-                Some(kept) => Value::clone(&kept),
+                Some(kept) => kept,
                 None => {
                     // Read at the depth it has in the body (an element of the top-level
                     // object's array): the nesting limit counts from the body's root.
@@ -302,13 +513,14 @@ impl<'de> Visitor<'de> for Cached<'_> {
                         .and_then(|inner| inner.get_mut(0))
                         .map(Value::take)
                         .ok_or_else(|| A::Error::custom("a tool element read as no value"))?;
+                    let value = std::sync::Arc::new(value);
                     self.cache.put(text, &value);
                     value
                 }
             };
             out.push(value);
         }
-        Ok(Value::Array(out))
+        Ok(ToolsValue::Shared(out))
     }
 }
 
@@ -590,7 +802,8 @@ mod tests {
         for case in &cases {
             let want = shown(&from_slice(case.as_bytes()));
             for round in ["first", "cached"] {
-                let got = shown(&request_from_slice(case.as_bytes(), &cache));
+                let read = request_from_slice(case.as_bytes(), &cache);
+                let got = shown(&read.map(RequestBody::into_tree));
                 assert_eq!(got, want, "{round} read of {case}");
             }
         }
@@ -599,10 +812,65 @@ mod tests {
         let body = format!(r#"{{"tools":[{tool},{tool}]}}"#);
         for _ in 0..3 {
             assert_eq!(
-                shown(&request_from_slice(body.as_bytes(), &small)),
+                shown(&request_from_slice(body.as_bytes(), &small).map(RequestBody::into_tree)),
                 shown(&from_slice(body.as_bytes()))
             );
         }
+    }
+
+    /// A body whose `tools` are shared reads, serializes and edits as its whole tree, the
+    /// member first, in the middle, last or alone: [`RequestBody::to_text`] and
+    /// [`RequestBody::members`] put `tools` at its place, [`RequestBody::tools`] lists its
+    /// elements while [`RequestBody::tree`] lacks it, and [`RequestBody::tree_mut`] gives
+    /// the whole tree back (an edit then keeps the order too).
+    #[test]
+    fn a_body_with_shared_tools_is_its_whole_tree() {
+        let tool = r#"{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}"#;
+        let cache = ValueCache::new(1 << 20);
+        for text in [
+            format!(r#"{{"tools":[{tool},{tool}],"model":"m","n":1}}"#),
+            format!(r#"{{"model":"m","tools":[{tool}],"n":1}}"#),
+            format!(r#"{{"model":"m","n":1,"tools":[{tool}]}}"#),
+            format!(r#"{{"tools":[{tool}]}}"#),
+            r#"{"model":"m","tools":[]}"#.to_owned(),
+        ] {
+            let whole = from_slice(text.as_bytes()).unwrap();
+            for round in ["first", "cached"] {
+                let body = request_from_slice(text.as_bytes(), &cache).unwrap();
+                assert!(body.shared.is_some(), "{round}: {text}");
+                assert_eq!(body.tree().get("tools"), None, "{round}: {text}");
+                assert_eq!(body.to_text(), to_text(&whole), "{round}: {text}");
+                let names: Vec<&str> = body.members().iter().map(|(k, _)| *k).collect();
+                let want: Vec<&str> = whole
+                    .as_object()
+                    .unwrap()
+                    .keys()
+                    .map(String::as_str)
+                    .collect();
+                assert_eq!(names, want, "{round}: {text}");
+                let Some(ToolsMember::Array(list)) = body.tools() else {
+                    panic!("{round}: no tools array in {text}");
+                };
+                let listed: Vec<Value> = list.into_iter().cloned().collect();
+                assert_eq!(
+                    Some(&Value::Array(listed)),
+                    whole.get("tools"),
+                    "{round}: {text}"
+                );
+                let mut edited = body.clone();
+                edited.tree_mut()["stream_options"] = serde_json::json!({"include_usage": true});
+                let mut want_edited = whole.clone();
+                want_edited["stream_options"] = serde_json::json!({"include_usage": true});
+                assert_eq!(edited.to_text(), to_text(&want_edited), "{round}: {text}");
+                assert_eq!(body.clone().into_tree(), whole, "{round}: {text}");
+            }
+        }
+        // A `tools` that is not an array stays in the tree, where everything reads it.
+        let body = request_from_slice(br#"{"tools":{"a":1},"model":"m"}"#, &cache).unwrap();
+        assert!(body.shared.is_none());
+        assert!(
+            matches!(body.tools(), Some(ToolsMember::Other(v)) if v == &serde_json::json!({"a":1}))
+        );
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! (including the padding spaces newer captures carry).
 
 use crate::strict_json::Lookup as _;
+use crate::strict_json::{RequestBody, ToolsMember};
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
@@ -29,10 +30,10 @@ pub struct AnthropicMessages;
 impl Provider for AnthropicMessages {
     fn parse_request_with(
         &self,
-        body: &Value,
+        body: &RequestBody,
         schemas: &dyn DeclaredSchemas,
     ) -> Result<Turn, String> {
-        parse_request(body, schemas)
+        parse_request(body.tree(), body.tools(), schemas)
     }
 
     fn parse_response(
@@ -49,7 +50,7 @@ impl Provider for AnthropicMessages {
     }
 
     /// Nothing to prepare: the stream always carries `message_delta.usage`.
-    fn prepare_upstream(&self, _body: &mut Value, _turn: &mut Turn) -> bool {
+    fn prepare_upstream(&self, _body: &mut RequestBody, _turn: &mut Turn) -> bool {
         false
     }
 
@@ -128,10 +129,15 @@ impl SpliceState for MessagesSplice {
 /// `memory_*`): client tools like untyped ones.
 const CLIENT_TOOL_PREFIXES: [&str; 4] = ["bash_", "text_editor_", "computer_", "memory_"];
 
-/// Reads a Messages request body.
+/// Reads a Messages request body: `body`'s tree and its top-level `tools` member, which
+/// `tools` gives ([`RequestBody::tools`]: the tree lacks it while the body shares its tools).
 ///
 /// Errors: a human-readable reason naming the offending field.
-pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn, String> {
+fn parse_request(
+    body: &Value,
+    tools: Option<ToolsMember<'_>>,
+    schemas: &dyn DeclaredSchemas,
+) -> Result<Turn, String> {
     let obj = body.as_object().ok_or("the body must be a JSON object")?;
     let messages = obj
         .get("messages")
@@ -154,9 +160,9 @@ pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn
         arguments_fixed: false,
         provider_delegations: Vec::new(),
     };
-    if let Some(list) = obj.get("tools") {
-        let list = list.as_array().ok_or("`tools` must be an array")?;
-        for (i, t) in list.iter().enumerate() {
+    if let Some(member) = tools {
+        let list = member.into_array().ok_or("`tools` must be an array")?;
+        for (i, t) in list.into_iter().enumerate() {
             // Client tools have no `type` (or `custom`); Anthropic-defined tools the client
             // runs are client tools too; every other typed tool is a server tool the provider
             // runs in this very turn: the model may read its output before it calls a tool,

@@ -83,16 +83,21 @@ pub trait Provider: Sync {
     ///
     /// Errors: a reason naming the field that is not what the API expects.
     fn parse_request(&self, body: &Value) -> Result<Turn, String> {
-        self.parse_request_with(body, &crate::model::CopiedSchemas)
+        self.parse_request_with(
+            &crate::strict_json::RequestBody::from(body.clone()),
+            &crate::model::CopiedSchemas,
+        )
     }
 
-    /// [`Provider::parse_request`], each declared schema taken through `schemas` (the proxy
-    /// passes its schema cache, which shares the tree it keeps for an equal schema).
+    /// [`Provider::parse_request`] of a body as the proxy holds it (its declared tools
+    /// possibly shared, [`crate::strict_json::RequestBody`]), each declared schema taken
+    /// through `schemas` (the proxy passes its schema cache, which shares the tree it keeps
+    /// for an equal schema).
     ///
     /// Errors: as [`Provider::parse_request`].
     fn parse_request_with(
         &self,
-        body: &Value,
+        body: &crate::strict_json::RequestBody,
         schemas: &dyn crate::model::DeclaredSchemas,
     ) -> Result<Turn, String>;
 
@@ -114,7 +119,8 @@ pub trait Provider: Sync {
     /// Chat stream with a token limit asks for its usage chunk). The agent's own request (its
     /// digest, its record) is not changed; `turn` notes what was asked. Returns whether `body`
     /// changed: when it did not, the agent's own bytes are what goes upstream.
-    fn prepare_upstream(&self, body: &mut Value, turn: &mut Turn) -> bool;
+    fn prepare_upstream(&self, body: &mut crate::strict_json::RequestBody, turn: &mut Turn)
+        -> bool;
 
     /// What the journal keeps of a non-stream response the provider stores for later turns
     /// (`previous_response_id`); `None` for an API without stored responses.

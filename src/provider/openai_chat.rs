@@ -9,6 +9,7 @@
 //! decision changes are re-emitted byte for byte.
 
 use crate::strict_json::Lookup as _;
+use crate::strict_json::{RequestBody, ToolsMember};
 use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
@@ -32,10 +33,10 @@ pub struct OpenAiChat;
 impl Provider for OpenAiChat {
     fn parse_request_with(
         &self,
-        body: &Value,
+        body: &RequestBody,
         schemas: &dyn DeclaredSchemas,
     ) -> Result<Turn, String> {
-        parse_request(body, schemas)
+        parse_request(body.tree(), body.tools(), schemas)
     }
 
     fn parse_response(
@@ -52,8 +53,11 @@ impl Provider for OpenAiChat {
     }
 
     /// See [`prepare_upstream`].
-    fn prepare_upstream(&self, body: &mut Value, turn: &mut Turn) -> bool {
-        prepare_upstream(body, turn)
+    fn prepare_upstream(&self, body: &mut RequestBody, turn: &mut Turn) -> bool {
+        if !needs_usage_request(turn) {
+            return false;
+        }
+        prepare_upstream(body.tree_mut(), turn)
     }
 
     /// Chat stores no responses.
@@ -164,16 +168,21 @@ impl SpliceState for ChatSplice {
     }
 }
 
-/// Reads a Chat Completions request body.
+/// Reads a Chat Completions request body: `body`'s tree and its top-level `tools` member, which
+/// `tools` gives ([`RequestBody::tools`]: the tree lacks it while the body shares its tools).
 ///
 /// Errors: a human-readable reason naming the offending field.
-pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn, String> {
+fn parse_request(
+    body: &Value,
+    tools: Option<ToolsMember<'_>>,
+    schemas: &dyn DeclaredSchemas,
+) -> Result<Turn, String> {
     let obj = body.as_object().ok_or("the body must be a JSON object")?;
     let messages = obj
         .get("messages")
         .and_then(Value::as_array)
         .ok_or("`messages` must be an array")?;
-    let (tools, unknown_tools) = declared_tools(obj, schemas)?;
+    let (tools, unknown_tools) = declared_tools(obj, tools, schemas)?;
     let mut turn = Turn {
         item_references: Vec::new(),
         api: Api::OpenAiChat,
@@ -280,13 +289,14 @@ pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn
 /// Errors: `tools` not an array, or a function tool without `function` or `function.name`.
 fn declared_tools(
     obj: &serde_json::Map<String, Value>,
+    member: Option<ToolsMember<'_>>,
     schemas: &dyn DeclaredSchemas,
 ) -> Result<(Vec<DeclaredTool>, Vec<usize>), String> {
     let mut tools = Vec::new();
     let mut unknown_tools = Vec::new();
-    if let Some(list) = obj.get("tools") {
-        let list = list.as_array().ok_or("`tools` must be an array")?;
-        for (i, t) in list.iter().enumerate() {
+    if let Some(member) = member {
+        let list = member.into_array().ok_or("`tools` must be an array")?;
+        for (i, t) in list.into_iter().enumerate() {
             match t.get("type").and_then(Value::as_str) {
                 Some("function") => {}
                 // Client-executed free-form tools: calls to them are undeclared for admission
@@ -430,7 +440,7 @@ pub fn classify(
 /// usage chunk is then turnguard's own and is not forwarded ([`Turn::usage_for_turnguard`]).
 /// Returns whether the body changed.
 pub fn prepare_upstream(body: &mut Value, turn: &mut Turn) -> bool {
-    if !turn.stream || turn.include_usage || turn.max_output_tokens.is_none() {
+    if !needs_usage_request(turn) {
         return false;
     }
     let Some(obj) = body.as_object_mut() else {
@@ -446,6 +456,12 @@ pub fn prepare_upstream(body: &mut Value, turn: &mut Turn) -> bool {
         turn.usage_for_turnguard = true;
     }
     true
+}
+
+/// Whether [`prepare_upstream`] changes a request of `turn`: a stream with a token limit whose
+/// agent did not ask for usage (the body's whole tree is taken only then).
+fn needs_usage_request(turn: &Turn) -> bool {
+    turn.stream && !turn.include_usage && turn.max_output_tokens.is_some()
 }
 
 fn call_from_message(c: &Value) -> ToolCall {
@@ -1711,11 +1727,9 @@ mod tests {
 
     /// A stream that read `chunks` (each one `data:` event) and holds a decided round.
     fn holding(chunks: &[Value]) -> ChatStream {
-        let turn = parse_request(
-            &json!({"model": "m", "stream": true, "messages": []}),
-            &crate::model::CopiedSchemas,
-        )
-        .unwrap();
+        let turn = OpenAiChat
+            .parse_request(&json!({"model": "m", "stream": true, "messages": []}))
+            .unwrap();
         let mut stream = ChatStream::new(&turn);
         let mut framer = crate::sse::SseFramer::new(1 << 20);
         let mut forwarded = Vec::new();

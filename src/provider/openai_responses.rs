@@ -56,6 +56,7 @@
 //!   closed with 404; background *streaming* goes through this adapter like any stream.
 
 use crate::strict_json::Lookup as _;
+use crate::strict_json::{RequestBody, ToolsMember};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use bytes::Bytes;
@@ -77,10 +78,10 @@ pub struct OpenAiResponses;
 impl Provider for OpenAiResponses {
     fn parse_request_with(
         &self,
-        body: &Value,
+        body: &RequestBody,
         schemas: &dyn DeclaredSchemas,
     ) -> Result<Turn, String> {
-        parse_request(body, schemas)
+        parse_request(body.tree(), body.tools(), schemas)
     }
 
     fn parse_response(
@@ -97,7 +98,7 @@ impl Provider for OpenAiResponses {
     }
 
     /// Nothing to prepare: the terminal event always carries `usage`.
-    fn prepare_upstream(&self, _body: &mut Value, _turn: &mut Turn) -> bool {
+    fn prepare_upstream(&self, _body: &mut RequestBody, _turn: &mut Turn) -> bool {
         false
     }
 
@@ -227,10 +228,15 @@ const PROVIDER_ITEMS: [&str; 7] = [
 /// Longest stored item id the journal keeps for `item_reference` lookups (characters).
 const MAX_ITEM_ID: usize = 256;
 
-/// Reads a Responses request body.
+/// Reads a Responses request body: `body`'s tree and its top-level `tools` member, which
+/// `tools` gives ([`RequestBody::tools`]: the tree lacks it while the body shares its tools).
 ///
 /// Errors: a human-readable reason naming the offending field.
-pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn, String> {
+fn parse_request(
+    body: &Value,
+    tools: Option<ToolsMember<'_>>,
+    schemas: &dyn DeclaredSchemas,
+) -> Result<Turn, String> {
     let obj = body.as_object().ok_or("the body must be a JSON object")?;
     let items: &[Value] = match obj.get("input") {
         None | Some(Value::Null) | Some(Value::String(_)) => &[],
@@ -262,9 +268,10 @@ pub fn parse_request(body: &Value, schemas: &dyn DeclaredSchemas) -> Result<Turn
         // rewrite them.
         arguments_fixed: stream,
     };
-    if let Some(list) = obj.get("tools").filter(|v| !v.is_null()) {
-        let list = list.as_array().ok_or("`tools` must be an array")?;
-        declare_tools(&mut turn, list, None, "tools", schemas)?;
+    match tools {
+        None | Some(ToolsMember::Other(Value::Null)) => {}
+        Some(ToolsMember::Other(_)) => return Err("`tools` must be an array".into()),
+        Some(ToolsMember::Array(list)) => declare_tools(&mut turn, list, None, "tools", schemas)?,
     }
     // The provider holds the turns before `previous_response_id`, which this request does not
     // show: the trust stage judges them from turnguard's journal of that response chain
@@ -363,11 +370,7 @@ fn read_item(
         // Tools the host supplies in the conversation (Codex's lite shape): host input,
         // declared like `tools`, never model output.
         "additional_tools" => {
-            let list = item
-                .get("tools")
-                .and_then(Value::as_array)
-                .ok_or_else(|| format!("`input[{i}].tools` must be an array"))?;
-            declare_tools(turn, list, None, &format!("input[{i}].tools"), schemas)?;
+            declare_item_tools(turn, item, i, schemas)?;
         }
         // The result of a tool search the agent ran: the tools it loaded, which the
         // agent (host) supplies; declared like `tools`.
@@ -380,11 +383,7 @@ fn read_item(
                     is_error: false,
                 });
             }
-            let list = item
-                .get("tools")
-                .and_then(Value::as_array)
-                .ok_or_else(|| format!("`input[{i}].tools` must be an array"))?;
-            declare_tools(turn, list, None, &format!("input[{i}].tools"), schemas)?;
+            declare_item_tools(turn, item, i, schemas)?;
         }
         _ if item_kind(item) == Kind::Call => {
             let name = call_name(item);
@@ -433,6 +432,23 @@ fn read_item(
     Ok(())
 }
 
+/// Declares the tools an `input[i]` item supplies (`additional_tools`, a client
+/// `tool_search_output`) like the request's own `tools`.
+///
+/// Errors: the item's `tools` is not an array, or [`declare_tools`]'s.
+fn declare_item_tools(
+    turn: &mut Turn,
+    item: &Value,
+    i: usize,
+    schemas: &dyn DeclaredSchemas,
+) -> Result<(), String> {
+    let list = item
+        .get("tools")
+        .and_then(Value::as_array)
+        .ok_or_else(|| format!("`input[{i}].tools` must be an array"))?;
+    declare_tools(turn, list, None, &format!("input[{i}].tools"), schemas)
+}
+
 /// Declares the tools of a tool list (`tools`, an `additional_tools` input item's `tools`, a
 /// client `tool_search_output`'s `tools`); `at` is the list's request path.
 ///
@@ -448,14 +464,14 @@ fn read_item(
 ///
 /// Errors: a function, custom or namespace tool without a string `name`, a `namespace`
 /// without a `tools` array.
-fn declare_tools(
+fn declare_tools<'a>(
     turn: &mut Turn,
-    list: &[Value],
+    list: impl IntoIterator<Item = &'a Value>,
     namespace: Option<&str>,
     at: &str,
     schemas: &dyn DeclaredSchemas,
 ) -> Result<(), String> {
-    for (i, t) in list.iter().enumerate() {
+    for (i, t) in list.into_iter().enumerate() {
         let ty = str_of(t, "type").unwrap_or_default();
         let name = || str_of(t, "name").ok_or_else(|| format!("`{at}[{i}].name` must be a string"));
         match ty {
@@ -476,7 +492,13 @@ fn declare_tools(
                     .get("tools")
                     .and_then(Value::as_array)
                     .ok_or_else(|| format!("`{at}[{i}].tools` must be an array"))?;
-                declare_tools(turn, nested, Some(ns), &format!("{at}[{i}].tools"), schemas)?;
+                declare_tools(
+                    turn,
+                    nested.iter(),
+                    Some(ns),
+                    &format!("{at}[{i}].tools"),
+                    schemas,
+                )?;
             }
             "namespace" => {
                 return Err(format!(
@@ -2092,7 +2114,7 @@ mod tests {
                 {"type": "custom_tool_call_output", "call_id": "call_9", "output": [{"type": "input_text", "text": "x"}]}
             ]
         });
-        let t = parse_request(&body, &crate::model::CopiedSchemas).unwrap();
+        let t = OpenAiResponses.parse_request(&body).unwrap();
         assert_eq!(t.api, Api::OpenAiResponses);
         assert_eq!(t.tools.len(), 1);
         assert_eq!(t.tools[0].name, "get_capital");
@@ -2130,25 +2152,19 @@ mod tests {
                 )
             ]
         );
-        let plain = parse_request(
-            &json!({"model": "m", "input": "hi"}),
-            &crate::model::CopiedSchemas,
-        )
-        .unwrap();
+        let plain = OpenAiResponses
+            .parse_request(&json!({"model": "m", "input": "hi"}))
+            .unwrap();
         assert_eq!((plain.round_index, plain.tool_results.len()), (0, 0));
         // A stored chain is judged by the trust stage from the journal, not here; a
         // conversation's history is never journaled, so it is provider-held and untrusted.
-        let chained = parse_request(
-            &json!({"input": "hi", "previous_response_id": "resp_1"}),
-            &crate::model::CopiedSchemas,
-        );
+        let chained = OpenAiResponses
+            .parse_request(&json!({"input": "hi", "previous_response_id": "resp_1"}));
         assert!(chained.unwrap().untrusted_inputs.is_empty());
         for conversation in [json!("conv_1"), json!({"id": "conv_1"})] {
-            let t = parse_request(
-                &json!({"input": "hi", "conversation": conversation}),
-                &crate::model::CopiedSchemas,
-            )
-            .unwrap();
+            let t = OpenAiResponses
+                .parse_request(&json!({"input": "hi", "conversation": conversation}))
+                .unwrap();
             assert!(!t.untrusted_inputs.is_empty());
         }
     }
@@ -2171,7 +2187,7 @@ mod tests {
                 {"role": "user", "content": "go"}
             ]
         });
-        let t = parse_request(&body, &crate::model::CopiedSchemas).unwrap();
+        let t = OpenAiResponses.parse_request(&body).unwrap();
         let tools: Vec<(&str, Option<&FreeformFormat>)> = t
             .tools
             .iter()
@@ -2193,7 +2209,7 @@ mod tests {
         let nested = json!({"input": [{"type": "additional_tools", "tools": [
             {"type": "namespace", "name": "a", "tools": [{"type": "namespace", "name": "b", "tools": []}]}
         ]}]});
-        assert!(parse_request(&nested, &crate::model::CopiedSchemas).is_err());
+        assert!(OpenAiResponses.parse_request(&nested).is_err());
         assert_eq!(
             freeform_format(Some(&json!({"type": "grammar", "syntax": "ebnf"}))),
             FreeformFormat::Unknown("grammar/ebnf".into())
@@ -2211,7 +2227,9 @@ mod tests {
                 {"type": "custom_tool_call", "id": "ctc_1", "call_id": "call_2", "name": "sql", "input": "SELECT 1"}
             ]
         });
-        let turn = parse_request(&json!({"input": "x"}), &crate::model::CopiedSchemas).unwrap();
+        let turn = OpenAiResponses
+            .parse_request(&json!({"input": "x"}))
+            .unwrap();
         let round = parse_response(&body, &turn.answer_context()).unwrap();
         let calls: Vec<(&str, &str, &str)> = round[0]
             .calls

@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::pipeline::{Finish, Pipeline};
@@ -31,7 +30,7 @@ use crate::request::Session;
 /// How one model round ended.
 pub(super) enum RoundEnd {
     /// Ask the model again with this body; a stream splices its answer like this.
-    Repair(Value, Splice),
+    Repair(crate::strict_json::RequestBody, Splice),
     /// An outcome surfaced as an error: the stream ended with its error event; a JSON
     /// answer is this error, with its status. The journal's note of why, if any.
     Refused(SurfacedError, Option<String>),
@@ -44,7 +43,7 @@ pub(super) enum RoundEnd {
 /// What the engine does after a decision point.
 enum Next {
     Continue,
-    Repair(Value, Splice),
+    Repair(crate::strict_json::RequestBody, Splice),
     Stop(SurfacedError),
     /// The agent went away while the calls were decided: nothing is released.
     Gone,
@@ -351,7 +350,7 @@ async fn refused_answer(
     if agent.holds()
         && crate::admission::completion::repairable(reason)
         && session.repairs_left > 0
-        && adapter.choices_requested(&session.body) == 1
+        && adapter.choices_requested(session.body.tree()) == 1
     {
         let spec_name = session.channel.as_ref().map_or("", |c| c.name.as_str());
         let feedback = format!(
@@ -359,7 +358,7 @@ async fn refused_answer(
             crate::admission::sanitize_label(spec_name)
         );
         let mut next = session.body.clone();
-        adapter.append_text_repair(&mut next, pipeline.answer_text(), &feedback);
+        adapter.append_text_repair(next.tree_mut(), pipeline.answer_text(), &feedback);
         return RoundEnd::Repair(next, pipeline.abandon_answer());
     }
     let channel = session

@@ -72,7 +72,7 @@ impl Session {
         self.rounds += 1;
         let raw = match self.agent_bytes.take() {
             Some(raw) => raw,
-            None => Bytes::from(crate::strict_json::to_text(&self.body)),
+            None => Bytes::from(self.body.to_text()),
         };
         upstream::send(
             &self.state,
@@ -163,7 +163,7 @@ async fn turn(
     if let Some(reason) = admission::clarification_unsupported(&turn, &policy) {
         return Err(WireError::CapabilityNotProvided { reason });
     }
-    let channel = channel_of(&parts.headers, api, &json, &turn, &policy)?;
+    let channel = channel_of(&parts.headers, api, json.tree(), &turn, &policy)?;
     check_channel_schema_size(state, channel.as_ref())?;
     refuse_run_while_journal_fails(state, ctx)?;
     record_before_upstream(state, ctx, &turn, &policy, trust, person.as_deref()).await?;
@@ -463,7 +463,7 @@ fn check_schema_sizes(state: &AppState, turn: &mut Turn) -> Result<(), WireError
 /// The agent's body as JSON; a body with a repeated object key is refused (what is
 /// forwarded unchanged must read one way: [`crate::strict_json`]). Declared tools read
 /// before are taken as read ([`crate::strict_json::request_from_slice`]).
-fn parse_json(state: &AppState, raw: &[u8]) -> Result<Value, WireError> {
+fn parse_json(state: &AppState, raw: &[u8]) -> Result<crate::strict_json::RequestBody, WireError> {
     crate::strict_json::request_from_slice(raw, &state.declared_tools).map_err(|e| {
         WireError::InvalidRequest {
             reason: e.to_string(),

@@ -89,7 +89,8 @@ impl Session {
             run: self.ctx.run.run_id.as_deref(),
             provider: self.turn.api.as_str(),
             approved: &approved,
-            repairs_left: if crate::provider::adapter(self.turn.api).choices_requested(&self.body)
+            repairs_left: if crate::provider::adapter(self.turn.api)
+                .choices_requested(self.body.tree())
                 > 1
             {
                 0
@@ -388,9 +389,13 @@ impl Session {
 
     /// The request body for a repair round: the choice's withheld calls as an assistant turn,
     /// then one host-authored tool result per call (tool-turn contract §B, §G).
-    pub fn repaired(&self, choice: &ChoiceEmissions, items: &[crate::model::RepairItem]) -> Value {
+    pub fn repaired(
+        &self,
+        choice: &ChoiceEmissions,
+        items: &[crate::model::RepairItem],
+    ) -> crate::strict_json::RequestBody {
         let mut body = self.body.clone();
-        provider::adapter(self.turn.api).append_repair(&mut body, choice, items);
+        provider::adapter(self.turn.api).append_repair(body.tree_mut(), choice, items);
         body
     }
 

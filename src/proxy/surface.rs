@@ -6,7 +6,7 @@
 use axum::response::Response;
 use http::StatusCode;
 use hyper::body::Incoming;
-use serde_json::{json, Value};
+use serde_json::json;
 
 use super::engine::{finish_round, read_round, RelayCtx, RoundEnd, ToAgent};
 use super::pipeline::Pipeline;
@@ -39,7 +39,7 @@ pub(super) enum JsonRound {
     /// The agent's answer: committed with its round, ready to leave.
     Respond(Response),
     /// Ask the model again with this body.
-    Repair(Value),
+    Repair(crate::strict_json::RequestBody),
     /// Answer with this surfaced error.
     Error(SurfacedError),
 }

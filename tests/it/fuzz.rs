@@ -33,6 +33,7 @@ use turnguard::policy::bundle::ContentTrust;
 use turnguard::policy::{BundleSource, CompiledPolicy};
 use turnguard::proxy::pipeline::{Finish, Pipeline};
 use turnguard::sse::{Event, SseFramer};
+use turnguard::strict_json::RequestBody;
 
 use crate::support;
 
@@ -378,11 +379,11 @@ proptest! {
     fn request_parsers_digests_and_jcs_never_panic(api in proptest::sample::select(&APIS[..]), body in prop_oneof![request(Api::OpenAiChat), request(Api::AnthropicMessages), request(Api::OpenAiResponses)]) {
         let _ = turnguard::provider::adapter(api).parse_request(&body);
         let _ = turnguard::provider::adapter(api).structured_schema(&body);
-        let _ = turnguard::recipes::semantic_request_digest(api, &body);
+        let _ = turnguard::recipes::semantic_request_digest(api, &RequestBody::from(body.clone()));
         let jcs = turnguard::admission::arguments::canonical(&body);
         let back: Value = serde_json::from_slice(&jcs).expect("JCS output is JSON");
         prop_assert_eq!(turnguard::admission::arguments::canonical(&back), jcs);
-        let mut up = body.clone();
+        let mut up = RequestBody::from(body.clone());
         if let Ok(mut turn) = turnguard::provider::adapter(api).parse_request(&body) {
             turnguard::provider::adapter(api).prepare_upstream(&mut up, &mut turn);
         }
@@ -413,10 +414,29 @@ proptest! {
             Ok(v) => format!("ok {v}"),
             Err(e) => format!("err {e}"),
         };
-        let want = shown(turnguard::strict_json::from_slice(text.as_bytes()));
+        let tree = turnguard::strict_json::from_slice(text.as_bytes());
+        let (want_text, want_digest) = match &tree {
+            Ok(t) => (
+                turnguard::strict_json::to_text(t),
+                turnguard::recipes::semantic_request_digest(Api::OpenAiChat, &RequestBody::from(t.clone())),
+            ),
+            Err(_) => (String::new(), String::new()),
+        };
+        let want = shown(tree);
         let cache = turnguard::strict_json::ValueCache::new(1 << 20);
         for round in ["first", "cached"] {
-            let got = shown(turnguard::strict_json::request_from_slice(text.as_bytes(), &cache));
+            let read = turnguard::strict_json::request_from_slice(text.as_bytes(), &cache);
+            // What goes upstream when turnguard rewrites the body, and its digest: the
+            // whole tree's, with the shared tools at their place.
+            if let Ok(body) = &read {
+                prop_assert_eq!(&body.to_text(), &want_text, "{} read of {}", round, text);
+                prop_assert_eq!(
+                    &turnguard::recipes::semantic_request_digest(Api::OpenAiChat, body),
+                    &want_digest,
+                    "{} read of {}", round, text
+                );
+            }
+            let got = shown(read.map(RequestBody::into_tree));
             prop_assert_eq!(&got, &want, "{} read of {}", round, text);
         }
     }
