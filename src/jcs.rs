@@ -24,6 +24,8 @@ pub enum View<'a> {
     Array(Vec<View<'a>>),
     /// An object; member names must be distinct (they are sorted here).
     Object(Vec<(&'a str, View<'a>)>),
+    /// A value's RFC 8785 form, already written ([`to_vec`]'s output): copied as it is.
+    Canonical(&'a [u8]),
 }
 
 /// The RFC 8785 form of `v`.
@@ -44,6 +46,7 @@ fn write_view(out: &mut Vec<u8>, v: &View<'_>) {
     match v {
         View::Value(v) => write_value(out, v),
         View::Str(s) => write_str(out, s),
+        View::Canonical(text) => out.extend_from_slice(text),
         View::Array(items) => write_array(out, items, write_view),
         View::Object(members) => write_object(
             out,
@@ -315,6 +318,17 @@ mod tests {
             ),
         ]);
         let tree = json!({"tools": tools, "recipe": "r", "model": "gpt"});
+        assert_eq!(view_to_vec(&view), serde_jcs::to_vec(&tree).unwrap());
+        // The same with each tool given by its canonical form, written before.
+        let written: Vec<Vec<u8>> = tools.as_array().unwrap().iter().map(to_vec).collect();
+        let view = View::Object(vec![
+            ("model", View::Value(&model)),
+            ("recipe", View::Str("r")),
+            (
+                "tools",
+                View::Array(written.iter().map(|t| View::Canonical(t)).collect()),
+            ),
+        ]);
         assert_eq!(view_to_vec(&view), serde_jcs::to_vec(&tree).unwrap());
     }
 }

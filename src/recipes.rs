@@ -64,14 +64,22 @@ pub fn semantic_request_digest(api: Api, body: &RequestBody) -> String {
             continue;
         }
         if k == "tools" {
-            let mut tools: Vec<&Value> = match v {
-                Member::Tools(list) => list.iter().map(|t| &**t).collect(),
-                Member::Value(v) => v.as_array().map(|a| a.iter().collect()).unwrap_or_default(),
+            // Shared tools (the request path's) are canonicalized once and kept with their
+            // tree: an agent's unchanged tools are not written again every turn.
+            let mut tools: Vec<(&Value, View<'_>)> = match v {
+                Member::Tools(list) => list
+                    .iter()
+                    .map(|t| (t.tree(), View::Canonical(t.canonical(crate::jcs::to_vec))))
+                    .collect(),
+                Member::Value(v) => v
+                    .as_array()
+                    .map(|a| a.iter().map(|t| (t, View::Value(t))).collect())
+                    .unwrap_or_default(),
             };
-            tools.sort_by_cached_key(|t| tool_name(t));
+            tools.sort_by_cached_key(|(t, _)| tool_name(t));
             semantic.push((
                 "tools",
-                View::Array(tools.into_iter().map(View::Value).collect()),
+                View::Array(tools.into_iter().map(|(_, view)| view).collect()),
             ));
         } else if let Member::Value(v) = v {
             if SEMANTIC.contains(&k) {

@@ -168,7 +168,40 @@ pub struct RequestBody {
 struct SharedTools {
     /// How many of the tree's members come before `tools` in the body.
     at: usize,
-    list: Vec<std::sync::Arc<Value>>,
+    list: Vec<std::sync::Arc<SharedTool>>,
+}
+
+/// One element of a top-level `tools` array as [`ValueCache`] keeps it and bodies share it:
+/// the tree [`from_slice`] reads of its text, and its RFC 8785 form once the semantic digest
+/// wrote it ([`SharedTool::canonical`]), so an agent's unchanged tools are canonicalized once,
+/// not every turn.
+#[derive(Debug)]
+pub struct SharedTool {
+    tree: Value,
+    canonical: std::sync::OnceLock<Box<[u8]>>,
+}
+
+impl SharedTool {
+    fn new(tree: Value) -> Self {
+        SharedTool {
+            tree,
+            canonical: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The element's tree.
+    pub fn tree(&self) -> &Value {
+        &self.tree
+    }
+
+    /// The tree's RFC 8785 form: `canonicalize(tree)` the first time, kept with the tree and
+    /// shared by every body holding it after. Every caller passes `crate::jcs::to_vec` (the
+    /// one canonicalization; this module imports nothing of the crate): the semantic digest
+    /// ([`crate::recipes`]) is the only one.
+    pub fn canonical(&self, canonicalize: impl FnOnce(&Value) -> Vec<u8>) -> &[u8] {
+        self.canonical
+            .get_or_init(|| canonicalize(&self.tree).into_boxed_slice())
+    }
 }
 
 /// A request body's top-level `tools` member ([`RequestBody::tools`]).
@@ -194,7 +227,7 @@ pub enum Member<'a> {
     /// A member of the tree.
     Value(&'a Value),
     /// The shared `tools` array's elements.
-    Tools(&'a [std::sync::Arc<Value>]),
+    Tools(&'a [std::sync::Arc<SharedTool>]),
 }
 
 /// The top-level `tools` member of a body held as one tree (what [`RequestBody::tools`] reads
@@ -223,7 +256,7 @@ impl RequestBody {
     pub fn tools(&self) -> Option<ToolsMember<'_>> {
         if let Some(shared) = &self.shared {
             return Some(ToolsMember::Array(
-                shared.list.iter().map(|t| &**t).collect(),
+                shared.list.iter().map(|t| &t.tree).collect(),
             ));
         }
         tools_member(&self.tree)
@@ -251,7 +284,7 @@ impl RequestBody {
     /// The whole tree to edit: a shared `tools` array is copied into it at its place first.
     pub fn tree_mut(&mut self) -> &mut Value {
         if let Some(shared) = self.shared.take() {
-            let tools = Value::Array(shared.list.iter().map(|t| Value::clone(t)).collect());
+            let tools = Value::Array(shared.list.iter().map(|t| t.tree.clone()).collect());
             if let Value::Object(map) = &mut self.tree {
                 let at = shared.at.min(map.len());
                 map.shift_insert(at, "tools".to_owned(), tools);
@@ -288,18 +321,20 @@ impl serde::Serialize for RequestBody {
         for (k, v) in members {
             match v {
                 Member::Value(v) => map.serialize_entry(k, v)?,
-                Member::Tools(list) => map.serialize_entry(k, list)?,
+                Member::Tools(list) => map.serialize_entry(k, &TreesOf(list))?,
             }
         }
         map.end()
     }
 }
 
-/// JSON trees by the exact text they were read from ([`request_from_slice`]'s declared
-/// tools), for texts of at most [`ValueCache::MAX_TEXT`] bytes. Two generations of at most
-/// `budget` bytes of text each: when the newer one is full it becomes the older one, and the
-/// older one is dropped. A tree takes a few times its text's size, so the memory is bounded by
-/// a small multiple of 2 × `budget`.
+/// Shared trees ([`SharedTool`]) by the exact text they were read from
+/// ([`request_from_slice`]'s declared tools), for texts of at most [`ValueCache::MAX_TEXT`]
+/// bytes. Two generations of at most `budget` bytes of text each: when the newer one is full
+/// it becomes the older one, and the older one is dropped (a body still holding one of its
+/// trees keeps it until the body is dropped). A tree takes a few times its text's size and its
+/// canonical form, once written, about its text's size, so the memory is bounded by a small
+/// multiple of 2 × `budget`.
 pub struct ValueCache {
     budget: usize,
     generations: std::sync::Mutex<ValueGenerations>,
@@ -307,9 +342,9 @@ pub struct ValueCache {
 
 #[derive(Default)]
 struct ValueGenerations {
-    current: std::collections::HashMap<Box<str>, std::sync::Arc<Value>>,
+    current: std::collections::HashMap<Box<str>, std::sync::Arc<SharedTool>>,
     current_bytes: usize,
-    older: std::collections::HashMap<Box<str>, std::sync::Arc<Value>>,
+    older: std::collections::HashMap<Box<str>, std::sync::Arc<SharedTool>>,
 }
 
 impl ValueCache {
@@ -325,13 +360,13 @@ impl ValueCache {
     }
 
     /// The tree read from exactly `text`, if kept.
-    fn get(&self, text: &str) -> Option<std::sync::Arc<Value>> {
+    fn get(&self, text: &str) -> Option<std::sync::Arc<SharedTool>> {
         let g = self.generations.lock().unwrap_or_else(|e| e.into_inner());
         g.current.get(text).or_else(|| g.older.get(text)).cloned()
     }
 
     /// Keeps `value`, read from `text`.
-    fn put(&self, text: &str, value: &std::sync::Arc<Value>) {
+    fn put(&self, text: &str, value: &std::sync::Arc<SharedTool>) {
         if text.len() > Self::MAX_TEXT || text.len() > self.budget {
             return;
         }
@@ -342,6 +377,15 @@ impl ValueCache {
         }
         g.current_bytes += text.len();
         g.current.insert(text.into(), std::sync::Arc::clone(value));
+    }
+}
+
+/// Shared tools serialized as the array of their trees.
+struct TreesOf<'a>(&'a [std::sync::Arc<SharedTool>]);
+
+impl serde::Serialize for TreesOf<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(|t| &t.tree))
     }
 }
 
@@ -437,7 +481,7 @@ impl<'de> Visitor<'de> for BodyRead<'_> {
 /// A top-level `tools` value as [`ToolsRead`] reads it.
 enum ToolsValue {
     /// An array: each element shared (from the cache, or read and kept).
-    Shared(Vec<std::sync::Arc<Value>>),
+    Shared(Vec<std::sync::Arc<SharedTool>>),
     /// Any other value, read as [`Unique`] does.
     Other(Value),
 }
@@ -513,7 +557,7 @@ impl<'de> Visitor<'de> for ToolsRead<'_> {
                         .and_then(|inner| inner.get_mut(0))
                         .map(Value::take)
                         .ok_or_else(|| A::Error::custom("a tool element read as no value"))?;
-                    let value = std::sync::Arc::new(value);
+                    let value = std::sync::Arc::new(SharedTool::new(value));
                     self.cache.put(text, &value);
                     value
                 }
