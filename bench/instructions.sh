@@ -7,20 +7,25 @@
 #   CELL=jsonagent REQUESTS=1200 bench/instructions.sh old new
 #   KEEP=/tmp/cg bench/instructions.sh new   # also keeps the last busy callgrind file there
 #   BENCHTOOL=/tmp/benchtool bench/instructions.sh new   # a benchtool built before: no build
+#   WITHOUT_SHA=1 bench/instructions.sh new   # SHA-256's compression function not counted
 #
 # Per binary: one run with REQUESTS requests (8 keep-alive connections, one at a time each)
 # and one with 8, both under callgrind; instructions/request = (total − idle) / (REQUESTS − 8),
 # so start-up, policy compilation and shutdown cancel out. Prints the top inclusive turnguard
 # functions of the last binary. Caveats: user space only (no syscalls, no kernel time);
 # valgrind does not emulate the SHA extensions, so SHA-256 runs in software and digest work is
-# overstated next to a native run; the journal's group commits are smaller under valgrind's
-# slowdown, so per-commit costs are overstated too. Needs valgrind and a release benchtool.
+# overstated next to a native run (a third of the json cell's count; WITHOUT_SHA=1 leaves
+# sha2's compression function out: valgrind's --toggle-collect); the journal's group commits
+# are smaller under valgrind's slowdown, so per-commit costs are overstated too. Needs
+# valgrind and a release benchtool.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/common.sh
 [ $# -ge 1 ] || { echo "usage: bench/instructions.sh BINARY [BINARY…]" >&2; exit 2; }
 command -v valgrind >/dev/null || { echo "valgrind is missing: apt-get install valgrind" >&2; exit 1; }
 CELL=${CELL:-json}
+VG=(valgrind --tool=callgrind)
+[ -n "${WITHOUT_SHA:-}" ] && VG+=(--toggle-collect='sha2::sha256::compress256*' --collect-atstart=yes)
 REQUESTS=${REQUESTS:-2400}
 case "$CELL" in
   json) script=bench/post.lua ;;
@@ -41,7 +46,7 @@ count() { # binary requests → instructions of the whole process
   local bin=$1 n=$2 port admin pid out
   port=$(free_port); admin=$(free_port); out="$WORK/cg.$n.out"
   rm -f "$WORK/journal.db"*
-  valgrind --tool=callgrind --callgrind-out-file="$out" "$bin" serve --listen "127.0.0.1:$port" \
+  "${VG[@]}" --callgrind-out-file="$out" "$bin" serve --listen "127.0.0.1:$port" \
     --admin-listen "127.0.0.1:$admin" --journal "$WORK/journal.db" --policy "$WORK/policy" \
     --upstream "openai=http://127.0.0.1:$MOCK_PORT" --log-format json 2> "$WORK/vg.log" &
   pid=$!
