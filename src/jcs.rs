@@ -25,7 +25,7 @@ pub enum View<'a> {
     /// An object; member names must be distinct (they are sorted here).
     Object(Vec<(&'a str, View<'a>)>),
     /// A value's RFC 8785 form, already written ([`to_vec`]'s output): copied as it is.
-    Canonical(&'a [u8]),
+    Canonical(std::borrow::Cow<'a, [u8]>),
 }
 
 /// The RFC 8785 form of `v`.
@@ -326,7 +326,7 @@ mod tests {
             ("recipe", View::Str("r")),
             (
                 "tools",
-                View::Array(written.iter().map(|t| View::Canonical(t)).collect()),
+                View::Array(written.iter().map(|t| View::Canonical(t.into())).collect()),
             ),
         ]);
         assert_eq!(view_to_vec(&view), serde_jcs::to_vec(&tree).unwrap());

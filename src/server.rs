@@ -143,7 +143,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         reader,
         metrics,
         schemas,
-        declared_tools: crate::strict_json::ValueCache::new(256 << 10),
+        // 2 MiB of estimated memory a generation (4 MiB at most in all): ~150 KB of tool
+        // declarations' text each (a coding agent's 16 tools, 5.2 KB, are charged 70 KB).
+        declared_tools: crate::strict_json::ValueCache::new(2 << 20),
         policy: Arc::clone(&policy),
         limits: LimitState::new(metrics_evictions),
         ready: AtomicBool::new(false),

@@ -178,13 +178,22 @@ struct SharedTools {
 #[derive(Debug)]
 pub struct SharedTool {
     tree: Value,
-    canonical: std::sync::OnceLock<Box<[u8]>>,
+    /// The estimated memory the cache charges for this entry, bytes ([`SharedTool::size`]).
+    size: usize,
+    /// Longest canonical form kept, bytes: twice the text. Only numbers grow when written
+    /// canonically (`1e20` is 21 bytes), so a tool's form fits; an element made of such
+    /// numbers is canonicalized at each use instead, and its reserve stays bounded.
+    max_canonical: usize,
+    canonical: std::sync::OnceLock<Option<Box<[u8]>>>,
 }
 
 impl SharedTool {
-    fn new(tree: Value) -> Self {
+    fn new(tree: Value, text: &str) -> Self {
+        let max_canonical = 2 * text.len();
         SharedTool {
+            size: std::mem::size_of::<Self>() + text.len() + max_canonical + tree_bytes(&tree),
             tree,
+            max_canonical,
             canonical: std::sync::OnceLock::new(),
         }
     }
@@ -194,13 +203,53 @@ impl SharedTool {
         &self.tree
     }
 
-    /// The tree's RFC 8785 form: `canonicalize(tree)` the first time, kept with the tree and
-    /// shared by every body holding it after. Every caller passes `crate::jcs::to_vec` (the
-    /// one canonicalization; this module imports nothing of the crate): the semantic digest
+    /// The memory [`ValueCache`] charges for this entry, bytes: its text (the cache's key),
+    /// its tree ([`tree_bytes`]), and a reserve of twice the text for its canonical form.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The tree's RFC 8785 form: `canonicalize(tree)`, kept with the tree the first time and
+    /// shared by every body holding it after (unless longer than twice the text: then
+    /// written again at each call). Every caller passes `crate::jcs::to_vec` (the one
+    /// canonicalization; this module imports nothing of the crate): the semantic digest
     /// ([`crate::recipes`]) is the only one.
-    pub fn canonical(&self, canonicalize: impl FnOnce(&Value) -> Vec<u8>) -> &[u8] {
-        self.canonical
-            .get_or_init(|| canonicalize(&self.tree).into_boxed_slice())
+    pub fn canonical(&self, canonicalize: impl Fn(&Value) -> Vec<u8>) -> Cow<'_, [u8]> {
+        let kept = self.canonical.get_or_init(|| {
+            let text = canonicalize(&self.tree);
+            (text.len() <= self.max_canonical).then(|| text.into_boxed_slice())
+        });
+        match kept {
+            Some(text) => Cow::Borrowed(text),
+            None => Cow::Owned(canonicalize(&self.tree)),
+        }
+    }
+}
+
+/// Estimated heap memory of `v`'s tree, bytes (serde_json with `preserve_order`): every
+/// array's slots at its capacity and every object's at its length rounded up to a power of
+/// two (a `Value` each; an object's entry also holds its key's `String`, its hash and an
+/// index word), every string's and key's bytes, and 16
+/// bytes of allocator bookkeeping per allocation. What [`ValueCache`] charges for a tree: an
+/// element like `[{},{},…]` takes ~40 times its text, a tool declaration ~10–15 times.
+fn tree_bytes(v: &Value) -> usize {
+    const SLOT: usize = std::mem::size_of::<Value>();
+    const ALLOCATION: usize = 16;
+    match v {
+        Value::String(s) => s.capacity() + ALLOCATION,
+        Value::Array(a) => {
+            a.capacity() * SLOT + ALLOCATION + a.iter().map(tree_bytes).sum::<usize>()
+        }
+        Value::Object(m) => {
+            let entry = SLOT + std::mem::size_of::<String>() + 2 * std::mem::size_of::<usize>();
+            // The map's capacity is not exposed; it grows by doubling.
+            m.len().next_power_of_two() * entry
+                + 2 * ALLOCATION
+                + m.iter()
+                    .map(|(k, v)| k.capacity() + ALLOCATION + tree_bytes(v))
+                    .sum::<usize>()
+        }
+        Value::Null | Value::Bool(_) | Value::Number(_) => 0,
     }
 }
 
@@ -330,11 +379,12 @@ impl serde::Serialize for RequestBody {
 
 /// Shared trees ([`SharedTool`]) by the exact text they were read from
 /// ([`request_from_slice`]'s declared tools), for texts of at most [`ValueCache::MAX_TEXT`]
-/// bytes. Two generations of at most `budget` bytes of text each: when the newer one is full
-/// it becomes the older one, and the older one is dropped (a body still holding one of its
-/// trees keeps it until the body is dropped). A tree takes a few times its text's size and its
-/// canonical form, once written, about its text's size, so the memory is bounded by a small
-/// multiple of 2 × `budget`.
+/// bytes. Each entry is charged its estimated memory ([`SharedTool::size`]: text, tree and
+/// canonical form), not its text's length — a tree takes 10 to 40 times its text. Two
+/// generations of at most `budget` charged bytes each: when the newer one is full it becomes
+/// the older one, and the older one is dropped (a body still holding one of its trees keeps it
+/// until the body is dropped). So the cache holds about 2 × `budget` bytes at most, whatever
+/// the agents declare.
 pub struct ValueCache {
     budget: usize,
     generations: std::sync::Mutex<ValueGenerations>,
@@ -345,13 +395,14 @@ struct ValueGenerations {
     current: std::collections::HashMap<Box<str>, std::sync::Arc<SharedTool>>,
     current_bytes: usize,
     older: std::collections::HashMap<Box<str>, std::sync::Arc<SharedTool>>,
+    older_bytes: usize,
 }
 
 impl ValueCache {
     /// The longest text kept, bytes: a tool declaration larger than this is read every time.
     pub const MAX_TEXT: usize = 64 << 10;
 
-    /// A cache keeping up to `budget` bytes of text per generation.
+    /// A cache charging up to `budget` bytes of estimated memory per generation.
     pub fn new(budget: usize) -> Self {
         ValueCache {
             budget,
@@ -365,18 +416,29 @@ impl ValueCache {
         g.current.get(text).or_else(|| g.older.get(text)).cloned()
     }
 
-    /// Keeps `value`, read from `text`.
+    /// Keeps `value`, read from `text` (not when its text is longer than
+    /// [`ValueCache::MAX_TEXT`] or its charge alone exceeds the budget).
     fn put(&self, text: &str, value: &std::sync::Arc<SharedTool>) {
-        if text.len() > Self::MAX_TEXT || text.len() > self.budget {
+        let size = value.size();
+        if text.len() > Self::MAX_TEXT || size > self.budget {
             return;
         }
         let mut g = self.generations.lock().unwrap_or_else(|e| e.into_inner());
-        if g.current_bytes + text.len() > self.budget {
-            g.older = std::mem::take(&mut g.current);
-            g.current_bytes = 0;
+        if g.current.contains_key(text) {
+            return;
         }
-        g.current_bytes += text.len();
+        if g.current_bytes + size > self.budget {
+            g.older = std::mem::take(&mut g.current);
+            g.older_bytes = std::mem::take(&mut g.current_bytes);
+        }
+        g.current_bytes += size;
         g.current.insert(text.into(), std::sync::Arc::clone(value));
+    }
+
+    /// The memory charged for the entries kept, bytes (both generations).
+    pub fn charged(&self) -> usize {
+        let g = self.generations.lock().unwrap_or_else(|e| e.into_inner());
+        g.current_bytes + g.older_bytes
     }
 }
 
@@ -557,7 +619,7 @@ impl<'de> Visitor<'de> for ToolsRead<'_> {
                         .and_then(|inner| inner.get_mut(0))
                         .map(Value::take)
                         .ok_or_else(|| A::Error::custom("a tool element read as no value"))?;
-                    let value = std::sync::Arc::new(SharedTool::new(value));
+                    let value = std::sync::Arc::new(SharedTool::new(value, text));
                     self.cache.put(text, &value);
                     value
                 }
@@ -852,7 +914,8 @@ mod tests {
             }
         }
         // A body whose tools were all kept reads the same after the cache turned over.
-        let small = ValueCache::new(tool.len());
+        let one = SharedTool::new(from_slice(tool.as_bytes()).unwrap(), tool).size();
+        let small = ValueCache::new(one);
         let body = format!(r#"{{"tools":[{tool},{tool}]}}"#);
         for _ in 0..3 {
             assert_eq!(
@@ -860,6 +923,86 @@ mod tests {
                 shown(&from_slice(body.as_bytes()))
             );
         }
+    }
+
+    /// The cache charges an entry its tree's memory, not its text's length: an element of
+    /// many empty objects costs at least a `Value` slot each, a long string at least its
+    /// bytes; what the cache holds stays within two budgets however such elements arrive, and
+    /// an element dearer than the budget is not kept.
+    #[test]
+    fn the_cache_charges_a_tree_by_its_memory() {
+        let slots = |n: usize, i: usize| format!("[{}{i}]", "{},".repeat(n));
+        let text = slots(3000, 0);
+        let tool = SharedTool::new(from_slice(text.as_bytes()).unwrap(), &text);
+        assert!(tool.size() >= 3000 * std::mem::size_of::<Value>());
+        assert!(
+            tool.size() > 20 * text.len(),
+            "{} for {}",
+            tool.size(),
+            text.len()
+        );
+        let long = format!(r#"{{"description":"{}"}}"#, "x".repeat(10_000));
+        let tool = SharedTool::new(from_slice(long.as_bytes()).unwrap(), &long);
+        assert!(tool.size() >= 10_000 + long.len());
+
+        let budget = 256 << 10;
+        let cache = ValueCache::new(budget);
+        for i in 0..60 {
+            let element = slots(1000, i);
+            let body = format!(r#"{{"tools":[{element}]}}"#);
+            request_from_slice(body.as_bytes(), &cache).unwrap();
+            assert!(cache.get(&element).is_some(), "element {i} kept");
+            assert!(
+                cache.charged() <= 2 * budget,
+                "{} after {i}",
+                cache.charged()
+            );
+        }
+        // 60 elements of ~3 KB of text: by text they would all fit in one generation.
+        assert!(
+            cache.get(&slots(1000, 0)).is_none(),
+            "the oldest was dropped"
+        );
+        let dear = slots(20_000, 0);
+        request_from_slice(format!(r#"{{"tools":[{dear}]}}"#).as_bytes(), &cache).unwrap();
+        assert!(
+            cache.get(&dear).is_none(),
+            "an element dearer than the budget is not kept"
+        );
+    }
+
+    /// A shared tool's canonical form is written once and kept; one that would take more
+    /// than twice its text (numbers that grow when written out) is written at each use.
+    #[test]
+    fn a_canonical_form_is_kept_unless_it_outgrows_its_text() {
+        let calls = std::cell::Cell::new(0);
+        let write = |v: &Value| {
+            calls.set(calls.get() + 1);
+            serde_jcs::to_vec(v).unwrap()
+        };
+        let tool = r#"{"type":"function","function":{"name":"f"}}"#;
+        let shared = SharedTool::new(from_slice(tool.as_bytes()).unwrap(), tool);
+        let first = shared.canonical(write).into_owned();
+        assert!(matches!(shared.canonical(write), Cow::Borrowed(_)));
+        assert_eq!(calls.get(), 1);
+        assert_eq!(first, serde_jcs::to_vec(shared.tree()).unwrap());
+
+        calls.set(0);
+        let grows = "[1e20,1e20,1e20,1e20]";
+        let shared = SharedTool::new(from_slice(grows.as_bytes()).unwrap(), grows);
+        for _ in 0..2 {
+            let text = shared.canonical(write);
+            assert!(matches!(text, Cow::Owned(_)));
+            assert_eq!(
+                text.as_ref(),
+                serde_jcs::to_vec(shared.tree()).unwrap().as_slice()
+            );
+        }
+        assert_eq!(
+            calls.get(),
+            3,
+            "written at each use (and once when first tried)"
+        );
     }
 
     /// A body whose `tools` are shared reads, serializes and edits as its whole tree, the
