@@ -256,14 +256,6 @@ async fn token_endpoint(
 // ---- turnguard with the page on ------------------------------------------------------------
 
 /// A free loopback port (the redirect URI names the admin plane's address before it starts).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// The harness with the `policy-ui` bundle, the approval page signing in at `idp`, approver
 /// tokens as in `support::approvals` (HS256) and ID tokens (EdDSA, the test JWKS), and
 /// `tweak` on top.
@@ -277,7 +269,7 @@ async fn start_ui(
     std::fs::write(&hs, SECRET).unwrap();
     let client_secret = keys.path().join("client.secret");
     std::fs::write(&client_secret, CLIENT_SECRET).unwrap();
-    let port = free_port();
+    let port = crate::support::free_port();
     let issuer = idp.issuer();
     let h = support::start_with(Script::default(), move |c| {
         c.policy = own_fixtures().join("policy-ui");

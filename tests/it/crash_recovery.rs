@@ -87,11 +87,6 @@ fn bundle() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/policy-run")
 }
 
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
 /// A seeded linear congruential generator (Knuth's MMIX constants).
 struct Lcg(u64);
 
@@ -122,7 +117,7 @@ impl Mock {
             json!({"responses": [{"json": final_answer()}], "repeat": true}).to_string(),
         )
         .unwrap();
-        let addr = format!("127.0.0.1:{}", free_port());
+        let addr = format!("127.0.0.1:{}", crate::support::free_port());
         let log = std::fs::File::create(dir.join("mock.log")).unwrap();
         let child = Command::new(bin())
             .args(["mock-provider", "--listen", &addr, "--script"])
@@ -211,8 +206,8 @@ impl Turnguard {
         let replicas = (0..replica_count())
             .map(|i| Replica {
                 child: Arc::new(Mutex::new(None)),
-                data: format!("127.0.0.1:{}", free_port()),
-                admin: format!("127.0.0.1:{}", free_port()),
+                data: format!("127.0.0.1:{}", crate::support::free_port()),
+                admin: format!("127.0.0.1:{}", crate::support::free_port()),
                 log: dir.join(format!("turnguard-{i}.log")),
             })
             .collect();

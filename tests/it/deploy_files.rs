@@ -418,17 +418,9 @@ fn localize(arg: &str, root: &Path) -> String {
     }
     if name == "--listen" || name == "--admin-listen" {
         let host = value.rsplit_once(':').unwrap().0;
-        return format!("{name}={host}:{}", free_port());
+        return format!("{name}={host}:{}", crate::support::free_port());
     }
     arg.to_owned()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {

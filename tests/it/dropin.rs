@@ -683,14 +683,6 @@ impl Drop for Child {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// The line of `turnguard journal runs` that `matches`, once the writer committed it (a chat
 /// turn's records are relaxed: they commit within a few milliseconds); panics after 10 s.
 async fn journal_runs_row(journal: &std::path::Path, matches: impl Fn(&str) -> bool) -> String {
@@ -735,7 +727,7 @@ async fn logs_and_the_journal_cli_show_what_turnguard_did() {
     )
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let (data, admin) = (free_port(), free_port());
+    let (data, admin) = (crate::support::free_port(), crate::support::free_port());
     let journal = dir.path().join("j.db");
     let mut tg = Child::spawn(
         &[

@@ -1018,14 +1018,6 @@ async fn an_unwritable_journal_is_a_start_error() {
 
 // ---- a crash ----------------------------------------------------------------------------------
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn spawn_turnguard(journal: &Path, mock: &str, port: u16, admin: u16) -> std::process::Child {
     std::process::Command::new(env!("CARGO_BIN_EXE_turnguard"))
         .args(["serve", "--listen"])
@@ -1070,7 +1062,7 @@ async fn kill_9_under_load_then_restart_keeps_the_journal_whole() {
     let script = Script::parse(&text_answer().to_string(), "faults").unwrap();
     let mock = turnguard::mock_provider::spawn(listener, script).unwrap();
     let mock_url = format!("http://{}", mock.addr);
-    let (port, admin) = (free_port(), free_port());
+    let (port, admin) = (crate::support::free_port(), crate::support::free_port());
     let mut child = spawn_turnguard(&journal, &mock_url, port, admin);
     wait_ready(admin).await;
 

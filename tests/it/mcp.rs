@@ -900,14 +900,6 @@ async fn a_server_answer_turnguard_cannot_read_one_way_is_never_relayed() {
 
 // ---- must-show: kill -9 between forwarding and recording -------------------------------------
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 struct Proc(Child);
 
 impl Drop for Proc {
@@ -977,8 +969,8 @@ async fn kill_nine_between_forwarding_and_recording_leaves_the_call_in_doubt_nev
     .unwrap();
     let model_url = format!("http://{}", model.addr);
     let (data, admin) = (
-        format!("127.0.0.1:{}", free_port()),
-        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", crate::support::free_port()),
+        format!("127.0.0.1:{}", crate::support::free_port()),
     );
     let mut tg = serve_subprocess(dir.path(), &data, &admin, &model_url, &mcp_url).await;
     // The model emits the call; turnguard releases it (the ticket).

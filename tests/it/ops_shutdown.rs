@@ -29,14 +29,6 @@ const STREAM_FIXTURE: &str = "openai-chat/stream-tool-call-single-include-usage.
 const SECRET: &str = "sk-live-DO-NOT-LOG-4242";
 
 /// A free loopback port: bind :0, read the port, let it go.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 struct Turnguard {
     child: Child,
     data: String,
@@ -88,8 +80,8 @@ impl Drop for Turnguard {
 
 async fn spawn_turnguard(mock: &str, extra: &[&str]) -> Turnguard {
     let dir = tempfile::tempdir().unwrap();
-    let data = format!("127.0.0.1:{}", free_port());
-    let admin = format!("127.0.0.1:{}", free_port());
+    let data = format!("127.0.0.1:{}", crate::support::free_port());
+    let admin = format!("127.0.0.1:{}", crate::support::free_port());
     let stderr = std::fs::File::create(dir.path().join("stderr.log")).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_turnguard"))
         .arg("serve")

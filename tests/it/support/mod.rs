@@ -140,6 +140,39 @@ pub async fn start_in(
     Harness { tg, mock, dir }
 }
 
+/// A TCP port free on 127.0.0.1 now, for a listener a test must name before it binds (a
+/// redirect URI that holds the port, a process restarted on the same address).
+///
+/// A port `bind(0)` handed out and gave back can be taken before the test binds it again:
+/// by another test's `bind(0)` or, more often, as the local port of any outgoing connection,
+/// both drawn from the kernel's ephemeral range (`ip_local_port_range`, 32768–60999 by
+/// default) — CI once failed with `Address already in use` that way. So the port comes from
+/// the 12,000 ports just below that range, which neither takes, in turn from a process-wide
+/// counter (two tests of this process never get the same one), starting at an offset from
+/// the process id (two test processes at once rarely meet), and is checked free by binding it.
+///
+/// Panics when no port in that span is free.
+pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const SPAN: u32 = 12_000;
+    let ephemeral_low: u32 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768);
+    let low = ephemeral_low.saturating_sub(SPAN).max(1_024);
+    let span = ephemeral_low.saturating_sub(low).max(1);
+    let offset = std::process::id() % span;
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = u16::try_from(low + (offset + n) % span).expect("a port below 65536");
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {low}..{}", low + span);
+}
+
 /// `../shared/fixtures/providers` beside the checkout (or `$TURNGUARD_FIXTURES`).
 pub fn fixtures() -> PathBuf {
     if let Some(p) = std::env::var_os("TURNGUARD_FIXTURES") {
