@@ -178,8 +178,6 @@ struct SharedTools {
 #[derive(Debug)]
 pub struct SharedTool {
     tree: Value,
-    /// The estimated memory the cache charges for this entry, bytes ([`SharedTool::size`]).
-    size: usize,
     /// Longest canonical form kept, bytes: twice the text. Only numbers grow when written
     /// canonically (`1e20` is 21 bytes), so a tool's form fits; an element made of such
     /// numbers is canonicalized at each use instead, and its reserve stays bounded.
@@ -189,11 +187,9 @@ pub struct SharedTool {
 
 impl SharedTool {
     fn new(tree: Value, text: &str) -> Self {
-        let max_canonical = 2 * text.len();
         SharedTool {
-            size: std::mem::size_of::<Self>() + text.len() + max_canonical + tree_bytes(&tree),
             tree,
-            max_canonical,
+            max_canonical: 2 * text.len(),
             canonical: std::sync::OnceLock::new(),
         }
     }
@@ -203,10 +199,11 @@ impl SharedTool {
         &self.tree
     }
 
-    /// The memory [`ValueCache`] charges for this entry, bytes: its text (the cache's key),
-    /// its tree ([`tree_bytes`]), and a reserve of twice the text for its canonical form.
-    pub fn size(&self) -> usize {
-        self.size
+    /// The memory [`ValueCache`] charges for this element read from `text`, bytes: the text
+    /// (the cache's key), the tree ([`tree_bytes`]) and the reserve for its canonical form.
+    /// Walks the tree: taken only for an element the cache may keep.
+    fn charge(&self, text: &str) -> usize {
+        std::mem::size_of::<Self>() + text.len() + self.max_canonical + tree_bytes(&self.tree)
     }
 
     /// The tree's RFC 8785 form: `canonicalize(tree)`, kept with the tree the first time and
@@ -229,9 +226,9 @@ impl SharedTool {
 /// Estimated heap memory of `v`'s tree, bytes (serde_json with `preserve_order`): every
 /// array's slots at its capacity and every object's at its length rounded up to a power of
 /// two (a `Value` each; an object's entry also holds its key's `String`, its hash and an
-/// index word), every string's and key's bytes, and 16
-/// bytes of allocator bookkeeping per allocation. What [`ValueCache`] charges for a tree: an
-/// element like `[{},{},…]` takes ~40 times its text, a tool declaration ~10–15 times.
+/// index word), every string's and key's bytes, and 16 bytes of allocator bookkeeping per
+/// allocation. What [`ValueCache`] charges for a tree: an element like `[{},{},…]` takes ~40
+/// times its text, a tool declaration ~10–15 times.
 fn tree_bytes(v: &Value) -> usize {
     const SLOT: usize = std::mem::size_of::<Value>();
     const ALLOCATION: usize = 16;
@@ -379,7 +376,7 @@ impl serde::Serialize for RequestBody {
 
 /// Shared trees ([`SharedTool`]) by the exact text they were read from
 /// ([`request_from_slice`]'s declared tools), for texts of at most [`ValueCache::MAX_TEXT`]
-/// bytes. Each entry is charged its estimated memory ([`SharedTool::size`]: text, tree and
+/// bytes. Each entry is charged its estimated memory ([`SharedTool::charge`]: text, tree and
 /// canonical form), not its text's length — a tree takes 10 to 40 times its text. Two
 /// generations of at most `budget` charged bytes each: when the newer one is full it becomes
 /// the older one, and the older one is dropped (a body still holding one of its trees keeps it
@@ -395,7 +392,6 @@ struct ValueGenerations {
     current: std::collections::HashMap<Box<str>, std::sync::Arc<SharedTool>>,
     current_bytes: usize,
     older: std::collections::HashMap<Box<str>, std::sync::Arc<SharedTool>>,
-    older_bytes: usize,
 }
 
 impl ValueCache {
@@ -419,8 +415,11 @@ impl ValueCache {
     /// Keeps `value`, read from `text` (not when its text is longer than
     /// [`ValueCache::MAX_TEXT`] or its charge alone exceeds the budget).
     fn put(&self, text: &str, value: &std::sync::Arc<SharedTool>) {
-        let size = value.size();
-        if text.len() > Self::MAX_TEXT || size > self.budget {
+        if text.len() > Self::MAX_TEXT {
+            return;
+        }
+        let size = value.charge(text);
+        if size > self.budget {
             return;
         }
         let mut g = self.generations.lock().unwrap_or_else(|e| e.into_inner());
@@ -429,16 +428,19 @@ impl ValueCache {
         }
         if g.current_bytes + size > self.budget {
             g.older = std::mem::take(&mut g.current);
-            g.older_bytes = std::mem::take(&mut g.current_bytes);
+            g.current_bytes = 0;
         }
         g.current_bytes += size;
         g.current.insert(text.into(), std::sync::Arc::clone(value));
     }
 
     /// The memory charged for the entries kept, bytes (both generations).
-    pub fn charged(&self) -> usize {
+    #[cfg(test)]
+    fn charged(&self) -> usize {
         let g = self.generations.lock().unwrap_or_else(|e| e.into_inner());
-        g.current_bytes + g.older_bytes
+        (g.current.iter().chain(&g.older))
+            .map(|(text, tool)| tool.charge(text))
+            .sum()
     }
 }
 
@@ -914,7 +916,7 @@ mod tests {
             }
         }
         // A body whose tools were all kept reads the same after the cache turned over.
-        let one = SharedTool::new(from_slice(tool.as_bytes()).unwrap(), tool).size();
+        let one = SharedTool::new(from_slice(tool.as_bytes()).unwrap(), tool).charge(tool);
         let small = ValueCache::new(one);
         let body = format!(r#"{{"tools":[{tool},{tool}]}}"#);
         for _ in 0..3 {
@@ -934,16 +936,12 @@ mod tests {
         let slots = |n: usize, i: usize| format!("[{}{i}]", "{},".repeat(n));
         let text = slots(3000, 0);
         let tool = SharedTool::new(from_slice(text.as_bytes()).unwrap(), &text);
-        assert!(tool.size() >= 3000 * std::mem::size_of::<Value>());
-        assert!(
-            tool.size() > 20 * text.len(),
-            "{} for {}",
-            tool.size(),
-            text.len()
-        );
+        let charge = tool.charge(&text);
+        assert!(charge >= 3000 * std::mem::size_of::<Value>());
+        assert!(charge > 20 * text.len(), "{charge} for {}", text.len());
         let long = format!(r#"{{"description":"{}"}}"#, "x".repeat(10_000));
         let tool = SharedTool::new(from_slice(long.as_bytes()).unwrap(), &long);
-        assert!(tool.size() >= 10_000 + long.len());
+        assert!(tool.charge(&long) >= 10_000 + long.len());
 
         let budget = 256 << 10;
         let cache = ValueCache::new(budget);
