@@ -631,7 +631,10 @@ macro_rules! dispatch {
     ($self:ident, |$r:ident| $sqlite:expr, |$p:ident| $pg:expr) => {
         match &$self.0 {
             Backend::Sqlite(r) => read_blocking(r, move |$r| $sqlite).await,
-            Backend::Postgres($p) => $pg.await,
+            // Boxed: a PostgreSQL read's state (~2 KB: the pool checkout and the query) would
+            // otherwise size every read's future, SQLite's included, and every future that
+            // awaits one (the request path's, moved at each level).
+            Backend::Postgres($p) => Box::pin($pg).await,
         }
     };
 }

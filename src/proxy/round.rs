@@ -57,7 +57,9 @@ impl Session {
             // Nothing of a waiting round was dispatched (no token, no claim): it is decided
             // again, once, with the approval's outcome, and dispatched then.
             // An `edit-accept` decides the person's arguments in place of the model's.
-            let settled = crate::approvals::settle(self, round, &verdicts, agent).await;
+            // Boxed: the wait for a person is the cold path, and its state (~3 KB) would
+            // otherwise be part of every round's future, moved at each level that awaits it.
+            let settled = Box::pin(crate::approvals::settle(self, round, &verdicts, agent)).await;
             let decided = settled.round(round);
             verdicts = self.decide_round(&decided, settled.approval()).await;
         }
