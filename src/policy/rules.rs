@@ -68,16 +68,48 @@ pub struct Rules {
     /// facts under this rule set (Cedar reads no clock and no randomness; the policies and
     /// entities are fixed for the life of a `Rules`), and the same facts recur across the
     /// calls of a round and across an agent's turns.
-    decisions: std::sync::Mutex<std::collections::VecDeque<(DecisionFacts, Authz)>>,
+    decisions: std::sync::Mutex<DecisionMemo>,
     authorizer: Authorizer,
 }
 
 /// How many argument-free decisions [`Rules`] keeps (the oldest is forgotten first).
 const CACHED_DECISIONS: usize = 64;
 
-/// The context's facts other than the arguments.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct ContextFacts {
+/// What an argument-free decision depends on, as a request holds it: who calls (the person,
+/// or the agent), which tool, and the context's facts other than the arguments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct FactsRef<'a> {
+    person: Option<&'a str>,
+    agent: &'a str,
+    tool_id: &'a str,
+    trust: &'a str,
+    provider: &'a str,
+    model: &'a str,
+    run: &'a str,
+    approved: bool,
+}
+
+impl<'a> FactsRef<'a> {
+    fn of(req: &AuthzRequest<'a>) -> Self {
+        Self {
+            person: req.person,
+            agent: req.agent,
+            tool_id: &req.tool.descriptor.tool_id,
+            trust: req.trust,
+            provider: req.provider,
+            model: req.model,
+            run: req.run,
+            approved: req.approved,
+        }
+    }
+}
+
+/// A remembered decision's facts (owned [`FactsRef`]).
+#[derive(Debug)]
+struct DecisionFacts {
+    person: Option<String>,
+    agent: String,
+    tool_id: String,
     trust: String,
     provider: String,
     model: String,
@@ -85,51 +117,73 @@ struct ContextFacts {
     approved: bool,
 }
 
-impl ContextFacts {
-    fn of(req: &AuthzRequest<'_>) -> Self {
-        Self {
-            trust: req.trust.to_owned(),
-            provider: req.provider.to_owned(),
-            model: req.model.to_owned(),
-            run: req.run.to_owned(),
-            approved: req.approved,
-        }
-    }
-
-    fn is(&self, req: &AuthzRequest<'_>) -> bool {
-        self.trust == req.trust
-            && self.provider == req.provider
-            && self.model == req.model
-            && self.run == req.run
-            && self.approved == req.approved
-    }
-}
-
-/// Everything an argument-free decision depends on: who calls (the person, or the agent),
-/// which tool, and the context's facts.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct DecisionFacts {
-    person: Option<String>,
-    agent: String,
-    tool_id: String,
-    context: ContextFacts,
-}
-
 impl DecisionFacts {
-    fn of(req: &AuthzRequest<'_>) -> Self {
+    fn of(f: &FactsRef<'_>) -> Self {
         Self {
-            person: req.person.map(str::to_owned),
-            agent: req.agent.to_owned(),
-            tool_id: req.tool.descriptor.tool_id.clone(),
-            context: ContextFacts::of(req),
+            person: f.person.map(str::to_owned),
+            agent: f.agent.to_owned(),
+            tool_id: f.tool_id.to_owned(),
+            trust: f.trust.to_owned(),
+            provider: f.provider.to_owned(),
+            model: f.model.to_owned(),
+            run: f.run.to_owned(),
+            approved: f.approved,
         }
     }
 
-    fn is(&self, req: &AuthzRequest<'_>) -> bool {
-        self.person.as_deref() == req.person
-            && self.agent == req.agent
-            && self.tool_id == req.tool.descriptor.tool_id
-            && self.context.is(req)
+    fn is(&self, f: &FactsRef<'_>) -> bool {
+        let mine = FactsRef {
+            person: self.person.as_deref(),
+            agent: &self.agent,
+            tool_id: &self.tool_id,
+            trust: &self.trust,
+            provider: &self.provider,
+            model: &self.model,
+            run: &self.run,
+            approved: self.approved,
+        };
+        mine == *f
+    }
+}
+
+/// The last [`CACHED_DECISIONS`] argument-free decisions ([`Rules::authorize`]), found by a
+/// keyed SipHash of their facts and forgotten oldest first. A lookup costs the same however
+/// the memo is filled: scanned in order, a memo full of other runs' facts (each run id is a
+/// fact) cost a chat turn's call ~1 µs before it found its own (bench/RESULTS.md, issue 13
+/// run 33). An entry answers only a request whose facts equal its own, so two facts that
+/// hash alike share a slot (the later replaces the earlier) but never a decision.
+#[derive(Debug, Default)]
+struct DecisionMemo {
+    keys: std::hash::RandomState,
+    entries: HashMap<u64, (DecisionFacts, Authz)>,
+    /// Keys of `entries`, oldest first.
+    order: std::collections::VecDeque<u64>,
+}
+
+impl DecisionMemo {
+    fn key(&self, facts: &FactsRef<'_>) -> u64 {
+        std::hash::BuildHasher::hash_one(&self.keys, facts)
+    }
+
+    /// The decision remembered for exactly these facts.
+    fn get(&self, key: u64, facts: &FactsRef<'_>) -> Option<&Authz> {
+        self.entries
+            .get(&key)
+            .filter(|(known, _)| known.is(facts))
+            .map(|(_, decided)| decided)
+    }
+
+    /// Remembers `decided` for these facts, forgetting the oldest entry when full.
+    fn put(&mut self, key: u64, facts: &FactsRef<'_>, decided: Authz) {
+        let entry = (DecisionFacts::of(facts), decided);
+        if self.entries.insert(key, entry).is_none() {
+            self.order.push_back(key);
+            if self.order.len() > CACHED_DECISIONS {
+                if let Some(oldest) = self.order.pop_front() {
+                    self.entries.remove(&oldest);
+                }
+            }
+        }
     }
 }
 
@@ -310,15 +364,17 @@ impl Rules {
             return self.evaluate(req, true);
         }
         let memo = || self.decisions.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, decided)) = memo().iter().find(|(facts, _)| facts.is(req)) {
-            return decided.clone();
-        }
+        let facts = FactsRef::of(req);
+        let key = {
+            let memo = memo();
+            let key = memo.key(&facts);
+            if let Some(decided) = memo.get(key, &facts) {
+                return decided.clone();
+            }
+            key
+        };
         let decided = self.evaluate(req, false);
-        let mut memo = memo();
-        if memo.len() == CACHED_DECISIONS {
-            memo.pop_front();
-        }
-        memo.push_back((DecisionFacts::of(req), decided.clone()));
+        memo().put(key, &facts, decided.clone());
         decided
     }
 
@@ -1107,6 +1163,66 @@ fn tool_entities(catalog: &Catalog) -> Result<Entities, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn facts(run: &str) -> FactsRef<'_> {
+        FactsRef {
+            person: None,
+            agent: "agent",
+            tool_id: "acme.assistant:get_weather",
+            trust: "trusted",
+            provider: "openai_chat",
+            model: "gpt-4o",
+            run,
+            approved: false,
+        }
+    }
+
+    fn permit(rule: &str) -> Authz {
+        Authz::Permit(vec![rule.to_owned()])
+    }
+
+    #[test]
+    fn the_decision_memo_answers_only_its_own_facts_and_forgets_the_oldest() {
+        let mut memo = DecisionMemo::default();
+        let chat = facts("");
+        let chat_key = memo.key(&chat);
+        memo.put(chat_key, &chat, permit("chat"));
+        assert_eq!(memo.get(chat_key, &chat), Some(&permit("chat")));
+        // Other facts under the same key (a hash collision) are not answered.
+        assert_eq!(memo.get(chat_key, &facts("run-1")), None);
+        assert_eq!(memo.get(memo.key(&facts("run-1")), &facts("run-1")), None);
+
+        // Other runs' facts fill the memo: each is its own entry, found directly, and the
+        // oldest (the chat turn's) is forgotten once CACHED_DECISIONS newer ones are kept.
+        let runs: Vec<String> = (0..CACHED_DECISIONS).map(|i| format!("run-{i}")).collect();
+        for (i, run) in runs.iter().enumerate() {
+            let f = facts(run);
+            memo.put(memo.key(&f), &f, permit(run));
+            if i + 1 < CACHED_DECISIONS {
+                assert_eq!(
+                    memo.get(chat_key, &chat),
+                    Some(&permit("chat")),
+                    "after {i}"
+                );
+            }
+        }
+        assert_eq!(memo.get(chat_key, &chat), None);
+        assert_eq!(memo.entries.len(), CACHED_DECISIONS);
+        assert_eq!(memo.order.len(), CACHED_DECISIONS);
+        for run in &runs {
+            let f = facts(run);
+            assert_eq!(memo.get(memo.key(&f), &f), Some(&permit(run)));
+        }
+
+        // A colliding put replaces the slot's entry and adds no key.
+        let last = facts(&runs[CACHED_DECISIONS - 1]);
+        let slot = memo.key(&last);
+        memo.put(slot, &chat, permit("collided"));
+        assert_eq!(memo.get(slot, &last), None);
+        assert_eq!(memo.get(slot, &chat), Some(&permit("collided")));
+        assert_eq!(memo.entries.len(), CACHED_DECISIONS);
+        assert_eq!(memo.order.len(), CACHED_DECISIONS);
+    }
 
     #[test]
     fn statements_split_outside_strings_and_comments() {
