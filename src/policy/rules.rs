@@ -75,19 +75,23 @@ pub struct Rules {
 /// How many argument-free decisions [`Rules`] keeps (the oldest is forgotten first).
 const CACHED_DECISIONS: usize = 64;
 
-/// What an argument-free decision depends on, as a request holds it: who calls (the person,
-/// or the agent), which tool, and the context's facts other than the arguments.
+/// What an argument-free decision depends on: who calls (the person, or the agent), which
+/// tool, and the context's facts other than the arguments. Borrowed from a request
+/// ([`FactsRef`]) to look a decision up, owned ([`DecisionFacts`]) while the memo keeps it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct FactsRef<'a> {
-    person: Option<&'a str>,
-    agent: &'a str,
-    tool_id: &'a str,
-    trust: &'a str,
-    provider: &'a str,
-    model: &'a str,
-    run: &'a str,
+struct Facts<S> {
+    person: Option<S>,
+    agent: S,
+    tool_id: S,
+    trust: S,
+    provider: S,
+    model: S,
+    run: S,
     approved: bool,
 }
+
+type FactsRef<'a> = Facts<&'a str>;
+type DecisionFacts = Facts<String>;
 
 impl<'a> FactsRef<'a> {
     fn of(req: &AuthzRequest<'a>) -> Self {
@@ -102,37 +106,24 @@ impl<'a> FactsRef<'a> {
             approved: req.approved,
         }
     }
-}
 
-/// A remembered decision's facts (owned [`FactsRef`]).
-#[derive(Debug)]
-struct DecisionFacts {
-    person: Option<String>,
-    agent: String,
-    tool_id: String,
-    trust: String,
-    provider: String,
-    model: String,
-    run: String,
-    approved: bool,
+    fn owned(self) -> DecisionFacts {
+        Facts {
+            person: self.person.map(str::to_owned),
+            agent: self.agent.to_owned(),
+            tool_id: self.tool_id.to_owned(),
+            trust: self.trust.to_owned(),
+            provider: self.provider.to_owned(),
+            model: self.model.to_owned(),
+            run: self.run.to_owned(),
+            approved: self.approved,
+        }
+    }
 }
 
 impl DecisionFacts {
-    fn of(f: &FactsRef<'_>) -> Self {
-        Self {
-            person: f.person.map(str::to_owned),
-            agent: f.agent.to_owned(),
-            tool_id: f.tool_id.to_owned(),
-            trust: f.trust.to_owned(),
-            provider: f.provider.to_owned(),
-            model: f.model.to_owned(),
-            run: f.run.to_owned(),
-            approved: f.approved,
-        }
-    }
-
-    fn is(&self, f: &FactsRef<'_>) -> bool {
-        let mine = FactsRef {
+    fn as_ref(&self) -> FactsRef<'_> {
+        Facts {
             person: self.person.as_deref(),
             agent: &self.agent,
             tool_id: &self.tool_id,
@@ -141,8 +132,7 @@ impl DecisionFacts {
             model: &self.model,
             run: &self.run,
             approved: self.approved,
-        };
-        mine == *f
+        }
     }
 }
 
@@ -169,13 +159,13 @@ impl DecisionMemo {
     fn get(&self, key: u64, facts: &FactsRef<'_>) -> Option<&Authz> {
         self.entries
             .get(&key)
-            .filter(|(known, _)| known.is(facts))
+            .filter(|(known, _)| known.as_ref() == *facts)
             .map(|(_, decided)| decided)
     }
 
     /// Remembers `decided` for these facts, forgetting the oldest entry when full.
     fn put(&mut self, key: u64, facts: &FactsRef<'_>, decided: Authz) {
-        let entry = (DecisionFacts::of(facts), decided);
+        let entry = (facts.owned(), decided);
         if self.entries.insert(key, entry).is_none() {
             self.order.push_back(key);
             if self.order.len() > CACHED_DECISIONS {
