@@ -37,3 +37,4 @@ mod source_lints;
 mod stream_chunking;
 mod support;
 mod trust_approvals;
+mod upstream_pool;
