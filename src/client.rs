@@ -16,8 +16,11 @@
 //! - a request that hyper hands back unsent because a reused connection closed under it is
 //!   sent again on another connection (what the legacy client's `retry_canceled_requests`
 //!   did); one that was sent is never sent twice;
-//! - connections idle for [`IDLE_TIMEOUT`] are closed, and at most [`MAX_PER_KEY`] are kept
-//!   per key;
+//! - connections idle for [`IDLE_TIMEOUT`] are closed (an HTTP/2 one counts as idle from the
+//!   last request it was taken for), and at most [`MAX_PER_KEY`] HTTP/1 ones are kept per key;
+//!   requests that find no connection each open one, so a burst to an origin not yet
+//!   connected opens several HTTP/2 connections: the first is used from then on and the others
+//!   close when idle;
 //! - an HTTP/1 request is sent in origin form with a `Host` header from the URI (when the
 //!   caller set none), an HTTP/2 request with the absolute URI.
 
@@ -69,8 +72,8 @@ type PoolKey = (Scheme, Authority);
 struct Conns {
     /// HTTP/1 connections, in flight or idle since the instant, oldest first.
     http1: VecDeque<(http1::SendRequest<Full<Bytes>>, Instant)>,
-    /// HTTP/2 connections (each shared by concurrent requests).
-    http2: Vec<http2::SendRequest<Full<Bytes>>>,
+    /// HTTP/2 connections (each shared by concurrent requests), last taken at the instant.
+    http2: Vec<(http2::SendRequest<Full<Bytes>>, Instant)>,
 }
 
 /// A connection taken for one request.
@@ -104,14 +107,22 @@ impl ClientError {
 /// HTTP allowed for local upstreams (vLLM, Ollama, mocks), `upstream_connect_timeout_ms` on
 /// each TCP connect.
 pub fn client(config: &Config) -> HttpClient {
+    let https = hyper_rustls::HttpsConnectorBuilder::new().with_webpki_roots();
+    with_tls(config, https)
+}
+
+/// [`client`] over the TLS settings `https` (a builder with its roots chosen).
+fn with_tls(
+    config: &Config,
+    https: hyper_rustls::HttpsConnectorBuilder<hyper_rustls::builderstates::WantsSchemes>,
+) -> HttpClient {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_connect_timeout(Some(Duration::from_millis(
         config.upstream_connect_timeout_ms,
     )));
     http.set_nodelay(true);
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_webpki_roots()
+    let connector = https
         .https_or_http()
         .enable_http1()
         .enable_http2()
@@ -144,7 +155,10 @@ impl HttpClient {
         for _ in 0..ATTEMPTS {
             let (conn, reused) = match self.checkout(&key) {
                 Some(conn) => (conn, true),
-                None => (self.connect(&key, &uri).await?, false),
+                // Boxed: the connect and handshake futures are several KB, cold after the
+                // first request to an origin, and would otherwise size every request's
+                // future (which hyper's server moves into place per request).
+                None => (Box::pin(self.connect(&key, &uri)).await?, false),
             };
             let unsent = match conn {
                 Conn::Http1(mut tx) => {
@@ -194,8 +208,11 @@ impl HttpClient {
     fn checkout(&self, key: &PoolKey) -> Option<Conn> {
         let mut pool = self.inner.pool.lock().unwrap_or_else(|e| e.into_inner());
         let conns = pool.get_mut(key)?;
-        conns.http2.retain(|tx| !tx.is_closed());
-        if let Some(tx) = conns.http2.first() {
+        conns
+            .http2
+            .retain(|(tx, since)| !tx.is_closed() && since.elapsed() < IDLE_TIMEOUT);
+        if let Some((tx, since)) = conns.http2.first_mut() {
+            *since = Instant::now();
             return Some(Conn::Http2(tx.clone()));
         }
         for _ in 0..conns.http1.len() {
@@ -252,8 +269,8 @@ impl HttpClient {
             });
             let mut pool = self.inner.pool.lock().unwrap_or_else(|e| e.into_inner());
             let conns = pool.entry(key.clone()).or_default();
-            conns.http2.retain(|tx| !tx.is_closed());
-            conns.http2.push(tx.clone());
+            conns.http2.retain(|(tx, _)| !tx.is_closed());
+            conns.http2.push((tx.clone(), Instant::now()));
             Ok(Conn::Http2(tx))
         } else {
             let (tx, conn) = http1::Builder::new()
@@ -282,7 +299,9 @@ impl HttpClient {
                     let Some(inner) = weak.upgrade() else { return };
                     let mut pool = inner.pool.lock().unwrap_or_else(|e| e.into_inner());
                     for conns in pool.values_mut() {
-                        conns.http2.retain(|tx| !tx.is_closed());
+                        conns.http2.retain(|(tx, since)| {
+                            !tx.is_closed() && since.elapsed() < IDLE_TIMEOUT
+                        });
                         conns.http1.retain(|(tx, since)| !spent(tx, *since));
                     }
                     pool.retain(|_, c| !c.http1.is_empty() || !c.http2.is_empty());
@@ -328,4 +347,192 @@ fn to_origin_form(req: &mut Request<Full<Bytes>>, key: &PoolKey) {
         .cloned()
         .unwrap_or_else(|| PathAndQuery::from_static("/"));
     *req.uri_mut() = Uri::from(path);
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)] // test code
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+    use super::*;
+
+    /// A test CA's certificate, and a `localhost` server certificate it signed with that
+    /// certificate's PKCS#8 key, all DER, made by the `openssl` command line in `dir`.
+    fn localhost_cert(
+        dir: &std::path::Path,
+    ) -> (
+        CertificateDer<'static>,
+        CertificateDer<'static>,
+        PrivateKeyDer<'static>,
+    ) {
+        let openssl = |args: &[&str]| {
+            let out = std::process::Command::new("openssl")
+                .args(args)
+                .current_dir(dir)
+                .output()
+                .expect("openssl runs");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        openssl(
+            &[
+                &["req", "-x509"],
+                &ec[..],
+                &[
+                    "-keyout",
+                    "ca.key",
+                    "-out",
+                    "ca.pem",
+                    "-subj",
+                    "/CN=turnguard test CA",
+                    "-days",
+                    "1",
+                ],
+            ]
+            .concat(),
+        );
+        openssl(
+            &[
+                &["req"],
+                &ec[..],
+                &[
+                    "-keyout",
+                    "key.pem",
+                    "-out",
+                    "leaf.csr",
+                    "-subj",
+                    "/CN=localhost",
+                ],
+            ]
+            .concat(),
+        );
+        std::fs::write(
+            dir.join("leaf.ext"),
+            "subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+        )
+        .unwrap();
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "leaf.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "leaf.ext",
+            "-outform",
+            "DER",
+            "-out",
+            "leaf.der",
+        ]);
+        openssl(&["x509", "-in", "ca.pem", "-outform", "DER", "-out", "ca.der"]);
+        openssl(&[
+            "pkcs8", "-topk8", "-nocrypt", "-in", "key.pem", "-outform", "DER", "-out", "key.der",
+        ]);
+        let read = |f: &str| std::fs::read(dir.join(f)).unwrap();
+        let key = PrivatePkcs8KeyDer::from(read("key.der"));
+        (
+            CertificateDer::from(read("ca.der")),
+            CertificateDer::from(read("leaf.der")),
+            key.into(),
+        )
+    }
+
+    /// An HTTPS origin whose ALPN picks `h2`, over real sockets: requests go out as HTTP/2
+    /// with their path, and every request after the first (four of them at once among
+    /// them) rides the one connection the first opened.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_origin_that_picks_http2_gets_one_shared_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ca, cert, key) = localhost_cert(dir.path());
+        let provider = || Arc::new(rustls::crypto::ring::default_provider());
+        let mut server = rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![cert], key)
+            .unwrap();
+        server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                        let body = format!("{:?} {}", req.version(), req.uri().path());
+                        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(
+                            body,
+                        ))))
+                    });
+                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                        .await;
+                });
+            }
+        });
+
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(ca).unwrap();
+        let tls = rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let client = with_tls(
+            &Config::default(),
+            hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls),
+        );
+        let get = |i: usize| {
+            let client = client.clone();
+            async move {
+                let req = Request::get(format!("https://localhost:{port}/v1/r{i}"))
+                    .body(Full::default())
+                    .unwrap();
+                let resp = client.request(req).await.unwrap();
+                assert_eq!(resp.status(), 200);
+                assert_eq!(resp.version(), http::Version::HTTP_2);
+                let body = crate::body::read_capped(resp.into_body(), 1 << 10)
+                    .await
+                    .unwrap();
+                assert_eq!(body, format!("HTTP/2.0 /v1/r{i}"));
+            }
+        };
+        get(0).await;
+        let at_once: Vec<_> = (1..5).map(|i| tokio::spawn(get(i))).collect();
+        for t in at_once {
+            t.await.unwrap();
+        }
+        get(5).await;
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "six requests, one connection"
+        );
+    }
 }

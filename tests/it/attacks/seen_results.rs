@@ -141,6 +141,28 @@ fn effect_states(h: &Harness, run: &str) -> Vec<String> {
     effect_rows(h, run).into_iter().map(|e| e.3).collect()
 }
 
+/// Waits (up to 5 s) until the run's upstream-error round is in the journal.
+async fn upstream_error_recorded(h: &Harness, run: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let n: i64 = support::journal(&h.journal())
+            .query_row(
+                "SELECT count(*) FROM rounds WHERE run_id = ?1 AND state = 'upstream_error'",
+                [run],
+                |r| r.get(0),
+            )
+            .unwrap();
+        if n == 1 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the upstream error round was not recorded"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 /// turnguard on `tests/fixtures/policy-run` (`lookup_order` re-runnable, `send_receipt` a
 /// write: inside a run its effect is claimed), with a short journal busy timeout so a locked
 /// journal fails a write quickly.
@@ -502,6 +524,10 @@ async fn a_write_result_sent_with_a_failed_upstream_is_recorded_once() {
         ["completed"],
         "the result was committed before upstream"
     );
+    // The failed round's own record is journaled after its 503 is answered (a spawned
+    // write): the baseline is taken once it has committed, or it would be counted as the
+    // retry's.
+    upstream_error_recorded(&h, "run-seen-upstream").await;
     let before = metric(&h, DURABLE).await;
     let retry = agent.send().await;
     assert_eq!(retry.status, 200, "{}", retry.text_body());
