@@ -24,7 +24,7 @@
 //! - an HTTP/1 request is sent in origin form with a `Host` header from the URI (when the
 //!   caller set none), an HTTP/2 request with the absolute URI.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -70,8 +70,9 @@ type PoolKey = (Scheme, Authority);
 /// The connections of one key.
 #[derive(Default)]
 struct Conns {
-    /// HTTP/1 connections, in flight or idle since the instant, oldest first.
-    http1: VecDeque<(http1::SendRequest<Full<Bytes>>, Instant)>,
+    /// HTTP/1 connections, in flight or idle, each with the instant its last response head
+    /// arrived; the most recently used last.
+    http1: Vec<(http1::SendRequest<Full<Bytes>>, Instant)>,
     /// HTTP/2 connections (each shared by concurrent requests), last taken at the instant.
     http2: Vec<(http2::SendRequest<Full<Bytes>>, Instant)>,
 }
@@ -203,7 +204,8 @@ impl HttpClient {
         )))
     }
 
-    /// A live connection for `key`: a shared HTTP/2 one, or the oldest ready HTTP/1 one.
+    /// A live connection for `key`: a shared HTTP/2 one, or the most recently used ready
+    /// HTTP/1 one (so a light load keeps to a few warm connections and the rest idle out).
     /// Closed connections, and ready ones idle past [`IDLE_TIMEOUT`], are dropped on the way.
     fn checkout(&self, key: &PoolKey) -> Option<Conn> {
         let mut pool = self.inner.pool.lock().unwrap_or_else(|e| e.into_inner());
@@ -215,16 +217,17 @@ impl HttpClient {
             *since = Instant::now();
             return Some(Conn::Http2(tx.clone()));
         }
-        for _ in 0..conns.http1.len() {
-            let (tx, since) = conns.http1.pop_front()?;
-            if spent(&tx, since) {
-                continue;
-            }
-            if tx.is_ready() {
+        let mut i = conns.http1.len();
+        while i > 0 {
+            i -= 1;
+            let (tx, since) = &conns.http1[i];
+            if spent(tx, *since) {
+                conns.http1.remove(i);
+            } else if tx.is_ready() {
+                let (tx, _) = conns.http1.remove(i);
                 return Some(Conn::Http1(tx));
             }
-            // Still reading its previous response.
-            conns.http1.push_back((tx, since));
+            // Otherwise still reading its previous response.
         }
         None
     }
@@ -235,7 +238,7 @@ impl HttpClient {
         let mut pool = self.inner.pool.lock().unwrap_or_else(|e| e.into_inner());
         let conns = pool.entry(key).or_default();
         if conns.http1.len() < MAX_PER_KEY {
-            conns.http1.push_back((tx, Instant::now()));
+            conns.http1.push((tx, Instant::now()));
         }
     }
 
@@ -262,11 +265,7 @@ impl HttpClient {
                 .handshake(io)
                 .await
                 .map_err(|e| ClientError::Connect(format!("HTTP/2 handshake: {e}")))?;
-            tokio::spawn(async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, "outbound HTTP/2 connection ended");
-                }
-            });
+            drive(conn, "HTTP/2");
             let mut pool = self.inner.pool.lock().unwrap_or_else(|e| e.into_inner());
             let conns = pool.entry(key.clone()).or_default();
             conns.http2.retain(|(tx, _)| !tx.is_closed());
@@ -277,11 +276,7 @@ impl HttpClient {
                 .handshake(io)
                 .await
                 .map_err(|e| ClientError::Connect(format!("HTTP/1 handshake: {e}")))?;
-            tokio::spawn(async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, "outbound HTTP/1 connection ended");
-                }
-            });
+            drive(conn, "HTTP/1");
             Ok(Conn::Http1(tx))
         }
     }
@@ -309,6 +304,19 @@ impl HttpClient {
             });
         });
     }
+}
+
+/// Starts the task that drives a connection's reads and writes until it closes (a failure
+/// is logged at `debug`: the request it failed has its own error).
+fn drive<C>(conn: C, version: &'static str)
+where
+    C: std::future::Future<Output = hyper::Result<()>> + Send + 'static,
+{
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, version, "outbound connection ended");
+        }
+    });
 }
 
 /// Whether a kept HTTP/1 connection is of no more use: closed, or ready (its last response

@@ -26,13 +26,15 @@ enum AfterAnswer {
     Close,
 }
 
-/// A raw HTTP/1.1 upstream answering every request with a text-only chat completion.
+/// A raw HTTP/1.1 upstream answering every request, 30 ms after it arrives, with a text-only
+/// chat completion.
 /// `accepted` counts connections; `heads` keeps each request's head (request line and
-/// headers, lower-cased), in arrival order.
+/// headers, lower-cased), in arrival order, with the number of the connection it came on
+/// (1 for the first accepted).
 struct Upstream1 {
     url: String,
     accepted: Arc<Mutex<usize>>,
-    heads: Arc<Mutex<Vec<String>>>,
+    heads: Arc<Mutex<Vec<(usize, String)>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -48,7 +50,17 @@ impl Upstream1 {
     }
 
     fn heads(&self) -> Vec<String> {
-        self.heads.lock().unwrap().clone()
+        self.heads
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, h)| h.clone())
+            .collect()
+    }
+
+    /// The connection number of each request, in arrival order.
+    fn connections(&self) -> Vec<usize> {
+        self.heads.lock().unwrap().iter().map(|(c, _)| *c).collect()
     }
 }
 
@@ -62,13 +74,19 @@ async fn upstream(after: AfterAnswer) -> Upstream1 {
     let (a, h) = (Arc::clone(&accepted), Arc::clone(&heads));
     let task = tokio::spawn(async move {
         while let Ok((mut tcp, _)) = listener.accept().await {
-            *a.lock().unwrap() += 1;
+            let number = {
+                let mut n = a.lock().unwrap();
+                *n += 1;
+                *n
+            };
             let h = Arc::clone(&h);
             tokio::spawn(async move {
                 while let Ok(request) = read_request(&mut tcp).await {
                     let text = String::from_utf8_lossy(&request).to_ascii_lowercase();
                     let head = text.split("\r\n\r\n").next().unwrap_or("").to_owned();
-                    h.lock().unwrap().push(head);
+                    h.lock().unwrap().push((number, head));
+                    // Long enough that turns sent together overlap here.
+                    tokio::time::sleep(Duration::from_millis(30)).await;
                     let answer = format!(
                         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{ANSWER}",
                         ANSWER.len()
@@ -167,7 +185,8 @@ async fn an_upstream_that_closes_after_each_answer_is_reconnected_without_an_err
 }
 
 /// Concurrent turns each get a connection of their own (HTTP/1 carries one request at a
-/// time), and the pool keeps them: a second wave of the same size opens none.
+/// time), and the pool keeps them: a second wave of the same size opens none, and turns one
+/// at a time after it all use the connection used last.
 #[tokio::test(flavor = "multi_thread")]
 async fn concurrent_turns_open_connections_the_next_wave_reuses() {
     let up = upstream(AfterAnswer::KeepAlive).await;
@@ -186,7 +205,7 @@ async fn concurrent_turns_open_connections_the_next_wave_reuses() {
     };
     wave(Arc::clone(&h)).await;
     let first = up.accepted();
-    assert!((1..=4).contains(&first), "{first} connections for 4 turns");
+    assert_eq!(first, 4, "four overlapping turns, four connections");
     // Let each connection's task see its response read to the end.
     tokio::time::sleep(Duration::from_millis(100)).await;
     wave(Arc::clone(&h)).await;
@@ -196,5 +215,15 @@ async fn concurrent_turns_open_connections_the_next_wave_reuses() {
         "the second wave reused the first's connections"
     );
     assert_eq!(up.heads().len(), 8);
+    // One turn at a time keeps to the connection used last: the others are left to idle out.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for _ in 0..4 {
+        turn(&h).await;
+    }
+    let last = &up.connections()[8..];
+    assert!(
+        last.iter().all(|c| *c == last[0]),
+        "sequential turns spread over {last:?}"
+    );
     Arc::into_inner(h).expect("no other owner").stop().await;
 }
