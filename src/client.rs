@@ -7,7 +7,7 @@
 //! Why not `hyper_util`'s legacy `Client`: on the request path it cost ~4.7 % of the c=64
 //! cell's CPU — its checkout future, pool-key hashing, connection-info envelopes, and a task
 //! spawned per HTTP/1 request to put the connection back once its response is read
-//! (bench/RESULTS.md, issue 13 run 35). This pool keeps what that client did for turnguard
+//! (bench/RESULTS.md, issue 13 runs 35–37). This pool keeps what that client did for turnguard
 //! and drops the rest:
 //! - connections are keyed by scheme and authority; an HTTP/1 connection goes back to its
 //!   key's queue as soon as the response head arrives and is taken again once hyper says it
