@@ -10,12 +10,13 @@
 //! (bench/RESULTS.md, issue 13 runs 35–37). This pool keeps what that client did for turnguard
 //! and drops the rest:
 //! - connections are keyed by scheme and authority; an HTTP/1 connection goes back to its
-//!   key's queue as soon as the response head arrives and is taken again once hyper says it
-//!   is ready (its previous response read, [`hyper::client::conn::http1::SendRequest::is_ready`]);
-//!   an HTTP/2 connection is shared by every request to its key;
+//!   key's list as soon as the response head arrives and is taken again once hyper says it
+//!   is ready (its previous response read, [`hyper::client::conn::http1::SendRequest::is_ready`]),
+//!   the most recently used ready one first, so a light load keeps to a few warm connections
+//!   and the rest idle out; an HTTP/2 connection is shared by every request to its key;
 //! - a request that hyper hands back unsent because a reused connection closed under it is
-//!   sent again on another connection (what the legacy client's `retry_canceled_requests`
-//!   did); one that was sent is never sent twice;
+//!   sent again on another connection, [`ATTEMPTS`] connections at most (what the legacy
+//!   client's `retry_canceled_requests` did); one that was sent is never sent twice;
 //! - connections idle for [`IDLE_TIMEOUT`] are closed (an HTTP/2 one counts as idle from the
 //!   last request it was taken for), and at most [`MAX_PER_KEY`] HTTP/1 ones are kept per key;
 //!   requests that find no connection each open one, so a burst to an origin not yet
