@@ -15,7 +15,7 @@
 //!   the most recently used ready one first, so a light load keeps to a few warm connections
 //!   and the rest idle out; an HTTP/2 connection is shared by every request to its key;
 //! - a request that hyper hands back unsent because a reused connection closed under it is
-//!   sent again on another connection, [`ATTEMPTS`] connections at most (what the legacy
+//!   sent again on another connection, four connections at most (what the legacy
 //!   client's `retry_canceled_requests` did); one that was sent is never sent twice;
 //! - connections idle for [`IDLE_TIMEOUT`] are closed (an HTTP/2 one counts as idle from the
 //!   last request it was taken for), and at most [`MAX_PER_KEY`] HTTP/1 ones are kept per key;
