@@ -211,9 +211,7 @@ impl HttpClient {
     fn checkout(&self, key: &PoolKey) -> Option<Conn> {
         let mut pool = self.inner.pool.lock().unwrap_or_else(|e| e.into_inner());
         let conns = pool.get_mut(key)?;
-        conns
-            .http2
-            .retain(|(tx, since)| !tx.is_closed() && since.elapsed() < IDLE_TIMEOUT);
+        conns.http2.retain(|(tx, since)| !http2_spent(tx, *since));
         if let Some((tx, since)) = conns.http2.first_mut() {
             *since = Instant::now();
             return Some(Conn::Http2(tx.clone()));
@@ -222,7 +220,7 @@ impl HttpClient {
         while i > 0 {
             i -= 1;
             let (tx, since) = &conns.http1[i];
-            if spent(tx, *since) {
+            if http1_spent(tx, *since) {
                 conns.http1.remove(i);
             } else if tx.is_ready() {
                 let (tx, _) = conns.http1.remove(i);
@@ -269,7 +267,7 @@ impl HttpClient {
             drive(conn, "HTTP/2");
             let mut pool = self.inner.pool.lock().unwrap_or_else(|e| e.into_inner());
             let conns = pool.entry(key.clone()).or_default();
-            conns.http2.retain(|(tx, _)| !tx.is_closed());
+            conns.http2.retain(|(tx, since)| !http2_spent(tx, *since));
             conns.http2.push((tx.clone(), Instant::now()));
             Ok(Conn::Http2(tx))
         } else {
@@ -295,10 +293,8 @@ impl HttpClient {
                     let Some(inner) = weak.upgrade() else { return };
                     let mut pool = inner.pool.lock().unwrap_or_else(|e| e.into_inner());
                     for conns in pool.values_mut() {
-                        conns.http2.retain(|(tx, since)| {
-                            !tx.is_closed() && since.elapsed() < IDLE_TIMEOUT
-                        });
-                        conns.http1.retain(|(tx, since)| !spent(tx, *since));
+                        conns.http2.retain(|(tx, since)| !http2_spent(tx, *since));
+                        conns.http1.retain(|(tx, since)| !http1_spent(tx, *since));
                     }
                     pool.retain(|_, c| !c.http1.is_empty() || !c.http2.is_empty());
                 }
@@ -322,8 +318,14 @@ where
 
 /// Whether a kept HTTP/1 connection is of no more use: closed, or ready (its last response
 /// read) and idle for [`IDLE_TIMEOUT`] since.
-fn spent(tx: &http1::SendRequest<Full<Bytes>>, since: Instant) -> bool {
+fn http1_spent(tx: &http1::SendRequest<Full<Bytes>>, since: Instant) -> bool {
     tx.is_closed() || (tx.is_ready() && since.elapsed() >= IDLE_TIMEOUT)
+}
+
+/// Whether a kept HTTP/2 connection is of no more use: closed, or not taken for a request
+/// for [`IDLE_TIMEOUT`].
+fn http2_spent(tx: &http2::SendRequest<Full<Bytes>>, last_taken: Instant) -> bool {
+    tx.is_closed() || last_taken.elapsed() >= IDLE_TIMEOUT
 }
 
 /// The pool key of an absolute `http`/`https` URI.

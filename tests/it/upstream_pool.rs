@@ -126,7 +126,8 @@ async fn turnguard_before(up: &Upstream1) -> support::Harness {
     .await
 }
 
-async fn turn(h: &support::Harness) -> Value {
+/// One chat turn through turnguard; asserts it ends with the upstream's answer.
+async fn turn(h: &support::Harness) {
     let (status, body) = tokio::time::timeout(
         Duration::from_secs(10),
         post_json(&format!("{}/v1/chat/completions", h.url()), &chat(), &[]),
@@ -134,7 +135,8 @@ async fn turn(h: &support::Harness) -> Value {
     .await
     .expect("the turn ends");
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
-    serde_json::from_slice(&body).unwrap()
+    let got: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(got["choices"][0]["message"]["content"], "pooled", "{got}");
 }
 
 /// Sequential turns go over one kept-alive upstream connection, and every request names
@@ -144,8 +146,7 @@ async fn sequential_turns_reuse_one_connection_and_name_the_upstream_host() {
     let up = upstream(AfterAnswer::KeepAlive).await;
     let h = turnguard_before(&up).await;
     for _ in 0..4 {
-        let got = turn(&h).await;
-        assert_eq!(got["choices"][0]["message"]["content"], "pooled", "{got}");
+        turn(&h).await;
     }
     assert_eq!(up.accepted(), 1, "one connection for four sequential turns");
     let heads = up.heads();
@@ -174,8 +175,7 @@ async fn an_upstream_that_closes_after_each_answer_is_reconnected_without_an_err
     let up = upstream(AfterAnswer::Close).await;
     let h = turnguard_before(&up).await;
     for i in 0..3 {
-        let got = turn(&h).await;
-        assert_eq!(got["choices"][0]["message"]["content"], "pooled", "{got}");
+        turn(&h).await;
         // The FIN reaches the pooled connection's task before the next turn.
         tokio::time::sleep(Duration::from_millis(50 + 50 * i)).await;
     }
