@@ -10,7 +10,9 @@ use rusqlite::{params, OptionalExtension};
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
-use super::{insert_event, EventRecord, InterruptState, Journal, JournalError, RunKey};
+use super::{
+    insert_event, scopes::EventScopes, EventRecord, InterruptState, Journal, JournalError, RunKey,
+};
 
 /// An interrupt to raise.
 #[derive(Debug, Clone)]
@@ -347,14 +349,15 @@ pub(super) fn apply(
     tx: &rusqlite::Connection,
     op: &mut Op,
     replies: &mut Replies,
+    scopes: &mut EventScopes,
 ) -> rusqlite::Result<()> {
     match op {
         Op::Raise(rec, answer) => {
-            let row = guarded(raise(tx, rec))?;
+            let row = guarded(raise(tx, rec, scopes))?;
             reply(replies, answer, row);
         }
         Op::Resolve(r, answer) => {
-            let outcome = guarded(resolve(tx, r))?;
+            let outcome = guarded(resolve(tx, r, scopes))?;
             reply(replies, answer, outcome);
         }
         Op::Consume {
@@ -410,7 +413,11 @@ pub(super) fn apply(
 }
 
 /// Insert-if-absent on the key, with its `interrupt.requested` event when inserted.
-fn raise(tx: &rusqlite::Connection, rec: &InterruptRecord) -> rusqlite::Result<InterruptRow> {
+fn raise(
+    tx: &rusqlite::Connection,
+    rec: &InterruptRecord,
+    scopes: &mut EventScopes,
+) -> rusqlite::Result<InterruptRow> {
     let inserted = tx.execute(
         "INSERT INTO interrupts (interrupt_id, key, kind, run_id, node_id, attempt,
             request_id, principal, policy_revision, payload, calls, requested_at_ms,
@@ -446,13 +453,18 @@ fn raise(tx: &rusqlite::Connection, rec: &InterruptRecord) -> rusqlite::Result<I
         insert_event(
             tx,
             &event(&row, "interrupt.requested", payload, rec.requested_at_ms),
+            scopes,
         )?;
     }
     Ok(row)
 }
 
 /// The compare-and-set from `pending`, with its `interrupt.resolved` event when it won.
-fn resolve(tx: &rusqlite::Connection, r: &Resolution) -> rusqlite::Result<Resolved> {
+fn resolve(
+    tx: &rusqlite::Connection,
+    r: &Resolution,
+    scopes: &mut EventScopes,
+) -> rusqlite::Result<Resolved> {
     let held_by_agent = match &r.by_token {
         Some(fp) => {
             tx.query_row(
@@ -525,6 +537,7 @@ fn resolve(tx: &rusqlite::Connection, r: &Resolution) -> rusqlite::Result<Resolv
                                    "kind": now.record.kind, "resumeValue": value}),
                             r.now_ms,
                         ),
+                        scopes,
                     )?;
                     if expired {
                         Resolved::Expired(Box::new(now))

@@ -62,6 +62,7 @@ mod reader;
 pub mod redact;
 mod released;
 mod schema;
+mod scopes;
 pub mod seen_results;
 mod states;
 
@@ -408,6 +409,9 @@ pub struct RoundRecord {
     /// turnguard's own id of the round (the journal key: the request's
     /// [`crate::proxy::RequestCtx::journal_id`], then `#repair-N`), never the client's.
     pub request_id: String,
+    /// When the request that made the round arrived (its `RequestCtx::started`); not
+    /// journaled. No event of the round's scope can be older ([`scopes`]).
+    pub arrived: Instant,
     /// The agent's `x-request-id` (kept when sane), for correlation only: not a key. `None`
     /// when the agent sent none: the id turnguard made and echoed is then `request_id`'s.
     pub client_request_id: Option<String>,
@@ -1264,6 +1268,7 @@ fn writer(
     let mut memory = WriterMemory {
         schemas: KnownSchemas::default(),
         releases,
+        scopes: scopes::EventScopes::default(),
     };
     let mut full = true;
     while let Some(mut batch) = next_batch(&mut rx, RELAXED_LINGER) {
@@ -1307,6 +1312,8 @@ fn writer(
 struct WriterMemory {
     schemas: KnownSchemas,
     releases: released::ChatReleases,
+    /// The chat scopes this writer wrote event rows to.
+    scopes: scopes::EventScopes,
 }
 
 /// The schema digests known to be in `tool_schemas`: those of committed batches only (a
@@ -1418,6 +1425,7 @@ fn apply_batch(
     let WriterMemory {
         schemas: known,
         releases,
+        scopes,
     } = memory;
     let mut answers: Vec<(oneshot::Sender<Vec<Claim>>, Vec<Claim>)> = Vec::new();
     let mut replies: interrupts::Replies = Vec::new();
@@ -1436,7 +1444,7 @@ fn apply_batch(
                     )?;
                 }
                 for t in &u.tool_results {
-                    insert_tool_result(tx, t, releases)?;
+                    insert_tool_result(tx, t, releases, scopes)?;
                 }
                 if let Some(d) = &u.declared_tools {
                     declared.add(tx, d, known)?;
@@ -1448,12 +1456,12 @@ fn apply_batch(
                     insert_served(tx, r)?;
                 }
                 let folded = match &u.round {
-                    Some(r) => insert_round(tx, r, &u.events, releases)?.then_some(r),
+                    Some(r) => insert_round(tx, r, &u.events, releases, scopes)?.then_some(r),
                     None => None,
                 };
                 for e in &u.events {
                     if !folded.is_some_and(|r| folds(r, e)) {
-                        insert_event(tx, e)?;
+                        insert_event(tx, e, scopes)?;
                     }
                 }
             }
@@ -1478,12 +1486,12 @@ fn apply_batch(
             }
             Op::ToolResults(list) => {
                 for t in list {
-                    insert_tool_result(tx, t, releases)?;
+                    insert_tool_result(tx, t, releases, scopes)?;
                 }
             }
             Op::Events(list) => {
                 for e in list {
-                    insert_event(tx, e)?;
+                    insert_event(tx, e, scopes)?;
                 }
             }
             Op::DeclaredTools(d) => declared.add(tx, d, known)?,
@@ -1495,7 +1503,7 @@ fn apply_batch(
                 let (dummy, _) = oneshot::channel();
                 answers.push((std::mem::replace(answer, dummy), results));
             }
-            Op::Interrupt(op) => interrupts::apply(tx, op, &mut replies)?,
+            Op::Interrupt(op) => interrupts::apply(tx, op, &mut replies, scopes)?,
             Op::Token {
                 fingerprint,
                 expires_at_ms,
@@ -1637,7 +1645,13 @@ fn claim(tx: &rusqlite::Connection, c: &EffectClaim) -> rusqlite::Result<Claim> 
     })
 }
 
-fn insert_event(tx: &rusqlite::Connection, e: &EventRecord) -> rusqlite::Result<()> {
+/// Inserts `e` in `event_rows`, numbered after every event of its scope (folded ones too);
+/// a chat scope is noted in `scopes`.
+fn insert_event(
+    tx: &rusqlite::Connection,
+    e: &EventRecord,
+    scopes: &mut scopes::EventScopes,
+) -> rusqlite::Result<()> {
     let scope = match &e.run.run_id {
         Some(run) => format!("run:{run}"),
         None => format!("request:{}", e.request_id),
@@ -1668,6 +1682,9 @@ fn insert_event(tx: &rusqlite::Connection, e: &EventRecord) -> rusqlite::Result<
             e.at_ms
         ],
     )?;
+    if e.run.run_id.is_none() {
+        scopes.note(&e.request_id);
+    }
     Ok(())
 }
 
@@ -1799,7 +1816,7 @@ enum FoldedEvent<'a> {
         at_ms: i64,
         payload: &'a str,
     },
-    /// An `agent.tool-called` whose payload is [`called_payload`] of the round's call at
+    /// An `agent.tool-called` whose payload is [`called_pieces`] of the round's call at
     /// `call` (its position in `rounds.calls`): `[sequence, at_ms, call]`, the payload rebuilt
     /// by the `events` view with [`called_payload_sql`] (schema step 18).
     Called(i64, i64, usize),
@@ -1807,7 +1824,7 @@ enum FoldedEvent<'a> {
 
 /// `agent.tool-called`'s payload as the `events` view rebuilds it from `c`, a folded call of
 /// `rounds.calls` as JSON (schema step 18; either form, [`call_field`]): the text
-/// [`called_payload`] writes for the same fields.
+/// [`called_pieces`] make for the same fields.
 pub(super) fn called_payload_sql() -> String {
     format!(
         "json_object('agentId', 'agent', 'toolName', {}, 'callId', {}, 'principal', 'agent', \
@@ -1818,38 +1835,62 @@ pub(super) fn called_payload_sql() -> String {
     )
 }
 
+/// [`called_pieces`] joined: the payload text itself.
+#[cfg(test)]
+fn called_payload(c: &CallRecord) -> Option<String> {
+    called_pieces(c).map(|pieces| pieces.concat())
+}
+
 /// The `agent.tool-called` payload of call `c` released by the agent itself (`principal`
 /// and `agentId` both [`crate::clock::AGENT_ID`], `transport` native), as serde_json writes
-/// [`crate::proxy`]'s `ToolCalled` and SQLite's `json_object` writes [`called_payload_sql`]
-/// — `None` unless the call has an `argsHash` and its id, name and hash are printable ASCII
-/// without `"` or `\`: every JSON writer writes such a string as it is, so the text does not
-/// hang on how this SQLite build escapes anything (a call with other characters keeps its
-/// event whole).
-fn called_payload(c: &CallRecord) -> Option<String> {
+/// [`crate::proxy`]'s `ToolCalled` and SQLite's `json_object` writes [`called_payload_sql`],
+/// in pieces (fixed text around the call's name, id and `argsHash`) — `None` unless the call
+/// has an `argsHash` and its id, name and hash are printable ASCII without `"` or `\`: every
+/// JSON writer writes such a string as it is, so the text does not hang on how this SQLite
+/// build escapes anything (a call with other characters keeps its event whole).
+fn called_pieces(c: &CallRecord) -> Option<[&str; 7]> {
     fn plain(s: &str) -> bool {
         s.bytes()
             .all(|b| (0x20..0x7f).contains(&b) && b != b'"' && b != b'\\')
     }
     let hash = c.args_hash.as_deref()?;
-    (crate::clock::AGENT_ID == "agent" && plain(&c.name) && plain(&c.call_id) && plain(hash)).then(
-        || {
-            format!(
-                "{{\"agentId\":\"agent\",\"toolName\":\"{}\",\"callId\":\"{}\",\
-                 \"principal\":\"agent\",\"transport\":\"native\",\"argsHash\":\"{hash}\"}}",
-                c.name, c.call_id
-            )
-        },
-    )
+    let plain_fields =
+        crate::clock::AGENT_ID == "agent" && plain(&c.name) && plain(&c.call_id) && plain(hash);
+    plain_fields.then_some([
+        "{\"agentId\":\"agent\",\"toolName\":\"",
+        c.name.as_str(),
+        "\",\"callId\":\"",
+        c.call_id.as_str(),
+        "\",\"principal\":\"agent\",\"transport\":\"native\",\"argsHash\":\"",
+        hash,
+        "\"}",
+    ])
+}
+
+/// Whether `payload` is [`called_pieces`] of `c`, compared piece by piece (nothing built).
+fn is_called_payload(payload: &str, c: &CallRecord) -> bool {
+    let Some(pieces) = called_pieces(c) else {
+        return false;
+    };
+    let mut rest = payload;
+    for piece in pieces {
+        match rest.strip_prefix(piece) {
+            Some(after) => rest = after,
+            None => return false,
+        }
+    }
+    rest.is_empty()
 }
 
 /// `rounds.calls` and `rounds.events` of a chat round `r` (`None` for a run's round, and for
 /// an empty list): its calls, and those of `events` it [`folds`], numbered after any event
 /// its request's scope already holds (a tool result's `agent.tool-returned`, recorded before
-/// upstream).
+/// upstream; read from `event_rows` only when `scopes` says there may be one).
 fn folded_columns(
     tx: &rusqlite::Connection,
     r: &RoundRecord,
     events: &[EventRecord],
+    scopes: &scopes::EventScopes,
 ) -> rusqlite::Result<(Option<String>, Option<String>)> {
     if r.run.run_id.is_some() {
         return Ok((None, None));
@@ -1865,32 +1906,36 @@ fn folded_columns(
     let events = if mine.is_empty() {
         None
     } else {
-        let first: i64 = tx
-            .prepare_cached(
+        let first: i64 = if scopes.may_hold(&r.request_id, r.arrived) {
+            tx.prepare_cached(
                 "SELECT coalesce(max(sequence), -1) + 1 FROM event_rows WHERE scope = ?1",
             )?
             .query_row(params![format!("request:{}", r.request_id)], |row| {
                 row.get(0)
-            })?;
-        // Each call's rebuilt payload, the first call of each text: an event whose payload is
-        // one of them is folded as that call's (schema step 18).
-        let rebuilt: Vec<Option<String>> = r.calls.iter().map(called_payload).collect();
-        let mut calls_by_payload: std::collections::HashMap<&str, usize> =
-            std::collections::HashMap::with_capacity(rebuilt.len());
-        for (i, p) in rebuilt.iter().enumerate() {
-            if let Some(p) = p {
-                calls_by_payload.entry(p.as_str()).or_insert(i);
-            }
-        }
+            })?
+        } else {
+            0
+        };
+        // An event whose payload is a call's [`called_pieces`] is folded as that call's
+        // (schema step 18). The request path makes one `agent.tool-called` per call, in the
+        // calls' order, so the next call is tried first; any call with the same text would
+        // rebuild the same payload.
+        let mut next_call = 0;
         let list: Vec<FoldedEvent> = mine
             .iter()
             .zip(first..)
             .map(|(e, sequence)| {
                 let call = (e.kind == "agent.tool-called")
-                    .then(|| calls_by_payload.get(e.payload.as_str()))
+                    .then(|| {
+                        let fits = |&i: &usize| is_called_payload(&e.payload, &r.calls[i]);
+                        (next_call..r.calls.len()).chain(0..next_call).find(fits)
+                    })
                     .flatten();
+                if let Some(call) = call {
+                    next_call = call + 1;
+                }
                 match call {
-                    Some(&call) => FoldedEvent::Called(sequence, e.at_ms, call),
+                    Some(call) => FoldedEvent::Called(sequence, e.at_ms, call),
                     None => FoldedEvent::Whole {
                         sequence,
                         kind: e.kind,
@@ -1969,8 +2014,9 @@ fn insert_round(
     r: &RoundRecord,
     events: &[EventRecord],
     releases: &mut released::ChatReleases,
+    scopes: &scopes::EventScopes,
 ) -> rusqlite::Result<bool> {
-    let (calls, folded_events) = folded_columns(tx, r, events)?;
+    let (calls, folded_events) = folded_columns(tx, r, events, scopes)?;
     let inserted = exec(
         tx,
         "INSERT INTO rounds (request_id, at_ms, api, model, stream, run_id, node_id, attempt,
@@ -2068,6 +2114,7 @@ fn insert_tool_result(
     tx: &rusqlite::Connection,
     t: &ToolResultRecord,
     releases: &released::ChatReleases,
+    scopes: &mut scopes::EventScopes,
 ) -> rusqlite::Result<()> {
     let scope = match &t.run.run_id {
         Some(run) => format!("run:{run}"),
@@ -2114,7 +2161,7 @@ fn insert_tool_result(
                 .optional()?,
             None => releases.released_at(tx, &t.tool_call_id)?,
         };
-        insert_event(tx, &t.returned_event(released_at))?;
+        insert_event(tx, &t.returned_event(released_at), scopes)?;
     }
     Ok(())
 }
@@ -2170,6 +2217,7 @@ mod tests {
     fn round(request: &str, run: Option<&str>, calls: &[(&str, &'static str)]) -> RoundRecord {
         RoundRecord {
             request_id: request.to_owned(),
+            arrived: Instant::now(),
             client_request_id: Some(format!("client-{request}")),
             at_ms: 100,
             api: "openai_chat",
@@ -2428,8 +2476,8 @@ mod tests {
                 ..event("r18", None, "agent.tool-called", 200 + i as i64)
             });
         }
-        // A second call with the first one's id and name: its event is folded as the first
-        // call's position (the rebuilt payload is the same text).
+        // A second call with the first one's id and name: its event is folded as its own
+        // position (the payload rebuilt from either call is the same text).
         let mut twin = r.calls[0].clone();
         twin.ordinal = 12;
         r.calls.push(twin);
@@ -2475,7 +2523,7 @@ mod tests {
             300,
         ));
         assert_eq!(got, want);
-        // Plain: calls 0 and 1 (and the twin, as call 0); every other one is kept whole.
+        // Plain: calls 0 and 1 and the twin (12); every other one is kept whole.
         let folded: Vec<Vec<String>> = rows(
             &conn,
             "SELECT e.type, CAST(coalesce(e.value ->> 2, e.value ->> 'type') AS TEXT) FROM rounds r, json_each(r.events) e
@@ -2487,7 +2535,7 @@ mod tests {
             .collect();
         let mut expected = vec![("array", "0"), ("array", "1")];
         expected.extend(std::iter::repeat_n(("object", "agent.tool-called"), 10));
-        expected.extend([("array", "0"), ("object", "agent.tool-returned")]);
+        expected.extend([("array", "12"), ("object", "agent.tool-returned")]);
         assert_eq!(kinds, expected);
     }
 
@@ -2500,16 +2548,18 @@ mod tests {
     fn a_chat_round_is_one_row_that_the_views_show() {
         let mut conn = Connection::open_in_memory().unwrap();
         schema::migrate(&conn).unwrap();
-        apply(
+        // One writer's memory throughout, as the writer thread keeps it.
+        let mut memory = WriterMemory::default();
+        apply_with(
             &mut conn,
             Op::Events(vec![event("r1", None, "agent.tool-returned", 90)]),
+            &mut memory,
         );
         let events = vec![
             event("r1", None, "agent.tool-called", 101),
             event("r1", None, "agent.tool-called", 102),
             event("r1", Some("run-9"), "agent.tool-called", 103),
         ];
-        let mut memory = WriterMemory::default();
         apply_with(
             &mut conn,
             Op::RoundCommit(Box::new(RoundCommit {
@@ -2524,9 +2574,10 @@ mod tests {
             })),
             &mut memory,
         );
-        apply(
+        apply_with(
             &mut conn,
             Op::Events(vec![event("r1", None, "interrupt", 104)]),
+            &mut memory,
         );
         apply_with(
             &mut conn,
@@ -2684,7 +2735,7 @@ mod tests {
         ] {
             let tx = conn.transaction().unwrap();
             for e in &batch {
-                insert_event(&tx, e).unwrap();
+                insert_event(&tx, e, &mut scopes::EventScopes::default()).unwrap();
             }
             tx.commit().unwrap();
         }

@@ -452,6 +452,7 @@ impl McpCall {
         let ctx = &self.inbound.ctx;
         let rec = RoundRecord {
             request_id: format!("mcp:{}", uuid::Uuid::new_v4()),
+            arrived: ctx.started,
             client_request_id: ctx.client_request_id.clone(),
             at_ms: now_ms(),
             api: "mcp",

@@ -257,6 +257,7 @@ pub fn round_record(
     let ctx = &session.ctx;
     RoundRecord {
         request_id: base.round_id.clone(),
+        arrived: ctx.started,
         client_request_id: ctx.client_request_id.clone(),
         at_ms: ctx.at_ms,
         api: session.turn.api.as_str(),
