@@ -2,7 +2,6 @@
 //! Names follow `turnguard_<name>_<unit>[_total]`; label values come from enums' `as_str()`,
 //! never from raw user input.
 
-use std::collections::HashSet;
 use std::fmt::Write as _;
 use std::sync::atomic::AtomicI64;
 use std::sync::{Arc, RwLock};
@@ -578,7 +577,7 @@ pub struct Metrics {
     /// their bound ([`crate::admission::LimitState`]).
     pub run_counter_evictions: Counter,
     /// Interned `tool` label values (catalog `toolId`s): bounded by the catalogs loaded.
-    tool_labels: RwLock<HashSet<Arc<str>>>,
+    tool_labels: RwLock<foldhash::HashSet<Arc<str>>>,
 }
 
 /// Counts one unit in a gauge for as long as it lives: `inc` now, `dec` on drop, so a future
@@ -779,7 +778,7 @@ impl Metrics {
         let Registrar { registry, names } = r;
         let m = Self {
             run_counter_evictions,
-            tool_labels: RwLock::new(HashSet::new()),
+            tool_labels: RwLock::new(foldhash::HashSet::default()),
             open_connections,
             connections_rejected,
             schema_cache_bytes,

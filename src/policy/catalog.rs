@@ -1,7 +1,7 @@
 //! The tool catalog: OpenWOP `ToolDescriptor`s plus turnguard's keys, looked up by the
 //! provider-facing tool name (DESIGN.md §5; OpenWOP tool-catalog.md).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
 use serde_json::Value;
@@ -91,7 +91,9 @@ impl CatalogTool {
 #[derive(Debug, Clone)]
 pub struct Catalog {
     tools: Vec<CatalogTool>,
-    by_name: HashMap<String, usize>,
+    /// foldhash: the keys are the catalog's own names (a model-chosen name is only looked
+    /// up, never inserted).
+    by_name: foldhash::HashMap<String, usize>,
     by_id: BTreeMap<String, usize>,
     unknown: CatalogTool,
 }
@@ -103,7 +105,7 @@ impl Catalog {
     pub fn compile(files: &[(String, String, ToolsFile)]) -> Result<Self, Vec<PolicyError>> {
         let mut errors = Vec::new();
         let mut tools: Vec<CatalogTool> = Vec::new();
-        let mut by_name = HashMap::new();
+        let mut by_name = foldhash::HashMap::default();
         let mut by_id = BTreeMap::new();
         for (file, text, parsed) in files {
             for entry in &parsed.tool {

@@ -62,7 +62,7 @@ pub struct Rules {
     /// validated against a tool's argument types, so only for these tools are the call's
     /// arguments converted into `context.args`; every other tool's rules see the empty
     /// record they were validated against.
-    reads_args: HashSet<String>,
+    reads_args: foldhash::HashSet<String>,
     /// The last few decisions for tools no rule reads the arguments of ([`Rules::authorize`]):
     /// such a decision is a pure function of the principal, the tool and the context's other
     /// facts under this rule set (Cedar reads no clock and no randomness; the policies and
@@ -145,7 +145,9 @@ impl DecisionFacts {
 #[derive(Debug, Default)]
 struct DecisionMemo {
     keys: std::hash::RandomState,
-    entries: HashMap<u64, (DecisionFacts, Authz)>,
+    /// Keyed by `keys`' SipHash of the facts: foldhash spreads that already keyed 64-bit
+    /// value (a second SipHash of it cost as much as the first).
+    entries: foldhash::HashMap<u64, (DecisionFacts, Authz)>,
     /// Keys of `entries`, oldest first.
     order: std::collections::VecDeque<u64>,
 }
@@ -253,7 +255,7 @@ impl Rules {
         let schemas = Schemas::of(catalog, &mut errors).map_err(|e| vec![e])?;
         let mut policies = PolicySet::new();
         let mut meta = HashMap::new();
-        let mut reads_args = HashSet::new();
+        let mut reads_args = foldhash::HashSet::default();
         for (file, text) in files {
             for chunk in split_statements(text) {
                 let statement = Statement { file, text, chunk };
