@@ -1430,6 +1430,7 @@ fn apply_batch(
     let mut answers: Vec<(oneshot::Sender<Vec<Claim>>, Vec<Claim>)> = Vec::new();
     let mut replies: interrupts::Replies = Vec::new();
     let mut declared = declared::DeclaredCounts::default();
+    let mut round_insert = None;
     for job in batch.iter_mut() {
         match &mut job.op {
             Op::ConfirmClaims(list) => confirm(tx, list)?,
@@ -1456,7 +1457,8 @@ fn apply_batch(
                     insert_served(tx, r)?;
                 }
                 let folded = match &u.round {
-                    Some(r) => insert_round(tx, r, &u.events, releases, scopes)?.then_some(r),
+                    Some(r) => insert_round(tx, &mut round_insert, r, &u.events, releases, scopes)?
+                        .then_some(r),
                     None => None,
                 };
                 for e in &u.events {
@@ -2005,56 +2007,65 @@ fn insert_response_link(
     Ok(())
 }
 
+/// The `rounds` insert ([`insert_round`]).
+const INSERT_ROUND: &str = "INSERT INTO rounds (request_id, at_ms, api, model, stream, run_id,
+        node_id, attempt, round_index, request_digest, completion, finish_reason, upstream_status,
+        latency_ms, state, error, response, response_bytes, response_digest, response_truncated,
+        channel, channel_result, content_trust, client_request_id, response_redacted, calls, events)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27)
+     ON CONFLICT (request_id) DO NOTHING";
+
 /// Inserts round `r` (and its stored response's records); `true` when it is a chat round
 /// whose row now holds its calls and the `events` it [`folds`] (schema step 16), `false` when
 /// those events are still to be written as rows: a run's round, or a round already recorded
 /// (the first record stands).
-fn insert_round(
-    tx: &rusqlite::Connection,
+///
+/// `statement` is the batch's prepared [`INSERT_ROUND`]: taken from the connection's cache by
+/// the batch's first round and held until the batch ends (up to [`MAX_BATCH`] rounds), since
+/// each lookup in rusqlite's statement cache hashes the ~700-byte text, and putting it back
+/// hashes it again.
+fn insert_round<'c>(
+    tx: &'c rusqlite::Connection,
+    statement: &mut Option<rusqlite::CachedStatement<'c>>,
     r: &RoundRecord,
     events: &[EventRecord],
     releases: &mut released::ChatReleases,
     scopes: &scopes::EventScopes,
 ) -> rusqlite::Result<bool> {
     let (calls, folded_events) = folded_columns(tx, r, events, scopes)?;
-    let inserted = exec(
-        tx,
-        "INSERT INTO rounds (request_id, at_ms, api, model, stream, run_id, node_id, attempt,
-            round_index, request_digest, completion, finish_reason, upstream_status, latency_ms,
-            state, error, response, response_bytes, response_digest, response_truncated, channel,
-            channel_result, content_trust, client_request_id, response_redacted, calls, events)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27)
-         ON CONFLICT (request_id) DO NOTHING",
-        params![
-            r.request_id,
-            r.at_ms,
-            r.api,
-            r.model,
-            r.stream,
-            r.run.run_id,
-            r.run.node_id,
-            r.run.attempt,
-            r.round_index,
-            r.request_digest,
-            r.completion,
-            r.finish_reason,
-            r.upstream_status,
-            r.latency_ms as i64,
-            r.state,
-            r.error,
-            r.response.bytes,
-            r.response.total_bytes as i64,
-            r.response.digest,
-            r.response.truncated,
-            r.channel,
-            r.channel_result,
-            r.content_trust,
-            r.client_request_id,
-            r.response.redacted,
-            calls,
-            folded_events,
-        ],
-    )? == 1;
+    let statement = match statement {
+        Some(prepared) => prepared,
+        None => statement.insert(tx.prepare_cached(INSERT_ROUND)?),
+    };
+    let inserted = statement.execute(params![
+        r.request_id,
+        r.at_ms,
+        r.api,
+        r.model,
+        r.stream,
+        r.run.run_id,
+        r.run.node_id,
+        r.run.attempt,
+        r.round_index,
+        r.request_digest,
+        r.completion,
+        r.finish_reason,
+        r.upstream_status,
+        r.latency_ms as i64,
+        r.state,
+        r.error,
+        r.response.bytes,
+        r.response.total_bytes as i64,
+        r.response.digest,
+        r.response.truncated,
+        r.channel,
+        r.channel_result,
+        r.content_trust,
+        r.client_request_id,
+        r.response.redacted,
+        calls,
+        folded_events,
+    ])? == 1;
     let chat = r.run.run_id.is_none();
     if inserted && chat {
         // What a later tool result's duration is taken from.
