@@ -1920,22 +1920,25 @@ fn folded_columns(
         };
         // An event whose payload is a call's [`called_pieces`] is folded as that call's
         // (schema step 18). The request path makes one `agent.tool-called` per call, in the
-        // calls' order, so the next call is tried first; any call with the same text would
-        // rebuild the same payload.
-        let mut next_call = 0;
+        // calls' order, so the n-th such event is compared with the n-th call only: one
+        // comparison an event, however many calls a model answers with. An event that is not
+        // its call's text (another principal, characters a JSON writer could escape, an
+        // order this does not know) is kept whole, which reads back the same.
+        let mut called = 0;
         let list: Vec<FoldedEvent> = mine
             .iter()
             .zip(first..)
             .map(|(e, sequence)| {
                 let call = (e.kind == "agent.tool-called")
                     .then(|| {
-                        let fits = |&i: &usize| is_called_payload(&e.payload, &r.calls[i]);
-                        (next_call..r.calls.len()).chain(0..next_call).find(fits)
+                        called += 1;
+                        let i = called - 1;
+                        r.calls
+                            .get(i)
+                            .is_some_and(|c| is_called_payload(&e.payload, c))
+                            .then_some(i)
                     })
                     .flatten();
-                if let Some(call) = call {
-                    next_call = call + 1;
-                }
                 match call {
                     Some(call) => FoldedEvent::Called(sequence, e.at_ms, call),
                     None => FoldedEvent::Whole {
@@ -2548,6 +2551,53 @@ mod tests {
         expected.extend(std::iter::repeat_n(("object", "agent.tool-called"), 10));
         expected.extend([("array", "12"), ("object", "agent.tool-returned")]);
         assert_eq!(kinds, expected);
+    }
+
+    /// A chat round's `agent.tool-called` events are compared with the calls in order (the
+    /// n-th event with the n-th call only): events that come in another order are kept whole
+    /// and still read back byte for byte, with their sequences.
+    #[test]
+    fn tool_called_events_out_of_their_calls_order_are_kept_whole() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        schema::migrate(&conn).unwrap();
+        let r = round(
+            "r20",
+            None,
+            &[("call_a", "executed"), ("call_b", "executed")],
+        );
+        let events: Vec<EventRecord> = [1, 0]
+            .iter()
+            .map(|&i| EventRecord {
+                payload: called_payload(&r.calls[i]).unwrap(),
+                ..event("r20", None, "agent.tool-called", 300 + i as i64)
+            })
+            .collect();
+        apply(
+            &mut conn,
+            Op::RoundCommit(Box::new(RoundCommit {
+                round: Some(r),
+                events: events.clone(),
+                served: None,
+                claims: Vec::new(),
+            })),
+        );
+        let folded: Vec<Vec<String>> = rows(
+            &conn,
+            "SELECT e.type FROM rounds r, json_each(r.events) e
+              WHERE r.request_id = 'r20' ORDER BY e.key",
+        );
+        assert_eq!(folded, [["object"], ["object"]]);
+        let read: Vec<Vec<String>> = rows(
+            &conn,
+            "SELECT CAST(sequence AS TEXT), payload FROM events
+              WHERE scope = 'request:r20' ORDER BY sequence",
+        );
+        let want: Vec<Vec<String>> = events
+            .iter()
+            .enumerate()
+            .map(|(n, e)| vec![n.to_string(), e.payload.clone()])
+            .collect();
+        assert_eq!(read, want);
     }
 
     /// Schema step 16: a chat round is one `rounds` row holding its calls and its decision's
