@@ -2294,6 +2294,16 @@ mod tests {
         }
     }
 
+    /// A round's commit with `events`, no served record and no claims.
+    fn round_commit(round: RoundRecord, events: Vec<EventRecord>) -> Op {
+        Op::RoundCommit(Box::new(RoundCommit {
+            round: Some(round),
+            events,
+            served: None,
+            claims: Vec::new(),
+        }))
+    }
+
     fn apply(conn: &mut Connection, op: Op) {
         apply_with(conn, op, &mut WriterMemory::default());
     }
@@ -2500,15 +2510,7 @@ mod tests {
             ..events[0].clone()
         });
         events.push(event("r18", None, "agent.tool-returned", 213));
-        apply(
-            &mut conn,
-            Op::RoundCommit(Box::new(RoundCommit {
-                round: Some(r),
-                events: events.clone(),
-                served: None,
-                claims: Vec::new(),
-            })),
-        );
+        apply(&mut conn, round_commit(r, events.clone()));
         apply(
             &mut conn,
             Op::Events(vec![event("r18", None, "interrupt", 300)]),
@@ -2572,15 +2574,7 @@ mod tests {
                 ..event("r20", None, "agent.tool-called", 300 + i as i64)
             })
             .collect();
-        apply(
-            &mut conn,
-            Op::RoundCommit(Box::new(RoundCommit {
-                round: Some(r),
-                events: events.clone(),
-                served: None,
-                claims: Vec::new(),
-            })),
-        );
+        apply(&mut conn, round_commit(r, events.clone()));
         let folded: Vec<Vec<String>> = rows(
             &conn,
             "SELECT e.type FROM rounds r, json_each(r.events) e
@@ -2642,12 +2636,10 @@ mod tests {
         );
         apply_with(
             &mut conn,
-            Op::RoundCommit(Box::new(RoundCommit {
-                round: Some(round("q1", Some("run-1"), &[("call_c", "executed")])),
-                events: vec![event("q1", Some("run-1"), "agent.tool-called", 105)],
-                served: None,
-                claims: Vec::new(),
-            })),
+            round_commit(
+                round("q1", Some("run-1"), &[("call_c", "executed")]),
+                vec![event("q1", Some("run-1"), "agent.tool-called", 105)],
+            ),
             &mut memory,
         );
         let n = |sql: &str| -> i64 { conn.query_row(sql, [], |r| r.get(0)).unwrap() };
@@ -2749,12 +2741,10 @@ mod tests {
         ] {
             apply_with(
                 &mut conn,
-                Op::RoundCommit(Box::new(RoundCommit {
-                    round: Some(round("r1", None, calls)),
-                    events: vec![event("r1", None, "agent.tool-called", at)],
-                    served: None,
-                    claims: Vec::new(),
-                })),
+                round_commit(
+                    round("r1", None, calls),
+                    vec![event("r1", None, "agent.tool-called", at)],
+                ),
                 &mut memory,
             );
         }
