@@ -293,7 +293,7 @@ impl Event {
 /// object.
 pub fn read_object(data: &str) -> Result<Value, Unreadable> {
     // Strict (`strict_json`): an event the agent may receive as it is must read one way.
-    match crate::strict_json::from_slice(data.as_bytes()) {
+    match crate::strict_json::from_str(data) {
         Ok(v) if v.is_object() => Ok(v),
         Ok(_) => Err(Unreadable("event data that is not a JSON object".into())),
         Err(crate::strict_json::StrictJsonError::DuplicateKey { .. }) => Err(Unreadable(

@@ -61,7 +61,7 @@ pub fn parse(text: &str) -> Result<Value, ArgsError> {
     if text.trim().is_empty() {
         return Ok(Value::Object(Default::default()));
     }
-    match crate::strict_json::from_slice(text.as_bytes()) {
+    match crate::strict_json::from_str(text) {
         Ok(v @ Value::Object(_)) => Ok(v),
         Ok(_) => Err(ArgsError::NotObject),
         Err(crate::strict_json::StrictJsonError::DuplicateKey { .. }) => {

@@ -62,7 +62,7 @@ pub const TWO_WAYS: &str = "[REDACTED:duplicate-key]";
 /// `text` as one JSON document read one way: `Ok(None)` when it is not JSON, `Err(())` when
 /// it names a key twice (see the module docs).
 fn parse_one_way(text: &str) -> Result<Option<Value>, ()> {
-    match crate::strict_json::from_slice(text.as_bytes()) {
+    match crate::strict_json::from_str(text) {
         Ok(v) => Ok(Some(v)),
         Err(crate::strict_json::StrictJsonError::DuplicateKey { .. }) => Err(()),
         Err(crate::strict_json::StrictJsonError::Malformed { .. }) => Ok(None),

@@ -195,7 +195,7 @@ pub async fn read_answer(
     blocks
         .iter()
         .filter_map(|b| b.data.as_deref())
-        .filter_map(|d| crate::strict_json::from_slice(d.as_bytes()).ok())
+        .filter_map(|d| crate::strict_json::from_str(d).ok())
         .find(|v| is_response_to(v, id))
         .ok_or_else(|| unavailable("", "the SSE stream ended without the response"))
 }
@@ -333,7 +333,7 @@ fn read_event(block: &crate::sse::SseBlock) -> Result<Option<Value>, &'static st
     let Some(d) = block.data.as_deref() else {
         return Ok(None);
     };
-    match crate::strict_json::from_slice(d.as_bytes()) {
+    match crate::strict_json::from_str(d) {
         Ok(v) if v.is_object() => Ok(Some(v)),
         Ok(_) => Err("an event that is not one JSON-RPC message (a batch, or not an object)"),
         Err(crate::strict_json::StrictJsonError::DuplicateKey { .. }) => {

@@ -49,7 +49,7 @@ impl Provider for OpenAiChat {
 
     /// The request's `n` (default 1).
     fn choices_requested(&self, body: &Value) -> u64 {
-        body.get("n").and_then(Value::as_u64).unwrap_or(1)
+        body.member("n").and_then(Value::as_u64).unwrap_or(1)
     }
 
     /// See [`prepare_upstream`].
@@ -90,8 +90,8 @@ impl Provider for OpenAiChat {
     /// `response_format: {type: "json_schema", json_schema: {name, schema}}` (the name
     /// defaults to `response_format`).
     fn structured_schema(&self, body: &Value) -> Option<(String, Value)> {
-        let rf = body.get("response_format")?;
-        if rf.get("type").and_then(Value::as_str) != Some("json_schema") {
+        let rf = body.member("response_format")?;
+        if rf.member("type").and_then(Value::as_str) != Some("json_schema") {
             return None;
         }
         let js = rf.get("json_schema")?;
@@ -178,22 +178,22 @@ fn parse_request(
     schemas: &dyn DeclaredSchemas,
 ) -> Result<Turn, String> {
     let obj = body.as_object().ok_or("the body must be a JSON object")?;
-    let messages = obj
-        .get("messages")
+    let messages = crate::strict_json::member(obj, "messages")
         .and_then(Value::as_array)
         .ok_or("`messages` must be an array")?;
     let (tools, unknown_tools) = declared_tools(obj, tools, schemas)?;
     let mut turn = Turn {
         item_references: Vec::new(),
         api: Api::OpenAiChat,
-        model: obj.get("model").and_then(Value::as_str).map(str::to_owned),
-        stream: obj.get("stream").and_then(Value::as_bool) == Some(true),
+        model: crate::strict_json::member(obj, "model")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        stream: crate::strict_json::member(obj, "stream").and_then(Value::as_bool) == Some(true),
         tools,
         tool_results: Vec::new(),
-        max_output_tokens: obj
-            .get("max_completion_tokens")
+        max_output_tokens: crate::strict_json::member(obj, "max_completion_tokens")
             .and_then(Value::as_u64)
-            .or_else(|| obj.get("max_tokens").and_then(Value::as_u64)),
+            .or_else(|| crate::strict_json::member(obj, "max_tokens").and_then(Value::as_u64)),
         include_usage: body
             .at("/stream_options/include_usage")
             .and_then(Value::as_bool)
@@ -216,7 +216,7 @@ fn parse_request(
     let mut calls = CallNames::default();
     for (i, m) in messages.iter().enumerate() {
         let role = m
-            .get("role")
+            .member("role")
             .and_then(Value::as_str)
             .ok_or_else(|| format!("`messages[{i}].role` must be a string"))?;
         match role {
@@ -224,7 +224,7 @@ fn parse_request(
             "assistant" => {
                 turn.round_index = turn.round_index.saturating_add(1);
                 for (k, c) in m
-                    .get("tool_calls")
+                    .member("tool_calls")
                     .and_then(Value::as_array)
                     .into_iter()
                     .flatten()
@@ -234,7 +234,7 @@ fn parse_request(
                     if let Some(name) = name {
                         turn.prior_calls.push(name.to_owned());
                     }
-                    if let Some(id) = c.get("id").and_then(Value::as_str) {
+                    if let Some(id) = c.member("id").and_then(Value::as_str) {
                         calls.add(&mut turn, id, name, || {
                             format!("messages[{i}].tool_calls[{k}].id")
                         });
@@ -243,23 +243,23 @@ fn parse_request(
             }
             "function" => {
                 // The legacy functions API: a result without a call id, named by `name`.
-                let name = m.get("name").and_then(Value::as_str).unwrap_or_default();
+                let name = m.member("name").and_then(Value::as_str).unwrap_or_default();
                 turn.tool_results.push(ToolResultSeen {
                     tool_call_id: format!("function:{name}"),
                     tool_name: (!name.is_empty()).then(|| name.to_owned()),
-                    content: m.get("content").cloned().unwrap_or(Value::Null),
+                    content: m.member("content").cloned().unwrap_or(Value::Null),
                     is_error: false,
                 });
             }
             "tool" => {
                 let id = m
-                    .get("tool_call_id")
+                    .member("tool_call_id")
                     .and_then(Value::as_str)
                     .ok_or_else(|| format!("`messages[{i}].tool_call_id` must be a string"))?;
                 turn.tool_results.push(ToolResultSeen {
                     tool_call_id: id.to_owned(),
                     tool_name: calls.name_of(id),
-                    content: m.get("content").cloned().unwrap_or(Value::Null),
+                    content: m.member("content").cloned().unwrap_or(Value::Null),
                     is_error: false,
                 });
             }
@@ -274,7 +274,7 @@ fn parse_request(
                 );
             }
         }
-        judge_content(&mut turn, m.get("content"), || {
+        judge_content(&mut turn, m.member("content"), || {
             format!("messages[{i}].content")
         });
     }
@@ -297,7 +297,7 @@ fn declared_tools(
     if let Some(member) = member {
         let list = member.into_array().ok_or("`tools` must be an array")?;
         for (i, t) in list.into_iter().enumerate() {
-            match t.get("type").and_then(Value::as_str) {
+            match t.member("type").and_then(Value::as_str) {
                 Some("function") => {}
                 // Client-executed free-form tools: calls to them are undeclared for admission
                 // (withheld at the name stage).
@@ -308,19 +308,27 @@ fn declared_tools(
                 }
             }
             let f = t
-                .get("function")
+                .member("function")
                 .ok_or_else(|| format!("`tools[{i}].function` is missing"))?;
             let name = f
-                .get("name")
+                .member("name")
                 .and_then(Value::as_str)
                 .ok_or_else(|| format!("`tools[{i}].function.name` must be a string"))?;
-            tools.push(DeclaredTool::declared(name, f.get("parameters"), schemas));
+            tools.push(DeclaredTool::declared(
+                name,
+                f.member("parameters"),
+                schemas,
+            ));
         }
     }
-    if let Some(list) = obj.get("functions").and_then(Value::as_array) {
+    if let Some(list) = crate::strict_json::member(obj, "functions").and_then(Value::as_array) {
         for f in list {
-            if let Some(name) = f.get("name").and_then(Value::as_str) {
-                tools.push(DeclaredTool::declared(name, f.get("parameters"), schemas));
+            if let Some(name) = f.member("name").and_then(Value::as_str) {
+                tools.push(DeclaredTool::declared(
+                    name,
+                    f.member("parameters"),
+                    schemas,
+                ));
             }
         }
     }
@@ -343,12 +351,12 @@ fn judge_content(turn: &mut Turn, content: Option<&Value>, at: impl Fn() -> Stri
     };
     for (k, p) in parts.iter().enumerate() {
         let at = || format!("{}[{k}]", at());
-        match p.get("type").and_then(Value::as_str) {
+        match p.member("type").and_then(Value::as_str) {
             Some("text" | "refusal" | "input_audio") => {}
             Some("image_url") => {
                 let url = p
                     .at("/image_url/url")
-                    .or_else(|| p.get("image_url"))
+                    .or_else(|| p.member("image_url"))
                     .and_then(Value::as_str)
                     .unwrap_or_default();
                 if !url.starts_with("data:") {
@@ -622,7 +630,7 @@ pub fn parse_response_bytes(
     raw: &[u8],
     ctx: &AnswerContext,
 ) -> Option<Result<Vec<ChoiceEmissions>, String>> {
-    let Obj(view) = serde_json::from_slice::<Obj<ResponseView<'_>>>(raw).ok()?;
+    let Obj(view) = crate::strict_json::view_from_slice::<Obj<ResponseView<'_>>>(raw)?;
     let used = view.usage.and_then(|Obj(u)| u.completion_tokens);
     let mut out = Vec::new();
     for Obj(choice) in view.choices.into_iter().flatten() {
