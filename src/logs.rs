@@ -200,9 +200,9 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogSink {
 /// its formatter serializes through an `io::Write`-to-`fmt::Write` adaptor that checks every
 /// piece of every value for UTF-8 again, and formats the time through `fmt::Display`: 23k
 /// instructions an access line under callgrind, 4.7 % of the json cell's instructions per
-/// request; this one takes ~6k (bench/RESULTS.md, issue 13 run 14). Here the same
-/// `tracing-serde` visitor serializes the fields with `serde_json` into one byte buffer,
-/// checked once.
+/// request; this one took ~6k (bench/RESULTS.md, issue 13 run 14) with tracing-serde's visitor
+/// serializing the fields through serde_json's map serializer, and writes the fields itself
+/// now ([`LineFields`]), into one byte buffer checked once.
 ///
 /// An event inside a span (only `debug`-level dependency spans exist: turnguard opens none) is
 /// handed to tracing-subscriber's formatter, which also writes the `span` and `spans` members.
@@ -229,7 +229,6 @@ where
         mut writer: tracing_subscriber::fmt::format::Writer<'_>,
         event: &tracing::Event<'_>,
     ) -> std::fmt::Result {
-        use serde::ser::{SerializeMap, Serializer};
         use tracing_log::NormalizeEvent;
         if event.parent().and_then(|id| ctx.span(id)).is_some() || ctx.lookup_current().is_some() {
             return self.within_spans.format_event(ctx, writer, event);
@@ -250,20 +249,73 @@ where
             std::str::from_utf8(&stamp[..end]).map_err(|_| std::fmt::Error)?
         };
         let mut line = Vec::with_capacity(512);
-        let fields = |line: &mut Vec<u8>| -> Result<(), serde_json::Error> {
-            let mut serializer = serde_json::Serializer::new(line);
-            let mut map = serializer.serialize_map(None)?;
-            map.serialize_entry("timestamp", stamp)?;
-            map.serialize_entry("level", meta.level().as_str())?;
-            let mut visitor = tracing_serde::SerdeMapVisitor::new(map);
-            event.record(&mut visitor);
-            let mut map = visitor.take_serializer()?;
-            map.serialize_entry("target", meta.target())?;
-            map.end()
-        };
-        fields(&mut line).map_err(|_| std::fmt::Error)?;
-        line.push(b'\n');
+        line.extend_from_slice(b"{\"timestamp\":");
+        crate::jcs::write_str(&mut line, stamp);
+        let mut fields = LineFields { line };
+        fields.member("level");
+        crate::jcs::write_str(&mut fields.line, meta.level().as_str());
+        event.record(&mut fields);
+        let LineFields { mut line } = fields;
+        line.extend_from_slice(b",\"target\":");
+        crate::jcs::write_str(&mut line, meta.target());
+        line.extend_from_slice(b"}\n");
         writer.write_str(std::str::from_utf8(&line).map_err(|_| std::fmt::Error)?)
+    }
+}
+
+/// An event's fields written as members of its line's JSON object, each as tracing-serde's
+/// `SerdeMapVisitor` has serde_json serialize it (the test
+/// `json_lines_are_tracing_subscribers_json_lines` holds the lines byte for byte equal):
+/// names and strings as JSON strings ([`crate::jcs::write_str`], serde_json's escapes),
+/// numbers and booleans by serde_json (a float that is not finite is `null`), anything else
+/// (`Debug` values, the message, errors, 128-bit integers, bytes) as its `Debug` text in a
+/// string. Written straight into the line, without serde's map serializer around each field:
+/// that cost ~7k instructions for the access line's twelve fields (issue 13, profile-led:
+/// 3.5 % of a request under callgrind).
+struct LineFields {
+    line: Vec<u8>,
+}
+
+impl LineFields {
+    /// Starts the member `name` (never the object's first: `timestamp` is).
+    fn member(&mut self, name: &str) {
+        self.line.push(b',');
+        crate::jcs::write_str(&mut self.line, name);
+        self.line.push(b':');
+    }
+
+    /// A number or boolean as serde_json writes it (writing into a `Vec` cannot fail).
+    fn scalar<T: serde::Serialize>(&mut self, name: &str, value: T) {
+        self.member(name);
+        let _ = serde_json::to_writer(&mut self.line, &value);
+    }
+}
+
+impl tracing::field::Visit for LineFields {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.member(field.name());
+        crate::jcs::write_str(&mut self.line, value);
+    }
+
+    fn record_bool(&mut self, field: &tracing::field::Field, value: bool) {
+        self.scalar(field.name(), value);
+    }
+
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        self.scalar(field.name(), value);
+    }
+
+    fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
+        self.scalar(field.name(), value);
+    }
+
+    fn record_f64(&mut self, field: &tracing::field::Field, value: f64) {
+        self.scalar(field.name(), value);
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.member(field.name());
+        crate::jcs::write_str(&mut self.line, &format!("{value:?}"));
     }
 }
 
@@ -387,11 +439,12 @@ mod tests {
                 "several kinds"
             );
             tracing::info!(message = "a message field", after = 1);
+            tracing::info!("a \"quoted\"\tname" = 1, "dotted.name" = "v", "named");
             let span = tracing::info_span!("outer", k = 1);
             let _entered = span.enter();
             tracing::info!(inner = true, "inside a span");
         });
-        assert_eq!(theirs.lines().count(), 6, "{theirs}");
+        assert_eq!(theirs.lines().count(), 7, "{theirs}");
         assert!(ours.contains(r#""span":{"k":1,"name":"outer"}"#), "{ours}");
         assert_eq!(without_time(&theirs), without_time(&ours));
     }

@@ -54,12 +54,14 @@ pub fn semantic_request_digest(api: Api, body: &RequestBody) -> String {
     use crate::strict_json::Member;
     // A borrowed view of the request: nothing is cloned (a long transcript is hashed where
     // it lies, the declared tools where the cache keeps them).
-    let mut semantic: Vec<(&str, View<'_>)> = vec![
-        ("recipe", View::Str("openwop-semantic-request-v2")),
-        ("provider", View::Str(api.as_str())),
-    ];
-    let mut options: Vec<(&str, View<'_>)> = Vec::new();
-    for (k, v) in body.members() {
+    let members = body.members();
+    // Sized once: every member goes to one list or the other (growing them by pushes was
+    // ~1k instructions a request under callgrind, issue 13).
+    let mut semantic: Vec<(&str, View<'_>)> = Vec::with_capacity(members.len() + 3);
+    semantic.push(("recipe", View::Str("openwop-semantic-request-v2")));
+    semantic.push(("provider", View::Str(api.as_str())));
+    let mut options: Vec<(&str, View<'_>)> = Vec::with_capacity(members.len());
+    for (k, v) in members {
         if EXCLUDED.contains(&k) {
             continue;
         }
