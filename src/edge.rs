@@ -411,12 +411,7 @@ impl AccessLog {
             self.before_body
         };
         let m = &self.state.metrics;
-        m.request_duration
-            .get_or_create(&self.labels)
-            .observe(duration.as_secs_f64());
-        m.proxy_added
-            .get_or_create(&self.labels)
-            .observe(added.as_secs_f64());
+        m.request_times(&self.labels, duration.as_secs_f64(), added.as_secs_f64());
         tracing::info!(
             target: "turnguard::access",
             request_id = self.request_id.as_str(),

@@ -578,6 +578,56 @@ pub struct Metrics {
     pub run_counter_evictions: Counter,
     /// Interned `tool` label values (catalog `toolId`s): bounded by the catalogs loaded.
     tool_labels: RwLock<foldhash::HashSet<Arc<str>>>,
+    /// Handles to the metrics every request or call updates ([`Handles`]).
+    request_handles: Handles<RequestLabels, Counter>,
+    call_handles: Handles<CallLabels, Counter>,
+    duration_handles: Handles<EdgeLabels, Histogram>,
+    added_handles: Handles<EdgeLabels, Histogram>,
+}
+
+/// Handles to a family's metrics by label set, kept in front of the family: a clone of a
+/// prometheus-client metric shares its value, so updating the clone updates the family's.
+/// `Family::get_or_create` hashes the labels with SipHash under the family's lock; this map
+/// hashes them with foldhash (the label values are turnguard's own: enums, a status code, a
+/// catalog `toolId`), which made the four family lookups of a request ~2.4k of its ~193k
+/// instructions under callgrind (issue 13, profile-led). At most [`Handles::MAX`] label sets
+/// are kept; past that a lookup goes to the family.
+struct Handles<S, M> {
+    kept: RwLock<foldhash::HashMap<S, M>>,
+}
+
+impl<S, M> Default for Handles<S, M> {
+    fn default() -> Self {
+        Handles {
+            kept: RwLock::new(foldhash::HashMap::default()),
+        }
+    }
+}
+
+impl<S, M> Handles<S, M>
+where
+    S: Clone + std::hash::Hash + Eq,
+    M: Clone,
+{
+    /// Label sets kept at most.
+    const MAX: usize = 4096;
+
+    /// The metric of `family` for `labels` (created in the family on first use).
+    fn get<C>(&self, family: &Family<S, M, C>, labels: &S) -> M
+    where
+        C: prometheus_client::metrics::family::MetricConstructor<M>,
+    {
+        if let Some(m) = self.kept.read().ok().and_then(|k| k.get(labels).cloned()) {
+            return m;
+        }
+        let m = family.get_or_create(labels).clone();
+        if let Ok(mut kept) = self.kept.write() {
+            if kept.len() < Self::MAX {
+                kept.insert(labels.clone(), m.clone());
+            }
+        }
+        m
+    }
 }
 
 /// Counts one unit in a gauge for as long as it lives: `inc` now, `dec` on drop, so a future
@@ -779,6 +829,10 @@ impl Metrics {
         let m = Self {
             run_counter_evictions,
             tool_labels: RwLock::new(foldhash::HashSet::default()),
+            request_handles: Handles::default(),
+            call_handles: Handles::default(),
+            duration_handles: Handles::default(),
+            added_handles: Handles::default(),
             open_connections,
             connections_rejected,
             schema_cache_bytes,
@@ -878,13 +932,24 @@ impl Metrics {
 
     /// Counts one answered request.
     pub fn request(&self, api: ApiLabel, status: u16, stream: bool) {
-        self.requests
-            .get_or_create(&RequestLabels {
-                api,
-                status,
-                stream,
-            })
-            .inc();
+        let labels = RequestLabels {
+            api,
+            status,
+            stream,
+        };
+        self.request_handles.get(&self.requests, &labels).inc();
+    }
+
+    /// Observes one data-plane request at the edge: its whole time in
+    /// `turnguard_request_duration_seconds` and turnguard's part of it in
+    /// `turnguard_proxy_added_seconds`, seconds.
+    pub fn request_times(&self, labels: &EdgeLabels, duration: f64, added: f64) {
+        self.duration_handles
+            .get(&self.request_duration, labels)
+            .observe(duration);
+        self.added_handles
+            .get(&self.proxy_added, labels)
+            .observe(added);
     }
 
     /// Counts one decided call in `turnguard_tool_calls_total`. `known`: the catalog lists
@@ -895,16 +960,15 @@ impl Metrics {
         } else {
             crate::policy::rules::UNKNOWN_TOOL_ID
         };
-        self.tool_calls
-            .get_or_create(&CallLabels {
-                outcome: d.outcome,
-                stage: d.stage,
-                channel: "tool",
-                mode: CallMode::of(d.enforced),
-                tool: self.tool_label(tool),
-                surface,
-            })
-            .inc();
+        let labels = CallLabels {
+            outcome: d.outcome,
+            stage: d.stage,
+            channel: "tool",
+            mode: CallMode::of(d.enforced),
+            tool: self.tool_label(tool),
+            surface,
+        };
+        self.call_handles.get(&self.tool_calls, &labels).inc();
     }
 
     /// The interned `tool` label for a catalog `toolId`: the first use of an id allocates,
@@ -974,5 +1038,61 @@ impl Registrar {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kept handle is the family's own metric: what is counted or observed through it is
+    /// what the exposition shows, label set by label set.
+    #[test]
+    fn handles_update_the_familys_metrics() {
+        let m = Metrics::new();
+        for _ in 0..3 {
+            m.request(ApiLabel::Passthrough, 200, false);
+        }
+        m.request(ApiLabel::Passthrough, 502, true);
+        let edge = EdgeLabels {
+            api: ApiLabel::Mcp,
+            stream: false,
+        };
+        m.request_times(&edge, 0.5, 0.25);
+        m.request_times(&edge, 0.5, 0.25);
+        let text = m.render();
+        for line in [
+            r#"turnguard_requests_total{api="passthrough",status="200",stream="false"} 3"#,
+            r#"turnguard_requests_total{api="passthrough",status="502",stream="true"} 1"#,
+            r#"turnguard_request_duration_seconds_count{api="mcp",stream="false"} 2"#,
+            r#"turnguard_request_duration_seconds_sum{api="mcp",stream="false"} 1.0"#,
+            r#"turnguard_proxy_added_seconds_sum{api="mcp",stream="false"} 0.5"#,
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        }
+    }
+
+    /// Past `Handles::MAX` label sets nothing more is kept, and every update still reaches
+    /// the family.
+    #[test]
+    fn handles_past_their_bound_still_count() {
+        type Kept = Handles<RequestLabels, Counter>;
+        let family = Family::<RequestLabels, Counter>::default();
+        let handles = Kept::default();
+        let labels = |status| RequestLabels {
+            api: ApiLabel::None,
+            status,
+            stream: false,
+        };
+        let sets = u16::try_from(Kept::MAX + 10).unwrap();
+        for _ in 0..2 {
+            for status in 0..sets {
+                handles.get(&family, &labels(status)).inc();
+            }
+        }
+        assert_eq!(handles.kept.read().unwrap().len(), Kept::MAX);
+        for status in 0..sets {
+            assert_eq!(family.get_or_create(&labels(status)).get(), 2, "{status}");
+        }
     }
 }
