@@ -577,7 +577,8 @@ pub fn check(
             message,
         ))
     };
-    let name = super::sanitize_label(&call.name);
+    // Only a refusal's message names the tool: a valid call does not pay for the label.
+    let name = || super::sanitize_label(&call.name);
     for declared in turn.declarations(&call.name) {
         match (&declared.freeform, call.input) {
             (None, CallInput::Json) => {}
@@ -589,13 +590,13 @@ pub fn check(
             (None, CallInput::Text) => {
                 return invalid(
                     crate::reason::Reason::InputKindMismatch,
-                    format!("the tool `{name}` is declared with JSON arguments, but the call carries free-form input"),
+                    format!("the tool `{}` is declared with JSON arguments, but the call carries free-form input", name()),
                 )
             }
             (Some(_), CallInput::Json) => {
                 return invalid(
                     crate::reason::Reason::InputKindMismatch,
-                    format!("the tool `{name}` is declared as a free-form (custom) tool, but the call carries JSON arguments"),
+                    format!("the tool `{}` is declared as a free-form (custom) tool, but the call carries JSON arguments", name()),
                 )
             }
         }

@@ -26,6 +26,10 @@ use crate::model::{Completion, CompletionState, Decision, Outcome, Stage};
 
 /// `Some(invalid)` unless the choice ended cleanly.
 pub fn check(completion: &Completion) -> Option<Decision> {
+    if completion.state == CompletionState::Clean {
+        return None;
+    }
+    // Only a message needs it: a clean choice (every released call) does not pay for it.
     let reason = super::sanitize_label(&completion.reason);
     let (reason, message) = match completion.state {
         CompletionState::Clean => return None,

@@ -36,11 +36,16 @@ impl DeclaredCounts {
         d: &DeclaredToolsRecord,
         known: &mut KnownSchemas,
     ) -> rusqlite::Result<()> {
-        // A set, not a list: a body may declare tens of thousands of tools.
-        let mut seen: HashSet<&str> = HashSet::with_capacity(d.tools.len());
+        // A set, not a list: a body may declare tens of thousands of tools. None for one
+        // tool, which cannot repeat.
+        let mut seen: Option<HashSet<&str>> =
+            (d.tools.len() > 1).then(|| HashSet::with_capacity(d.tools.len()));
         for tool in &d.tools {
             let name = &tool.name;
-            if !seen.insert(name.as_str()) {
+            if seen
+                .as_mut()
+                .is_some_and(|seen| !seen.insert(name.as_str()))
+            {
                 continue;
             }
             let digest = tool

@@ -1320,11 +1320,13 @@ struct WriterMemory {
 /// batch that rolls back forgets what it added).
 #[derive(Default)]
 struct KnownSchemas {
-    committed: std::collections::HashSet<String>,
+    /// foldhash, as `digests`: the keys are SHA-256 digests and keyed fingerprints, which no
+    /// client can aim at a bucket.
+    committed: foldhash::HashSet<String>,
     pending: Vec<String>,
     /// Each schema fingerprint's digest ([`DeclaredSchema::fingerprint`]; a pure function
     /// of the schema, so a rolled-back batch or a prune leaves it true).
-    digests: std::collections::HashMap<u64, String>,
+    digests: foldhash::HashMap<u64, String>,
 }
 
 impl KnownSchemas {

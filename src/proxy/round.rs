@@ -290,7 +290,12 @@ impl Session {
                     self.policy.catalog.by_id(&d.tool_id).is_some(),
                     crate::metrics::CallSurface::Llm,
                 );
-                let tool_name = admission::sanitize_label(&call.name);
+                // The decision carries the label already (never empty once set).
+                let tool_name = if d.tool_name.is_empty() {
+                    admission::sanitize_label(&call.name)
+                } else {
+                    d.tool_name.clone()
+                };
                 if d.outcome != Outcome::Executed || !d.enforced {
                     // One line per decision that is not a plain release (never arguments,
                     // never the validator's message, which may quote them).
