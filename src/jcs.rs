@@ -160,10 +160,16 @@ fn needs_escape(w: u64) -> bool {
 /// else), eight bytes at a time where none needs one. The log lines use it
 /// ([`crate::logs::JsonLines`]).
 pub(crate) fn write_str(out: &mut Vec<u8>, s: &str) {
+    out.reserve(s.len() + 2);
+    out.push(b'"');
+    write_str_contents(out, s);
+    out.push(b'"');
+}
+
+/// [`write_str`] without the quotes: `s`'s escaped text, to write one string in pieces.
+pub(crate) fn write_str_contents(out: &mut Vec<u8>, s: &str) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let bytes = s.as_bytes();
-    out.reserve(bytes.len() + 2);
-    out.push(b'"');
     let mut start = 0;
     let mut i = 0;
     while i < bytes.len() {
@@ -193,7 +199,6 @@ pub(crate) fn write_str(out: &mut Vec<u8>, s: &str) {
         i += 1;
     }
     out.extend_from_slice(&bytes[start..]);
-    out.push(b'"');
 }
 
 #[cfg(test)]
