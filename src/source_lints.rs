@@ -143,9 +143,10 @@ mod tests {
 
     /// The crate's modules, bottom layer first. A module may import modules of its own layer
     /// and of the layers below, never above. Within a layer, imports may go both ways (only
-    /// `model` ↔ `admission` do: the decision vocabulary is one layer).
+    /// `model` ↔ `admission` do: the decision vocabulary is one layer; `logs` uses `jcs`'s
+    /// JSON string writer, one way).
     pub(super) const LAYERS: &[&[&str]] = &[
-        // Leaves: import nothing of the crate.
+        // Leaves: import nothing of the crate but each other.
         &[
             "clock",
             "body",
