@@ -26,35 +26,31 @@ use crate::model::{Completion, CompletionState, Decision, Outcome, Stage};
 
 /// `Some(invalid)` unless the choice ended cleanly.
 pub fn check(completion: &Completion) -> Option<Decision> {
-    if completion.state == CompletionState::Clean {
-        return None;
-    }
-    // Only a message needs it: a clean choice (every released call) does not pay for it.
-    let reason = super::sanitize_label(&completion.reason);
-    let (reason, message) = match completion.state {
+    // The message is made only for a choice that did not end cleanly: its label runs the
+    // built-in secret patterns, which a released call need not pay for.
+    let (reason, message): (_, fn(&str) -> String) = match completion.state {
         CompletionState::Clean => return None,
-        CompletionState::Truncated => (
-            crate::reason::Reason::Truncated,
+        CompletionState::Truncated => (crate::reason::Reason::Truncated, |reason| {
             format!(
                 "the model output was cut by the token limit ({reason}) before the call was known to be complete"
-            ),
-        ),
-        CompletionState::Refused => (
-            crate::reason::Reason::RefusedCompletion,
-            format!("the model output ended in a refusal ({reason}); a refusal is not retried"),
-        ),
-        CompletionState::ContextExhausted => (
-            crate::reason::Reason::ContextWindowExceeded,
-            format!(
-                "the model's context window is full ({reason}); the call was cut and asking again cannot fit"
-            ),
-        ),
+            )
+        }),
+        CompletionState::Refused => (crate::reason::Reason::RefusedCompletion, |reason| {
+            format!("the model output ended in a refusal ({reason}); a refusal is not retried")
+        }),
+        CompletionState::ContextExhausted => {
+            (crate::reason::Reason::ContextWindowExceeded, |reason| {
+                format!(
+                    "the model's context window is full ({reason}); the call was cut and asking again cannot fit"
+                )
+            })
+        }
     };
     Some(Decision::new(
         Outcome::Invalid,
         Stage::Completion,
         reason,
-        message,
+        message(&super::sanitize_label(&completion.reason)),
     ))
 }
 

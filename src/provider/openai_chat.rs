@@ -94,13 +94,13 @@ impl Provider for OpenAiChat {
         if rf.member("type").and_then(Value::as_str) != Some("json_schema") {
             return None;
         }
-        let js = rf.get("json_schema")?;
+        let js = rf.member("json_schema")?;
         let name = js
-            .get("name")
+            .member("name")
             .and_then(Value::as_str)
             .unwrap_or("response_format")
             .to_owned();
-        Some((name, js.get("schema")?.clone()))
+        Some((name, js.member("schema")?.clone()))
     }
 
     /// Two `messages`: the assistant's `answer`, then the user's `feedback` (nothing when
@@ -178,22 +178,25 @@ fn parse_request(
     schemas: &dyn DeclaredSchemas,
 ) -> Result<Turn, String> {
     let obj = body.as_object().ok_or("the body must be a JSON object")?;
-    let messages = crate::strict_json::member(obj, "messages")
+    let messages = body
+        .member("messages")
         .and_then(Value::as_array)
         .ok_or("`messages` must be an array")?;
     let (tools, unknown_tools) = declared_tools(obj, tools, schemas)?;
     let mut turn = Turn {
         item_references: Vec::new(),
         api: Api::OpenAiChat,
-        model: crate::strict_json::member(obj, "model")
+        model: body
+            .member("model")
             .and_then(Value::as_str)
             .map(str::to_owned),
-        stream: crate::strict_json::member(obj, "stream").and_then(Value::as_bool) == Some(true),
+        stream: body.member("stream").and_then(Value::as_bool) == Some(true),
         tools,
         tool_results: Vec::new(),
-        max_output_tokens: crate::strict_json::member(obj, "max_completion_tokens")
+        max_output_tokens: body
+            .member("max_completion_tokens")
             .and_then(Value::as_u64)
-            .or_else(|| crate::strict_json::member(obj, "max_tokens").and_then(Value::as_u64)),
+            .or_else(|| body.member("max_tokens").and_then(Value::as_u64)),
         include_usage: body
             .at("/stream_options/include_usage")
             .and_then(Value::as_bool)
