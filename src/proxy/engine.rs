@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::FutureExt as _;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::sync::mpsc;
@@ -211,26 +212,35 @@ pub(super) async fn read_round(
     let held = agent.holds();
     let mut out: Vec<Bytes> = Vec::new();
     let cut = loop {
-        let waited = Instant::now();
-        let deadline = async {
-            match relay.deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending().await,
+        // A frame that is already here (a JSON answer comes with its headers) is taken as
+        // the biased select below would take it, without arming the idle timer or timing a
+        // wait that did not happen (four clock reads a frame, issue 13's profile).
+        let next = match body.frame().now_or_never() {
+            Some(frame) => Ok(frame),
+            None => {
+                let waited = Instant::now();
+                let deadline = async {
+                    match relay.deadline {
+                        Some(d) => tokio::time::sleep_until(d).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                let next = tokio::select! {
+                    biased;
+                    next = tokio::time::timeout(idle, body.frame()) => next,
+                    _ = relay.cut.wait_for(|c| *c) => {
+                        break Some(Cut::new("turnguard is shutting down: the drain deadline passed".to_owned(), None))
+                    }
+                    () = deadline => break Some(Cut::new(format!(
+                        "the upstream's response did not complete within {whole} ms (upstream_response_timeout_ms; raise it with --upstream-response-timeout-ms)"
+                    ), Some(UpstreamError::ResponseTimeout))),
+                };
+                if held {
+                    crate::edge::upstream_waited(waited, waited.elapsed());
+                }
+                next
             }
         };
-        let next = tokio::select! {
-            biased;
-            next = tokio::time::timeout(idle, body.frame()) => next,
-            _ = relay.cut.wait_for(|c| *c) => {
-                break Some(Cut::new("turnguard is shutting down: the drain deadline passed".to_owned(), None))
-            }
-            () = deadline => break Some(Cut::new(format!(
-                "the upstream's response did not complete within {whole} ms (upstream_response_timeout_ms; raise it with --upstream-response-timeout-ms)"
-            ), Some(UpstreamError::ResponseTimeout))),
-        };
-        if held {
-            crate::edge::upstream_waited(waited, waited.elapsed());
-        }
         let frame = match next {
             Err(_) => break Some(Cut::new(format!(
                 "the upstream sent no data for {} ms (upstream_idle_timeout_ms; raise it with --upstream-idle-timeout-ms)",
@@ -243,7 +253,8 @@ pub(super) async fn read_round(
         let Ok(data) = frame.into_data() else {
             continue;
         };
-        let work = Instant::now();
+        // A JSON answer's work is the handler's own time; a stream's runs after the headers.
+        let work = (!held).then(Instant::now);
         if relay.first_byte && !held {
             relay.first_byte = false;
             if let Some(sent) = relay.timing.as_ref().and_then(|t| t.upstream_sent()) {
@@ -258,8 +269,7 @@ pub(super) async fn read_round(
             }
         }
         let fed = pipeline.feed(&data);
-        // A JSON answer's work is the handler's own time; a stream's runs after the headers.
-        if let Some(t) = relay.timing.as_ref().filter(|_| !held) {
+        if let (Some(t), Some(work)) = (relay.timing.as_ref(), work) {
             t.add_work(work.elapsed());
         }
         if let Err(reason) = fed {

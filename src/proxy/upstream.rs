@@ -236,8 +236,12 @@ pub async fn send_to(
     let timeout = Duration::from_millis(state.config.upstream_response_timeout_ms);
     let unavailable =
         |reason: UpstreamError, detail: String| counted(state, upstream, reason, detail);
-    let result = tokio::time::timeout(timeout, state.client.request(req)).await;
-    crate::edge::upstream_waited(started, started.elapsed());
+    // The deadline and the wait are both taken from `started`: one clock read before the
+    // request and one after it.
+    let deadline = tokio::time::Instant::from_std(started) + timeout;
+    let result = tokio::time::timeout_at(deadline, state.client.request(req)).await;
+    let waited = started.elapsed();
+    crate::edge::upstream_waited(started, waited);
     let resp = match result {
         Err(_) => {
             return Err(unavailable(
@@ -259,7 +263,7 @@ pub async fn send_to(
         .metrics
         .upstream_latency
         .get_or_create(&ApiLabels { api: api_label })
-        .observe(started.elapsed().as_secs_f64());
+        .observe(waited.as_secs_f64());
     Ok(resp)
 }
 
