@@ -41,7 +41,8 @@ use serde_json::Value;
 use crate::config::Config;
 
 /// The data-plane header carrying the acting person's JWT.
-pub const PRINCIPAL_TOKEN_HEADER: &str = "turnguard-principal-token";
+pub const PRINCIPAL_TOKEN_HEADER: http::HeaderName =
+    http::HeaderName::from_static("turnguard-principal-token");
 /// The development-only header naming the acting person in clear.
 pub const DEV_PRINCIPAL_HEADER: &str = "turnguard-principal";
 

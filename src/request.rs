@@ -57,7 +57,7 @@ impl RequestCtx {
     /// set the same in `x-request-id`), not checked a second time; any other request's
     /// `x-request-id` is kept when sane, else a fresh UUIDv7 is made.
     pub(crate) fn of(headers: &HeaderMap, extensions: &http::Extensions) -> Self {
-        let header = |name: &str| {
+        let header = |name: &http::HeaderName| {
             headers
                 .get(name)
                 .and_then(|v| v.to_str().ok())
@@ -69,7 +69,7 @@ impl RequestCtx {
         // request as a chat turn, outside its run's sticky trust (§C) and durable records
         // (§D). A value that is not text, is longer than allowed or comes twice is kept as a
         // value `proxy::check_run_ids` refuses (400).
-        let run_header = |name: &str| {
+        let run_header = |name: &http::HeaderName| {
             let mut values = headers.get_all(name).iter();
             let first = values.next()?;
             if values.next().is_some() {
@@ -87,13 +87,13 @@ impl RequestCtx {
             crate::edge::RequestId::Agent(agent) => (Some(agent), uuid::Uuid::now_v7().to_string()),
             crate::edge::RequestId::Made(made) => (None, made),
         };
-        let run_id = run_header("turnguard-run");
+        let run_id = run_header(&TURNGUARD_RUN);
         let run = RunKey {
             node_id: run_id
                 .as_ref()
-                .map(|_| run_header("turnguard-node").unwrap_or_else(|| "default".into())),
+                .map(|_| run_header(&TURNGUARD_NODE).unwrap_or_else(|| "default".into())),
             attempt: run_id.as_ref().map(|_| {
-                header("turnguard-attempt")
+                header(&TURNGUARD_ATTEMPT)
                     .and_then(|a| a.parse().ok())
                     .filter(|a| *a >= 1)
                     .unwrap_or(1)
@@ -173,9 +173,16 @@ pub enum RunMode {
     Replay,
 }
 
+/// `Turnguard-Run`, `Turnguard-Node`, `Turnguard-Attempt` and `Turnguard-Mode`, made at
+/// compile time ([`crate::edge::X_REQUEST_ID`] says why).
+const TURNGUARD_RUN: http::HeaderName = http::HeaderName::from_static("turnguard-run");
+const TURNGUARD_NODE: http::HeaderName = http::HeaderName::from_static("turnguard-node");
+const TURNGUARD_ATTEMPT: http::HeaderName = http::HeaderName::from_static("turnguard-attempt");
+const TURNGUARD_MODE: http::HeaderName = http::HeaderName::from_static("turnguard-mode");
+
 pub(crate) fn run_mode(headers: &HeaderMap) -> Result<RunMode, WireError> {
     match headers
-        .get("turnguard-mode")
+        .get(&TURNGUARD_MODE)
         .map(|v| v.to_str().map(str::trim))
     {
         None => Ok(RunMode::Live),

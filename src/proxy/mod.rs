@@ -109,7 +109,7 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Body>) -> Respo
         .metrics
         .request(api.into(), resp.status().as_u16(), stream);
     if let Ok(v) = HeaderValue::from_str(ctx.request_id()) {
-        resp.headers_mut().insert("x-request-id", v);
+        resp.headers_mut().insert(crate::edge::X_REQUEST_ID, v);
     }
     resp
 }
@@ -336,6 +336,10 @@ async fn model_rounds(mut session: Session) -> Result<(Response, bool), WireErro
     }
 }
 
+/// `Turnguard-Prompted-Schema`, made at compile time ([`crate::edge::X_REQUEST_ID`] says why).
+const PROMPTED_SCHEMA: http::HeaderName =
+    http::HeaderName::from_static("turnguard-prompted-schema");
+
 /// The text answer's channel (§A): `Turnguard-Prompted-Schema` names a bundle schema
 /// (`prompted`); else a provider-enforced `response_format` schema (`structured`); else a
 /// bundle route for the model (`prompted`).
@@ -346,10 +350,7 @@ fn channel_of(
     turn: &Turn,
     policy: &CompiledPolicy,
 ) -> Result<Option<ChannelSpec>, WireError> {
-    if let Some(name) = headers
-        .get("turnguard-prompted-schema")
-        .and_then(|v| v.to_str().ok())
-    {
+    if let Some(name) = headers.get(&PROMPTED_SCHEMA).and_then(|v| v.to_str().ok()) {
         let name = name.trim();
         let schema = policy.prompted.get(name).ok_or_else(|| WireError::InvalidRequest {
             reason: format!(
@@ -575,7 +576,7 @@ pub async fn passthrough(
         false,
     );
     if let Ok(v) = HeaderValue::from_str(ctx.request_id()) {
-        resp.headers_mut().insert("x-request-id", v);
+        resp.headers_mut().insert(crate::edge::X_REQUEST_ID, v);
     }
     resp
 }
