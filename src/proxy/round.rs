@@ -450,8 +450,9 @@ impl ToolCalled<'_> {
     /// went through its byte-at-a-time escaper: 2.6k instructions a call under callgrind
     /// (issue 13, profile-led).
     fn to_text(&self) -> String {
-        // Sized once: the member names and braces are 60 bytes; the buffer grows only when a
-        // value needs escapes (128 bytes regrew it for every call with an `argsHash`).
+        // Sized once: the member names and braces are 60 bytes, `,"argsHash":` 12 more, each
+        // value's quotes 2; the buffer grows only when a value needs escapes (128 bytes
+        // regrew it for every call with an `argsHash`).
         let values = [
             &self.agent_id,
             &self.tool_name,
@@ -461,7 +462,7 @@ impl ToolCalled<'_> {
         ];
         let len = values.iter().map(|v| v.len() + 2).sum::<usize>()
             + self.args_hash.as_ref().map_or(0, |h| h.len() + 14);
-        let mut out = Vec::with_capacity(80 + len);
+        let mut out = Vec::with_capacity(60 + len);
         let member = |out: &mut Vec<u8>, name: &[u8], value: &str| {
             out.extend_from_slice(name);
             crate::jcs::write_str(out, value);
